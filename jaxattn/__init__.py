@@ -1,0 +1,10 @@
+"""jaxattn: paged attention for JAX on NVIDIA GPUs, usable inside ``jax.jit``."""
+
+from jaxattn.attention import paged_attention
+from jaxattn.kv_cache import KVCache
+from jaxattn.metadata import AttentionMetadata
+from jaxattn.page_table import PageTable
+
+__version__ = "0.1.0"
+
+__all__ = ["AttentionMetadata", "KVCache", "PageTable", "paged_attention", "__version__"]

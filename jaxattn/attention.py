@@ -1,0 +1,150 @@
+"""``paged_attention``: argument checks and dispatch to a backend."""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import jax
+import jax.numpy as jnp
+
+from jaxattn import backends
+from jaxattn.backends import AttentionParams
+from jaxattn.kv_cache import KVCache
+from jaxattn.metadata import AttentionMetadata
+
+logger = logging.getLogger("jaxattn")
+_Q_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
+_logged: set[str] = set()
+
+
+def paged_attention(
+    q: jax.Array,
+    cache: KVCache,
+    meta: AttentionMetadata,
+    *,
+    scale: float | None = None,
+    causal: bool = True,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    sinks: jax.Array | None = None,
+    backend: str = "auto",
+) -> jax.Array:
+    """Attention of packed ragged queries over a paged KV cache.
+
+    Args:
+      q: ``[T, Hq, D]`` query tokens of all sequences, packed in ``meta.cu_q_lens`` order.
+      cache: the layer's ``KVCache``; this step's K/V must already be written to it.
+      meta: ``AttentionMetadata`` for the step (B sequences).
+      scale: logit scale, default ``1/sqrt(D)``.
+      causal: bottom-right causal mask (query at position i sees keys ``0..i``).
+      sliding_window: W, a query at position i sees keys ``i-W+1 .. i``.
+      softcap: c, logits become ``c * tanh(s / c)``.
+      sinks: float32 ``[Hq]``; each head's softmax denominator gains ``exp(sinks[h])``.
+      backend: "auto", "xla", "cudnn", "trtllm" or "triton".
+
+    Returns:
+      ``[T, Hq, D]`` in ``q.dtype``; rows of padding tokens and of empty sequences are zero.
+    """
+    params = _check_args(q, cache, meta, scale, causal, sliding_window, softcap, sinks, backend)
+    if sinks is not None:
+        sinks = sinks.astype(jnp.float32)
+    name = select_backend(q, cache, meta, params, backend)
+    return backends.get(name).attention(q, cache, meta, params, sinks)
+
+
+def select_backend(q: jax.Array, cache: KVCache, meta: AttentionMetadata, params: AttentionParams,
+                   backend: str = "auto") -> str:
+    """The backend that runs this call, chosen from static information only."""
+    if backend != "auto":
+        module = backends.get(backend)
+        module.check_supported(q, cache, meta, params)
+        return backend
+    preferred = "trtllm" if meta.max_q_len == 1 else "cudnn"
+    skipped = []
+    for name in (preferred, "triton", "xla"):
+        reason = backends.unavailable_reason(name)
+        if reason is None:
+            try:
+                backends.get(name).check_supported(q, cache, meta, params)
+            except ValueError as err:
+                reason = str(err)
+        if reason is None:
+            if skipped:
+                _log_once(f"jaxattn auto: using {name!r}; " + "; ".join(skipped))
+            return name
+        skipped.append(f"{name} skipped ({reason})")
+    raise AssertionError("the xla backend supports every valid configuration")
+
+
+def _log_once(message: str) -> None:
+    if message not in _logged:
+        _logged.add(message)
+        logger.warning(message)
+
+
+def _check_args(q, cache, meta, scale, causal, sliding_window, softcap, sinks, backend) -> AttentionParams:
+    where = "paged_attention"
+    if backend != "auto" and backend not in backends.BACKENDS:
+        raise ValueError(f"{where}: backend must be one of {('auto',) + backends.BACKENDS}, got {backend!r}")
+    if not isinstance(cache, KVCache):
+        raise ValueError(f"{where}: cache must be a jaxattn.KVCache, got {type(cache).__name__}")
+    if not isinstance(meta, AttentionMetadata):
+        raise ValueError(f"{where}: meta must be a jaxattn.AttentionMetadata, got {type(meta).__name__}")
+    if getattr(q, "ndim", None) != 3:
+        raise ValueError(f"{where}: q must be [T, Hq, D], got shape {getattr(q, 'shape', None)}")
+    if not any(q.dtype == jnp.dtype(d) for d in _Q_DTYPES):
+        raise ValueError(f"{where}: q.dtype must be float32, bfloat16 or float16, got {q.dtype}")
+    num_tokens, num_q_heads, head_dim = q.shape
+    if head_dim != cache.head_dim:
+        raise ValueError(f"{where}: q head_dim {head_dim} does not match the cache's head_dim {cache.head_dim}")
+    if num_q_heads % cache.num_kv_heads:
+        raise ValueError(f"{where}: the number of query heads ({num_q_heads}) must be a multiple of "
+                         f"the cache's num_kv_heads ({cache.num_kv_heads})")
+    if not cache.is_fp8 and cache.dtype != q.dtype:
+        raise ValueError(f"{where}: cache pages are {cache.dtype} but q is {q.dtype}; "
+                         f"pages must match q.dtype or be float8_e4m3fn")
+    _check_metadata(where, meta)
+    if meta.max_q_len is not None and not (isinstance(meta.max_q_len, int) and meta.max_q_len >= 1):
+        raise ValueError(f"{where}: meta.max_q_len must be None or an int >= 1, got {meta.max_q_len!r}")
+
+    if scale is None:
+        scale = 1.0 / math.sqrt(head_dim)
+    elif not (isinstance(scale, (int, float)) and math.isfinite(scale) and scale > 0):
+        raise ValueError(f"{where}: scale must be a positive finite float, got {scale!r}")
+    if not isinstance(causal, bool):
+        raise ValueError(f"{where}: causal must be a bool, got {causal!r}")
+    if sliding_window is not None and not (isinstance(sliding_window, int) and sliding_window >= 1):
+        raise ValueError(f"{where}: sliding_window must be None or an int >= 1, got {sliding_window!r}")
+    if softcap is not None and not (isinstance(softcap, (int, float)) and math.isfinite(softcap) and softcap > 0):
+        raise ValueError(f"{where}: softcap must be None or a positive float, got {softcap!r}")
+    if sinks is not None:
+        if getattr(sinks, "shape", None) != (num_q_heads,) or not jnp.issubdtype(sinks.dtype, jnp.floating):
+            raise ValueError(f"{where}: sinks must be float32[{num_q_heads}] (one per query head), got "
+                             f"{getattr(sinks, 'dtype', type(sinks).__name__)}{list(getattr(sinks, 'shape', []))}")
+    return AttentionParams(
+        scale=float(scale),
+        causal=causal,
+        sliding_window=sliding_window,
+        softcap=None if softcap is None else float(softcap),
+        has_sinks=sinks is not None,
+    )
+
+
+def _check_metadata(where: str, meta: AttentionMetadata) -> None:
+    batch = meta.kv_lens.shape[0] if meta.kv_lens.ndim == 1 else -1
+    expected = {
+        "cu_q_lens": (batch + 1,),
+        "kv_lens": (batch,),
+        "num_decodes": (),
+    }
+    for field, shape in expected.items():
+        value = getattr(meta, field)
+        if value.shape != shape:
+            raise ValueError(f"{where}: meta.{field} must have shape {list(shape)} (B={batch}), got {list(value.shape)}")
+    if meta.block_tables.ndim != 2 or meta.block_tables.shape[0] != batch:
+        raise ValueError(f"{where}: meta.block_tables must be [B={batch}, P], got {list(meta.block_tables.shape)}")
+    for field in ("cu_q_lens", "kv_lens", "block_tables", "num_decodes"):
+        dtype = getattr(meta, field).dtype
+        if dtype != jnp.int32:
+            raise ValueError(f"{where}: meta.{field} must be int32, got {dtype}")

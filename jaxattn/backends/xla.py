@@ -1,0 +1,128 @@
+"""The reference backend: gather each sequence's pages, then masked softmax attention in XLA.
+
+Runs anywhere XLA does. Work per step is ``B x Q x S`` logits per head, where ``Q`` is the
+static bound on query length (``meta.max_q_len`` or T) and ``S = P * page_size`` the block
+tables' width; queries are processed in chunks so the logits stay within a fixed budget.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jaxattn.backends.base import AttentionParams
+from jaxattn.kv_cache import KVCache
+from jaxattn.metadata import AttentionMetadata
+
+NAME = "xla"
+DTYPES = ("float32", "bfloat16", "float16")
+# Upper bound on the float32 logits materialized at once (bytes).
+_LOGITS_BUDGET = 1 << 28
+
+
+def unavailable_reason() -> str | None:
+    return None
+
+
+def check_supported(q: jax.Array, cache: KVCache, meta: AttentionMetadata, params: AttentionParams) -> None:
+    del q, cache, meta, params  # the reference takes every configuration paged_attention accepts
+
+
+def attention(q: jax.Array, cache: KVCache, meta: AttentionMetadata, params: AttentionParams,
+              sinks: jax.Array | None) -> jax.Array:
+    """``q: [T, Hq, D]`` -> ``[T, Hq, D]`` in ``q.dtype``."""
+    num_tokens, num_q_heads, head_dim = q.shape
+    batch = meta.batch_size
+    max_q = num_tokens if meta.max_q_len is None else min(meta.max_q_len, num_tokens)
+    k, v = _gather_kv(cache, meta, _compute_dtype(q.dtype))  # [B, S, Hkv, D]
+    seq_width = k.shape[1]
+    q_start = meta.cu_q_lens[:-1]
+    q_lens = jnp.clip(meta.q_lens, 0, max_q)
+    kv_lens = jnp.clip(meta.kv_lens, 0, seq_width)
+
+    chunk = max(1, min(max_q, _LOGITS_BUDGET // (4 * batch * num_q_heads * seq_width)))
+    num_chunks = -(-max_q // chunk)
+
+    def attend_chunk(first_row: jax.Array) -> jax.Array:
+        rows = first_row + jnp.arange(chunk, dtype=jnp.int32)          # [C]
+        token = q_start[:, None] + rows[None, :]                          # [B, C]
+        q_chunk = q[jnp.clip(token, 0, num_tokens - 1)]                   # [B, C, Hq, D]
+        positions = (kv_lens - q_lens)[:, None] + rows[None, :]          # [B, C]
+        row_valid = rows[None, :] < q_lens[:, None]
+        return _attend(q_chunk, k, v, positions, row_valid, kv_lens, params, sinks)
+
+    starts = jnp.arange(num_chunks, dtype=jnp.int32) * chunk
+    if num_chunks == 1:
+        out = attend_chunk(starts[0])
+    else:
+        out = jax.lax.map(attend_chunk, starts)                           # [NC, B, C, Hq, D]
+        out = jnp.moveaxis(out, 0, 1).reshape(batch, num_chunks * chunk, num_q_heads, head_dim)
+
+    # Back to packed tokens: token t is row t - cu_q_lens[b] of sequence b.
+    seq = meta.token_to_seq(num_tokens)
+    seq_c = jnp.minimum(seq, batch - 1)
+    row = jnp.arange(num_tokens, dtype=jnp.int32) - q_start[seq_c]
+    valid = (seq < batch) & (row < q_lens[seq_c])
+    packed = out[seq_c, jnp.clip(row, 0, out.shape[1] - 1)]
+    return jnp.where(valid[:, None, None], packed, 0).astype(q.dtype)
+
+
+def _compute_dtype(dtype: jnp.dtype) -> jnp.dtype:
+    return jnp.dtype(jnp.float32) if jnp.dtype(dtype) == jnp.float32 else jnp.dtype(dtype)
+
+
+def _gather_kv(cache: KVCache, meta: AttentionMetadata, dtype: jnp.dtype) -> tuple[jax.Array, jax.Array]:
+    """K, V of every sequence as ``[B, P * page_size, Hkv, D]``; bad page ids read the null page."""
+    tables = meta.block_tables
+    tables = jnp.where((tables >= 0) & (tables < cache.num_pages), tables, 0)
+
+    def gather(pages: jax.Array, scale: jax.Array | None) -> jax.Array:
+        x = pages[tables]                                                  # [B, P, ...]
+        if cache.layout == "HND":
+            x = jnp.swapaxes(x, 2, 3)                                      # [B, P, page, Hkv, D]
+        x = x.reshape(x.shape[0], -1, cache.num_kv_heads, cache.head_dim)
+        if scale is not None:
+            x = x.astype(jnp.float32) * scale
+        return x.astype(dtype)
+
+    return gather(cache.k_pages, cache.k_scale), gather(cache.v_pages, cache.v_scale)
+
+
+def _attend(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array, row_valid: jax.Array,
+            kv_lens: jax.Array, params: AttentionParams, sinks: jax.Array | None) -> jax.Array:
+    """``q: [B, C, Hq, D]`` against ``k, v: [B, S, Hkv, D]`` -> ``[B, C, Hq, D]`` float32.
+
+    ``positions[b, c]`` is the absolute position of query row c; rows with no visible key give 0.
+    """
+    batch, rows, num_q_heads, head_dim = q.shape
+    num_kv_heads = k.shape[2]
+    group = num_q_heads // num_kv_heads
+    qg = q.astype(k.dtype).reshape(batch, rows, num_kv_heads, group, head_dim)
+    logits = jnp.einsum("bckgd,bskd->bkgcs", qg, k, preferred_element_type=jnp.float32)
+    logits = logits * params.scale
+    if params.softcap is not None:
+        logits = params.softcap * jnp.tanh(logits / params.softcap)
+
+    key = jnp.arange(k.shape[1], dtype=jnp.int32)[None, None, :]           # [1, 1, S]
+    pos = positions[:, :, None]                                            # [B, C, 1]
+    visible = row_valid[:, :, None] & (key < kv_lens[:, None, None])
+    if params.causal:
+        visible &= key <= pos
+    if params.sliding_window is not None:
+        visible &= (key > pos - params.sliding_window) & (key <= pos)
+    visible = visible[:, None, None]                                       # [B, 1, 1, C, S]
+
+    masked = jnp.where(visible, logits, -jnp.inf)
+    row_max = jnp.max(masked, axis=-1, keepdims=True)
+    if sinks is not None:
+        sink = sinks.astype(jnp.float32).reshape(1, num_kv_heads, group, 1, 1)
+        row_max = jnp.maximum(row_max, sink)
+    row_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)
+    probs = jnp.where(visible, jnp.exp(masked - row_max), 0.0)
+    denom = jnp.sum(probs, axis=-1, keepdims=True)
+    if sinks is not None:
+        denom = denom + jnp.exp(sink - row_max)
+    any_visible = jnp.any(visible, axis=-1, keepdims=True)
+    probs = jnp.where(any_visible, probs / jnp.where(denom > 0, denom, 1.0), 0.0)
+    out = jnp.einsum("bkgcs,bskd->bckgd", probs.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    return out.reshape(batch, rows, num_q_heads, head_dim)

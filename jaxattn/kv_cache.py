@@ -1,0 +1,189 @@
+"""Paged KV cache: two page pools (K and V) plus optional FP8 scales."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+Layout = Literal["HND", "NHD"]
+LAYOUTS: tuple[str, ...] = ("HND", "NHD")
+FP8_DTYPE = jnp.float8_e4m3fn
+_FP8_MAX = float(jnp.finfo(FP8_DTYPE).max)
+CACHE_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16, FP8_DTYPE)
+
+
+def is_fp8(dtype) -> bool:
+    return jnp.dtype(dtype) == jnp.dtype(FP8_DTYPE)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class KVCache:
+    """K and V page pools of one attention layer.
+
+    Attributes:
+      k_pages, v_pages: ``[num_pages, Hkv, page_size, D]`` (HND) or
+        ``[num_pages, page_size, Hkv, D]`` (NHD).
+      k_scale, v_scale: float32 scalars for FP8 pages (stored value = value / scale), else None.
+      layout: "HND" or "NHD" (static).
+    """
+
+    k_pages: jax.Array
+    v_pages: jax.Array
+    k_scale: jax.Array | None = None
+    v_scale: jax.Array | None = None
+    layout: Layout = dataclasses.field(default="HND", metadata=dict(static=True))
+
+    def __post_init__(self):
+        _check_cache(self)
+
+    @classmethod
+    def create(
+        cls,
+        num_pages: int,
+        page_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype=jnp.bfloat16,
+        layout: Layout = "HND",
+        k_scale: float | None = None,
+        v_scale: float | None = None,
+    ) -> "KVCache":
+        """A zeroed cache. FP8 caches get scales (default 1.0); other dtypes take none."""
+        for name, value in (("num_pages", num_pages), ("page_size", page_size),
+                            ("num_kv_heads", num_kv_heads), ("head_dim", head_dim)):
+            if not isinstance(value, (int, np.integer)) or value < 1:
+                raise ValueError(f"KVCache.create: {name} must be a positive int, got {value!r}")
+        if num_pages < 2:
+            raise ValueError(f"KVCache.create: num_pages must be >= 2 (page 0 is the null page), got {num_pages}")
+        if layout not in LAYOUTS:
+            raise ValueError(f"KVCache.create: layout must be one of {LAYOUTS}, got {layout!r}")
+        if layout == "HND":
+            shape = (num_pages, num_kv_heads, page_size, head_dim)
+        else:
+            shape = (num_pages, page_size, num_kv_heads, head_dim)
+        if is_fp8(dtype):
+            k_scale = jnp.asarray(1.0 if k_scale is None else k_scale, jnp.float32)
+            v_scale = jnp.asarray(1.0 if v_scale is None else v_scale, jnp.float32)
+        elif k_scale is not None or v_scale is not None:
+            raise ValueError(f"KVCache.create: k_scale/v_scale are only for {jnp.dtype(FP8_DTYPE).name} "
+                             f"pages, got dtype={jnp.dtype(dtype).name}")
+        return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), k_scale, v_scale, layout)
+
+    @property
+    def num_pages(self) -> int:
+        return self.k_pages.shape[0]
+
+    @property
+    def page_size(self) -> int:
+        return self.k_pages.shape[2 if self.layout == "HND" else 1]
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.k_pages.shape[1 if self.layout == "HND" else 2]
+
+    @property
+    def head_dim(self) -> int:
+        return self.k_pages.shape[3]
+
+    @property
+    def dtype(self) -> jnp.dtype:
+        return self.k_pages.dtype
+
+    @property
+    def is_fp8(self) -> bool:
+        return is_fp8(self.dtype)
+
+    def write(self, k: jax.Array, v: jax.Array, slot_mapping: jax.Array) -> "KVCache":
+        """Scatters tokens ``k, v: [T, Hkv, D]`` to ``slot = page * page_size + offset``.
+
+        Tokens with ``slot < 0`` (padding) or a slot outside the pool are skipped. The update is
+        in place when the caller's jit donates the cache.
+        """
+        t = _check_tokens("KVCache.write", self, k, v)
+        if slot_mapping.shape != (t,) or not jnp.issubdtype(slot_mapping.dtype, jnp.integer):
+            raise ValueError(f"KVCache.write: slot_mapping must be int[{t}], "
+                             f"got {slot_mapping.dtype}{list(slot_mapping.shape)}")
+        slot_mapping = slot_mapping.astype(jnp.int32)
+        in_pool = (slot_mapping >= 0) & (slot_mapping < self.num_pages * self.page_size)
+        # Out-of-range pages become index num_pages, which mode="drop" discards.
+        page = jnp.where(in_pool, slot_mapping // self.page_size, self.num_pages)
+        offset = jnp.where(in_pool, slot_mapping % self.page_size, 0)
+        return dataclasses.replace(
+            self,
+            k_pages=self._scatter(self.k_pages, page, offset, self._quantize(k, self.k_scale)),
+            v_pages=self._scatter(self.v_pages, page, offset, self._quantize(v, self.v_scale)),
+        )
+
+    def copy_pages(self, copies: jax.Array) -> "KVCache":
+        """Copies whole pages: ``copies`` is int32[N, 2] of (src, dst) rows; rows with an id
+        outside ``[0, num_pages)`` are skipped (e.g. the ``-1`` padding of ``PageTable.fork``)."""
+        if copies.ndim != 2 or copies.shape[1] != 2 or not jnp.issubdtype(copies.dtype, jnp.integer):
+            raise ValueError(f"KVCache.copy_pages: copies must be int[N, 2], got {copies.dtype}{list(copies.shape)}")
+        src, dst = copies[:, 0], copies[:, 1]
+        valid = (src >= 0) & (src < self.num_pages) & (dst >= 0) & (dst < self.num_pages)
+        src = jnp.where(valid, src, 0)
+        dst = jnp.where(valid, dst, self.num_pages)
+        return dataclasses.replace(
+            self,
+            k_pages=self.k_pages.at[dst].set(self.k_pages[src], mode="drop"),
+            v_pages=self.v_pages.at[dst].set(self.v_pages[src], mode="drop"),
+        )
+
+    def zero_pages(self, pages: jax.Array) -> "KVCache":
+        """Zeroes the listed pages (int32[N]); ids outside ``[0, num_pages)`` are skipped."""
+        if pages.ndim != 1 or not jnp.issubdtype(pages.dtype, jnp.integer):
+            raise ValueError(f"KVCache.zero_pages: pages must be int[N], got {pages.dtype}{list(pages.shape)}")
+        pages = jnp.where((pages >= 0) & (pages < self.num_pages), pages, self.num_pages)
+        return dataclasses.replace(
+            self,
+            k_pages=self.k_pages.at[pages].set(0, mode="drop"),
+            v_pages=self.v_pages.at[pages].set(0, mode="drop"),
+        )
+
+    def _scatter(self, pages: jax.Array, page: jax.Array, offset: jax.Array, values: jax.Array) -> jax.Array:
+        if self.layout == "NHD":
+            return pages.at[page, offset].set(values, mode="drop")
+        heads = jnp.arange(self.num_kv_heads)[None, :]
+        return pages.at[page[:, None], heads, offset[:, None]].set(values, mode="drop")
+
+    def _quantize(self, x: jax.Array, scale: jax.Array | None) -> jax.Array:
+        if not self.is_fp8:
+            return x.astype(self.dtype)
+        # e4m3fn has no infinity: saturate instead of producing NaN.
+        x = jnp.clip(x.astype(jnp.float32) / scale, -_FP8_MAX, _FP8_MAX)
+        return x.astype(self.dtype)
+
+
+def _check_cache(cache: KVCache) -> None:
+    # Skip checks while JAX rebuilds the pytree with placeholders (e.g. tree transforms).
+    if not all(hasattr(x, "shape") and hasattr(x, "dtype") for x in (cache.k_pages, cache.v_pages)):
+        return
+    if cache.layout not in LAYOUTS:
+        raise ValueError(f"KVCache: layout must be one of {LAYOUTS}, got {cache.layout!r}")
+    if cache.k_pages.ndim != 4 or cache.k_pages.shape != cache.v_pages.shape:
+        raise ValueError(f"KVCache: k_pages and v_pages must be 4-D arrays of the same shape, "
+                         f"got {list(cache.k_pages.shape)} and {list(cache.v_pages.shape)}")
+    if cache.k_pages.dtype != cache.v_pages.dtype:
+        raise ValueError(f"KVCache: k_pages and v_pages must share a dtype, "
+                         f"got {cache.k_pages.dtype} and {cache.v_pages.dtype}")
+    if not any(cache.k_pages.dtype == jnp.dtype(d) for d in CACHE_DTYPES):
+        raise ValueError(f"KVCache: page dtype must be one of "
+                         f"{[jnp.dtype(d).name for d in CACHE_DTYPES]}, got {cache.k_pages.dtype}")
+    has_scales = (cache.k_scale is not None, cache.v_scale is not None)
+    if is_fp8(cache.k_pages.dtype) and has_scales != (True, True):
+        raise ValueError("KVCache: FP8 pages need both k_scale and v_scale (float32 scalars)")
+    if not is_fp8(cache.k_pages.dtype) and any(has_scales):
+        raise ValueError(f"KVCache: k_scale/v_scale are only for FP8 pages, got dtype {cache.k_pages.dtype}")
+
+
+def _check_tokens(where: str, cache: KVCache, k: jax.Array, v: jax.Array) -> int:
+    expected = (cache.num_kv_heads, cache.head_dim)
+    if k.ndim != 3 or k.shape[1:] != expected or k.shape != v.shape:
+        raise ValueError(f"{where}: k and v must both be [T, {expected[0]}, {expected[1]}] "
+                         f"(num_kv_heads, head_dim of the cache), got {list(k.shape)} and {list(v.shape)}")
+    return k.shape[0]

@@ -1,0 +1,49 @@
+"""Per-step attention inputs: which query tokens belong to which sequence, and where its KV lives."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class AttentionMetadata:
+    """Device arrays describing one step's batch (B sequences, T packed query tokens).
+
+    Attributes:
+      cu_q_lens: int32[B+1], offsets of each sequence's query tokens in ``q``; padded
+        sequences repeat the last offset.
+      kv_lens: int32[B], each sequence's KV length including this step's tokens.
+      block_tables: int32[B, P], page ids of each sequence, in order (0 = null page).
+      num_decodes: int32[], sequences ``[0, num_decodes)`` have exactly one query token.
+      max_q_len: static bound on the longest query of the step (``None``: up to T). Backends
+        use it to size their work; a sequence with more query tokens than this gets zeros
+        for the tokens past the bound.
+    """
+
+    cu_q_lens: jax.Array
+    kv_lens: jax.Array
+    block_tables: jax.Array
+    num_decodes: jax.Array
+    max_q_len: int | None = dataclasses.field(default=None, metadata=dict(static=True))
+
+    @property
+    def batch_size(self) -> int:
+        return self.kv_lens.shape[0]
+
+    @property
+    def max_pages_per_seq(self) -> int:
+        return self.block_tables.shape[1]
+
+    @property
+    def q_lens(self) -> jax.Array:
+        """int32[B]: number of query tokens of each sequence."""
+        return self.cu_q_lens[1:] - self.cu_q_lens[:-1]
+
+    def token_to_seq(self, num_tokens: int) -> jax.Array:
+        """int32[T]: the sequence each packed query token belongs to; B for padding tokens."""
+        t = jnp.arange(num_tokens, dtype=jnp.int32)
+        return jnp.searchsorted(self.cu_q_lens[1:], t, side="right").astype(jnp.int32)

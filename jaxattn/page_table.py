@@ -1,0 +1,289 @@
+"""A functional, jittable page manager: block tables, refcounted pages and a free stack.
+
+Every method is a pure function of device arrays with static shapes, so it runs inside the
+same jitted step as attention. Costs are O(N * max_pages_per_seq) for N requests (plus a sort
+of the request ids): nothing searches the pool.
+
+Invariants (checked by the property tests):
+  * page 0 is the null page: never handed out, never in the free stack;
+  * every other page is either on the free stack (``free_pages[:num_free]``) or referenced:
+    ``refcount[p]`` is the number of block-table entries holding p;
+  * sequence s holds ``ceil(seq_lens[s] / page_size)`` pages; the rest of its row is 0;
+  * a page held by several sequences is full for all of them, so it is never written again.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxattn.kv_cache import KVCache
+from jaxattn.metadata import AttentionMetadata
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PageTable:
+    """State of the page manager.
+
+    Attributes:
+      block_tables: int32[max_seqs, max_pages_per_seq], page ids of each sequence (0 = none).
+      seq_lens: int32[max_seqs], tokens of each sequence.
+      refcount: int32[num_pages], number of sequences holding each page.
+      free_pages: int32[num_pages], a stack whose first ``num_free`` entries are the free pages.
+      num_free: int32[], size of the free stack.
+      page_size: tokens per page (static).
+    """
+
+    block_tables: jax.Array
+    seq_lens: jax.Array
+    refcount: jax.Array
+    free_pages: jax.Array
+    num_free: jax.Array
+    page_size: int = dataclasses.field(default=16, metadata=dict(static=True))
+
+    @classmethod
+    def create(cls, num_pages: int, max_seqs: int, max_pages_per_seq: int, page_size: int) -> "PageTable":
+        """An empty table; pages 1..num_pages-1 are free (page 0 is the null page)."""
+        for name, value in (("num_pages", num_pages), ("max_seqs", max_seqs),
+                            ("max_pages_per_seq", max_pages_per_seq), ("page_size", page_size)):
+            if not isinstance(value, (int, np.integer)) or value < 1:
+                raise ValueError(f"PageTable.create: {name} must be a positive int, got {value!r}")
+        if num_pages < 2:
+            raise ValueError(f"PageTable.create: num_pages must be >= 2 (page 0 is the null page), got {num_pages}")
+        # Page 1 on top of the stack: low ids are handed out first.
+        free = np.concatenate([np.arange(num_pages - 1, 0, -1), [0]]).astype(np.int32)
+        return cls(
+            block_tables=jnp.zeros((max_seqs, max_pages_per_seq), jnp.int32),
+            seq_lens=jnp.zeros((max_seqs,), jnp.int32),
+            refcount=jnp.zeros((num_pages,), jnp.int32),
+            free_pages=jnp.asarray(free),
+            num_free=jnp.asarray(num_pages - 1, jnp.int32),
+            page_size=int(page_size),
+        )
+
+    @property
+    def num_pages(self) -> int:
+        return self.refcount.shape[0]
+
+    @property
+    def max_seqs(self) -> int:
+        return self.seq_lens.shape[0]
+
+    @property
+    def max_pages_per_seq(self) -> int:
+        return self.block_tables.shape[1]
+
+    @property
+    def num_pages_held(self) -> jax.Array:
+        """int32[max_seqs]: pages each sequence holds."""
+        return _pages_for(self.seq_lens, self.page_size)
+
+    # -- allocation -------------------------------------------------------------------------
+
+    def extend(self, seq_ids: jax.Array, new_lens: jax.Array) -> tuple["PageTable", jax.Array]:
+        """Grows sequences to ``new_lens`` total tokens, allocating the pages they need.
+
+        Args:
+          seq_ids: int32[N]; ids < 0 are padding.
+          new_lens: int32[N], the new total length of each sequence.
+
+        Returns:
+          (table, ok): ``ok[i]`` is False for padding, an invalid or repeated id, a length
+          that shrinks or exceeds ``max_pages_per_seq * page_size``, or when the free pages
+          do not cover this request together with the earlier requests of the call. A request
+          that is not ok leaves its sequence unchanged.
+        """
+        seq_ids, new_lens = self._check_requests("extend", seq_ids, new_lens=new_lens)
+        valid = self._valid_ids(seq_ids)
+        row = jnp.where(valid, seq_ids, 0)
+        old_lens = self.seq_lens[row]
+        have = _pages_for(old_lens, self.page_size)
+        want = _pages_for(new_lens, self.page_size)
+        valid &= (new_lens >= old_lens) & (want <= self.max_pages_per_seq)
+        need = jnp.where(valid, want - have, 0)
+        ok = valid & (jnp.cumsum(need) <= self.num_free)
+        need = jnp.where(ok, need, 0)
+        table, pages = self._pop(need)                                      # [N, max_pages_per_seq]
+        slot = have[:, None] + jnp.arange(self.max_pages_per_seq)[None, :]
+        taken = pages > 0
+        block_tables = table.block_tables.at[
+            jnp.where(taken, row[:, None], self.max_seqs), jnp.where(taken, slot, 0)
+        ].set(pages, mode="drop")
+        seq_lens = table.seq_lens.at[jnp.where(ok, row, self.max_seqs)].set(new_lens, mode="drop")
+        return dataclasses.replace(table, block_tables=block_tables, seq_lens=seq_lens), ok
+
+    def release(self, seq_ids: jax.Array, scrub=None):
+        """Frees sequences (their pages return to the free stack when no one else holds them).
+
+        Args:
+          seq_ids: int32[N]; ids < 0 (padding), invalid ids and repeats are ignored.
+          scrub: optional KVCache, or pytree of them (e.g. one per layer): pages freed by this
+            call are zeroed in each, so the next tenant of a page cannot read old contents.
+
+        Returns:
+          The table, or ``(table, scrubbed_caches)`` when ``scrub`` is given.
+        """
+        (seq_ids,) = self._check_requests("release", seq_ids)
+        valid = self._valid_ids(seq_ids)
+        row = jnp.where(valid, seq_ids, 0)
+        entries = self.block_tables[row]                                    # [N, MP]
+        held = valid[:, None] & (jnp.arange(self.max_pages_per_seq)[None, :] < self.num_pages_held[row][:, None])
+        held &= entries > 0
+        pages = jnp.where(held, entries, self.num_pages).reshape(-1)
+        refcount = self.refcount.at[pages].add(-1, mode="drop")
+        # A page freed by this call is pushed once, by its first entry.
+        index = jnp.arange(pages.shape[0], dtype=jnp.int32)
+        first = jnp.full((self.num_pages,), pages.shape[0], jnp.int32).at[pages].min(index, mode="drop")
+        pages_c = jnp.minimum(pages, self.num_pages - 1)
+        freed = (pages < self.num_pages) & (refcount[pages_c] == 0) & (first[pages_c] == index)
+        table = self._push(jnp.where(freed, pages, -1))
+        rows = jnp.where(valid, row, self.max_seqs)
+        table = dataclasses.replace(
+            table,
+            refcount=refcount,
+            block_tables=table.block_tables.at[rows].set(0, mode="drop"),
+            seq_lens=table.seq_lens.at[rows].set(0, mode="drop"),
+        )
+        if scrub is None:
+            return table
+        freed_pages = jnp.where(freed, pages, -1)
+        scrubbed = jax.tree.map(lambda c: c.zero_pages(freed_pages), scrub,
+                                is_leaf=lambda x: isinstance(x, KVCache))
+        return table, scrubbed
+
+    def fork(self, src_ids: jax.Array, dst_ids: jax.Array) -> tuple["PageTable", jax.Array, jax.Array]:
+        """Makes each ``dst`` a copy of ``src`` (e.g. for beam search or parallel sampling).
+
+        Full pages are shared (refcount + 1); a partial last page is copied into a fresh page,
+        so shared pages are never written again.
+
+        Args:
+          src_ids, dst_ids: int32[N]; a row with either id < 0 is padding.
+
+        Returns:
+          (table, ok, copies): ``ok[i]`` is False for padding, invalid ids, a ``dst`` that is
+          not empty, repeated or also a source in this call, or when no page is free for the
+          copy. ``copies`` is int32[N, 2] of (src_page, dst_page) rows for
+          ``KVCache.copy_pages`` (-1 where nothing is copied).
+        """
+        src_ids, dst_ids = self._check_requests("fork", src_ids, dst_ids=dst_ids)
+        valid = self._valid_ids(dst_ids) & (src_ids >= 0) & (src_ids < self.max_seqs)
+        active_src = jnp.where((src_ids >= 0) & (dst_ids >= 0), src_ids, -1)
+        valid &= ~jnp.any(dst_ids[:, None] == active_src[None, :], axis=1)
+        src = jnp.where(valid, src_ids, 0)
+        dst = jnp.where(valid, dst_ids, 0)
+        valid &= self.seq_lens[dst] == 0
+        lens = self.seq_lens[src]
+        full = lens // self.page_size
+        partial = (lens % self.page_size) > 0
+        need = jnp.where(valid & partial, 1, 0)
+        ok = valid & (jnp.cumsum(need) <= self.num_free)
+        need = jnp.where(ok, need, 0)
+        table, new_pages = self._pop(need)
+        new_page = new_pages[:, 0]
+
+        slot = jnp.arange(self.max_pages_per_seq)[None, :]
+        shared = ok[:, None] & (slot < full[:, None])
+        src_rows = self.block_tables[src]
+        dst_row = jnp.where(shared, src_rows, 0)
+        dst_row = jnp.where(slot == full[:, None], jnp.where(need > 0, new_page, 0)[:, None], dst_row)
+        refcount = table.refcount.at[jnp.where(shared, src_rows, self.num_pages)].add(1, mode="drop")
+        rows = jnp.where(ok, dst, self.max_seqs)
+        table = dataclasses.replace(
+            table,
+            refcount=refcount,
+            block_tables=table.block_tables.at[rows].set(dst_row, mode="drop"),
+            seq_lens=table.seq_lens.at[rows].set(lens, mode="drop"),
+        )
+        last = src_rows[jnp.arange(src.shape[0]), jnp.minimum(full, self.max_pages_per_seq - 1)]
+        copies = jnp.where((need > 0)[:, None], jnp.stack([last, new_page], axis=1), -1)
+        return table, ok, copies
+
+    # -- step inputs ------------------------------------------------------------------------
+
+    def metadata(self, seq_ids: jax.Array, q_lens: jax.Array, max_q_len: int | None = None) -> AttentionMetadata:
+        """``AttentionMetadata`` for a step over sequences ``seq_ids`` with ``q_lens`` new tokens
+        each (already counted in ``seq_lens`` by ``extend``).
+
+        Put decodes (q_len 1) first: ``num_decodes`` counts the leading run of them, so a batch
+        in another order is still correct, just served by the general path.
+        """
+        seq_ids, q_lens = self._check_requests("metadata", seq_ids, q_lens=q_lens)
+        valid, row, q_lens = self._step_rows(seq_ids, q_lens)
+        kv_lens = jnp.where(valid, self.seq_lens[row], 0)
+        block_tables = jnp.where(valid[:, None], self.block_tables[row], 0)
+        cu_q_lens = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(q_lens, dtype=jnp.int32)])
+        num_decodes = jnp.sum(jnp.cumprod((q_lens == 1).astype(jnp.int32)), dtype=jnp.int32)
+        return AttentionMetadata(cu_q_lens, kv_lens, block_tables, num_decodes, max_q_len=max_q_len)
+
+    def slot_mapping(self, seq_ids: jax.Array, q_lens: jax.Array, num_tokens: int) -> jax.Array:
+        """int32[num_tokens]: cache slot of each packed new token, -1 for padding tokens.
+
+        Token i of sequence s (in ``seq_ids`` order) sits at position ``seq_lens[s] - q_len + i``.
+        """
+        seq_ids, q_lens = self._check_requests("slot_mapping", seq_ids, q_lens=q_lens)
+        valid, row, q_lens = self._step_rows(seq_ids, q_lens)
+        ends = jnp.cumsum(q_lens, dtype=jnp.int32)
+        token = jnp.arange(num_tokens, dtype=jnp.int32)
+        seq = jnp.searchsorted(ends, token, side="right").astype(jnp.int32)
+        seq_c = jnp.minimum(seq, seq_ids.shape[0] - 1)
+        r = row[seq_c]
+        pos = self.seq_lens[r] - q_lens[seq_c] + token - (ends[seq_c] - q_lens[seq_c])
+        page_idx = jnp.clip(pos // self.page_size, 0, self.max_pages_per_seq - 1)
+        page = self.block_tables[r, page_idx]
+        ok = (seq < seq_ids.shape[0]) & (pos >= 0) & (pos < self.seq_lens[r]) & (page > 0)
+        return jnp.where(ok, page * self.page_size + pos % self.page_size, -1)
+
+    # -- helpers ----------------------------------------------------------------------------
+
+    def _check_requests(self, where: str, ids: jax.Array, **others: jax.Array) -> tuple[jax.Array, ...]:
+        ids = jnp.asarray(ids)
+        if ids.ndim != 1 or not jnp.issubdtype(ids.dtype, jnp.integer):
+            raise ValueError(f"PageTable.{where}: ids must be int[N], got {ids.dtype}{list(ids.shape)}")
+        out = [ids.astype(jnp.int32)]
+        for name, value in others.items():
+            value = jnp.asarray(value)
+            if value.shape != ids.shape or not jnp.issubdtype(value.dtype, jnp.integer):
+                raise ValueError(f"PageTable.{where}: {name} must be int[{ids.shape[0]}] like the ids, "
+                                 f"got {value.dtype}{list(value.shape)}")
+            out.append(value.astype(jnp.int32))
+        return tuple(out)
+
+    def _valid_ids(self, ids: jax.Array) -> jax.Array:
+        """In range and not a repeat of an earlier entry."""
+        in_range = (ids >= 0) & (ids < self.max_seqs)
+        order = jnp.argsort(ids, stable=True)
+        ids_sorted = ids[order]
+        repeat_sorted = jnp.concatenate([jnp.zeros((1,), bool), ids_sorted[1:] == ids_sorted[:-1]])
+        repeat = jnp.zeros_like(repeat_sorted).at[order].set(repeat_sorted)
+        return in_range & ~repeat
+
+    def _step_rows(self, seq_ids: jax.Array, q_lens: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        valid = (seq_ids >= 0) & (seq_ids < self.max_seqs)
+        return valid, jnp.where(valid, seq_ids, 0), jnp.where(valid, jnp.maximum(q_lens, 0), 0)
+
+    def _pop(self, need: jax.Array) -> tuple["PageTable", jax.Array]:
+        """Pops ``need[i]`` pages for request i from the free stack -> int32[N, max_pages_per_seq]
+        (0 past ``need[i]``). The caller guarantees ``sum(need) <= num_free``."""
+        start = jnp.cumsum(need) - need
+        j = jnp.arange(self.max_pages_per_seq)[None, :]
+        depth = start[:, None] + j
+        take = j < need[:, None]
+        pages = jnp.where(take, self.free_pages[jnp.clip(self.num_free - 1 - depth, 0, self.num_pages - 1)], 0)
+        refcount = self.refcount.at[jnp.where(take, pages, self.num_pages)].set(1, mode="drop")
+        return dataclasses.replace(self, refcount=refcount, num_free=self.num_free - jnp.sum(need)), pages
+
+    def _push(self, pages: jax.Array) -> "PageTable":
+        """Pushes the pages >= 0 of ``pages`` onto the free stack."""
+        push = pages >= 0
+        pos = self.num_free + jnp.cumsum(push) - push
+        free_pages = self.free_pages.at[jnp.where(push, pos, self.num_pages)].set(pages, mode="drop")
+        return dataclasses.replace(self, free_pages=free_pages, num_free=self.num_free + jnp.sum(push, dtype=jnp.int32))
+
+
+def _pages_for(lens: jax.Array, page_size: int) -> jax.Array:
+    return (jnp.maximum(lens, 0) + page_size - 1) // page_size
