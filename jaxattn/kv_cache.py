@@ -160,8 +160,8 @@ class KVCache:
 
 
 def _check_cache(cache: KVCache) -> None:
-    # Skip checks while JAX rebuilds the pytree with placeholders (e.g. tree transforms).
-    if not all(hasattr(x, "shape") and hasattr(x, "dtype") for x in (cache.k_pages, cache.v_pages)):
+    # Skip checks when JAX rebuilds the pytree with placeholder leaves (shape structs, specs).
+    if not all(isinstance(x, (jax.Array, np.ndarray)) for x in (cache.k_pages, cache.v_pages)):
         return
     if cache.layout not in LAYOUTS:
         raise ValueError(f"KVCache: layout must be one of {LAYOUTS}, got {cache.layout!r}")

@@ -13,7 +13,6 @@ BACKENDS: tuple[str, ...] = ("xla", "cudnn", "trtllm", "triton")
 # Backends named by the design whose kernels are not in this release yet: what each needs.
 _PENDING: dict[str, str] = {
     "cudnn": "the cuDNN paged-prefill FFI handler",
-    "trtllm": "the TRTLLM/XQA decode FFI handler",
     "triton": "the Triton paged-attention kernels",
 }
 

@@ -39,6 +39,9 @@ def attention(q: jax.Array, cache: KVCache, meta: AttentionMetadata, params: Att
     q_start = meta.cu_q_lens[:-1]
     q_lens = jnp.clip(meta.q_lens, 0, max_q)
     kv_lens = jnp.clip(meta.kv_lens, 0, seq_width)
+    # Slots past kv_len hold stale data (another tenant's, or NaN): never let them reach a sum.
+    in_seq = (jnp.arange(seq_width)[None, :] < kv_lens[:, None])[:, :, None, None]
+    k, v = jnp.where(in_seq, k, 0), jnp.where(in_seq, v, 0)
 
     chunk = max(1, min(max_q, _LOGITS_BUDGET // (4 * batch * num_q_heads * seq_width)))
     num_chunks = -(-max_q // chunk)

@@ -1,0 +1,140 @@
+"""TensorRT-LLM XQA paged decode (from flashinfer-python's sources) as an XLA FFI custom call.
+
+Decode-only steps (``meta.max_q_len == 1``) on SM90. Each query token is one XQA request: its
+sequence's KV length and page-table row are gathered per token (padding tokens get length 0),
+so any ``cu_q_lens`` packing works; the output rows of tokens with no keys are zeroed.
+Kernels are compiled with nvcc on first use (see ``_xqa_build``).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxattn.backends import _xqa_build
+from jaxattn.backends.base import AttentionParams
+from jaxattn.kv_cache import KVCache
+from jaxattn.metadata import AttentionMetadata
+
+NAME = "trtllm"
+DTYPES = ("bfloat16", "float16")
+PAGE_SIZES = (16, 32, 64, 128)
+HEAD_DIMS = (64, 128, 256)
+MAX_GROUP_SIZE = 16
+MAX_TOKENS = 65535  # XQA puts requests on the grid's z dimension
+_WHERE = "paged_attention: backend 'trtllm'"
+
+
+@functools.cache
+def unavailable_reason() -> str | None:
+    try:
+        gpus = jax.devices("gpu")
+    except RuntimeError:
+        return "no CUDA GPU is visible to JAX"
+    capability = str(getattr(gpus[0], "compute_capability", "?"))
+    if not capability.startswith("9."):
+        return (f"the XQA decode kernels are built for SM90 (Hopper) only; "
+                f"{gpus[0].device_kind} has compute capability {capability}")
+    try:
+        _xqa_build.check_toolchain()
+    except _xqa_build.BuildError as err:
+        return str(err)
+    return None
+
+
+def check_supported(q: jax.Array, cache: KVCache, meta: AttentionMetadata, params: AttentionParams) -> None:
+    """ValueError naming the first parameter XQA cannot take."""
+    num_tokens, num_q_heads, head_dim = q.shape
+    if meta.max_q_len != 1:
+        raise ValueError(f"{_WHERE} runs decode-only steps: meta.max_q_len must be 1, got {meta.max_q_len!r} "
+                         f"(speculative decode with q_len > 1 is not supported by this backend yet)")
+    if q.dtype.name not in DTYPES:
+        raise ValueError(f"{_WHERE}: q.dtype must be one of {DTYPES}, got {q.dtype}")
+    if cache.dtype != q.dtype and not cache.is_fp8:
+        raise ValueError(f"{_WHERE}: cache pages must be {q.dtype} (like q) or float8_e4m3fn, got {cache.dtype}")
+    if cache.page_size not in PAGE_SIZES:
+        raise ValueError(f"{_WHERE}: page_size must be one of {PAGE_SIZES}, got {cache.page_size}")
+    if head_dim not in HEAD_DIMS:
+        raise ValueError(f"{_WHERE}: head_dim must be one of {HEAD_DIMS}, got {head_dim}")
+    group = num_q_heads // cache.num_kv_heads
+    if not 1 <= group <= MAX_GROUP_SIZE:
+        raise ValueError(f"{_WHERE}: query heads per KV head (Hq // Hkv) must be in 1..{MAX_GROUP_SIZE}, "
+                         f"got {num_q_heads} // {cache.num_kv_heads} = {group}")
+    if params.softcap is not None:
+        raise ValueError(f"{_WHERE}: softcap must be None (XQA has no logit soft-capping), got {params.softcap}")
+    if not 1 <= num_tokens <= MAX_TOKENS:
+        raise ValueError(f"{_WHERE}: the number of query tokens T must be in 1..{MAX_TOKENS}, got {num_tokens}")
+
+
+def variant(q: jax.Array, cache: KVCache, params: AttentionParams) -> _xqa_build.Variant:
+    """The compiled kernel variant this call needs."""
+    return _xqa_build.Variant(
+        dtype=q.dtype.name,
+        cache_dtype=cache.dtype.name,
+        page_size=cache.page_size,
+        head_dim=q.shape[2],
+        group_size=q.shape[1] // cache.num_kv_heads,
+        sliding_window=params.sliding_window is not None,
+    )
+
+
+def attention(q: jax.Array, cache: KVCache, meta: AttentionMetadata, params: AttentionParams,
+              sinks: jax.Array | None) -> jax.Array:
+    """``q: [T, Hq, D]`` -> ``[T, Hq, D]`` in ``q.dtype``."""
+    kernel = _xqa_build.load(variant(q, cache, params))
+    num_tokens, num_q_heads, head_dim = q.shape
+    batch, max_pages = meta.block_tables.shape
+
+    # Token t is a request of its own: the first token of sequence seq[t] attends to all its keys.
+    token = jnp.arange(num_tokens, dtype=jnp.int32)
+    seq = jnp.sum(meta.cu_q_lens[None, 1:] <= token[:, None], axis=1, dtype=jnp.int32)
+    seq_c = jnp.minimum(seq, batch - 1)
+    first = (seq < batch) & (token == meta.cu_q_lens[seq_c])
+    seq_lens = jnp.where(first, jnp.clip(meta.kv_lens[seq_c], 0, max_pages * cache.page_size), 0)
+    tables = meta.block_tables[seq_c]
+    tables = jnp.where((tables >= 0) & (tables < cache.num_pages), tables, 0)
+
+    workspace = kernel.workspace_bytes(_sm_count(), num_tokens, cache.num_kv_heads, max_pages)
+    stride_page, stride_token, stride_head = _strides(cache)
+    call = jax.ffi.ffi_call(
+        kernel.target_name,
+        (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((max(workspace, 1),), jnp.uint8)),
+    )
+    out, _ = call(
+        q, cache.k_pages, cache.v_pages, tables, seq_lens, _scales(cache, params, head_dim),
+        jnp.zeros((0,), jnp.float32) if sinks is None else sinks.astype(jnp.float32),
+        num_kv_heads=np.int64(cache.num_kv_heads),
+        stride_page=np.int64(stride_page),
+        stride_token=np.int64(stride_token),
+        stride_head=np.int64(stride_head),
+        sliding_window=np.int64(params.sliding_window or 0),
+    )
+    return jnp.where((seq_lens > 0)[:, None, None], out, jnp.zeros((), q.dtype))
+
+
+def _scales(cache: KVCache, params: AttentionParams, head_dim: int) -> jax.Array:
+    """float32[2] (q_scale, kv_scale): XQA computes logits as ``q_scale * kv_scale / sqrt(D) * q.k``
+    and scales the output by ``kv_scale`` (fp8 pages only), so fp8 folds ``k_scale / v_scale`` into q."""
+    q_scale = params.scale * math.sqrt(head_dim)
+    if not cache.is_fp8:
+        return jnp.asarray(np.array([q_scale, 1.0], np.float32))
+    v_scale = cache.v_scale.astype(jnp.float32)
+    return jnp.stack([q_scale * cache.k_scale.astype(jnp.float32) / v_scale, v_scale])
+
+
+def _strides(cache: KVCache) -> tuple[int, int, int]:
+    """Element strides (page, token, head) of the page pools; the head dim is contiguous."""
+    heads, page, dim = cache.num_kv_heads, cache.page_size, cache.head_dim
+    if cache.layout == "HND":
+        return heads * page * dim, dim, page * dim
+    return page * heads * dim, heads * dim, dim
+
+
+@functools.cache
+def _sm_count() -> int:
+    """SMs of the largest local GPU: the workspace is sized for it (the handler checks the bound)."""
+    return max(int(d.core_count) for d in jax.local_devices(backend="gpu"))

@@ -1,0 +1,156 @@
+"""Random paged-attention problems and a dense float64 reference, shared by the backend tests."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jaxattn
+
+
+@dataclasses.dataclass
+class Problem:
+    q: jax.Array                 # [T_pad, Hq, D]
+    cache: jaxattn.KVCache
+    meta: jaxattn.AttentionMetadata
+    k_dense: list[np.ndarray]    # per sequence [kv_len, Hkv, D] float64, as stored (dequantized)
+    v_dense: list[np.ndarray]
+    q_lens: list[int]
+    kv_lens: list[int]
+    owned: np.ndarray            # bool[num_pages], pages some sequence holds
+
+
+def make_problem(rng: np.random.Generator, *, q_lens, kv_lens, num_q_heads, num_kv_heads, head_dim,
+                 page_size, layout="HND", dtype=jnp.float32, kv_dtype=None, extra_pages=3,
+                 pad_seqs=1, pad_tokens=3, pages_per_seq=None, max_q_len=None) -> Problem:
+    """Sequences in the given order (decodes first is the caller's choice); pages are a random
+    permutation of the pool; unowned pages and slots past kv_len hold random garbage."""
+    kv_dtype = dtype if kv_dtype is None else kv_dtype
+    need = [-(-n // page_size) for n in kv_lens]
+    pages_per_seq = pages_per_seq or max(max(need), 1) + 1
+    num_pages = 1 + sum(need) + extra_pages
+    perm = rng.permutation(np.arange(1, num_pages))
+    batch = len(q_lens) + pad_seqs
+    tables = np.zeros((batch, pages_per_seq), np.int32)
+    start = 0
+    for b, n in enumerate(need):
+        tables[b, :n] = perm[start:start + n]
+        start += n
+    fp8 = jnp.dtype(kv_dtype) == jnp.float8_e4m3fn
+    shape = ((num_pages, num_kv_heads, page_size, head_dim) if layout == "HND"
+             else (num_pages, page_size, num_kv_heads, head_dim))
+    scales = (0.5, 0.25) if fp8 else (None, None)
+    pools, dense = [], []
+    for scale in scales:
+        pool = rng.normal(size=shape) * 3
+        stored = np.asarray(jnp.asarray(pool / (scale or 1.0), kv_dtype).astype(jnp.float32), np.float64)
+        pools.append(jnp.asarray(pool / (scale or 1.0), kv_dtype))
+        values = stored * (scale or 1.0)
+        per_seq = []
+        for b, n in enumerate(kv_lens):
+            x = values[tables[b, :need[b]]]                            # [n_pages, ...]
+            if layout == "HND":
+                x = np.swapaxes(x, 1, 2)
+            per_seq.append(x.reshape(-1, num_kv_heads, head_dim)[:n])
+        dense.append(per_seq)
+    cache = jaxattn.KVCache(pools[0], pools[1],
+                            None if not fp8 else jnp.float32(scales[0]),
+                            None if not fp8 else jnp.float32(scales[1]), layout)
+    num_tokens = sum(q_lens) + pad_tokens
+    q = jnp.asarray(rng.normal(size=(num_tokens, num_q_heads, head_dim)), dtype)
+    cu = np.concatenate([[0], np.cumsum(q_lens), [sum(q_lens)] * pad_seqs]).astype(np.int32)
+    ones = 0
+    while ones < len(q_lens) and q_lens[ones] == 1:
+        ones += 1
+    meta = jaxattn.AttentionMetadata(
+        cu_q_lens=jnp.asarray(cu),
+        kv_lens=jnp.asarray(list(kv_lens) + [0] * pad_seqs, jnp.int32),
+        block_tables=jnp.asarray(tables),
+        num_decodes=jnp.asarray(ones, jnp.int32),
+        max_q_len=max_q_len,
+    )
+    owned = np.zeros(num_pages, bool)
+    owned[tables[tables > 0]] = True
+    return Problem(q, cache, meta, dense[0], dense[1], list(q_lens), list(kv_lens), owned)
+
+
+def reference(problem: Problem, *, scale=None, causal=True, sliding_window=None, softcap=None,
+              sinks=None) -> np.ndarray:
+    """Dense float64 attention per sequence, DESIGN.md semantics; [T_pad, Hq, D]."""
+    q = np.asarray(problem.q.astype(jnp.float32), np.float64)
+    out = np.zeros_like(q)
+    num_q_heads, head_dim = q.shape[1:]
+    scale = 1 / np.sqrt(head_dim) if scale is None else scale
+    start = 0
+    for b, (ql, kl) in enumerate(zip(problem.q_lens, problem.kv_lens)):
+        k, v = problem.k_dense[b], problem.v_dense[b]
+        group = num_q_heads // k.shape[1]
+        k, v = np.repeat(k, group, axis=1), np.repeat(v, group, axis=1)   # [S, Hq, D]
+        qb = q[start:start + ql]
+        s = np.einsum("thd,shd->hts", qb, k) * scale
+        if softcap is not None:
+            s = softcap * np.tanh(s / softcap)
+        pos = np.arange(ql)[:, None] + kl - ql
+        key = np.arange(kl)[None, :]
+        visible = np.ones((ql, kl), bool)
+        if causal:
+            visible &= key <= pos
+        if sliding_window is not None:
+            visible &= (key > pos - sliding_window) & (key <= pos)
+        s = np.where(visible[None], s, -np.inf)
+        m = s.max(axis=-1, keepdims=True) if kl else np.full((num_q_heads, ql, 1), -np.inf)
+        if sinks is not None:
+            m = np.maximum(m, np.asarray(sinks, np.float64)[:, None, None])
+        m = np.where(np.isfinite(m), m, 0)
+        p = np.exp(s - m)
+        denom = p.sum(-1, keepdims=True)
+        if sinks is not None:
+            denom = denom + np.exp(np.asarray(sinks, np.float64)[:, None, None] - m)
+        o = np.einsum("hts,shd->thd", p / np.where(denom > 0, denom, 1), v)
+        out[start:start + ql] = np.where(visible.any(-1)[:, None, None], o, 0)
+        start += ql
+    return out
+
+
+def dot_product_attention_reference(problem: Problem, *, scale=None, sliding_window=None, sinks=None) -> np.ndarray:
+    """The same through ``jax.nn.dot_product_attention`` in float32 with an explicit bottom-right
+    causal (and window) mask; sinks become an extra zero key whose logit is the sink (via bias)."""
+    q = problem.q.astype(jnp.float32)
+    out = np.zeros(q.shape, np.float32)
+    start = 0
+    for b, (ql, kl) in enumerate(zip(problem.q_lens, problem.kv_lens)):
+        if kl == 0:
+            start += ql
+            continue
+        k = jnp.asarray(problem.k_dense[b], jnp.float32)
+        v = jnp.asarray(problem.v_dense[b], jnp.float32)
+        pos = jnp.arange(ql)[:, None] + kl - ql
+        key = jnp.arange(kl)[None, :]
+        mask = key <= pos
+        if sliding_window is not None:
+            mask &= key > pos - sliding_window
+        mask = jnp.broadcast_to(mask, (q.shape[1], ql, kl))
+        bias = None
+        if sinks is not None:
+            k = jnp.concatenate([k, jnp.zeros_like(k[:1])])
+            v = jnp.concatenate([v, jnp.zeros_like(v[:1])])
+            mask = jnp.concatenate([mask, jnp.ones_like(mask[..., :1])], axis=-1)
+            bias = jnp.zeros(mask.shape, jnp.float32).at[..., -1].set(jnp.asarray(sinks)[:, None])[None]
+        o = jax.nn.dot_product_attention(q[None, start:start + ql], k[None], v[None], bias=bias,
+                                         mask=mask[None], scale=scale)
+        out[start:start + ql] = np.asarray(o[0])
+        start += ql
+    return out
+
+
+def rel_error(x, ref) -> float:
+    x = np.asarray(jnp.asarray(x).astype(jnp.float32), np.float64)
+    ref = np.asarray(ref, np.float64)
+    assert not np.isnan(x).any(), "NaN in output"
+    return float(np.linalg.norm(x - ref) / max(np.linalg.norm(ref), 1e-30))
+
+
+TOLERANCE = {jnp.dtype(jnp.float32): 1e-5, jnp.dtype(jnp.bfloat16): 2e-2, jnp.dtype(jnp.float16): 4e-3}

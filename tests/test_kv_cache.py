@@ -1,0 +1,145 @@
+"""KVCache: creation, scatter writes (round trips, skipped slots, donation), page copies."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxattn
+from jaxattn import KVCache
+
+
+def _read_slots(cache: KVCache, slots: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Host-side read of tokens at ``slots`` -> [T, Hkv, D] each."""
+    page, off = slots // cache.page_size, slots % cache.page_size
+    out = []
+    for pages, scale in ((cache.k_pages, cache.k_scale), (cache.v_pages, cache.v_scale)):
+        x = np.asarray(pages.astype(jnp.float32))
+        x = x[page, :, off] if cache.layout == "HND" else x[page, off]
+        out.append(x * (1.0 if scale is None else float(scale)))
+    return out[0], out[1]
+
+
+@pytest.mark.parametrize("layout", ["HND", "NHD"])
+def test_create_shapes(layout):
+    cache = KVCache.create(10, 16, 4, 64, dtype=jnp.float16, layout=layout)
+    expected = (10, 4, 16, 64) if layout == "HND" else (10, 16, 4, 64)
+    assert cache.k_pages.shape == cache.v_pages.shape == expected
+    assert (cache.num_pages, cache.page_size, cache.num_kv_heads, cache.head_dim) == (10, 16, 4, 64)
+    assert cache.k_scale is None and cache.layout == layout
+
+
+@pytest.mark.parametrize("layout", ["HND", "NHD"])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float8_e4m3fn])
+def test_write_round_trip_skips_padding_and_out_of_pool_slots(layout, dtype):
+    rng = np.random.default_rng()
+    cache = KVCache.create(6, 8, 2, 16, dtype=dtype, layout=layout)
+    slots = rng.permutation(6 * 8)[:20].astype(np.int32)
+    slots[[3, 11]] = -1                       # padding
+    slots[7] = 6 * 8 + 5                      # past the pool: dropped, never wraps around
+    k = rng.normal(size=(20, 2, 16)).astype(np.float32)
+    v = rng.normal(size=(20, 2, 16)).astype(np.float32)
+    out = jax.jit(KVCache.write)(cache, jnp.asarray(k, dtype), jnp.asarray(v, dtype), jnp.asarray(slots))
+    keep = (slots >= 0) & (slots < 48)
+    k_read, v_read = _read_slots(out, slots[keep])
+    tol = 0.07 if dtype == jnp.float8_e4m3fn else 1e-2
+    np.testing.assert_allclose(k_read, k[keep], rtol=tol, atol=tol)
+    np.testing.assert_allclose(v_read, v[keep], rtol=tol, atol=tol)
+    written = np.zeros(48, bool)
+    written[slots[keep]] = True
+    k_all, _ = _read_slots(out, np.arange(48))
+    assert not k_all[~written].any(), "a skipped slot was written"
+
+
+def test_fp8_write_saturates_instead_of_nan():
+    cache = KVCache.create(2, 4, 1, 8, dtype=jnp.float8_e4m3fn, k_scale=0.5, v_scale=2.0)
+    big = jnp.full((1, 1, 8), 1e6, jnp.float32)
+    out = cache.write(big, -big, jnp.asarray([4], jnp.int32))
+    k, v = _read_slots(out, np.array([4]))
+    assert np.isfinite(k).all() and np.isfinite(v).all()
+    assert k.min() == 448 * 0.5 and v.max() == -448 * 2.0
+
+
+@pytest.mark.parametrize("layout", ["HND", "NHD"])
+def test_write_is_in_place_when_donated(layout):
+    cache = KVCache.create(64, 16, 4, 64, dtype=jnp.float32, layout=layout)
+    cache = jax.tree.map(lambda x: x + 1, cache)   # a buffer of our own to donate
+    write = jax.jit(KVCache.write, donate_argnums=0)
+    k = jnp.ones((5, 4, 64), jnp.float32)
+    slots = jnp.asarray([17, 3, -1, 900, 40], jnp.int32)
+    hlo = write.lower(cache, k, k, slots).compile().as_text()
+    pool_shape = "f32[" + ",".join(map(str, cache.k_pages.shape)) + "]"
+    assert "copy(" not in " ".join(line for line in hlo.splitlines() if pool_shape in line.split("=")[0]), hlo
+    before = (cache.k_pages.unsafe_buffer_pointer(), cache.v_pages.unsafe_buffer_pointer())
+    out = write(cache, k, k, slots)
+    after = (out.k_pages.unsafe_buffer_pointer(), out.v_pages.unsafe_buffer_pointer())
+    assert after == before
+    assert cache.k_pages.is_deleted()
+
+
+@pytest.mark.parametrize("layout", ["HND", "NHD"])
+def test_copy_pages_and_zero_pages(layout):
+    rng = np.random.default_rng()
+    cache = KVCache(*(jnp.asarray(rng.normal(size=(5, 2, 4, 8)), jnp.float32) for _ in range(2)), layout=layout)
+    copies = jnp.asarray([[1, 3], [-1, -1], [2, 7], [4, 0]], jnp.int32)
+    out = cache.copy_pages(copies)
+    k0, k1 = np.asarray(cache.k_pages), np.asarray(out.k_pages)
+    np.testing.assert_array_equal(k1[3], k0[1])
+    np.testing.assert_array_equal(k1[0], k0[4])
+    np.testing.assert_array_equal(k1[[1, 2, 4]], k0[[1, 2, 4]])
+    zeroed = out.zero_pages(jnp.asarray([2, -1, 99], jnp.int32))
+    assert not np.asarray(zeroed.v_pages[2]).any()
+    np.testing.assert_array_equal(np.asarray(zeroed.v_pages)[[0, 1, 3, 4]], np.asarray(out.v_pages)[[0, 1, 3, 4]])
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(num_pages=1), "num_pages must be >= 2"),
+    (dict(page_size=0), "page_size must be a positive int"),
+    (dict(layout="HDN"), "layout must be one of"),
+    (dict(dtype=jnp.bfloat16, k_scale=2.0), "only for float8_e4m3fn"),
+    (dict(dtype=jnp.int8), "page dtype must be one of"),
+])
+def test_create_errors(kwargs, match):
+    args = dict(num_pages=4, page_size=16, num_kv_heads=2, head_dim=64)
+    args.update(kwargs)
+    with pytest.raises(ValueError, match=match):
+        KVCache.create(**args)
+
+
+def test_constructor_errors():
+    pages = jnp.zeros((4, 2, 16, 64), jnp.bfloat16)
+    with pytest.raises(ValueError, match="same shape"):
+        KVCache(pages, pages[:, :1])
+    with pytest.raises(ValueError, match="share a dtype"):
+        KVCache(pages, pages.astype(jnp.float16))
+    with pytest.raises(ValueError, match="need both k_scale and v_scale"):
+        KVCache(pages.astype(jnp.float8_e4m3fn), pages.astype(jnp.float8_e4m3fn))
+    with pytest.raises(ValueError, match="layout must be one of"):
+        KVCache(pages, pages, layout="BSHD")
+
+
+def test_write_errors():
+    cache = KVCache.create(4, 16, 2, 64)
+    k = jnp.zeros((3, 2, 64), jnp.bfloat16)
+    with pytest.raises(ValueError, match=r"k and v must both be \[T, 2, 64\]"):
+        cache.write(k[:, :1], k[:, :1], jnp.zeros(3, jnp.int32))
+    with pytest.raises(ValueError, match=r"slot_mapping must be int\[3\]"):
+        cache.write(k, k, jnp.zeros(4, jnp.int32))
+    with pytest.raises(ValueError, match=r"slot_mapping must be int\[3\]"):
+        cache.write(k, k, jnp.zeros(3, jnp.float32))
+    with pytest.raises(ValueError, match=r"copies must be int\[N, 2\]"):
+        cache.copy_pages(jnp.zeros((3,), jnp.int32))
+
+
+@pytest.mark.gpu
+def test_gpu_write_is_in_place_when_donated():
+    gpu = jax.devices("gpu")[0]
+    cache = jax.device_put(KVCache.create(256, 64, 8, 128), gpu)
+    cache = jax.tree.map(lambda x: x + 1, cache)
+    write = jax.jit(KVCache.write, donate_argnums=0)
+    k = jax.device_put(jnp.ones((7, 8, 128), jnp.bfloat16), gpu)
+    before = cache.k_pages.unsafe_buffer_pointer()
+    out = write(cache, k, k, jax.device_put(jnp.arange(7, dtype=jnp.int32) * 50, gpu))
+    assert out.k_pages.unsafe_buffer_pointer() == before

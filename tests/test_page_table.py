@@ -1,0 +1,232 @@
+"""PageTable: invariants under random extend/release/fork sequences (hypothesis), KV contents
+through slot_mapping + KVCache.write, step metadata, scrub, and argument errors."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import jaxattn
+from jaxattn import KVCache, PageTable
+
+NUM_PAGES, MAX_SEQS, MAX_PAGES, PAGE = 24, 6, 5, 4
+N = 3          # requests per call (static)
+MAX_NEW = 6    # tokens per extend request
+
+
+def check_invariants(table: PageTable) -> None:
+    tables = np.asarray(table.block_tables)
+    lens = np.asarray(table.seq_lens)
+    refcount = np.asarray(table.refcount)
+    num_free = int(table.num_free)
+    free = np.asarray(table.free_pages)[:num_free]
+    assert len(set(free.tolist())) == num_free, "free stack has duplicates"
+    assert 0 not in free and refcount[0] == 0, "the null page was handed out"
+    counts = np.zeros(NUM_PAGES, np.int64)
+    for s in range(MAX_SEQS):
+        n = -(-lens[s] // PAGE)
+        assert (tables[s, :n] > 0).all() and (tables[s, n:] == 0).all(), f"row {s} does not match its length"
+        counts += np.bincount(tables[s, :n], minlength=NUM_PAGES)
+        if lens[s] % PAGE:
+            assert refcount[tables[s, n - 1]] == 1, "a partial (writable) page is shared"
+    np.testing.assert_array_equal(counts, refcount)
+    held = set(np.nonzero(refcount)[0].tolist())
+    assert held.isdisjoint(free.tolist()) and held | set(free.tolist()) == set(range(1, NUM_PAGES))
+
+
+@functools.cache
+def _jitted():
+    def extend(table, cache, ids, deltas, tags):
+        old = table.seq_lens[jnp.clip(ids, 0, MAX_SEQS - 1)]
+        table, ok = table.extend(ids, old + deltas)
+        q_lens = jnp.where(ok, deltas, 0)
+        slots = table.slot_mapping(ids, q_lens, N * MAX_NEW)
+        return table, cache.write(tags, tags, slots), ok
+
+    def fork(table, cache, src, dst):
+        table, ok, copies = table.fork(src, dst)
+        return table, cache.copy_pages(copies), ok
+
+    return jax.jit(extend), jax.jit(fork), jax.jit(PageTable.release)
+
+
+def _read(table: PageTable, cache: KVCache, seq: int) -> list[float]:
+    n = int(table.seq_lens[seq])
+    pages = np.asarray(table.block_tables)[seq]
+    pool = np.asarray(cache.k_pages)[:, :, 0, 0]                      # NHD, Hkv = D = 1
+    return [float(pool[pages[i // PAGE], i % PAGE]) for i in range(n)]
+
+
+ids_st = st.lists(st.integers(-1, MAX_SEQS), min_size=N, max_size=N)
+op_st = st.one_of(
+    st.tuples(st.just("extend"), ids_st, st.lists(st.integers(0, MAX_NEW), min_size=N, max_size=N)),
+    st.tuples(st.just("release"), ids_st),
+    st.tuples(st.just("fork"), ids_st, ids_st),
+)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(op_st, min_size=1, max_size=14))
+def test_random_operations_keep_invariants_and_contents(ops):
+    extend, fork, release = _jitted()
+    table = PageTable.create(NUM_PAGES, MAX_SEQS, MAX_PAGES, PAGE)
+    cache = KVCache.create(NUM_PAGES, PAGE, 1, 1, dtype=jnp.float32, layout="NHD")
+    model: dict[int, list[float]] = {s: [] for s in range(MAX_SEQS)}
+    next_tag = 1.0
+    for op in ops:
+        kind, ids = op[0], np.asarray(op[1], np.int32)
+        lens_before = np.asarray(table.seq_lens).copy()
+        num_free = int(table.num_free)
+        if kind == "extend":
+            deltas = np.asarray(op[2], np.int32)
+            tags = (next_tag + np.arange(N * MAX_NEW, dtype=np.float32)).reshape(-1, 1, 1)
+            next_tag += N * MAX_NEW
+            table, cache, ok = extend(table, cache, jnp.asarray(ids), jnp.asarray(deltas), jnp.asarray(tags))
+            # Expected ok: valid, first occurrence, fits a row, and the running page count fits.
+            seen, running, t = set(), 0, 0
+            for i, (s, d) in enumerate(zip(ids.tolist(), deltas.tolist())):
+                valid = 0 <= s < MAX_SEQS and s not in seen
+                seen.add(s)
+                need = 0
+                if valid:
+                    old = len(model[s])
+                    need = -(-(old + d) // PAGE) - -(-old // PAGE)
+                    valid = -(-(old + d) // PAGE) <= MAX_PAGES
+                running += need if valid else 0
+                expect = valid and running <= num_free
+                assert bool(ok[i]) == expect, (op, i)
+                if expect:
+                    model[s] += tags[t:t + d, 0, 0].tolist()
+                    t += d
+        elif kind == "release":
+            table = release(table, jnp.asarray(ids))
+            for s in ids.tolist():
+                if 0 <= s < MAX_SEQS:
+                    model[s] = []
+        else:
+            dst = np.asarray(op[2], np.int32)
+            table, cache, ok = fork(table, cache, jnp.asarray(ids), jnp.asarray(dst))
+            active_src = ids[(ids >= 0) & (dst >= 0)].tolist()
+            for i, (s, d) in enumerate(zip(ids.tolist(), dst.tolist())):
+                if ok[i]:
+                    assert 0 <= s < MAX_SEQS and 0 <= d < MAX_SEQS and lens_before[d] == 0 and d not in active_src
+                    model[d] = list(model[s])
+        check_invariants(table)
+        for s in range(MAX_SEQS):
+            assert int(table.seq_lens[s]) == len(model[s]), (op, s)
+            assert _read(table, cache, s) == model[s], (op, s)
+
+
+def test_extend_allocates_lowest_pages_first_and_rejects_what_does_not_fit():
+    table = PageTable.create(6, 4, 3, 4)
+    table, ok = table.extend(jnp.asarray([0, 1, 2]), jnp.asarray([5, 4, 13]))
+    np.testing.assert_array_equal(ok, [True, True, False])          # 13 tokens need 4 > 3 pages
+    np.testing.assert_array_equal(table.block_tables[:2], [[1, 2, 0], [3, 0, 0]])
+    table, ok = table.extend(jnp.asarray([1, 0]), jnp.asarray([12, 9]))
+    np.testing.assert_array_equal(ok, [True, False])                 # 2 + 1 pages needed, 2 free
+    assert int(table.seq_lens[0]) == 5 and int(table.num_free) == 0
+    table, ok = table.extend(jnp.asarray([0]), jnp.asarray([3]))
+    assert not bool(ok[0]), "shrinking is not an extend"
+
+
+def test_fork_shares_full_pages_and_copies_the_partial_one():
+    table = PageTable.create(10, 4, 4, 4)
+    table, _ = table.extend(jnp.asarray([0]), jnp.asarray([10]))    # pages 1, 2 full; 3 partial
+    table, ok, copies = table.fork(jnp.asarray([0, 0, -1]), jnp.asarray([1, 0, 2]))
+    np.testing.assert_array_equal(ok, [True, False, False])
+    np.testing.assert_array_equal(copies, [[3, 4], [-1, -1], [-1, -1]])
+    np.testing.assert_array_equal(table.block_tables[1], [1, 2, 4, 0])
+    np.testing.assert_array_equal(table.refcount[:5], [0, 2, 2, 1, 1])
+    table = table.release(jnp.asarray([0]))
+    np.testing.assert_array_equal(table.refcount[:5], [0, 1, 1, 0, 1])
+    assert 3 in np.asarray(table.free_pages)[: int(table.num_free)]
+
+
+def test_release_with_scrub_zeroes_only_freed_pages():
+    table = PageTable.create(8, 3, 2, 2)
+    table, _ = table.extend(jnp.asarray([0, 1]), jnp.asarray([4, 2]))
+    table, _, copies = table.fork(jnp.asarray([0]), jnp.asarray([2]))   # shares pages 1, 2
+    caches = [KVCache(jnp.ones((8, 1, 2, 4)), jnp.ones((8, 1, 2, 4))) for _ in range(2)]
+    table, caches = table.release(jnp.asarray([0, 1]), scrub=caches)
+    for cache in caches:
+        zeroed = ~np.asarray(cache.k_pages).any(axis=(1, 2, 3))
+        np.testing.assert_array_equal(zeroed, [False, False, False, True, False, False, False, False])
+
+
+def test_metadata_and_slot_mapping_decodes_first_and_padding():
+    table = PageTable.create(16, 4, 4, 4)
+    table, _ = table.extend(jnp.asarray([2, 0, 1]), jnp.asarray([6, 9, 3]))
+    ids, q_lens = jnp.asarray([0, 2, 1, -1]), jnp.asarray([1, 1, 3, 5])
+    meta = jax.jit(lambda t, i, q: t.metadata(i, q, max_q_len=3))(table, ids, q_lens)
+    np.testing.assert_array_equal(meta.cu_q_lens, [0, 1, 2, 5, 5])
+    np.testing.assert_array_equal(meta.kv_lens, [9, 6, 3, 0])
+    np.testing.assert_array_equal(meta.block_tables[3], 0)
+    assert int(meta.num_decodes) == 2 and meta.max_q_len == 3
+    slots = np.asarray(table.slot_mapping(ids, q_lens, 8))
+    bt = np.asarray(table.block_tables)
+    expected = [bt[0, 2] * 4 + 0, bt[2, 1] * 4 + 1, bt[1, 0] * 4, bt[1, 0] * 4 + 1, bt[1, 0] * 4 + 2, -1, -1, -1]
+    np.testing.assert_array_equal(slots, expected)
+
+
+def test_num_decodes_counts_only_the_leading_run():
+    table = PageTable.create(16, 4, 4, 4)
+    table, _ = table.extend(jnp.asarray([0, 1, 2]), jnp.asarray([3, 3, 3]))
+    meta = table.metadata(jnp.asarray([0, 1, 2]), jnp.asarray([1, 2, 1]))
+    assert int(meta.num_decodes) == 1
+
+
+def test_end_to_end_step_matches_reference():
+    """extend -> slot_mapping -> write -> metadata -> attention equals dense attention."""
+    rng = np.random.default_rng()
+    table = PageTable.create(32, 4, 8, 8)
+    cache = KVCache.create(32, 8, 2, 16, dtype=jnp.float32)
+    keys = {s: np.zeros((0, 2, 16)) for s in range(3)}
+    vals = {s: np.zeros((0, 2, 16)) for s in range(3)}
+    for q_lens in ([7, 20, 3], [1, 1, 4]):
+        ids = jnp.asarray([0, 1, 2, -1])
+        ql = jnp.asarray(q_lens + [0])
+        table, ok = table.extend(ids, table.seq_lens[jnp.clip(ids, 0)] + ql)
+        assert bool(ok[:3].all())
+        t = sum(q_lens) + 2
+        k = rng.normal(size=(t, 2, 16)).astype(np.float32)
+        v = rng.normal(size=(t, 2, 16)).astype(np.float32)
+        cache = cache.write(jnp.asarray(k), jnp.asarray(v), table.slot_mapping(ids, ql, t))
+        start = 0
+        for s, n in enumerate(q_lens):
+            keys[s] = np.concatenate([keys[s], k[start:start + n]])
+            vals[s] = np.concatenate([vals[s], v[start:start + n]])
+            start += n
+    q = rng.normal(size=(8, 4, 16)).astype(np.float32)
+    meta = table.metadata(ids, ql)
+    out = np.asarray(jaxattn.paged_attention(jnp.asarray(q), cache, meta, backend="xla"))
+    start = 0
+    for s, n in enumerate(q_lens):
+        kv = len(keys[s])
+        mask = (np.arange(n)[:, None] + kv - n) >= np.arange(kv)[None]
+        ref = jax.nn.dot_product_attention(q[None, start:start + n], keys[s][None].astype(np.float32),
+                                           vals[s][None].astype(np.float32), mask=mask[None, None])
+        np.testing.assert_allclose(out[start:start + n], ref[0], rtol=1e-5, atol=1e-5)
+        start += n
+    np.testing.assert_array_equal(out[start:], 0)
+
+
+def test_errors():
+    with pytest.raises(ValueError, match="num_pages must be >= 2"):
+        PageTable.create(1, 2, 2, 4)
+    with pytest.raises(ValueError, match="page_size must be a positive int"):
+        PageTable.create(8, 2, 2, 0)
+    table = PageTable.create(8, 2, 2, 4)
+    with pytest.raises(ValueError, match=r"extend: new_lens must be int\[2\]"):
+        table.extend(jnp.asarray([0, 1]), jnp.asarray([1, 2, 3]))
+    with pytest.raises(ValueError, match=r"release: ids must be int\[N\]"):
+        table.release(jnp.asarray([[0]]))
+    with pytest.raises(ValueError, match=r"fork: dst_ids must be int\[1\]"):
+        table.fork(jnp.asarray([0]), jnp.asarray([0.5]))
+    with pytest.raises(ValueError, match=r"metadata: q_lens must be int\[1\]"):
+        table.metadata(jnp.asarray([0]), jnp.asarray([1, 1]))
