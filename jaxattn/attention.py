@@ -46,11 +46,19 @@ def paged_attention(
     Returns:
       ``[T, Hq, D]`` in ``q.dtype``; rows of padding tokens and of empty sequences are zero.
     """
-    params = _check_args(q, cache, meta, scale, causal, sliding_window, softcap, sinks, backend)
+    params = _check_args(q, cache, meta, scale=scale, causal=causal, sliding_window=sliding_window,
+                         softcap=softcap, sinks=sinks, backend=backend)
     if sinks is not None:
         sinks = sinks.astype(jnp.float32)
     name = select_backend(q, cache, meta, params, backend)
     return backends.get(name).attention(q, cache, meta, params, sinks)
+
+
+def backend_for(q: jax.Array, cache: KVCache, meta: AttentionMetadata, *, backend: str = "auto",
+                **attention_kwargs) -> str:
+    """The name of the backend ``paged_attention`` would run for these arguments (trace time)."""
+    params = _check_args(q, cache, meta, backend=backend, **attention_kwargs)
+    return select_backend(q, cache, meta, params, backend)
 
 
 def select_backend(q: jax.Array, cache: KVCache, meta: AttentionMetadata, params: AttentionParams,
@@ -83,7 +91,8 @@ def _log_once(message: str) -> None:
         logger.warning(message)
 
 
-def _check_args(q, cache, meta, scale, causal, sliding_window, softcap, sinks, backend) -> AttentionParams:
+def _check_args(q, cache, meta, *, scale=None, causal=True, sliding_window=None, softcap=None, sinks=None,
+                backend="auto") -> AttentionParams:
     where = "paged_attention"
     if backend != "auto" and backend not in backends.BACKENDS:
         raise ValueError(f"{where}: backend must be one of {('auto',) + backends.BACKENDS}, got {backend!r}")
@@ -132,13 +141,10 @@ def _check_args(q, cache, meta, scale, causal, sliding_window, softcap, sinks, b
 
 
 def _check_metadata(where: str, meta: AttentionMetadata) -> None:
-    batch = meta.kv_lens.shape[0] if meta.kv_lens.ndim == 1 else -1
-    expected = {
-        "cu_q_lens": (batch + 1,),
-        "kv_lens": (batch,),
-        "num_decodes": (),
-    }
-    for field, shape in expected.items():
+    if meta.kv_lens.ndim != 1 or meta.kv_lens.shape[0] < 1:
+        raise ValueError(f"{where}: meta.kv_lens must have shape [B] with B >= 1, got {list(meta.kv_lens.shape)}")
+    batch = meta.kv_lens.shape[0]
+    for field, shape in (("cu_q_lens", (batch + 1,)), ("num_decodes", ())):
         value = getattr(meta, field)
         if value.shape != shape:
             raise ValueError(f"{where}: meta.{field} must have shape {list(shape)} (B={batch}), got {list(value.shape)}")

@@ -47,3 +47,12 @@ class AttentionMetadata:
         """int32[T]: the sequence each packed query token belongs to; B for padding tokens."""
         t = jnp.arange(num_tokens, dtype=jnp.int32)
         return jnp.searchsorted(self.cu_q_lens[1:], t, side="right").astype(jnp.int32)
+
+    def positions(self, num_tokens: int) -> jax.Array:
+        """int32[T]: absolute position of each query token in its sequence (e.g. for RoPE);
+        0 for padding tokens."""
+        seq = self.token_to_seq(num_tokens)
+        b = jnp.minimum(seq, self.batch_size - 1)
+        t = jnp.arange(num_tokens, dtype=jnp.int32)
+        pos = self.kv_lens[b] - self.q_lens[b] + t - self.cu_q_lens[b]
+        return jnp.where(seq < self.batch_size, jnp.maximum(pos, 0), 0)

@@ -1,0 +1,85 @@
+"""``python -m jaxattn.info``: versions, GPU, and which backends can run here (and why not).
+
+Paste its output into bug reports.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import platform
+import sys
+
+import jax
+
+from jaxattn import __version__, backends
+
+# (label, distribution names tried in order)
+_PACKAGES = (
+    ("jax", ("jax",)),
+    ("jaxlib", ("jaxlib",)),
+    ("jax CUDA plugin", ("jax-cuda13-plugin", "jax-cuda12-plugin")),
+    ("cuDNN (pip)", ("nvidia-cudnn-cu13", "nvidia-cudnn-cu12")),
+    ("cudnn-frontend", ("nvidia-cudnn-frontend",)),
+    ("flashinfer", ("flashinfer-python",)),
+    ("triton", ("triton",)),
+    ("jax-triton", ("jax-triton",)),
+    ("flax", ("flax",)),
+    ("torch", ("torch",)),
+)
+
+
+def package_version(names: tuple[str, ...]) -> str | None:
+    for name in names:
+        try:
+            return f"{importlib.metadata.version(name)} ({name})"
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def cuda_library_versions() -> dict[str, str]:
+    """Versions of the CUDA libraries JAX loaded (empty without the CUDA plugin)."""
+    try:
+        from jax._src.lib import cuda_versions
+    except ImportError:
+        return {}
+    if cuda_versions is None:
+        return {}
+    probes = {"cuDNN (loaded)": "cudnn_get_version", "CUDA runtime": "cuda_runtime_get_version",
+              "CUDA driver": "cuda_driver_get_version"}
+    found = {}
+    for label, fn in probes.items():
+        try:
+            found[label] = str(getattr(cuda_versions, fn)())
+        except Exception as err:  # a missing library is information, not a failure
+            found[label] = f"unavailable ({err})"
+    return found
+
+
+def gpus() -> list[str]:
+    try:
+        devices = jax.devices("gpu")
+    except RuntimeError:
+        return []
+    return [f"{d.id}: {d.device_kind}, compute capability {getattr(d, 'compute_capability', '?')}"
+            for d in devices]
+
+
+def report() -> str:
+    lines = [f"jaxattn {__version__}", f"Python {sys.version.split()[0]} on {platform.platform()}", ""]
+    lines.append("Packages:")
+    for label, names in _PACKAGES:
+        lines.append(f"  {label:<16} {package_version(names) or 'not installed'}")
+    for label, version in cuda_library_versions().items():
+        lines.append(f"  {label:<16} {version}")
+    lines += ["", f"JAX default backend: {jax.default_backend()}", "GPUs:"]
+    lines += [f"  {g}" for g in gpus()] or ["  none"]
+    lines += ["", "jaxattn backends:"]
+    for name in backends.BACKENDS:
+        reason = backends.unavailable_reason(name)
+        lines.append(f"  {name:<7} {'available' if reason is None else 'unavailable: ' + reason}")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    print(report())

@@ -1,0 +1,116 @@
+"""paged_attention: argument checks (ValueError at trace time) and backend dispatch."""
+
+from __future__ import annotations
+
+import logging
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxattn
+from jaxattn import AttentionMetadata, KVCache
+from jaxattn import attention as attention_module
+from jaxattn import backends
+
+
+def _inputs(num_q_heads=4, head_dim=64, dtype=jnp.bfloat16, batch=2, tokens=5, pages=3):
+    cache = KVCache.create(8, 16, 2, 64, dtype=jnp.bfloat16)
+    q = jnp.zeros((tokens, num_q_heads, head_dim), dtype)
+    meta = AttentionMetadata(
+        cu_q_lens=jnp.asarray([0, 1, 5] + [5] * (batch - 2), jnp.int32),
+        kv_lens=jnp.full((batch,), 9, jnp.int32),
+        block_tables=jnp.ones((batch, pages), jnp.int32),
+        num_decodes=jnp.asarray(1, jnp.int32),
+    )
+    return q, cache, meta
+
+
+def _with(meta: AttentionMetadata, **fields) -> AttentionMetadata:
+    values = dict(cu_q_lens=meta.cu_q_lens, kv_lens=meta.kv_lens, block_tables=meta.block_tables,
+                  num_decodes=meta.num_decodes, max_q_len=meta.max_q_len)
+    values.update(fields)
+    return AttentionMetadata(**values)
+
+
+q0, cache0, meta0 = _inputs()
+
+BAD_CALLS = [
+    (dict(q=q0[0]), "q must be \\[T, Hq, D\\]"),
+    (dict(q=q0.astype(jnp.int32)), "q.dtype must be float32, bfloat16 or float16"),
+    (dict(q=jnp.zeros((5, 4, 32), jnp.bfloat16)), "q head_dim 32 does not match the cache's head_dim 64"),
+    (dict(q=jnp.zeros((5, 3, 64), jnp.bfloat16)), "query heads \\(3\\) must be a multiple of the cache's num_kv_heads \\(2\\)"),
+    (dict(q=q0.astype(jnp.float16)), "cache pages are bfloat16 but q is float16"),
+    (dict(cache=(cache0.k_pages, cache0.v_pages)), "cache must be a jaxattn.KVCache"),
+    (dict(meta={"kv_lens": 1}), "meta must be a jaxattn.AttentionMetadata"),
+    (dict(meta=_with(meta0, cu_q_lens=jnp.asarray([0, 5], jnp.int32))), "meta.cu_q_lens must have shape \\[3\\]"),
+    (dict(meta=_with(meta0, kv_lens=jnp.zeros((2, 1), jnp.int32))), "meta.kv_lens must have shape"),
+    (dict(meta=_with(meta0, num_decodes=jnp.zeros((1,), jnp.int32))), "meta.num_decodes must have shape \\[\\]"),
+    (dict(meta=_with(meta0, block_tables=jnp.ones((3, 2), jnp.int32))), "meta.block_tables must be \\[B=2, P\\]"),
+    (dict(meta=_with(meta0, kv_lens=jnp.zeros((2,), jnp.int64 if jax.config.x64_enabled else jnp.float32))),
+     "meta.kv_lens must be int32"),
+    (dict(meta=_with(meta0, max_q_len=0)), "meta.max_q_len must be None or an int >= 1"),
+    (dict(scale=-1.0), "scale must be a positive finite float"),
+    (dict(scale=float("nan")), "scale must be a positive finite float"),
+    (dict(causal=1), "causal must be a bool"),
+    (dict(sliding_window=0), "sliding_window must be None or an int >= 1"),
+    (dict(sliding_window=2.5), "sliding_window must be None or an int >= 1"),
+    (dict(softcap=0.0), "softcap must be None or a positive float"),
+    (dict(sinks=jnp.zeros((3,), jnp.float32)), "sinks must be float32\\[4\\]"),
+    (dict(sinks=jnp.zeros((4,), jnp.int32)), "sinks must be float32\\[4\\]"),
+    (dict(backend="flash"), "backend must be one of \\('auto', 'xla', 'cudnn', 'trtllm', 'triton'\\)"),
+]
+
+
+@pytest.mark.parametrize("overrides,match", BAD_CALLS, ids=[m for _, m in BAD_CALLS])
+def test_bad_arguments_raise_at_trace_time(overrides, match):
+    args = dict(q=q0, cache=cache0, meta=meta0)
+    kwargs = {k: overrides.pop(k) for k in list(overrides) if k not in args}
+    args.update(overrides)
+
+    def run(q, cache, meta):
+        return jaxattn.paged_attention(q, cache, meta, **kwargs)
+
+    with pytest.raises(ValueError, match=match):
+        jax.jit(run).lower(args["q"], args["cache"], args["meta"])
+
+
+@pytest.mark.parametrize("name", ["cudnn", "trtllm", "triton"])
+def test_unavailable_backend_names_itself_and_the_reason(name):
+    reason = backends.unavailable_reason(name)
+    if reason is None:
+        pytest.skip(f"{name} is available here")
+    with pytest.raises(ValueError, match=f"backend '{name}' is not available: "):
+        jaxattn.paged_attention(q0, cache0, meta0, backend=name)
+
+
+def test_auto_falls_back_with_one_log_line(caplog, monkeypatch):
+    monkeypatch.setattr(backends, "unavailable_reason",
+                        lambda name: None if name == "xla" else f"{name} is switched off for this test")
+    monkeypatch.setattr(attention_module, "_logged", set())
+    with caplog.at_level(logging.WARNING, logger="jaxattn"):
+        for _ in range(3):
+            assert attention_module.backend_for(q0, cache0, meta0) == "xla"
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 1 and "cudnn skipped (cudnn is switched off for this test)" in lines[0]
+
+
+def test_auto_matches_xla():
+    rng = np.random.default_rng()
+    q = jnp.asarray(rng.normal(size=q0.shape), jnp.bfloat16)
+    cache = KVCache(*(jnp.asarray(rng.normal(size=cache0.k_pages.shape), jnp.bfloat16) for _ in range(2)))
+    auto = jaxattn.paged_attention(q, cache, meta0)
+    if attention_module.backend_for(q, cache, meta0) == "xla":
+        np.testing.assert_array_equal(np.asarray(auto, np.float32),
+                                      np.asarray(jaxattn.paged_attention(q, cache, meta0, backend="xla"), np.float32))
+
+
+def test_metadata_is_a_pytree_with_static_hint():
+    meta = _with(meta0, max_q_len=4)
+    leaves, treedef = jax.tree.flatten(meta)
+    assert len(leaves) == 4
+    assert jax.tree.unflatten(treedef, leaves).max_q_len == 4
+    np.testing.assert_array_equal(meta.q_lens, [1, 4])
+    np.testing.assert_array_equal(meta.token_to_seq(7), [0, 1, 1, 1, 1, 2, 2])
+    np.testing.assert_array_equal(meta.positions(7), [8, 5, 6, 7, 8, 0, 0])

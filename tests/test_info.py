@@ -1,0 +1,23 @@
+"""``python -m jaxattn.info`` reports versions and a line per backend."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from jaxattn import backends, info
+
+
+def test_report_lists_every_backend_with_a_reason():
+    text = info.report()
+    backend_lines = text.split("jaxattn backends:")[1].splitlines()
+    for name in backends.BACKENDS:
+        line = next(l for l in backend_lines if l.strip().startswith(name + " "))
+        reason = backends.unavailable_reason(name)
+        assert ("available" in line) if reason is None else (reason in line)
+    assert "jax " in text and "xla     available" in text
+
+
+def test_runs_as_a_module():
+    result = subprocess.run([sys.executable, "-m", "jaxattn.info"], capture_output=True, text=True, check=True)
+    assert "jaxattn backends:" in result.stdout
