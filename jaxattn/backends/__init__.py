@@ -32,7 +32,7 @@ def unavailable_reason(name: str) -> str | None:
     if name not in BACKENDS:
         raise ValueError(f"unknown backend {name!r}; known: {BACKENDS}")
     if importlib.util.find_spec(f"jaxattn.backends.{name}") is None:
-        return f"{_PENDING[name]} is not implemented in this version of jaxattn"
+        return f"not implemented in this version of jaxattn (missing: {_PENDING[name]})"
     return importlib.import_module(f"jaxattn.backends.{name}").unavailable_reason()
 
 
