@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 
@@ -50,27 +51,95 @@ def paged_attention(
                          softcap=softcap, sinks=sinks, backend=backend)
     if sinks is not None:
         sinks = sinks.astype(jnp.float32)
-    name = select_backend(q, cache, meta, params, backend)
-    return backends.get(name).attention(q, cache, meta, params, sinks)
+    plan = plan_backends(q, cache, meta, params, backend)
+    if plan.decode is None:
+        return backends.get(plan.main).attention(q, cache, meta, params, sinks)
+    q_dec, meta_dec, meta_rest, num_decodes = split_decodes(q, meta)
+    out_dec = backends.get(plan.decode).attention(q_dec, cache, meta_dec, params, sinks)
+    out = backends.get(plan.main).attention(q, cache, meta_rest, params, sinks)
+    out_dec = jnp.zeros_like(out).at[: q_dec.shape[0]].set(out_dec)
+    is_decode = jnp.arange(q.shape[0]) < num_decodes
+    return jnp.where(is_decode[:, None, None], out_dec, out)
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """The backends that run one call: ``decode`` serves the leading decodes of a mixed batch
+    and ``main`` the rest; with ``decode=None``, ``main`` serves the whole batch."""
+
+    main: str
+    decode: str | None = None
+
+    def __str__(self) -> str:
+        return self.main if self.decode is None else f"{self.decode} (decodes) + {self.main} (the rest)"
 
 
 def backend_for(q: jax.Array, cache: KVCache, meta: AttentionMetadata, *, backend: str = "auto",
-                **attention_kwargs) -> str:
-    """The name of the backend ``paged_attention`` would run for these arguments (trace time)."""
+                **attention_kwargs) -> Plan:
+    """The backends ``paged_attention`` would run for these arguments (trace time)."""
     params = _check_args(q, cache, meta, backend=backend, **attention_kwargs)
-    return select_backend(q, cache, meta, params, backend)
+    return plan_backends(q, cache, meta, params, backend)
 
 
-def select_backend(q: jax.Array, cache: KVCache, meta: AttentionMetadata, params: AttentionParams,
-                   backend: str = "auto") -> str:
-    """The backend that runs this call, chosen from static information only."""
+def plan_backends(q: jax.Array, cache: KVCache, meta: AttentionMetadata, params: AttentionParams,
+                  backend: str = "auto") -> Plan:
+    """Chooses backends from static information only.
+
+    ``auto``: a decode-only step (``meta.max_q_len == 1``) goes to the first of trtllm, triton,
+    xla that supports it. Otherwise the batch goes to the first of cudnn, triton, xla, and its
+    leading decodes to the best decode backend when that is a different one.
+    """
     if backend != "auto":
-        module = backends.get(backend)
-        module.check_supported(q, cache, meta, params)
-        return backend
-    preferred = "trtllm" if meta.max_q_len == 1 else "cudnn"
+        backends.get(backend).check_supported(q, cache, meta, params)
+        return Plan(backend)
+    if meta.max_q_len == 1:
+        return Plan(_first_supported(_DECODE_ORDER, q, cache, meta, params))
+    main = _first_supported(_PREFILL_ORDER, q, cache, meta, params)
+    q_dec = q[: min(q.shape[0], meta.batch_size)]
+    decode = _first_supported(_DECODE_ORDER, q_dec, cache, dataclasses.replace(meta, max_q_len=1), params)
+    return Plan(main, None if decode == main else decode)
+
+
+def split_decodes(q: jax.Array, meta: AttentionMetadata
+                  ) -> tuple[jax.Array, AttentionMetadata, AttentionMetadata, jax.Array]:
+    """Splits a batch into its leading decodes and the rest.
+
+    Returns ``(q_dec, meta_dec, meta_rest, num_decodes)``: ``q_dec = q[:min(T, B)]`` with
+    ``meta_dec`` describing the decodes as one token each (other sequences empty), and
+    ``meta_rest`` the same batch with the decodes emptied. ``num_decodes`` is
+    ``meta.num_decodes`` capped by the leading run of one-token sequences, so a wrong count from
+    the caller cannot send a longer query to a decode kernel.
+    """
+    seq = jnp.arange(meta.batch_size, dtype=jnp.int32)
+    leading_ones = jnp.sum(jnp.cumprod((meta.q_lens == 1).astype(jnp.int32)), dtype=jnp.int32)
+    num_decodes = jnp.clip(meta.num_decodes, 0, leading_ones)
+    is_decode = seq < num_decodes
+    bounds = jnp.arange(meta.batch_size + 1, dtype=jnp.int32)
+    meta_dec = AttentionMetadata(
+        cu_q_lens=jnp.minimum(bounds, num_decodes),
+        kv_lens=jnp.where(is_decode, meta.kv_lens, 0),
+        block_tables=meta.block_tables,
+        num_decodes=num_decodes,
+        max_q_len=1,
+    )
+    meta_rest = AttentionMetadata(
+        cu_q_lens=jnp.maximum(meta.cu_q_lens, num_decodes),   # decode b holds token b
+        kv_lens=jnp.where(is_decode, 0, meta.kv_lens),
+        block_tables=meta.block_tables,
+        num_decodes=jnp.zeros((), jnp.int32),
+        max_q_len=meta.max_q_len,
+    )
+    return q[: min(q.shape[0], meta.batch_size)], meta_dec, meta_rest, num_decodes
+
+
+_DECODE_ORDER = ("trtllm", "triton", "xla")
+_PREFILL_ORDER = ("cudnn", "triton", "xla")
+
+
+def _first_supported(order: tuple[str, ...], q: jax.Array, cache: KVCache, meta: AttentionMetadata,
+                     params: AttentionParams) -> str:
     skipped = []
-    for name in (preferred, "triton", "xla"):
+    for name in order:
         reason = backends.unavailable_reason(name)
         if reason is None:
             try:

@@ -148,7 +148,7 @@ def chosen_backends(cfg: ModelConfig, batch: int, prompt_len: int, backend: str)
         meta = jaxattn.AttentionMetadata(jnp.zeros((batch + 1,), jnp.int32), jnp.zeros((batch,), jnp.int32),
                                          jnp.zeros((batch, 1), jnp.int32), jnp.zeros((), jnp.int32), max_q_len=q_len)
         q = jnp.zeros((batch * q_len, cfg.q_heads, cfg.head_dim), cfg.dtype)
-        chosen[phase] = backend_for(q, cache, meta, backend=backend)
+        chosen[phase] = str(backend_for(q, cache, meta, backend=backend))
     return chosen
 
 

@@ -91,9 +91,11 @@ def test_auto_falls_back_with_one_log_line(caplog, monkeypatch):
     monkeypatch.setattr(attention_module, "_logged", set())
     with caplog.at_level(logging.WARNING, logger="jaxattn"):
         for _ in range(3):
-            assert attention_module.backend_for(q0, cache0, meta0) == "xla"
+            assert attention_module.backend_for(q0, cache0, meta0) == attention_module.Plan("xla")
     lines = [r.getMessage() for r in caplog.records]
-    assert len(lines) == 1 and "cudnn skipped (cudnn is switched off for this test)" in lines[0]
+    assert len(lines) == len(set(lines)) == 2, lines          # prefill and decode choice, once each
+    assert "cudnn skipped (cudnn is switched off for this test)" in lines[0]
+    assert "trtllm skipped (trtllm is switched off for this test)" in lines[1]
 
 
 def test_auto_matches_xla():
@@ -101,7 +103,7 @@ def test_auto_matches_xla():
     q = jnp.asarray(rng.normal(size=q0.shape), jnp.bfloat16)
     cache = KVCache(*(jnp.asarray(rng.normal(size=cache0.k_pages.shape), jnp.bfloat16) for _ in range(2)))
     auto = jaxattn.paged_attention(q, cache, meta0)
-    if attention_module.backend_for(q, cache, meta0) == "xla":
+    if attention_module.backend_for(q, cache, meta0) == attention_module.Plan("xla"):
         np.testing.assert_array_equal(np.asarray(auto, np.float32),
                                       np.asarray(jaxattn.paged_attention(q, cache, meta0, backend="xla"), np.float32))
 
@@ -114,3 +116,34 @@ def test_metadata_is_a_pytree_with_static_hint():
     np.testing.assert_array_equal(meta.q_lens, [1, 4])
     np.testing.assert_array_equal(meta.token_to_seq(7), [0, 1, 1, 1, 1, 2, 2])
     np.testing.assert_array_equal(meta.positions(7), [8, 5, 6, 7, 8, 0, 0])
+
+
+@pytest.mark.parametrize("claimed_decodes", [0, 2, 3, 5])
+def test_split_of_a_mixed_batch_matches_a_single_call(monkeypatch, claimed_decodes):
+    """The auto split (decodes to one backend, the rest to another), run with xla on both sides,
+    equals one xla call; a wrong num_decodes from the caller cannot break it."""
+    from tests.paged_inputs import make_problem, reference, rel_error
+    rng = np.random.default_rng()
+    problem = make_problem(rng, q_lens=[1, 1, 1, 6, 1, 9], kv_lens=[40, 3, 77, 20, 5, 30], num_q_heads=4,
+                           num_kv_heads=2, head_dim=64, page_size=16, max_q_len=9)
+    meta = _with(problem.meta, num_decodes=jnp.asarray(claimed_decodes, jnp.int32))
+    monkeypatch.setattr(attention_module, "plan_backends", lambda *a, **k: attention_module.Plan("xla", "xla"))
+    out = jax.jit(lambda q, c, m: jaxattn.paged_attention(q, c, m, sliding_window=25))(problem.q, problem.cache, meta)
+    assert rel_error(out, reference(problem, sliding_window=25)) < 1e-5
+
+
+def test_auto_plans_a_split_when_decode_and_prefill_backends_differ(monkeypatch):
+    monkeypatch.setattr(backends, "unavailable_reason", lambda name: None if name in ("xla", "trtllm") else "off")
+    monkeypatch.setattr(attention_module, "_logged", set())
+
+    class FakeTrtllm:
+        @staticmethod
+        def check_supported(q, cache, meta, params):
+            if meta.max_q_len != 1:
+                raise ValueError("decode only")
+
+    real_get = backends.get
+    monkeypatch.setattr(backends, "get", lambda name: FakeTrtllm if name == "trtllm" else real_get(name))
+    mixed = attention_module.backend_for(q0, cache0, _with(meta0, max_q_len=4))
+    assert mixed == attention_module.Plan("xla", "trtllm") and str(mixed) == "trtllm (decodes) + xla (the rest)"
+    assert attention_module.backend_for(q0[:2], cache0, _with(meta0, max_q_len=1)) == attention_module.Plan("trtllm")

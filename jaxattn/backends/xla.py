@@ -65,7 +65,7 @@ def attention(q: jax.Array, cache: KVCache, meta: AttentionMetadata, params: Att
     seq = meta.token_to_seq(num_tokens)
     seq_c = jnp.minimum(seq, batch - 1)
     row = jnp.arange(num_tokens, dtype=jnp.int32) - q_start[seq_c]
-    valid = (seq < batch) & (row < q_lens[seq_c])
+    valid = (seq < batch) & (row >= 0) & (row < q_lens[seq_c])
     packed = out[seq_c, jnp.clip(row, 0, out.shape[1] - 1)]
     return jnp.where(valid[:, None, None], packed, 0).astype(q.dtype)
 
