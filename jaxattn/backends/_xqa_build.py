@@ -32,6 +32,7 @@ FLASHINFER_VERSION = "0.7.2.post1"
 ARCH = "90a"  # XQA's Hopper kernel uses wgmma/TMA, so SM90 builds need the "a" target.
 FP8 = "float8_e4m3fn"
 _C_TYPES = {"bfloat16": "__nv_bfloat16", "float16": "__half"}
+SYSTEM_NVCC = Path("/usr/local/cuda/bin/nvcc")
 _FFI_DIR_CANDIDATES = (Path(__file__).resolve().parents[2] / "ffi",)
 _load_lock = threading.Lock()
 
@@ -118,7 +119,7 @@ def find_nvcc() -> str:
     on_path = shutil.which("nvcc")
     if on_path:
         candidates.append(Path(on_path))
-    candidates.append(Path("/usr/local/cuda/bin/nvcc"))
+    candidates.append(SYSTEM_NVCC)
     spec = importlib.util.find_spec("nvidia")
     for root in (spec.submodule_search_locations or []) if spec else []:
         candidates += sorted(Path(root).glob("*/bin/nvcc"))     # nvidia/cuda_nvcc, nvidia/cu13

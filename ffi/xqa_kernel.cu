@@ -1,0 +1,154 @@
+// One XQA kernel variant: a unity build of TensorRT-LLM's XQA decode kernel as shipped in the
+// installed flashinfer-python (data/csrc/xqa, on the include path), plus the entry points of
+// xqa.h. The variant is fixed by the -D flags of jaxattn/backends/_xqa_build.py:
+//   JAXATTN_XQA_HOPPER=1  mha_sm90.cu (TMA + GMMA, fp8 KV on SM90), else mha.cu (generic).
+#if JAXATTN_XQA_HOPPER
+#include "mha_sm90.cu"
+#else
+#include "mha.cu"
+#endif
+
+#include <algorithm>
+#include <cmath>
+#include <stdexcept>
+#include <string>
+
+#include "xqa.h"
+
+namespace jaxattn::xqa {
+namespace {
+
+constexpr uint64_t kScratchAlignment = 256;
+
+uint64_t round_up_u64(uint64_t a, uint64_t b) { return (a + b - 1) / b * b; }
+
+// The running end offset of XQA's Segmenter (utils.h): each segment starts aligned.
+struct ByteSegmenter {
+  uint64_t end = 0;
+  void add(uint64_t item_bytes, uint64_t count, uint64_t alignment) {
+    end = round_up_u64(end, alignment) + item_bytes * count;
+  }
+};
+
+}  // namespace
+
+VariantInfo variant_info() {
+  return VariantInfo{validElemsPerHead,
+                     headGrpSize,
+                     tokensPerPage,
+                     INPUT_FP16,
+                     CACHE_ELEM_ENUM == 2,
+                     SLIDING_WINDOW,
+                     JAXATTN_XQA_HOPPER};
+}
+
+Workspace workspace_layout(uint32_t sm_count, uint32_t batch, uint32_t num_kv_heads,
+                           uint32_t max_pages_per_seq) {
+  uint32_t const max_seq_len = max_pages_per_seq * tokensPerPage;
+  uint32_t const heads = batch * num_kv_heads;
+  ByteSegmenter scratch;
+#if JAXATTN_XQA_HOPPER
+  // Split count of launchHopperF8MHAFlashInfer; scratch of ScratchMem (mha_sm90.cu).
+  uint32_t const nb_sub_seq = std::min<uint32_t>(
+      std::max<uint32_t>(1U, static_cast<uint32_t>(std::round(sm_count * 3 / heads * 0.25f))),
+      divUp(max_seq_len, gemm0CtaTileNbTokens));
+  uint64_t const chunks = uint64_t{nb_sub_seq} * heads;
+  constexpr uint64_t alignment = sizeof(Vec<IOHead, ctaNbValidQHeads>);
+  scratch.add(sizeof(ScratchMem::ColWiseVec), chunks, alignment);
+  scratch.add(sizeof(Vec<IOHead, ctaNbValidQHeads>), chunks, alignment);
+#else
+  // Split count of launchMHAFlashInfer; scratch of the multi-block epilogue (mha.cu).
+  uint32_t const nb_sub_seq =
+      allowMultiBlockMode
+          ? std::min<uint32_t>(std::max<uint32_t>(1U, sm_count / heads), divUp(max_seq_len, ctaTile.x))
+          : 1U;
+  uint64_t const chunks = uint64_t{nb_sub_seq} * heads;
+  using ScratchBufs = Vec<Array2D<LdGrain, nbValidRows, SharedMem::XSmemBuffer::cols>,
+                          gemm1WarpsPerGrp * nbHeadSplits>;
+  scratch.add(sizeof(SMemWarpRowMax), chunks, sizeof(SMemWarpRowMax));  // row max
+  scratch.add(sizeof(SMemWarpRowMax), chunks, sizeof(SMemWarpRowMax));  // row sum
+  scratch.add(sizeof(ScratchBufs), chunks, sizeof(ScratchBufs));
+#endif
+  if (nb_sub_seq == 1) {
+    return Workspace{0, 0, 0};  // single-block mode: neither semaphores nor scratch are touched
+  }
+  if (scratch.end > UINT32_MAX) {
+    throw std::overflow_error("XQA scratch of " + std::to_string(scratch.end) +
+                              " bytes exceeds the kernel's 32-bit offsets");
+  }
+  uint64_t const semaphore_bytes = sizeof(uint32_t) * uint64_t{heads};
+  uint64_t const scratch_offset = round_up_u64(semaphore_bytes, kScratchAlignment);
+  return Workspace{semaphore_bytes, scratch_offset, scratch_offset + scratch.end};
+}
+
+void init_current_device() {
+  // hostSmemSize is the kernel source's own load-time query of sizeof(SharedMem); it is wrong
+  // when no device was usable at dlopen.
+  if (hostSmemSize != sizeof(SharedMem)) {
+    throw std::runtime_error("XQA kernel setup at library load failed (no usable CUDA device?)");
+  }
+  checkCuda(cudaFuncSetAttribute(kernel_mha, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                 static_cast<int>(sizeof(SharedMem))));
+}
+
+void launch(LaunchArgs const& a) {
+  uint32_t const max_seq_len = a.max_pages_per_seq * tokensPerPage;
+  auto* const out = static_cast<OutputHead*>(a.out);
+  auto const* const q = static_cast<InputHead const*>(a.q);
+  auto* const k = const_cast<GMemCacheHead*>(static_cast<GMemCacheHead const*>(a.k_pages));
+  auto* const v = const_cast<GMemCacheHead*>(static_cast<GMemCacheHead const*>(a.v_pages));
+  // qScale/kvCacheScale are read from the device scalars; the host values are unused.
+#if JAXATTN_XQA_HOPPER
+  launchHopperF8MHAFlashInfer(a.sm_count, a.num_kv_heads, a.sliding_window, 1.f, a.q_scale, out,
+                              q, a.sinks, k, v, a.page_table, max_seq_len, a.seq_lens, a.batch,
+                              1.f, a.kv_scale, a.semaphores, a.scratch, /*enable_pdl=*/false,
+                              a.stride_page, a.stride_token, a.stride_head, a.stream);
+#else
+  launchMHAFlashInfer(a.sm_count, a.num_kv_heads, a.sliding_window, 1.f, a.q_scale, out, q,
+                      a.sinks, k, v, a.page_table, max_seq_len, a.seq_lens, a.batch, 1.f,
+                      a.kv_scale, a.semaphores, a.scratch, /*enable_pdl=*/false, a.stride_page,
+                      a.stride_token, a.stride_head, a.stream);
+#endif
+}
+
+}  // namespace jaxattn::xqa
+
+#if JAXATTN_XQA_HOPPER
+// tensorMap.cpp calls the driver API directly. Resolve it through the runtime instead of linking
+// libcuda, which build machines without a driver lack.
+namespace {
+void* driver_entry_point(char const* name) {
+  void* fn = nullptr;
+  cudaDriverEntryPointQueryResult status{};
+  if (cudaGetDriverEntryPointByVersion(name, &fn, 12000, cudaEnableDefault, &status) !=
+          cudaSuccess ||
+      status != cudaDriverEntryPointSuccess) {
+    return nullptr;
+  }
+  return fn;
+}
+}  // namespace
+
+extern "C" CUresult CUDAAPI cuTensorMapEncodeTiled(
+    CUtensorMap* tensor_map, CUtensorMapDataType data_type, cuuint32_t rank, void* address,
+    cuuint64_t const* dims, cuuint64_t const* strides, cuuint32_t const* box,
+    cuuint32_t const* element_strides, CUtensorMapInterleave interleave,
+    CUtensorMapSwizzle swizzle, CUtensorMapL2promotion l2_promotion,
+    CUtensorMapFloatOOBfill oob_fill) {
+  using Fn = CUresult(CUDAAPI*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*,
+                                cuuint64_t const*, cuuint64_t const*, cuuint32_t const*,
+                                cuuint32_t const*, CUtensorMapInterleave, CUtensorMapSwizzle,
+                                CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
+  static Fn const fn = reinterpret_cast<Fn>(driver_entry_point("cuTensorMapEncodeTiled"));
+  if (fn == nullptr) return CUDA_ERROR_NOT_FOUND;
+  return fn(tensor_map, data_type, rank, address, dims, strides, box, element_strides, interleave,
+            swizzle, l2_promotion, oob_fill);
+}
+
+extern "C" CUresult CUDAAPI cuGetErrorName(CUresult error, char const** name) {
+  using Fn = CUresult(CUDAAPI*)(CUresult, char const**);
+  static Fn const fn = reinterpret_cast<Fn>(driver_entry_point("cuGetErrorName"));
+  if (fn == nullptr) return CUDA_ERROR_NOT_FOUND;
+  return fn(error, name);
+}
+#endif

@@ -1,0 +1,287 @@
+"""backend="trtllm": XQA decode via XLA FFI against the xla backend and flashinfer's own XQA call.
+
+CPU tests check the build (one nvcc compile per kernel family) and the error paths; GPU tests
+(``-m gpu``) check numerics, padding, batch sizes and CUDA-graph capture.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import math
+import os
+import subprocess
+import sys
+import textwrap
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxattn
+from jaxattn.backends import _xqa_build, trtllm
+from jaxattn.backends.base import AttentionParams
+from tests.paged_inputs import make_problem, rel_error
+
+FP8 = jnp.float8_e4m3fn
+# bf16/fp16 match XQA's own accumulation; fp8 pages make XQA quantize q and P to e4m3 as well.
+TOLERANCE = {"bfloat16": 2e-2, "float16": 5e-3, "float8_e4m3fn": 8e-2}
+
+
+def _toolchain_missing() -> str | None:
+    try:
+        _xqa_build.check_toolchain()
+    except _xqa_build.BuildError as err:
+        return str(err)
+    return None
+
+
+# ----------------------------------------------------------------------------------------- CPU
+
+@pytest.mark.skipif(_toolchain_missing() is not None, reason=str(_toolchain_missing()))
+def test_compiles_variants_with_nvcc(tmp_path, monkeypatch):
+    """Both kernel families (generic mha.cu, Hopper fp8 mha_sm90.cu) build, load and report
+    the constants they were compiled with; the second lookup hits the disk cache."""
+    monkeypatch.setenv("JAXATTN_CACHE_DIR", str(tmp_path))
+    variants = [_xqa_build.Variant("bfloat16", "bfloat16", 64, 128, 4, False),
+                _xqa_build.Variant("float16", "float8_e4m3fn", 16, 64, 8, True)]
+    with concurrent.futures.ThreadPoolExecutor(len(variants)) as pool:
+        paths = list(pool.map(_xqa_build.build, variants))
+    for variant, path in zip(variants, paths):
+        assert path.is_file() and _xqa_build.build(variant) == path
+        kernel = _xqa_build.load(variant)
+        assert kernel.variant_info() == {
+            "head_dim": variant.head_dim, "group_size": variant.group_size, "page_size": variant.page_size,
+            "input_fp16": int(variant.dtype == "float16"), "cache_fp8": int(variant.hopper),
+            "sliding_window": int(variant.sliding_window), "hopper_kernel": int(variant.hopper)}
+        # 132 SMs: one sequence splits its keys over several CTAs (semaphores + scratch);
+        # 256 x 8 heads fill the GPU with one CTA each and need no workspace.
+        assert kernel.workspace_bytes(132, 1, 8, 64) > 0
+        assert kernel.workspace_bytes(132, 256, 8, 64) == 0
+
+
+def test_missing_nvcc_is_a_clear_error(monkeypatch, tmp_path):
+    monkeypatch.setenv("CUDA_HOME", str(tmp_path))
+    monkeypatch.delenv("CUDA_PATH", raising=False)
+    monkeypatch.setenv("PATH", str(tmp_path))
+    monkeypatch.setattr(_xqa_build, "SYSTEM_NVCC", tmp_path / "nvcc")
+    with pytest.raises(_xqa_build.BuildError, match="nvcc .* not found.*CUDA_HOME"):
+        _xqa_build.find_nvcc()
+
+
+def test_missing_flashinfer_is_a_clear_error(monkeypatch):
+    real_find_spec = _xqa_build.importlib.util.find_spec
+    monkeypatch.setattr(_xqa_build.importlib.util, "find_spec",
+                        lambda name, *a: None if name == "flashinfer" else real_find_spec(name, *a))
+    with pytest.raises(_xqa_build.BuildError, match="flashinfer-python is not installed"):
+        _xqa_build.xqa_source_dir()
+
+
+def _inputs(*, dtype=jnp.bfloat16, kv_dtype=None, num_q_heads=8, num_kv_heads=2, head_dim=128,
+            page_size=64, max_q_len=1, tokens=4):
+    q = jnp.zeros((tokens, num_q_heads, head_dim), dtype)
+    cache = jaxattn.KVCache.create(4, page_size, num_kv_heads, head_dim, dtype=kv_dtype or dtype)
+    meta = jaxattn.AttentionMetadata(
+        cu_q_lens=jnp.arange(tokens + 1, dtype=jnp.int32), kv_lens=jnp.ones((tokens,), jnp.int32),
+        block_tables=jnp.ones((tokens, 2), jnp.int32), num_decodes=jnp.int32(tokens), max_q_len=max_q_len)
+    return q, cache, meta
+
+
+_PARAMS = AttentionParams(scale=0.1, causal=True, sliding_window=None, softcap=None, has_sinks=False)
+
+
+@pytest.mark.parametrize("kwargs,params,match", [
+    (dict(max_q_len=None), _PARAMS, "meta.max_q_len must be 1"),
+    (dict(max_q_len=4), _PARAMS, "meta.max_q_len must be 1"),
+    (dict(dtype=jnp.float32), _PARAMS, "q.dtype must be one of"),
+    (dict(kv_dtype=jnp.float16), _PARAMS, "cache pages must be bfloat16"),
+    (dict(page_size=8), _PARAMS, r"page_size must be one of \(16, 32, 64, 128\)"),
+    (dict(head_dim=96), _PARAMS, r"head_dim must be one of \(64, 128, 256\)"),
+    (dict(num_q_heads=64, num_kv_heads=2), _PARAMS, r"must be in 1..16, got 64 // 2 = 32"),
+    (dict(), AttentionParams(0.1, True, None, 30.0, False), "softcap must be None"),
+])
+def test_unsupported_configurations_raise(kwargs, params, match):
+    q, cache, meta = _inputs(**kwargs)
+    with pytest.raises(ValueError, match="backend 'trtllm'.*" + match):
+        trtllm.check_supported(q, cache, meta, params)
+
+
+def test_supported_configuration_passes():
+    q, cache, meta = _inputs(kv_dtype=FP8, num_q_heads=16, num_kv_heads=1, head_dim=64, page_size=16)
+    trtllm.check_supported(q, cache, meta, _PARAMS)
+
+
+@pytest.mark.skipif(bool(jax.devices()[0].platform == "gpu"), reason="checks the CPU-only message")
+def test_unavailable_without_gpu():
+    q, cache, meta = _inputs()
+    with pytest.raises(ValueError, match="backend 'trtllm' is not available: no CUDA GPU"):
+        jaxattn.paged_attention(q, cache, meta, backend="trtllm")
+
+
+# ----------------------------------------------------------------------------------------- GPU
+
+# (dtype, kv dtype, layout, page, head_dim, Hq, Hkv, features): every kernel family, both layouts,
+# GQA 1..16, all page sizes and head dims, sliding window and sinks.
+GPU_CASES = [
+    ("bfloat16", "bfloat16", "HND", 64, 128, 32, 8, {}),
+    ("float16", "float16", "NHD", 16, 64, 4, 4, {}),
+    ("bfloat16", "bfloat16", "HND", 32, 256, 16, 1, {"sinks": True}),
+    ("bfloat16", "bfloat16", "NHD", 128, 128, 16, 2, {"sliding_window": 100, "sinks": True}),
+    ("float16", "float16", "HND", 64, 128, 4, 2, {"sliding_window": 7}),
+    ("bfloat16", "float8_e4m3fn", "HND", 64, 128, 32, 8, {}),
+    ("float16", "float8_e4m3fn", "NHD", 16, 64, 8, 1, {"sinks": True, "sliding_window": 50}),
+    ("bfloat16", "float8_e4m3fn", "NHD", 32, 256, 8, 4, {"sinks": True}),
+]
+
+
+def _case_id(case) -> str:
+    dtype, kv, layout, page, dim, hq, hkv, features = case
+    return f"{dtype}-kv_{kv}-{layout}-p{page}-d{dim}-{hq}x{hkv}-{'-'.join(features) or 'plain'}"
+
+
+def _variant(case) -> _xqa_build.Variant:
+    dtype, kv, _, page, dim, hq, hkv, features = case
+    return _xqa_build.Variant(dtype, kv, page, dim, hq // hkv, "sliding_window" in features)
+
+
+@pytest.fixture(scope="module")
+def prebuilt():
+    """Compiles every variant of this module in parallel before the tests trace them."""
+    variants = sorted({_variant(c) for c in GPU_CASES}, key=lambda v: v.name)
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        list(pool.map(_xqa_build.build, variants))
+
+
+def _problem(case, rng, kv_lens, *, q_lens=None, pad_seqs=1, pad_tokens=3):
+    dtype, kv, layout, page, dim, hq, hkv, _ = case
+    q_lens = [1] * len(kv_lens) if q_lens is None else q_lens
+    return make_problem(rng, q_lens=q_lens, kv_lens=kv_lens, num_q_heads=hq, num_kv_heads=hkv,
+                        head_dim=dim, page_size=page, layout=layout, dtype=jnp.dtype(dtype),
+                        kv_dtype=jnp.dtype(kv), pad_seqs=pad_seqs, pad_tokens=pad_tokens, max_q_len=1)
+
+
+def _kwargs(case, rng) -> dict:
+    features = dict(case[-1])
+    if features.pop("sinks", False):
+        features["sinks"] = jnp.asarray(rng.normal(size=case[5]), jnp.float32)
+    return features
+
+
+def _run(backend, problem, **kwargs):
+    fn = jax.jit(lambda q, c, m: jaxattn.paged_attention(q, c, m, backend=backend, **kwargs))
+    return fn(problem.q, problem.cache, problem.meta)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", GPU_CASES, ids=_case_id)
+def test_matches_xla(case, prebuilt):
+    """Unequal lengths, a padding sequence (no tokens, no keys) in the middle, a decode with no
+    keys, padding sequences and tokens at the end; this small batch runs XQA's multi-CTA split
+    (semaphores + scratch)."""
+    seed = int(np.random.SeedSequence().entropy % 2**32)
+    rng = np.random.default_rng(seed)
+    q_lens = [1] * 5 + [0] + [1, 1]
+    kv_lens = [int(n) for n in rng.integers(1, 700, size=5)] + [0] + [0, 1]
+    problem = _problem(case, rng, kv_lens, q_lens=q_lens)
+    kwargs = _kwargs(case, rng)
+    out = _run("trtllm", problem, **kwargs)
+    ref = _run("xla", problem, **kwargs)
+    assert out.shape == ref.shape and out.dtype == ref.dtype
+    token_kv_lens = [n for n, q in zip(kv_lens, q_lens) if q]           # tokens in sequence order
+    rows = np.flatnonzero(np.asarray(token_kv_lens) > 0)
+    assert rel_error(out[rows], ref[rows]) < TOLERANCE[case[1]], f"seed {seed}"
+    dead = np.setdiff1d(np.arange(out.shape[0]), rows)
+    assert not np.asarray(out[dead].astype(jnp.float32)).any(), f"padding rows not zero (seed {seed})"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("batch", [1, 3, 64, 256])
+def test_batch_sizes(batch, prebuilt):
+    case = GPU_CASES[0]
+    seed = int(np.random.SeedSequence().entropy % 2**32)
+    rng = np.random.default_rng(seed)
+    kv_lens = [int(n) for n in rng.integers(1, 300 if batch > 64 else 2000, size=batch)]
+    problem = _problem(case, rng, kv_lens, pad_seqs=0, pad_tokens=0)
+    assert rel_error(_run("trtllm", problem), _run("xla", problem)) < TOLERANCE["bfloat16"], f"seed {seed}"
+
+
+def _flashinfer_decode(problem, case, kwargs):
+    """flashinfer's trtllm_batch_decode_with_kv_cache(backend="xqa") in torch on the same buffers."""
+    torch = pytest.importorskip("torch")
+    flashinfer = pytest.importorskip("flashinfer")
+    cache, meta = problem.cache, problem.meta
+    as_torch = lambda x: torch.from_dlpack(x)                                    # noqa: E731
+    k, v = as_torch(cache.k_pages), as_torch(cache.v_pages)
+    scale = 1 / math.sqrt(problem.q.shape[2])
+    bmm1, bmm2 = scale, 1.0
+    if cache.is_fp8:
+        bmm1, bmm2 = scale * float(cache.k_scale), float(cache.v_scale)
+    workspace = torch.zeros(256 << 20, dtype=torch.uint8, device="cuda")
+    window = kwargs.get("sliding_window")
+    sinks = kwargs.get("sinks")
+    out = flashinfer.decode.trtllm_batch_decode_with_kv_cache(
+        as_torch(problem.q), (k, v), workspace, as_torch(meta.block_tables), as_torch(meta.kv_lens),
+        int(np.max(np.asarray(meta.kv_lens))), bmm1_scale=bmm1, bmm2_scale=bmm2,
+        window_left=-1 if window is None else window - 1,
+        sinks=None if sinks is None else as_torch(sinks), kv_layout=case[2], backend="xqa")
+    torch.cuda.synchronize()
+    return jnp.asarray(np.asarray(out.float().cpu()))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", [GPU_CASES[0], GPU_CASES[3], GPU_CASES[5]], ids=_case_id)
+@pytest.mark.parametrize("batch", [2, 64])
+def test_matches_flashinfer_xqa(case, batch, prebuilt):
+    """Same kernel, same split: agreement to rounding of the final output."""
+    seed = int(np.random.SeedSequence().entropy % 2**32)
+    rng = np.random.default_rng(seed)
+    problem = _problem(case, rng, [int(n) for n in rng.integers(1, 3000, size=batch)], pad_seqs=0, pad_tokens=0)
+    kwargs = _kwargs(case, rng)
+    expected = _flashinfer_decode(problem, case, kwargs)
+    assert rel_error(_run("trtllm", problem, **kwargs), expected) < 2e-3, f"seed {seed}"
+
+
+_GRAPH_SCRIPT = textwrap.dedent("""
+    import ctypes, glob, sys
+    import jax, jax.numpy as jnp, numpy as np
+    import jaxattn
+    from jaxattn.backends import _xqa_build
+    from tests.paged_inputs import make_problem
+
+    rng = np.random.default_rng(0)
+    problem = make_problem(rng, q_lens=[1] * 8, kv_lens=[int(n) for n in rng.integers(1, 500, 8)],
+                           num_q_heads=32, num_kv_heads=8, head_dim=128, page_size=64, dtype=jnp.bfloat16,
+                           pad_seqs=0, pad_tokens=0, max_q_len=1)
+
+    @jax.jit
+    def step(q, cache, meta):
+        q = jnp.tanh(q) * 2                       # a few ops around the call, as in a decode step
+        out = jaxattn.paged_attention(q, cache, meta, backend="trtllm")
+        return jnp.sin(out * 3 + 1).sum(axis=-1)
+
+    calls = 6
+    for i in range(calls):
+        q = problem.q + i                         # fresh buffers every call
+        step(q, problem.cache, problem.meta).block_until_ready()
+    lib = _xqa_build.load(_xqa_build.Variant("bfloat16", "bfloat16", 64, 128, 4, False)).library
+    lib.jaxattn_xqa_host_executions.restype = ctypes.c_int64
+    print("HOST_EXECUTIONS", lib.jaxattn_xqa_host_executions(), "CALLS", calls)
+""")
+
+
+@pytest.mark.gpu
+def test_command_buffer_capture(tmp_path, prebuilt):
+    """XLA records the custom call into a CUDA graph (kCommandBuffer in the thunk dump) and
+    replays it: the handler's host code runs only when XLA (re)records, not on every call."""
+    env = dict(os.environ, XLA_FLAGS=f"--xla_dump_to={tmp_path} --xla_dump_hlo_as_text")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    result = subprocess.run([sys.executable, "-c", _GRAPH_SCRIPT], env=env, cwd=root,
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+    line = next(l for l in result.stdout.splitlines() if l.startswith("HOST_EXECUTIONS"))
+    executions, calls = int(line.split()[1]), int(line.split()[3])
+    dumps = [p for p in tmp_path.iterdir() if p.name.endswith("thunk_sequence_after_thunk_passes.txt")]
+    text = "\n".join(p.read_text() for p in dumps if "jaxattn_xqa" in p.read_text())
+    print(text[-3000:])
+    assert "kCommandBuffer" in text, "the step was not captured into a command buffer"
+    assert 0 < executions < calls, f"host execute ran {executions} times for {calls} calls"
