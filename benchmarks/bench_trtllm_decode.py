@@ -1,0 +1,363 @@
+"""Paged decode, side by side on one GPU: jaxattn's trtllm (XQA) backend vs its peers on the same data.
+
+    python -m benchmarks.bench_trtllm_decode [--quick] [--budget-s 240]
+
+Rows (bf16, Hq=32, Hkv=8, D=128, page 64, HND pages in a randomly permuted pool that JAX and
+torch share through dlpack, every sequence at the case's kv_len):
+  * jaxattn ``backend="trtllm"`` (jitted): R decodes chained through their outputs (q <- out) in
+    one jit, which XLA captures into one command buffer. Time per decode = (t(2R) - t(R)) / R
+    of wall-clock medians, so dispatch and sync cancel. The per-call output masking is counted;
+    the token -> sequence / page-table preparation depends only on the metadata and is shared by
+    the R calls, as by the layers of a model step.
+  * flashinfer ``trtllm_batch_decode_with_kv_cache(backend="xqa")`` (torch, the same XQA kernel,
+    its default PDL setting) and ``BatchDecodeWithPagedKVCacheWrapper`` (fa2): R calls in a
+    CUDA graph, timed with CUDA events, (t(2R) - t(R)) / R likewise.
+  * jaxattn ``backend="xla"`` (gather + attention): median wall time of single jitted calls.
+  * device copy bandwidth: torch device-to-device copy of 4 GiB, (read + write bytes) / time.
+TB/s counts the K and V bytes each decode must read. Writes the trtllm section of
+benchmarks/RESULTS.md (and a copy under $OUT when set).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import math
+import os
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+
+# JAX and torch share the GPU (and the cache, through dlpack): leave torch room for workspaces.
+os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.7")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+import jaxattn  # noqa: E402
+
+HQ, HKV, D, PAGE = 32, 8, 128, 64
+DTYPE = jnp.bfloat16
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "RESULTS.md")
+BEGIN, END = "<!-- trtllm-decode:begin -->", "<!-- trtllm-decode:end -->"
+PEERS = ("jaxattn trtllm", "flashinfer xqa", "flashinfer fa2", "jaxattn xla")
+KEY_CASE = (64, 4096)
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    batch: int
+    kv_len: int
+
+    @property
+    def kv_bytes(self) -> int:
+        return 2 * self.batch * self.kv_len * HKV * D * jnp.dtype(DTYPE).itemsize
+
+    def __str__(self) -> str:
+        return f"B={self.batch} kv={self.kv_len}"
+
+
+SWEEP = [Case(*KEY_CASE)] + [Case(b, n) for b in (1, 8, 64, 256) for n in (512, 4096, 32768)
+                             if (b, n) != KEY_CASE]
+QUICK = [Case(*KEY_CASE), Case(1, 512), Case(256, 32768)]
+
+
+@dataclasses.dataclass
+class Inputs:
+    q: jax.Array
+    cache: jaxattn.KVCache
+    meta: jaxattn.AttentionMetadata
+
+
+def make_inputs(case: Case, seed: int = 0) -> Inputs:
+    rng = np.random.default_rng(seed)
+    pages_per_seq = -(-case.kv_len // PAGE)
+    num_pages = 1 + case.batch * pages_per_seq
+    tables = rng.permutation(np.arange(1, num_pages)).reshape(case.batch, pages_per_seq).astype(np.int32)
+    k1, k2, k3 = jax.random.split(jax.random.key(seed), 3)
+    shape = (num_pages, HKV, PAGE, D)
+    cache = jaxattn.KVCache(jax.random.normal(k1, shape, DTYPE), jax.random.normal(k2, shape, DTYPE), layout="HND")
+    q = jax.random.normal(k3, (case.batch, HQ, D), DTYPE)
+    meta = jaxattn.AttentionMetadata(
+        cu_q_lens=jnp.arange(case.batch + 1, dtype=jnp.int32),
+        kv_lens=jnp.full((case.batch,), case.kv_len, jnp.int32),
+        block_tables=jnp.asarray(tables),
+        num_decodes=jnp.int32(case.batch),
+        max_q_len=1,
+    )
+    return Inputs(q, cache, meta)
+
+
+def repeats_for(case: Case, rate: float = 3e12, target_s: float = 3e-3) -> int:
+    """Decodes per timed call: enough work to dwarf a launch."""
+    return int(min(64, max(2, math.ceil(target_s / (case.kv_bytes / rate)))))
+
+
+def _difference(run_r, run_2r, repeats: int, trials: int) -> float:
+    """Seconds per call from interleaved medians of R and 2R calls."""
+    t_r, t_2r = [], []
+    for _ in range(trials):
+        t_r.append(run_r())
+        t_2r.append(run_2r())
+    per_call = (statistics.median(t_2r) - statistics.median(t_r)) / repeats
+    return per_call if per_call > 0 else statistics.median(t_2r) / (2 * repeats)
+
+
+def time_trtllm(x: Inputs, repeats: int, trials: int = 7) -> tuple[float, jax.Array]:
+    """Seconds per decode of jaxattn trtllm, and one call's output."""
+
+    def chain(r):
+        @jax.jit
+        def run(q, cache, meta):
+            for _ in range(r):
+                q = jaxattn.paged_attention(q, cache, meta, backend="trtllm")
+            return q
+        return run
+
+    one, short, long = chain(1), chain(repeats), chain(2 * repeats)
+    out = one(x.q, x.cache, x.meta).block_until_ready()
+
+    def timed(fn):
+        def run():
+            start = time.perf_counter()
+            fn(x.q, x.cache, x.meta).block_until_ready()
+            return time.perf_counter() - start
+        for _ in range(3):
+            run()
+        return run
+
+    return _difference(timed(short), timed(long), repeats, trials), out
+
+
+def time_xla(x: Inputs, trials: int = 5) -> tuple[float, jax.Array]:
+    fn = jax.jit(lambda q, c, m: jaxattn.paged_attention(q, c, m, backend="xla"))
+    out = fn(x.q, x.cache, x.meta).block_until_ready()
+    times = []
+    for _ in range(trials):
+        start = time.perf_counter()
+        fn(x.q, x.cache, x.meta).block_until_ready()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times), out
+
+
+def time_torch(fn, repeats: int, trials: int = 7) -> tuple[float, str]:
+    """Seconds per call of ``fn`` (warmed up): CUDA graphs of R and 2R calls, else eager."""
+    import torch
+
+    def graph_of(r):
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(r):
+                fn()
+        return graph.replay
+
+    try:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            fn()
+        torch.cuda.current_stream().wait_stream(side)
+        runs, mode = (graph_of(repeats), graph_of(2 * repeats)), "graph"
+    except Exception as err:  # a peer that cannot be captured is timed eagerly
+        print(f"    (CUDA graph capture failed: {str(err)[:160]}; timing eagerly)")
+
+        def eager(r):
+            def run():
+                for _ in range(r):
+                    fn()
+            return run
+        runs, mode = (eager(repeats), eager(2 * repeats)), "eager"
+
+    def timed(run):
+        def measure():
+            start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            run()
+            stop.record()
+            stop.synchronize()
+            return start.elapsed_time(stop) * 1e-3
+        measure()
+        return measure
+
+    return _difference(timed(runs[0]), timed(runs[1]), repeats, trials), mode
+
+
+def flashinfer_runners(case: Case, x: Inputs) -> dict:
+    """name -> zero-argument callable returning the output tensor [B, Hq, D]."""
+    import torch
+    import flashinfer
+
+    q = torch.from_dlpack(x.q)
+    k = torch.from_dlpack(x.cache.k_pages)
+    v = torch.from_dlpack(x.cache.v_pages)
+    tables = torch.from_dlpack(x.meta.block_tables)
+    lens = torch.from_dlpack(x.meta.kv_lens)
+    dev = q.device
+    workspace = torch.zeros(256 << 20, dtype=torch.uint8, device=dev)
+    scale = 1 / math.sqrt(D)
+
+    def xqa(enable_pdl=None):
+        return lambda: flashinfer.decode.trtllm_batch_decode_with_kv_cache(
+            q, (k, v), workspace, tables, lens, case.kv_len, bmm1_scale=scale, bmm2_scale=1.0,
+            kv_layout="HND", backend="xqa", enable_pdl=enable_pdl)
+
+    pages_per_seq = tables.shape[1]
+    indptr = torch.arange(case.batch + 1, dtype=torch.int32, device=dev) * pages_per_seq
+    last = torch.full((case.batch,), (case.kv_len - 1) % PAGE + 1, dtype=torch.int32, device=dev)
+    fa2_workspace = torch.zeros(128 << 20, dtype=torch.uint8, device=dev)
+    wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(fa2_workspace, "HND")
+    wrapper.plan(indptr, tables.reshape(-1), last, HQ, HKV, D, PAGE, q_data_type=torch.bfloat16)
+    return {"flashinfer xqa": xqa(), "flashinfer xqa, PDL off": xqa(False),
+            "flashinfer fa2": lambda: wrapper.run(q, (k, v))}
+
+
+def copy_bandwidth(gib: int = 4, trials: int = 9) -> float:
+    """Device-to-device copy rate in bytes/s, counting bytes read plus bytes written."""
+    import torch
+
+    src = torch.randint(0, 255, (gib << 30,), dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    times = []
+    for _ in range(trials):
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src)
+        stop.record()
+        stop.synchronize()
+        times.append(start.elapsed_time(stop) * 1e-3)
+    del src, dst
+    torch.cuda.empty_cache()
+    return 2 * (gib << 30) / statistics.median(times)
+
+
+def rel_error(x, ref) -> float:
+    x = np.asarray(jnp.asarray(x).astype(jnp.float32), np.float64)
+    ref = np.asarray(jnp.asarray(ref).astype(jnp.float32), np.float64)
+    return float(np.linalg.norm(x - ref) / np.linalg.norm(ref))
+
+
+def bench_case(case: Case, with_xla: bool) -> dict:
+    import torch
+
+    x = make_inputs(case)
+    repeats = repeats_for(case)
+    row = {"case": case, "seconds": {}, "notes": []}
+    row["seconds"]["jaxattn trtllm"], out = time_trtllm(x, repeats)
+    try:
+        runners = flashinfer_runners(case, x)
+    except Exception as err:
+        runners = {}
+        row["notes"].append(f"flashinfer setup failed: {err!r}"[:200])
+    for name, fn in runners.items():
+        try:
+            peer = fn()
+            torch.cuda.synchronize()
+            if name == "flashinfer xqa":
+                row["notes"].append(f"jaxattn vs flashinfer xqa rel err {rel_error(out, jnp.asarray(peer.float().cpu().numpy())):.1e}")
+            row["seconds"][name], mode = time_torch(fn, repeats)
+            if mode != "graph":
+                row["notes"].append(f"{name} timed eagerly")
+        except Exception as err:
+            row["notes"].append(f"{name} failed: {err!r}"[:300])
+            traceback.print_exc(limit=2)
+    if with_xla:
+        try:
+            row["seconds"]["jaxattn xla"], ref = time_xla(x)
+            row["notes"].append(f"trtllm vs xla rel err {rel_error(out, ref):.1e}")
+        except Exception as err:
+            row["notes"].append(f"xla failed: {err!r}"[:200])
+    return row
+
+
+def device_name() -> str:
+    try:
+        return subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"],
+                              capture_output=True, text=True, check=True).stdout.strip().splitlines()[0]
+    except (OSError, subprocess.CalledProcessError, IndexError):
+        return jax.devices()[0].device_kind
+
+
+def table(rows: list[dict], copy_rate: float) -> str:
+    head = ("| case | " + " | ".join(f"{p} us (TB/s)" for p in PEERS)
+            + " | trtllm / fi-xqa | trtllm / fa2 | trtllm / xla | trtllm / copy |")
+    lines = [head, "|" + "---|" * (len(PEERS) + 5)]
+    for row in rows:
+        sec, case = row["seconds"], row["case"]
+        cells = [f"{sec[p] * 1e6:.1f} ({case.kv_bytes / sec[p] / 1e12:.2f})" if p in sec else "-" for p in PEERS]
+        ours = sec.get("jaxattn trtllm")
+        ratios = [f"{sec[p] / ours:.3f}" if ours and p in sec else "-"
+                  for p in ("flashinfer xqa", "flashinfer fa2", "jaxattn xla")]
+        ratios.append(f"{case.kv_bytes / ours / copy_rate:.2f}" if ours else "-")
+        lines.append(f"| {case} | " + " | ".join(cells + ratios) + " |")
+    return "\n".join(lines)
+
+
+def write_results(rows: list[dict], copy_rate: float, command: str) -> str:
+    pdl = [f"{r['case']}: {r['seconds']['flashinfer xqa, PDL off'] * 1e6:.1f}" for r in rows
+           if "flashinfer xqa, PDL off" in r["seconds"]]
+    text = "\n".join([
+        BEGIN,
+        "## TRTLLM / XQA paged decode (`backend=\"trtllm\"`)",
+        "",
+        f"- device: {device_name()}; jax {jax.__version__}; flashinfer-python XQA sources, SM90 generic kernel (mha.cu)",
+        f"- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC; command: `{command}`",
+        f"- bf16, Hq={HQ}, Hkv={HKV}, D={D}, page {PAGE}, HND, randomly permuted pool, every sequence at kv_len.",
+        f"- device copy bandwidth (read + write, torch D2D copy of 4 GiB): {copy_rate / 1e12:.2f} TB/s.",
+        "- time per decode (median; see the benchmark's docstring); TB/s = K+V bytes read / time;",
+        "  ratios are speed ratios (peer time / jaxattn trtllm time: > 1 means jaxattn is faster);",
+        "  trtllm / copy = jaxattn's KV read rate over the copy rate.",
+        "",
+        table(rows, copy_rate),
+        "",
+        "flashinfer xqa with PDL off, us: " + ", ".join(pdl) + ".",
+        "",
+        "Notes: " + "; ".join(f"{r['case']}: " + ", ".join(r["notes"]) for r in rows if r["notes"]),
+        END,
+    ])
+    old = open(RESULTS).read() if os.path.exists(RESULTS) else "# Benchmark results\n"
+    if BEGIN in old and END in old:
+        new = old[:old.index(BEGIN)] + text + old[old.index(END) + len(END):]
+    else:
+        new = old.rstrip("\n") + "\n\n" + text + "\n"
+    with open(RESULTS, "w") as f:
+        f.write(new)
+    if os.environ.get("OUT"):
+        with open(os.path.join(os.environ["OUT"], "trtllm_decode_results.md"), "w") as f:
+            f.write(text + "\n")
+    return text
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="three cases only")
+    parser.add_argument("--budget-s", type=float, default=240.0, help="stop starting new cases after this")
+    parser.add_argument("--xla-max-tokens", type=int, default=64 * 4096, help="skip the xla backend above B * kv_len")
+    args = parser.parse_args()
+    reason = jaxattn.backends.unavailable_reason("trtllm")
+    if reason:
+        sys.exit(f"backend trtllm unavailable: {reason}")
+    copy_rate = copy_bandwidth()
+    print(f"device copy bandwidth: {copy_rate / 1e12:.2f} TB/s", flush=True)
+    start, rows = time.time(), []
+    for case in QUICK if args.quick else SWEEP:
+        if time.time() - start > args.budget_s:
+            print(f"budget of {args.budget_s:.0f}s spent; skipping {case}")
+            continue
+        try:
+            row = bench_case(case, with_xla=case.batch * case.kv_len <= args.xla_max_tokens)
+        except Exception:  # e.g. out of memory: report the others
+            traceback.print_exc(limit=3)
+            continue
+        rows.append(row)
+        print(case, {k: f"{v * 1e6:.1f}us" for k, v in row["seconds"].items()}, row["notes"], flush=True)
+    command = "python -m benchmarks.bench_trtllm_decode " + " ".join(sys.argv[1:])
+    print(write_results(rows, copy_rate, command.strip()))
+
+
+if __name__ == "__main__":
+    main()
