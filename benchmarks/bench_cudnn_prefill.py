@@ -1,0 +1,313 @@
+"""Paged prefill, side by side on one GPU: jaxattn's cuDNN backend vs its peers on the same data.
+
+    python -m benchmarks.bench_cudnn_prefill [--quick] [--budget-s 240]
+
+Rows: jaxattn ``backend="cudnn"`` (jitted), flashinfer ``cudnn_batch_prefill_with_kv_cache``
+(torch, the same cuDNN kernel), flashinfer ``BatchPrefillWithPagedKVCacheWrapper`` (fa3 on
+SM90) and jaxattn ``backend="xla"``. Causal (bottom-right) prefill, bf16, Hq=32, Hkv=8, D=128,
+page 64, HND pages in a randomly permuted pool shared by JAX and torch (dlpack, no copies).
+
+Timing, compile and graph builds excluded, median of repeats after warm-up:
+  * JAX: one jitted call runs R dependent prefills back to back (unrolled, so XLA captures them
+    into one command buffer); time per prefill = wall time of the call / R. The chain adds one
+    tiny fusion per prefill; jaxattn's own length/offset preparation is counted.
+  * torch: R calls captured in a CUDA graph (eager if capture fails), timed with CUDA events.
+TFLOP/s count 4 * D * Hq * (visible query-key pairs). Writes the table into the cuDNN section of
+benchmarks/RESULTS.md (and $OUT when set).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import math
+import os
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+
+# JAX and torch share the GPU: leave torch (flashinfer workspaces, fa3) room.
+os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.6")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+import jaxattn  # noqa: E402
+from jaxattn import _ffi_cudnn  # noqa: E402
+
+HQ, HKV, D, PAGE = 32, 8, 128, 64
+DTYPE = jnp.bfloat16
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "RESULTS.md")
+BEGIN, END = "<!-- cudnn-prefill:begin -->", "<!-- cudnn-prefill:end -->"
+PEERS = ("jaxattn cudnn", "flashinfer cudnn", "flashinfer fa3", "jaxattn xla")
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    batch: int
+    q_len: int      # new tokens per sequence
+    kv_len: int     # total tokens per sequence (context + new)
+
+    @property
+    def flops(self) -> float:
+        pairs = self.q_len * self.kv_len - self.q_len * (self.q_len - 1) / 2
+        return 4.0 * D * HQ * pairs * self.batch
+
+    def __str__(self) -> str:
+        ctx = "" if self.q_len == self.kv_len else f" over {self.kv_len}"
+        return f"B={self.batch} x {self.q_len}{ctx}"
+
+
+SWEEP = [Case(8, 4096, 4096), Case(1, 512, 512), Case(1, 2048, 2048), Case(1, 8192, 8192), Case(4, 1024, 1024),
+         Case(4, 4096, 4096), Case(8, 512, 512), Case(8, 2048, 2048), Case(16, 1024, 1024), Case(16, 2048, 2048),
+         Case(4, 300, 1200)]
+QUICK = [Case(8, 4096, 4096), Case(1, 512, 512), Case(4, 300, 1200)]
+
+
+@dataclasses.dataclass
+class Inputs:
+    q: jax.Array
+    cache: jaxattn.KVCache
+    meta: jaxattn.AttentionMetadata
+
+
+def make_inputs(case: Case, seed: int = 0) -> Inputs:
+    rng = np.random.default_rng(seed)
+    pages_per_seq = -(-case.kv_len // PAGE)
+    num_pages = 1 + case.batch * pages_per_seq
+    tables = rng.permutation(np.arange(1, num_pages)).reshape(case.batch, pages_per_seq).astype(np.int32)
+    key = jax.random.key(seed)
+    k1, k2, k3 = jax.random.split(key, 3)
+    shape = (num_pages, HKV, PAGE, D)
+    cache = jaxattn.KVCache(jax.random.normal(k1, shape, DTYPE), jax.random.normal(k2, shape, DTYPE), layout="HND")
+    q = jax.random.normal(k3, (case.batch * case.q_len, HQ, D), DTYPE)
+    meta = jaxattn.AttentionMetadata(
+        cu_q_lens=jnp.arange(case.batch + 1, dtype=jnp.int32) * case.q_len,
+        kv_lens=jnp.full((case.batch,), case.kv_len, jnp.int32),
+        block_tables=jnp.asarray(tables),
+        num_decodes=jnp.zeros((), jnp.int32),
+        max_q_len=case.q_len,
+    )
+    return Inputs(q, cache, meta)
+
+
+def repeats_for(case: Case, rate: float = 4e14, target_s: float = 2e-3) -> int:
+    """Prefills per timed call: enough work to hide one dispatch."""
+    return int(min(32, max(1, math.ceil(target_s / (case.flops / rate)))))
+
+
+def time_jax(x: Inputs, backend: str, repeats: int, trials: int = 7) -> tuple[float, jax.Array]:
+    """Seconds per prefill of a jitted chain of `repeats` dependent prefills."""
+
+    @jax.jit
+    def chain(q, cache, meta, zero):
+        out = None
+        for _ in range(repeats):
+            step_meta = dataclasses.replace(meta, kv_lens=meta.kv_lens + zero)
+            out = jaxattn.paged_attention(q, cache, step_meta, backend=backend)
+            zero = (out[0, 0, 0] * 0).astype(jnp.int32)
+        return out
+
+    zero = jnp.zeros((), jnp.int32)
+    out = chain(x.q, x.cache, x.meta, zero).block_until_ready()
+    chain(x.q, x.cache, x.meta, zero).block_until_ready()
+    times = []
+    for _ in range(trials):
+        start = time.perf_counter()
+        chain(x.q, x.cache, x.meta, zero).block_until_ready()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) / repeats, out
+
+
+def time_torch(fn, repeats: int, trials: int = 7) -> tuple[float, str]:
+    """Seconds per call of `fn` (already warmed up): CUDA graph of `repeats` calls, else eager."""
+    import torch
+
+    mode = "graph"
+    try:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            fn()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(repeats):
+                fn()
+        run = graph.replay
+        run()
+    except Exception as err:  # a peer that cannot be captured is timed eagerly
+        print(f"    (CUDA graph capture failed: {str(err)[:160]}; timing eagerly)")
+        mode = "eager"
+
+        def run():
+            for _ in range(repeats):
+                fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(trials):
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        run()
+        stop.record()
+        stop.synchronize()
+        times.append(start.elapsed_time(stop) * 1e-3)
+    return statistics.median(times) / repeats, mode
+
+
+def flashinfer_runners(case: Case, x: Inputs):
+    """name -> zero-argument callable returning the output tensor [T, Hq, D]."""
+    import torch
+    import flashinfer
+    from flashinfer.cudnn.prefill import cudnn_batch_prefill_with_kv_cache
+
+    q = torch.from_dlpack(x.q)
+    k = torch.from_dlpack(x.cache.k_pages)
+    v = torch.from_dlpack(x.cache.v_pages)
+    tables = torch.from_dlpack(x.meta.block_tables)
+    dev = q.device
+    b = case.batch
+    seq_q = torch.full((b, 1, 1, 1), case.q_len, dtype=torch.int32, device=dev)
+    seq_kv = torch.full((b, 1, 1, 1), case.kv_len, dtype=torch.int32, device=dev)
+    indptr = torch.arange(b + 1, dtype=torch.int32, device=dev) * case.q_len
+    scale = 1 / math.sqrt(D)
+    workspace = torch.zeros(256 << 20, dtype=torch.uint8, device=dev)
+    runners = {}
+
+    def cudnn_call():
+        return cudnn_batch_prefill_with_kv_cache(
+            q, k, v, scale, workspace, max_token_per_sequence=case.q_len, max_sequence_kv=case.kv_len,
+            actual_seq_lens_q=seq_q, actual_seq_lens_kv=seq_kv, block_tables=tables, causal=True,
+            return_lse=False, batch_offsets_q=indptr, batch_offsets_o=indptr, batch_offsets_units="tokens",
+            is_cuda_graph_compatible=True)[0]
+    runners["flashinfer cudnn"] = cudnn_call
+
+    pages_per_seq = tables.shape[1]
+    kv_indptr = torch.arange(b + 1, dtype=torch.int32, device=dev) * pages_per_seq
+    last = torch.full((b,), (case.kv_len - 1) % PAGE + 1, dtype=torch.int32, device=dev)
+    fa3_workspace = torch.zeros(256 << 20, dtype=torch.uint8, device=dev)
+    wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(fa3_workspace, "HND", backend="fa3")
+    wrapper.plan(indptr, kv_indptr, tables.reshape(-1), last, HQ, HKV, D, PAGE, causal=True,
+                 q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16)
+    runners["flashinfer fa3"] = lambda: wrapper.run(q, (k, v))
+    return runners
+
+
+def rel_error(x, ref) -> float:
+    x = np.asarray(jnp.asarray(x).astype(jnp.float32), np.float64)
+    ref = np.asarray(jnp.asarray(ref).astype(jnp.float32), np.float64)
+    return float(np.linalg.norm(x - ref) / np.linalg.norm(ref))
+
+
+def bench_case(case: Case, with_xla: bool) -> dict:
+    import torch
+
+    x = make_inputs(case)
+    repeats = repeats_for(case)
+    row = {"case": str(case), "flops": case.flops, "seconds": {}, "notes": []}
+    seconds, out = time_jax(x, "cudnn", repeats)
+    row["seconds"]["jaxattn cudnn"] = seconds
+    out_torch = torch.from_dlpack(out)
+    try:
+        runners = flashinfer_runners(case, x)
+    except Exception as err:
+        runners = {}
+        row["notes"].append(f"flashinfer setup failed: {err!r}"[:200])
+    for name, fn in runners.items():
+        try:
+            peer_out = fn()
+            torch.cuda.synchronize()
+            err = (peer_out.float() - out_torch.float()).norm() / peer_out.float().norm()
+            row["notes"].append(f"{name} vs jaxattn rel err {err.item():.1e}")
+            row["seconds"][name], mode = time_torch(fn, repeats)
+            if mode != "graph":
+                row["notes"].append(f"{name} timed eagerly")
+        except Exception as err:
+            row["notes"].append(f"{name} failed: {err!r}"[:300])
+            traceback.print_exc(limit=2)
+    if with_xla:
+        try:
+            row["seconds"]["jaxattn xla"], ref = time_jax(x, "xla", 1, trials=3)
+            row["notes"].append(f"cudnn vs xla rel err {rel_error(out, ref):.1e}")
+        except Exception as err:
+            row["notes"].append(f"xla failed: {err!r}"[:200])
+    return row
+
+
+def device_name() -> str:
+    try:
+        return subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"],
+                              capture_output=True, text=True, check=True).stdout.strip().splitlines()[0]
+    except (OSError, subprocess.CalledProcessError, IndexError):
+        return jax.devices()[0].device_kind
+
+
+def table(rows: list[dict]) -> str:
+    head = ("| case | " + " | ".join(f"{p} us (TFLOP/s)" for p in PEERS)
+            + " | cudnn / fi-cudnn | cudnn / fa3 |")
+    lines = [head, "|" + "---|" * (len(PEERS) + 3)]
+    for row in rows:
+        sec = row["seconds"]
+        cells = [f"{sec[p] * 1e6:.0f} ({row['flops'] / sec[p] / 1e12:.0f})" if p in sec else "-" for p in PEERS]
+        ours = sec.get("jaxattn cudnn")
+        ratios = [f"{sec[p] / ours:.3f}" if ours and p in sec else "-" for p in ("flashinfer cudnn", "flashinfer fa3")]
+        lines.append(f"| {row['case']} | " + " | ".join(cells + ratios) + " |")
+    return "\n".join(lines)
+
+
+def write_results(rows: list[dict], command: str) -> str:
+    lib = _ffi_cudnn
+    text = "\n".join([
+        BEGIN,
+        "## cuDNN paged prefill (`backend=\"cudnn\"`)",
+        "",
+        f"- device: {device_name()}; cuDNN {lib.format_version(lib.cudnn_version() or 0)}, jax {jax.__version__}",
+        f"- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC; command: `{command}`",
+        f"- bf16, causal (bottom-right), Hq={HQ}, Hkv={HKV}, D={D}, page {PAGE}, HND, randomly permuted pool.",
+        "- time per prefill, median; ratios are speed ratios (peer time / jaxattn cudnn time; > 1: jaxattn faster).",
+        "",
+        table(rows),
+        "",
+        "Notes: " + "; ".join(f"{r['case']}: " + ", ".join(r["notes"]) for r in rows if r["notes"]),
+        END,
+    ])
+    old = open(RESULTS).read() if os.path.exists(RESULTS) else "# Benchmark results\n"
+    if BEGIN in old and END in old:
+        new = old[:old.index(BEGIN)] + text + old[old.index(END) + len(END):]
+    else:
+        new = old.rstrip("\n") + "\n\n" + text + "\n"
+    with open(RESULTS, "w") as f:
+        f.write(new)
+    if os.environ.get("OUT"):
+        with open(os.path.join(os.environ["OUT"], "cudnn_prefill_results.md"), "w") as f:
+            f.write(text + "\n")
+    return text
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="three cases only")
+    parser.add_argument("--budget-s", type=float, default=240.0, help="stop starting new cases after this")
+    parser.add_argument("--xla-max-tokens", type=int, default=16384, help="skip the xla backend above this")
+    args = parser.parse_args()
+    reason = jaxattn.backends.unavailable_reason("cudnn")
+    if reason:
+        sys.exit(f"backend cudnn unavailable: {reason}")
+    start, rows = time.time(), []
+    for case in QUICK if args.quick else SWEEP:
+        if time.time() - start > args.budget_s:
+            print(f"budget of {args.budget_s:.0f}s spent; skipping {case}")
+            continue
+        row = bench_case(case, with_xla=case.batch * case.q_len <= args.xla_max_tokens)
+        rows.append(row)
+        print(case, {k: f"{v * 1e6:.0f}us" for k, v in row["seconds"].items()}, row["notes"], flush=True)
+    command = "python -m benchmarks.bench_cudnn_prefill " + " ".join(sys.argv[1:])
+    print(write_results(rows, command.strip()))
+
+
+if __name__ == "__main__":
+    main()

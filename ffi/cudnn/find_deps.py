@@ -1,0 +1,46 @@
+"""Locates the headers the cuDNN paged-prefill handler builds against.
+
+Run by CMake with the interpreter of the build. Prints ``NAME=PATH`` lines for what it finds:
+  xla_ffi_include         jaxlib/include (xla/ffi/api/ffi.h), from the jaxlib that will load the handler
+  cudnn_include           nvidia/cudnn/include (cudnn.h), from the nvidia-cudnn-cu13 wheel JAX loads
+  cudnn_frontend_include  include/ (cudnn_frontend.h) of the nvidia-cudnn-frontend wheel
+  nvrtc_include           nvidia/cu13/include (nvrtc.h; cudnn-frontend includes it), from nvidia-cuda-nvrtc
+The installation's own site-packages (sysconfig) come first, so an isolated pip build still builds
+against the packages installed next to jaxattn rather than newer ones in its build environment.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import sysconfig
+
+WANTED = {
+    "xla_ffi_include": ("jaxlib/include", "xla/ffi/api/ffi.h"),
+    "cudnn_include": ("nvidia/cudnn/include", "cudnn.h"),
+    "cudnn_frontend_include": ("include", "cudnn_frontend.h"),
+    "nvrtc_include": ("nvidia/cu13/include", "nvrtc.h"),
+}
+
+
+def search_roots() -> list[str]:
+    roots = [sysconfig.get_paths()[key] for key in ("platlib", "purelib")] + sys.path
+    unique = []
+    for root in roots:
+        if root and os.path.isdir(root) and root not in unique:
+            unique.append(root)
+    return unique
+
+
+def main() -> None:
+    roots = search_roots()
+    for name, (folder, marker) in WANTED.items():
+        for root in roots:
+            path = os.path.join(root, folder)
+            if os.path.isfile(os.path.join(path, marker)):
+                print(f"{name}={path}")
+                break
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,132 @@
+"""The ``cudnn`` backend: cuDNN's paged SDPA (cudnn-frontend graph) as a typed XLA FFI custom call.
+
+Packed ragged queries ``[T, Hq, D]`` attend over the page pools in place (HND or NHD, expressed
+to cuDNN by strides: the pool is never copied). Query/KV lengths, offsets and page tables are
+device buffers, so one compiled step serves every batch of the same static shapes, and the
+call is captured into XLA command buffers (CUDA graphs). The cuDNN plan is built once per
+configuration and device, at trace time (to size the workspace output) and in the handler's
+initialize stage; execute only binds pointers.
+
+Supported: bfloat16/float16 q and pages, GQA/MQA, bottom-right causal or no mask, sliding
+windows, sinks (cuDNN >= 9.13), head_dim a multiple of 8 up to 256, power-of-2 page sizes.
+Not supported (ValueError): float32, FP8 pages, softcap.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxattn import _ffi_cudnn
+from jaxattn.backends.base import AttentionParams
+from jaxattn.kv_cache import KVCache
+from jaxattn.metadata import AttentionMetadata
+
+NAME = "cudnn"
+DTYPES = ("bfloat16", "float16")
+MAX_HEAD_DIM = 256
+MIN_SINKS_VERSION = 91300
+_WHERE = "paged_attention(backend='cudnn')"
+_DTYPE_CODES = {jnp.dtype(jnp.bfloat16): 0, jnp.dtype(jnp.float16): 1}
+_LAYOUT_CODES = {"HND": 0, "NHD": 1}
+
+
+def unavailable_reason() -> str | None:
+    return _ffi_cudnn.unavailable_reason()
+
+
+def check_supported(q: jax.Array, cache: KVCache, meta: AttentionMetadata, params: AttentionParams) -> None:
+    """Raises ValueError naming the parameter this backend cannot run, and what it supports."""
+    if jnp.dtype(q.dtype) not in _DTYPE_CODES:
+        raise ValueError(f"{_WHERE}: q.dtype {q.dtype} is not supported; supported: {DTYPES}")
+    if cache.is_fp8:
+        raise ValueError(f"{_WHERE}: cache dtype {cache.dtype} is not supported (cuDNN's FP8 SDPA with a "
+                         f"bottom-right causal mask needs Blackwell); supported page dtypes: {DTYPES}")
+    if params.softcap is not None:
+        raise ValueError(f"{_WHERE}: softcap={params.softcap} is not supported: cuDNN applies a logit soft "
+                         f"cap only through a score modifier, which excludes the padding and causal masks "
+                         f"that paged attention needs; supported: softcap=None (use backend='xla')")
+    head_dim = q.shape[2]
+    if head_dim % 8 or head_dim > MAX_HEAD_DIM:
+        raise ValueError(f"{_WHERE}: head_dim={head_dim} is not supported; supported: multiples of 8 "
+                         f"up to {MAX_HEAD_DIM}")
+    page_size = cache.page_size
+    if page_size & (page_size - 1):
+        raise ValueError(f"{_WHERE}: page_size={page_size} is not supported; supported: powers of 2")
+    if q.shape[0] * q.shape[1] * head_dim >= 2**31:
+        raise ValueError(f"{_WHERE}: T * Hq * D = {q.shape[0] * q.shape[1] * head_dim} elements is not "
+                         f"supported (int32 ragged offsets); supported: T * Hq * D < 2**31")
+    version = _ffi_cudnn.cudnn_version()
+    if params.has_sinks and version is not None and version < MIN_SINKS_VERSION:
+        raise ValueError(f"{_WHERE}: sinks need cuDNN >= {_ffi_cudnn.format_version(MIN_SINKS_VERSION)}, "
+                         f"this is cuDNN {_ffi_cudnn.format_version(version)}")
+
+
+def attention(q: jax.Array, cache: KVCache, meta: AttentionMetadata, params: AttentionParams,
+              sinks: jax.Array | None) -> jax.Array:
+    """``q: [T, Hq, D]`` -> ``[T, Hq, D]`` in ``q.dtype``."""
+    return _paged_prefill(q, cache, meta, params, sinks, return_lse=False)[0]
+
+
+def attention_with_lse(q: jax.Array, cache: KVCache, meta: AttentionMetadata, params: AttentionParams,
+                       sinks: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+    """Like ``attention``, plus the log-sum-exp of each query row's scaled logits.
+
+    Returns:
+      out: ``[T, Hq, D]`` in ``q.dtype``.
+      lse: float32 ``[B, Hq, Q]`` (Q = ``meta.max_q_len`` or T), natural log; ``lse[b, h, r]``
+        belongs to the r-th query token of sequence b; rows past its query length and
+        sequences with no keys hold ``-inf``.
+    """
+    check_supported(q, cache, meta, params)
+    return _paged_prefill(q, cache, meta, params, sinks, return_lse=True)
+
+
+def _paged_prefill(q: jax.Array, cache: KVCache, meta: AttentionMetadata, params: AttentionParams,
+                   sinks: jax.Array | None, return_lse: bool) -> tuple[jax.Array, jax.Array | None]:
+    num_tokens, num_q_heads, head_dim = q.shape
+    batch, pages_per_seq = meta.block_tables.shape
+    max_q = num_tokens if meta.max_q_len is None else min(meta.max_q_len, num_tokens)
+    seq_width = pages_per_seq * cache.page_size
+
+    # Lengths as cuDNN takes them: queries bounded by max_q (as the xla reference does) and by
+    # the tokens that exist, keys by the block tables' width; offsets in elements.
+    q_start = jnp.clip(meta.cu_q_lens[:-1], 0, num_tokens)
+    seq_len_q = jnp.clip(jnp.minimum(meta.q_lens, num_tokens - q_start), 0, max_q)
+    seq_len_kv = jnp.clip(meta.kv_lens, 0, seq_width)
+    ragged_offsets = jnp.clip(meta.cu_q_lens, 0, num_tokens) * (num_q_heads * head_dim)
+    tables = meta.block_tables
+    tables = jnp.where((tables >= 0) & (tables < cache.num_pages), tables, 0)
+
+    config = dict(
+        dtype=_DTYPE_CODES[jnp.dtype(q.dtype)],
+        batch=batch,
+        num_tokens=num_tokens,
+        num_q_heads=num_q_heads,
+        num_kv_heads=cache.num_kv_heads,
+        head_dim=head_dim,
+        num_pages=cache.num_pages,
+        page_size=cache.page_size,
+        pages_per_seq=pages_per_seq,
+        layout=_LAYOUT_CODES[cache.layout],
+        max_q_len=max_q,
+        scale=np.float32(params.scale),
+        causal=params.causal,
+        sliding_window=params.sliding_window or 0,
+        has_sinks=sinks is not None,
+        return_lse=return_lse,
+    )
+    workspace = _ffi_cudnn.workspace_size(config)
+    result_types = [jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((workspace,), jnp.uint8)]
+    if return_lse:
+        result_types.append(jax.ShapeDtypeStruct((batch, num_q_heads, max_q), jnp.float32))
+    args = [q, cache.k_pages, cache.v_pages, seq_len_q, seq_len_kv, ragged_offsets, tables]
+    if sinks is not None:
+        args.append(sinks.astype(jnp.float32))
+    results = jax.ffi.ffi_call(_ffi_cudnn.TARGET, result_types)(*args, **config)
+    if not return_lse:
+        return results[0], None
+    rows = jnp.arange(max_q, dtype=jnp.int32)
+    has_row = (rows[None, :] < seq_len_q[:, None]) & (seq_len_kv > 0)[:, None]      # [B, Q]
+    return results[0], jnp.where(has_row[:, None, :], results[2], -jnp.inf)
