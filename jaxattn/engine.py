@@ -1,0 +1,192 @@
+"""A small continuous-batching generation engine over a paged KV cache.
+
+The host loop admits requests, schedules chunked prefill and decodes, and releases finished
+sequences. Each step is one jitted function of (model state, donated KV caches, donated page
+table) that frees finished sequences, allocates pages, writes K/V and runs attention in every
+layer. Only two step shapes exist (decode-only, and mixed decode + prefill chunk), so a serving
+loop compiles twice and then replays.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+import sys
+import time
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+import jaxattn
+from jaxattn.models.llama import Llama, forward_paged
+
+
+@dataclasses.dataclass
+class Request:
+    id: int
+    prompt: np.ndarray                      # int32[L]
+    max_new_tokens: int
+    output: list[int] = dataclasses.field(default_factory=list)
+    slot: int = -1                          # sequence id in the page table while running
+    prefilled: int = 0                      # prompt tokens already in the cache
+
+    @property
+    def done(self) -> bool:
+        return len(self.output) >= self.max_new_tokens
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "max_q_len", "backend"), donate_argnames=("caches", "table"))
+def engine_step(graphdef: nnx.GraphDef, state: nnx.State, caches: list[jaxattn.KVCache], table: jaxattn.PageTable,
+                release_ids: jax.Array, tokens: jax.Array, seq_ids: jax.Array, q_lens: jax.Array, *,
+                max_q_len: int, backend: str):
+    """Frees ``release_ids``, appends ``q_lens`` tokens to sequences ``seq_ids`` (int32[B],
+    decodes first, -1 padding; ``tokens`` int32[T] packed) and returns (greedy next token per
+    row int32[B], ok bool[B], caches, table)."""
+    model = nnx.merge(graphdef, state)
+    table = table.release(release_ids)
+    table, ok = table.extend(seq_ids, table.seq_lens[jnp.maximum(seq_ids, 0)] + q_lens)
+    q_lens = jnp.where(ok, q_lens, 0)
+    meta = table.metadata(seq_ids, q_lens, max_q_len=max_q_len)
+    slots = table.slot_mapping(seq_ids, q_lens, tokens.shape[0])
+    hidden, caches = forward_paged(model, tokens, caches, meta, slots, backend)
+    last = jnp.maximum(meta.cu_q_lens[1:] - 1, 0)
+    next_tokens = jnp.argmax(model.logits(hidden[last]), axis=-1).astype(jnp.int32)
+    return next_tokens, ok, caches, table
+
+
+class Engine:
+    """Greedy generation for many requests with a fixed number of sequence slots.
+
+    Args:
+      model: the decoder.
+      max_seqs: sequences in flight (the static batch B).
+      max_seq_len: longest prompt + generation a request may have.
+      page_size, layout, kv_dtype: KV cache shape; ``num_pages`` defaults to enough for
+        ``max_seqs`` sequences of ``max_seq_len``.
+      chunk_size: prompt tokens per step (the mixed step has ``max_seqs + chunk_size`` tokens).
+      backend: ``paged_attention`` backend.
+    """
+
+    def __init__(self, model: Llama, *, max_seqs: int, max_seq_len: int, page_size: int = 16,
+                 num_pages: int | None = None, chunk_size: int = 256, backend: str = "auto",
+                 layout: str = "HND", kv_dtype=None):
+        if chunk_size < 1 or max_seqs < 1 or max_seq_len < 1:
+            raise ValueError("Engine: chunk_size, max_seqs and max_seq_len must be >= 1")
+        self.model = model
+        self.graphdef, self.state = nnx.split(model)
+        self.max_seqs, self.max_seq_len, self.chunk_size, self.backend = max_seqs, max_seq_len, chunk_size, backend
+        self.page_size = page_size
+        pages_per_seq = -(-max_seq_len // page_size)
+        num_pages = num_pages or 1 + max_seqs * pages_per_seq
+        self.caches = model.init_caches(num_pages, page_size, layout, kv_dtype)
+        self.table = jaxattn.PageTable.create(num_pages, max_seqs, pages_per_seq, page_size)
+        self._unreserved_pages = num_pages - 1     # host view: pages not promised to a running request
+        self._free_slots = list(range(max_seqs - 1, -1, -1))
+        self._to_release: list[int] = []
+        self.waiting: collections.deque[Request] = collections.deque()
+        self.running: list[Request] = []
+        self._next_id = 0
+
+    def add_request(self, prompt, max_new_tokens: int) -> Request:
+        prompt = np.asarray(prompt, np.int32).reshape(-1)
+        if not 1 <= prompt.size or prompt.size + max_new_tokens > self.max_seq_len or max_new_tokens < 1:
+            raise ValueError(f"Engine.add_request: need a non-empty prompt, max_new_tokens >= 1 and "
+                             f"len(prompt) + max_new_tokens <= max_seq_len={self.max_seq_len}, "
+                             f"got {prompt.size} + {max_new_tokens}")
+        request = Request(self._next_id, prompt, max_new_tokens)
+        self._next_id += 1
+        self.waiting.append(request)
+        return request
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def _pages(self, request: Request) -> int:
+        return -(-(request.prompt.size + request.max_new_tokens) // self.page_size)
+
+    def _admit(self) -> None:
+        while self.waiting and self._free_slots and self._pages(self.waiting[0]) <= self._unreserved_pages:
+            request = self.waiting.popleft()
+            request.slot = self._free_slots.pop()
+            self._unreserved_pages -= self._pages(request)
+            self.running.append(request)
+
+    def step(self) -> list[Request]:
+        """Runs one engine step; returns the requests that finished in it."""
+        self._admit()
+        decodes = [r for r in self.running if r.prefilled == r.prompt.size]
+        rows = [(r, [r.output[-1]]) for r in decodes]
+        budget = self.chunk_size
+        for r in self.running:
+            if r.prefilled < r.prompt.size and budget > 0:
+                chunk = r.prompt[r.prefilled:r.prefilled + budget]
+                rows.append((r, chunk.tolist()))
+                budget -= len(chunk)
+        mixed = len(rows) > len(decodes)
+        num_tokens = self.max_seqs + self.chunk_size if mixed else self.max_seqs
+        tokens = np.zeros(num_tokens, np.int32)
+        seq_ids = np.full(self.max_seqs, -1, np.int32)
+        q_lens = np.zeros(self.max_seqs, np.int32)
+        release = np.full(self.max_seqs, -1, np.int32)
+        release[: len(self._to_release)] = self._to_release
+        offset = 0
+        for i, (r, toks) in enumerate(rows):
+            seq_ids[i], q_lens[i] = r.slot, len(toks)
+            tokens[offset:offset + len(toks)] = toks
+            offset += len(toks)
+        next_tokens, ok, self.caches, self.table = engine_step(
+            self.graphdef, self.state, self.caches, self.table, jnp.asarray(release), jnp.asarray(tokens),
+            jnp.asarray(seq_ids), jnp.asarray(q_lens), max_q_len=self.chunk_size if mixed else 1,
+            backend=self.backend)
+        self._to_release = []
+        next_tokens, ok = np.asarray(next_tokens), np.asarray(ok)
+        if not ok[: len(rows)].all():
+            raise RuntimeError("Engine: page allocation failed for a reserved request (allocator bug)")
+        finished = []
+        for i, (r, toks) in enumerate(rows):
+            if r.prefilled < r.prompt.size:
+                r.prefilled += len(toks)
+                if r.prefilled < r.prompt.size:
+                    continue
+            r.output.append(int(next_tokens[i]))
+            if r.done:
+                finished.append(r)
+        for r in finished:
+            self.running.remove(r)
+            self._free_slots.append(r.slot)
+            self._to_release.append(r.slot)
+            self._unreserved_pages += self._pages(r)
+        return finished
+
+    def run(self, on_step: Callable[[int, int], None] | None = None) -> list[Request]:
+        """Steps until every request is done; ``on_step(done, total)`` after each step."""
+        total = len(self.waiting) + len(self.running)
+        done: list[Request] = []
+        while self.has_work:
+            done += self.step()
+            if on_step:
+                on_step(len(done), total)
+        return sorted(done, key=lambda r: r.id)
+
+
+def progress_bar(width: int = 30) -> Callable[[int, int], None]:
+    """A one-line progress bar on stderr: requests done / total, elapsed time."""
+    start = time.perf_counter()
+    interactive = sys.stderr.isatty()
+
+    def show(done: int, total: int) -> None:
+        if not interactive and done < total:
+            return
+        filled = width * done // max(total, 1)
+        sys.stderr.write(f"\r  [{'#' * filled}{'.' * (width - filled)}] {done}/{total} requests "
+                         f"{time.perf_counter() - start:6.1f}s")
+        if done == total:
+            sys.stderr.write("\n")
+        sys.stderr.flush()
+
+    return show
