@@ -297,7 +297,8 @@ def main() -> None:
     reason = jaxattn.backends.unavailable_reason("cudnn")
     if reason:
         sys.exit(f"backend cudnn unavailable: {reason}")
-    start, rows = time.time(), []
+    command = " ".join(["python -m benchmarks.bench_cudnn_prefill"] + sys.argv[1:])
+    start, rows, text = time.time(), [], ""
     for case in QUICK if args.quick else SWEEP:
         if time.time() - start > args.budget_s:
             print(f"budget of {args.budget_s:.0f}s spent; skipping {case}")
@@ -305,8 +306,8 @@ def main() -> None:
         row = bench_case(case, with_xla=case.batch * case.q_len <= args.xla_max_tokens)
         rows.append(row)
         print(case, {k: f"{v * 1e6:.0f}us" for k, v in row["seconds"].items()}, row["notes"], flush=True)
-    command = "python -m benchmarks.bench_cudnn_prefill " + " ".join(sys.argv[1:])
-    print(write_results(rows, command.strip()))
+        text = write_results(rows, command)   # after every case: a cut-off run keeps what it measured
+    print(text)
 
 
 if __name__ == "__main__":
