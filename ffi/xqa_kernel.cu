@@ -82,13 +82,17 @@ Workspace workspace_layout(uint32_t sm_count, uint32_t batch, uint32_t num_kv_he
 }
 
 void init_current_device() {
-  // hostSmemSize is the kernel source's own load-time query of sizeof(SharedMem); it is wrong
-  // when no device was usable at dlopen.
-  if (hostSmemSize != sizeof(SharedMem)) {
-    throw std::runtime_error("XQA kernel setup at library load failed (no usable CUDA device?)");
+  // The kernel's shared memory size is a device-side constant (its layout depends on
+  // __CUDA_ARCH__). The source queries it once at dlopen into hostSmemSize, which every launch
+  // uses; check that query against this device before raising the kernel's limit here.
+  uint32_t device_smem = 0;
+  checkCuda(cudaMemcpyFromSymbol(&device_smem, smemSize, sizeof(smemSize)));
+  if (device_smem != hostSmemSize) {
+    throw std::runtime_error("XQA's load-time shared-memory query gave " + std::to_string(hostSmemSize) +
+                             " bytes, the device reports " + std::to_string(device_smem));
   }
   checkCuda(cudaFuncSetAttribute(kernel_mha, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                 static_cast<int>(sizeof(SharedMem))));
+                                 static_cast<int>(device_smem)));
 }
 
 void launch(LaunchArgs const& a) {
