@@ -1,0 +1,220 @@
+"""End-to-end decode step of a jitted Llama-3-8B-shaped model (random bf16 weights, fewer layers),
+with page allocation, KV writes and attention for every layer in one jitted engine step.
+
+    python -m benchmarks.bench_e2e [--layers 8] [--batches 1,16,64,128] [--contexts 1024,4096,16384]
+                                   [--backends auto,triton,xla] [--budget-s 500]
+
+For each backend x batch x context (every sequence at that context, decode-only steps):
+  * step time: median over timed steps of one ``engine_step`` call each (dispatch + device,
+    synchronized per step), after warm-up; tokens/s = batch / step time;
+  * host time: median time for the call to return before synchronizing (with XLA command
+    buffers the host only launches graphs);
+  * bookkeeping: the same step with only the page table work and KV writes (no model), as a
+    share of the step;
+  * roofline: bytes a step must read (weights + KV of every layer) over the device copy
+    bandwidth measured in the same run (4 GiB device-to-device copy, read + write bytes).
+Writes the e2e section of benchmarks/RESULTS.md and ``e2e.json`` (under $OUT when set) for
+``python -m benchmarks.plot_e2e``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import functools
+import json
+import os
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+import jaxattn
+from jaxattn.attention import backend_for
+from jaxattn.engine import engine_step
+from jaxattn.models.llama import PRESETS, Llama
+
+PAGE = 64
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "RESULTS.md")
+BEGIN, END = "<!-- e2e:begin -->", "<!-- e2e:end -->"
+
+
+def copy_bandwidth(nbytes: int = 4 << 30, trials: int = 10) -> float:
+    """Device copy bandwidth in bytes/s, counting bytes read plus bytes written."""
+    x = jnp.ones((nbytes // 4,), jnp.float32)
+    copy = jax.jit(lambda a: a * 1.0000001)
+    copy(x).block_until_ready()
+    times = []
+    for _ in range(trials):
+        t0 = time.perf_counter()
+        copy(x).block_until_ready()
+        times.append(time.perf_counter() - t0)
+    return 2 * nbytes / statistics.median(times)
+
+
+@functools.partial(jax.jit, donate_argnames=("caches", "table"))
+def bookkeeping_step(caches, table, seq_ids, q_lens, k):
+    """The page table work and KV writes of a step, without the model: [T, Hkv, D] tokens per layer."""
+    table = table.release(jnp.full_like(seq_ids, -1))
+    table, ok = table.extend(seq_ids, table.seq_lens[seq_ids] + q_lens)
+    meta = table.metadata(seq_ids, q_lens, max_q_len=1)
+    slots = table.slot_mapping(seq_ids, q_lens, k.shape[0])
+    caches = [c.write(k, k, slots) for c in caches]
+    return meta.kv_lens, caches, table
+
+
+def fill(model: Llama, batch: int, context: int, steps: int, seed: int):
+    """Caches with random KV, and a table where every sequence holds ``context - 1`` tokens."""
+    pages_per_seq = -(-(context + steps) // PAGE)
+    num_pages = 1 + batch * pages_per_seq
+    caches = model.init_caches(num_pages, PAGE, "HND")
+    key = jax.random.key(seed)
+    caches = [jaxattn.KVCache(jax.random.normal(k1, c.k_pages.shape, c.dtype),
+                              jax.random.normal(k2, c.v_pages.shape, c.dtype), layout=c.layout)
+              for c, (k1, k2) in zip(caches, jax.random.split(key, (len(caches), 2)))]
+    table = jaxattn.PageTable.create(num_pages, batch, pages_per_seq, PAGE)
+    ids = jnp.arange(batch, dtype=jnp.int32)
+    table, ok = jax.jit(jaxattn.PageTable.extend)(table, ids, jnp.full((batch,), context - 1, jnp.int32))
+    assert bool(ok.all())
+    return caches, table
+
+
+def time_steps(fn, state, steps: int) -> tuple[float, float, object]:
+    """Median step time and median host (dispatch) time over ``steps`` synchronized steps."""
+    step_times, host_times = [], []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        out = fn(state)
+        t1 = time.perf_counter()
+        jax.block_until_ready(out)
+        t2 = time.perf_counter()
+        step_times.append(t2 - t0)
+        host_times.append(t1 - t0)
+        state = out
+    return statistics.median(step_times), statistics.median(host_times), state
+
+
+def run_case(model: Llama, backend: str, batch: int, context: int, steps: int, bandwidth: float) -> dict:
+    cfg = model.cfg
+    graphdef, params = nnx.split(model)
+    caches, table = fill(model, batch, context, 2 * steps + 4, seed=batch + context)
+    ids = jnp.arange(batch, dtype=jnp.int32)
+    ones = jnp.ones((batch,), jnp.int32)
+    no_release = jnp.full((batch,), -1, jnp.int32)
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, cfg.vocab_size, size=batch), jnp.int32)
+    q = jnp.zeros((batch, cfg.num_q_heads, cfg.head_dim), cfg.dtype)
+    meta = table.metadata(ids, ones, max_q_len=1)
+    plan = str(backend_for(q, caches[0], meta, backend=backend))
+
+    def model_step(state):
+        tok, caches, table = state
+        tok, ok, caches, table = engine_step(graphdef, params, caches, table, no_release, tok, ids, ones,
+                                             max_q_len=1, backend=backend)
+        return tok, caches, table
+
+    state = (tokens, caches, table)
+    for _ in range(3):
+        state = jax.block_until_ready(model_step(state))
+    step_s, host_s, state = time_steps(model_step, state, steps)
+    _, caches, table = state
+
+    k = jnp.zeros((batch, cfg.num_kv_heads, cfg.head_dim), cfg.dtype)
+
+    def book_step(state):
+        _, caches, table = state
+        return bookkeeping_step(caches, table, ids, ones, k)
+
+    state = jax.block_until_ready(book_step((None, caches, table)))
+    book_s, _, state = time_steps(book_step, state, steps)
+    del state
+
+    weight_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params)) \
+        - cfg.vocab_size * cfg.dim * jnp.dtype(cfg.dtype).itemsize + batch * cfg.dim * 2   # embed: B rows
+    kv_bytes = 2 * cfg.num_layers * batch * context * cfg.num_kv_heads * cfg.head_dim * jnp.dtype(cfg.dtype).itemsize
+    roofline_s = (weight_bytes + kv_bytes) / bandwidth
+    return dict(backend=backend, plan=plan, batch=batch, context=context, step_ms=step_s * 1e3, host_ms=host_s * 1e3,
+                tokens_per_s=batch / step_s, bookkeeping_ms=book_s * 1e3, bookkeeping_share=book_s / step_s,
+                weight_gb=weight_bytes / 1e9, kv_gb=kv_bytes / 1e9, roofline_ms=roofline_s * 1e3,
+                roofline_share=roofline_s / step_s)
+
+
+def fits(cfg, batch: int, context: int, free_bytes: float) -> bool:
+    kv = 2 * cfg.num_layers * batch * (context + 64) * cfg.num_kv_heads * cfg.head_dim * 2
+    gather = 2 * batch * context * cfg.num_kv_heads * cfg.head_dim * 2   # the xla backend's per-layer gather
+    return kv + 2 * gather < 0.8 * free_bytes
+
+
+def write_results(rows: list[dict], header: str) -> None:
+    lines = [BEGIN, header, "",
+             "| backend (decode plan) | batch | context | step ms | tokens/s | vs xla | host ms | "
+             "bookkeeping | roofline ms | % of roofline |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    xla = {(r["batch"], r["context"]): r["step_ms"] for r in rows if r["backend"] == "xla"}
+    for r in rows:
+        ratio = xla.get((r["batch"], r["context"]))
+        lines.append(f"| {r['backend']} ({r['plan']}) | {r['batch']} | {r['context']} | {r['step_ms']:.2f} | "
+                     f"{r['tokens_per_s']:,.0f} | {'%.2fx' % (ratio / r['step_ms']) if ratio else '-'} | "
+                     f"{r['host_ms']:.2f} | {100 * r['bookkeeping_share']:.1f}% | {r['roofline_ms']:.2f} | "
+                     f"{100 * r['roofline_share']:.0f}% |")
+    lines.append(END)
+    text = open(RESULTS).read() if os.path.exists(RESULTS) else "# Benchmark results\n"
+    if BEGIN in text:
+        text = text[: text.index(BEGIN)] + "\n".join(lines) + text[text.index(END) + len(END):]
+    else:
+        text = text.rstrip() + "\n\n## End-to-end decode step\n\n" + "\n".join(lines) + "\n"
+    with open(RESULTS, "w") as f:
+        f.write(text)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--preset", default="llama3-8b")
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--batches", default="1,16,64,128")
+    parser.add_argument("--contexts", default="1024,4096,16384")
+    parser.add_argument("--backends", default="auto,triton,xla")
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--budget-s", type=float, default=480, help="stop starting new cases after this")
+    args = parser.parse_args()
+    start = time.perf_counter()
+    cfg = PRESETS[args.preset].replace(num_layers=args.layers)
+    model = Llama(cfg, nnx.Rngs(0))
+    device = jax.devices()[0]
+    bandwidth = copy_bandwidth()
+    print(f"{device.device_kind}: copy bandwidth {bandwidth / 1e12:.2f} TB/s (read + write)", flush=True)
+    stats = device.memory_stats() or {}
+    free = stats.get("bytes_limit", 80e9) - stats.get("bytes_in_use", 0)
+    rows = []
+    for backend in args.backends.split(","):
+        reason = None if backend == "auto" else jaxattn.backends.unavailable_reason(backend)
+        if reason:
+            print(f"skip {backend}: {reason}", flush=True)
+            continue
+        for batch in map(int, args.batches.split(",")):
+            for context in map(int, args.contexts.split(",")):
+                if time.perf_counter() - start > args.budget_s:
+                    print(f"time budget reached: skip {backend} B={batch} ctx={context}", flush=True)
+                    continue
+                if not fits(cfg, batch, context, free):
+                    print(f"skip {backend} B={batch} ctx={context}: KV does not fit", flush=True)
+                    continue
+                row = run_case(model, backend, batch, context, args.steps, bandwidth)
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+    out_dir = os.environ.get("OUT", ".")
+    with open(os.path.join(out_dir, "e2e.json"), "w") as f:
+        json.dump(dict(device=device.device_kind, bandwidth=bandwidth, layers=cfg.num_layers, rows=rows), f, indent=1)
+    header = (f"Device: {device.device_kind}; date {datetime.date.today()}; jax {jax.__version__}; "
+              f"model {args.preset} shapes with {cfg.num_layers} layers, {cfg.dtype}, page {PAGE}, HND; copy bandwidth "
+              f"{bandwidth / 1e12:.2f} TB/s (read + write), measured in the same run.\n"
+              f"Command: `python -m benchmarks.bench_e2e --layers {args.layers} --batches {args.batches} "
+              f"--contexts {args.contexts} --backends {args.backends}`")
+    write_results(rows, header)
+    print(open(RESULTS).read().split(BEGIN)[1].split(END)[0])
+
+
+if __name__ == "__main__":
+    main()
