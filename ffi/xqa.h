@@ -20,12 +20,13 @@ struct VariantInfo {
   uint32_t hopper_kernel;  // mha_sm90.cu (TMA + GMMA) rather than mha.cu
 };
 
-// Byte layout of the workspace output: [semaphores | pad | scratch].
-// Semaphores must be zero when the kernel starts; the kernel leaves them zero.
+// What one launch needs besides its operands. Both are zero in single-CTA-per-sequence mode.
+// Semaphores must be zero when the kernel starts and the kernel leaves them zero, so one zeroed
+// array per device serves every launch on it; only the multi-CTA split uses them, and it needs at
+// most sm_count of them (it splits a sequence only while batch * num_kv_heads <= sm_count / 2).
 struct Workspace {
-  uint64_t semaphore_bytes;
-  uint64_t scratch_offset;
-  uint64_t total_bytes;
+  uint64_t semaphore_count;
+  uint64_t scratch_bytes;
 };
 
 struct LaunchArgs {
@@ -54,7 +55,8 @@ struct LaunchArgs {
 VariantInfo variant_info();
 
 // Workspace the kernel needs for this launch shape, mirroring the launch function's split
-// count and the kernel's scratch segmentation. Throws std::overflow_error past 32-bit offsets.
+// count and the kernel's scratch segmentation. Throws std::overflow_error past 32-bit offsets
+// and std::logic_error if the semaphore count would exceed sm_count.
 Workspace workspace_layout(uint32_t sm_count, uint32_t batch, uint32_t num_kv_heads,
                            uint32_t max_pages_per_seq);
 

@@ -96,12 +96,13 @@ class Kernel:
         return self.variant.target_name
 
     def workspace_bytes(self, sm_count: int, batch: int, num_kv_heads: int, max_pages_per_seq: int) -> int:
-        """Bytes of semaphores + scratch for one launch; ValueError past XQA's 32-bit offsets."""
+        """Scratch bytes of one launch (0 unless XQA splits sequences over CTAs); ValueError past
+        XQA's 32-bit offsets."""
         n = self.library.jaxattn_xqa_workspace_bytes(sm_count, batch, num_kv_heads, max_pages_per_seq)
         if n < 0:
             raise ValueError(f"paged_attention: backend 'trtllm': the XQA scratch for batch={batch}, "
-                             f"num_kv_heads={num_kv_heads}, max_pages_per_seq={max_pages_per_seq} "
-                             f"exceeds the kernel's 32-bit offsets; use a smaller batch or fewer pages")
+                             f"num_kv_heads={num_kv_heads}, max_pages_per_seq={max_pages_per_seq} on "
+                             f"{sm_count} SMs exceeds the kernel's 32-bit offsets; use fewer pages per sequence")
         return n
 
     def variant_info(self) -> dict[str, int]:
