@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -139,11 +140,15 @@ def dot_product_attention_reference(problem: Problem, *, scale=None, sliding_win
             v = jnp.concatenate([v, jnp.zeros_like(v[:1])])
             mask = jnp.concatenate([mask, jnp.ones_like(mask[..., :1])], axis=-1)
             bias = jnp.zeros(mask.shape, jnp.float32).at[..., -1].set(jnp.asarray(sinks)[:, None])[None]
-        o = jax.nn.dot_product_attention(q[None, start:start + ql], k[None], v[None], bias=bias,
-                                         mask=mask[None], scale=scale)
+        o = _dot_product_attention(q[None, start:start + ql], k[None], v[None], bias, mask[None], scale)
         out[start:start + ql] = np.asarray(o[0])
         start += ql
     return out
+
+
+@functools.partial(jax.jit, static_argnums=5)
+def _dot_product_attention(q, k, v, bias, mask, scale):
+    return jax.nn.dot_product_attention(q, k, v, bias=bias, mask=mask, scale=scale)
 
 
 def rel_error(x, ref) -> float:

@@ -35,3 +35,33 @@ def test_add_request_errors():
         engine.add_request(np.arange(10), 7)
     with pytest.raises(ValueError, match="non-empty prompt"):
         engine.add_request([], 3)
+
+
+_DECODE_STEP_SCRIPT = """
+import sys
+import jax, jax.numpy as jnp, numpy as np
+from flax import nnx
+from jaxattn.engine import Engine
+from jaxattn.models.llama import PRESETS, Llama
+
+cfg = PRESETS["small"].replace(vocab_size=1024, dim=512, num_layers=2, num_q_heads=8, num_kv_heads=2,
+                               hidden_dim=1024)
+engine = Engine(Llama(cfg, nnx.Rngs(0)), max_seqs=8, max_seq_len=256, page_size=64, chunk_size=64)
+for n in (40, 100, 7):
+    engine.add_request(np.arange(n) % 1000, 12)
+engine.run()
+"""
+
+
+@pytest.mark.gpu
+def test_gpu_decode_step_runs_in_command_buffers(tmp_path):
+    """Every custom call of the jitted decode step (attention in every layer) runs inside an XLA
+    command buffer: none is left to run thunk by thunk."""
+    from tests.xla_dump import run_with_dump, thunk_sequences, top_level_thunks
+    run_with_dump(_DECODE_STEP_SCRIPT, tmp_path)
+    steps = thunk_sequences(tmp_path, "engine_step")
+    assert len(steps) == 2, list(steps)            # the decode-only and the mixed step
+    for name, thunks in steps.items():
+        top = top_level_thunks(thunks)
+        assert "kCommandBuffer" in top, (name, thunks[-3000:])
+        assert "kCustomCall" not in top, (name, top)

@@ -26,6 +26,12 @@ def _dense_next_token(graphdef: nnx.GraphDef, state: nnx.State, tokens: jax.Arra
     return jnp.argmax(model.logits(hidden[length - 1]))
 
 
+@functools.partial(jax.jit, static_argnums=0)
+def _dense_hidden(graphdef: nnx.GraphDef, state: nnx.State, tokens: jax.Array) -> jax.Array:
+    model = nnx.merge(graphdef, state)
+    return model.hidden(tokens, jnp.arange(tokens.shape[0], dtype=jnp.int32), _dense_attend)
+
+
 def dense_greedy(model: Llama, prompt: np.ndarray, new_tokens: int, max_len: int = 64) -> list[int]:
     """Greedy generation that recomputes the whole sequence each step with
     ``jax.nn.dot_product_attention`` (no paging, no cache)."""
@@ -47,10 +53,11 @@ def test_paged_step_matches_dense_forward():
     table, ok = table.extend(ids, q_lens)
     tokens = rng.integers(0, 512, size=sum(lens)).astype(np.int32)
     meta = table.metadata(ids, q_lens, max_q_len=30)
-    hidden, _ = forward_paged(model, jnp.asarray(tokens), caches, meta, table.slot_mapping(ids, q_lens, sum(lens)),
-                              backend="xla")
+    slots = table.slot_mapping(ids, q_lens, sum(lens))
+    paged = jax.jit(lambda g, s, *a: forward_paged(nnx.merge(g, s), *a, backend="xla"), static_argnums=0)
+    hidden, _ = paged(*nnx.split(model), jnp.asarray(tokens), caches, meta, slots)
     start = 0
     for n in lens:
-        dense = model.hidden(jnp.asarray(tokens[start:start + n]), jnp.arange(n, dtype=jnp.int32), _dense_attend)
+        dense = _dense_hidden(*nnx.split(model), jnp.asarray(tokens[start:start + n]))
         np.testing.assert_allclose(hidden[start:start + n], dense, rtol=2e-5, atol=2e-5)
         start += n
