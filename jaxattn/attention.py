@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import numbers
 
 import jax
 import jax.numpy as jnp
@@ -169,8 +170,8 @@ def _check_args(q, cache, meta, *, scale=None, causal=True, sliding_window=None,
         raise ValueError(f"{where}: cache must be a jaxattn.KVCache, got {type(cache).__name__}")
     if not isinstance(meta, AttentionMetadata):
         raise ValueError(f"{where}: meta must be a jaxattn.AttentionMetadata, got {type(meta).__name__}")
-    if getattr(q, "ndim", None) != 3:
-        raise ValueError(f"{where}: q must be [T, Hq, D], got shape {getattr(q, 'shape', None)}")
+    if getattr(q, "ndim", None) != 3 or q.shape[0] < 1:
+        raise ValueError(f"{where}: q must be [T, Hq, D] with T >= 1, got shape {getattr(q, 'shape', None)}")
     if not any(q.dtype == jnp.dtype(d) for d in _Q_DTYPES):
         raise ValueError(f"{where}: q.dtype must be float32, bfloat16 or float16, got {q.dtype}")
     num_tokens, num_q_heads, head_dim = q.shape
@@ -183,18 +184,18 @@ def _check_args(q, cache, meta, *, scale=None, causal=True, sliding_window=None,
         raise ValueError(f"{where}: cache pages are {cache.dtype} but q is {q.dtype}; "
                          f"pages must match q.dtype or be float8_e4m3fn")
     _check_metadata(where, meta)
-    if meta.max_q_len is not None and not (isinstance(meta.max_q_len, int) and meta.max_q_len >= 1):
+    if meta.max_q_len is not None and not (_is_int(meta.max_q_len) and meta.max_q_len >= 1):
         raise ValueError(f"{where}: meta.max_q_len must be None or an int >= 1, got {meta.max_q_len!r}")
 
     if scale is None:
         scale = 1.0 / math.sqrt(head_dim)
-    elif not (isinstance(scale, (int, float)) and math.isfinite(scale) and scale > 0):
+    elif not (_is_real(scale) and math.isfinite(scale) and scale > 0):
         raise ValueError(f"{where}: scale must be a positive finite float, got {scale!r}")
     if not isinstance(causal, bool):
         raise ValueError(f"{where}: causal must be a bool, got {causal!r}")
-    if sliding_window is not None and not (isinstance(sliding_window, int) and sliding_window >= 1):
+    if sliding_window is not None and not (_is_int(sliding_window) and sliding_window >= 1):
         raise ValueError(f"{where}: sliding_window must be None or an int >= 1, got {sliding_window!r}")
-    if softcap is not None and not (isinstance(softcap, (int, float)) and math.isfinite(softcap) and softcap > 0):
+    if softcap is not None and not (_is_real(softcap) and math.isfinite(softcap) and softcap > 0):
         raise ValueError(f"{where}: softcap must be None or a positive float, got {softcap!r}")
     if sinks is not None:
         if getattr(sinks, "shape", None) != (num_q_heads,) or not jnp.issubdtype(sinks.dtype, jnp.floating):
@@ -203,10 +204,19 @@ def _check_args(q, cache, meta, *, scale=None, causal=True, sliding_window=None,
     return AttentionParams(
         scale=float(scale),
         causal=causal,
-        sliding_window=sliding_window,
+        sliding_window=None if sliding_window is None else int(sliding_window),
         softcap=None if softcap is None else float(softcap),
         has_sinks=sinks is not None,
     )
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
+def _is_real(x) -> bool:
+    """A static Python or NumPy number (a traced array cannot be a static option)."""
+    return isinstance(x, numbers.Real) and not isinstance(x, bool)
 
 
 def _check_metadata(where: str, meta: AttentionMetadata) -> None:

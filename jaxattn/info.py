@@ -45,12 +45,16 @@ def cuda_library_versions() -> dict[str, str]:
         return {}
     if cuda_versions is None:
         return {}
-    probes = {"cuDNN (loaded)": "cudnn_get_version", "CUDA runtime": "cuda_runtime_get_version",
-              "CUDA driver": "cuda_driver_get_version"}
+    # name -> (probe, decoding of its integer version)
+    probes = {
+        "cuDNN (loaded)": ("cudnn_get_version", lambda v: f"{v // 10000}.{v // 100 % 100}.{v % 100}"),
+        "CUDA runtime": ("cuda_runtime_get_version", lambda v: f"{v // 1000}.{v % 1000 // 10}"),
+        "CUDA driver": ("cuda_driver_get_version", lambda v: f"{v // 1000}.{v % 1000 // 10}"),
+    }
     found = {}
-    for label, fn in probes.items():
+    for label, (fn, decode) in probes.items():
         try:
-            found[label] = str(getattr(cuda_versions, fn)())
+            found[label] = decode(int(getattr(cuda_versions, fn)()))
         except Exception as err:  # a missing library is information, not a failure
             found[label] = f"unavailable ({err})"
     return found

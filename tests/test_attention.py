@@ -37,7 +37,10 @@ def _with(meta: AttentionMetadata, **fields) -> AttentionMetadata:
 q0, cache0, meta0 = _inputs()
 
 BAD_CALLS = [
-    (dict(q=q0[0]), "q must be \\[T, Hq, D\\]"),
+    (dict(q=q0[0]), "q must be \\[T, Hq, D\\] with T >= 1"),
+    (dict(q=q0[:0]), "q must be \\[T, Hq, D\\] with T >= 1"),
+    (dict(scale=jnp.float32(0.1)), "scale must be a positive finite float"),
+    (dict(sliding_window=True), "sliding_window must be None or an int >= 1"),
     (dict(q=q0.astype(jnp.int32)), "q.dtype must be float32, bfloat16 or float16"),
     (dict(q=jnp.zeros((5, 4, 32), jnp.bfloat16)), "q head_dim 32 does not match the cache's head_dim 64"),
     (dict(q=jnp.zeros((5, 3, 64), jnp.bfloat16)), "query heads \\(3\\) must be a multiple of the cache's num_kv_heads \\(2\\)"),
@@ -147,3 +150,9 @@ def test_auto_plans_a_split_when_decode_and_prefill_backends_differ(monkeypatch)
     mixed = attention_module.backend_for(q0, cache0, _with(meta0, max_q_len=4))
     assert mixed == attention_module.Plan("xla", "trtllm") and str(mixed) == "trtllm (decodes) + xla (the rest)"
     assert attention_module.backend_for(q0[:2], cache0, _with(meta0, max_q_len=1)) == attention_module.Plan("trtllm")
+
+
+def test_numpy_scalars_are_accepted_as_static_options():
+    out = jaxattn.paged_attention(q0, cache0, meta0, scale=np.float32(0.2), sliding_window=np.int64(4),
+                                  softcap=np.float64(30.0), backend="xla")
+    assert out.shape == q0.shape
