@@ -12,7 +12,6 @@ BACKENDS: tuple[str, ...] = ("xla", "cudnn", "trtllm", "triton")
 
 # Backends named by the design whose kernels are not in this release yet: what each needs.
 _PENDING: dict[str, str] = {
-    "triton": "the Triton paged-attention kernels",
 }
 
 

@@ -1,0 +1,199 @@
+"""Our Triton paged-attention kernels (``jaxattn.kernels.triton_attention``), launched from JAX.
+
+Launch plans, all inside one jitted call with static grids (everything per-step is read from the
+metadata's device arrays):
+
+* ``launch="split"`` (default): a decode-only step (``meta.max_q_len == 1``) runs the 3D split-KV
+  decode kernel and its reduction; a mixed step runs those for its leading decodes, then the 2D
+  kernel for the rest, writing in place into the same output buffer (aliased).
+* ``launch="single"``: the 2D kernel alone serves every sequence (one launch), for comparison.
+
+Block sizes come from ``decode_config`` / ``prefill_config`` (measured on an H200, see
+``benchmarks/RESULTS.md``), or are passed explicitly. On CPU the kernels run under Triton's
+interpreter (tests only; the registry reports the backend unavailable there).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from jaxattn.backends.base import AttentionParams
+from jaxattn.kv_cache import KVCache
+from jaxattn.metadata import AttentionMetadata
+
+NAME = "triton"
+DTYPES = ("float32", "bfloat16", "float16")
+MIN_HEAD_DIM, MAX_HEAD_DIM = 16, 256
+LAUNCHES = ("split", "single")
+MIN_TRITON = (3, 6)
+_WHERE = "paged_attention: backend 'triton'"
+# Decode programs to aim for when choosing the number of KV segments: about 4 per SM of a 132-SM
+# H100/H200 (B=64, Hkv=8 -> 2 segments: 0.295 ms, on par with XQA; benchmarks/RESULTS.md).
+_DECODE_PROGRAMS = 528
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefillConfig:
+    """2D kernel tiles: ``block_m`` query rows (tokens x heads of one group), ``block_n`` keys."""
+
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeConfig:
+    """3D kernel tiles: ``block_n`` keys per tile, KV split into ``num_segments`` (a power of 2)."""
+
+    block_n: int
+    num_segments: int
+    num_warps: int
+    num_stages: int
+
+
+@functools.cache
+def unavailable_reason() -> str | None:
+    try:
+        import triton
+    except ImportError:
+        return "needs the triton package (pip install 'jaxattn[triton]')"
+    version = tuple(int(x) for x in triton.__version__.split(".")[:2])
+    if version < MIN_TRITON:
+        return f"needs triton >= {'.'.join(map(str, MIN_TRITON))}, found {triton.__version__}"
+    try:
+        jax.devices("gpu")
+    except RuntimeError:
+        return "no CUDA GPU is visible to JAX (on CPU the kernels run only under Triton's interpreter, in tests)"
+    from jax._src.lib import gpu_triton
+    if not hasattr(gpu_triton, "TritonKernelCall"):
+        return "this jaxlib's CUDA plugin has no Triton launcher (jax._src.lib.gpu_triton)"
+    return None
+
+
+def check_supported(q: jax.Array, cache: KVCache, meta: AttentionMetadata, params: AttentionParams) -> None:
+    """ValueError naming the first parameter these kernels cannot take."""
+    del meta, params  # every mask option and batch shape is supported
+    if q.dtype.name not in DTYPES:
+        raise ValueError(f"{_WHERE}: q.dtype must be one of {DTYPES}, got {q.dtype}")
+    if cache.dtype != q.dtype and not cache.is_fp8:
+        raise ValueError(f"{_WHERE}: cache pages must be {q.dtype} (like q) or float8_e4m3fn, got {cache.dtype}")
+    if not MIN_HEAD_DIM <= q.shape[2] <= MAX_HEAD_DIM:
+        raise ValueError(f"{_WHERE}: head_dim must be in {MIN_HEAD_DIM}..{MAX_HEAD_DIM}, got {q.shape[2]}")
+
+
+def decode_config(head_dim: int, batch: int, num_kv_heads: int, max_kv_len: int) -> DecodeConfig:
+    """Decode tiles for this shape (static): enough KV segments to give ~4 programs per SM."""
+    if _interpreting():
+        return DecodeConfig(block_n=16, num_segments=4, num_warps=4, num_stages=1)
+    block_n = 64 if head_dim <= 128 else 32
+    segments = _pow2_ceil(-(-_DECODE_PROGRAMS // (batch * num_kv_heads)))
+    segments = max(1, min(segments, 16, _pow2_ceil(-(-max_kv_len // (4 * block_n)))))
+    return DecodeConfig(block_n=block_n, num_segments=segments, num_warps=4, num_stages=3)
+
+
+def prefill_config(head_dim: int) -> PrefillConfig:
+    """2D kernel tiles for this head dim (static)."""
+    if _interpreting():
+        return PrefillConfig(block_m=16, block_n=16, num_warps=4, num_stages=1)
+    if head_dim <= 128:
+        return PrefillConfig(block_m=128, block_n=64, num_warps=8, num_stages=2)
+    return PrefillConfig(block_m=64, block_n=32, num_warps=8, num_stages=2)
+
+
+def attention(q: jax.Array, cache: KVCache, meta: AttentionMetadata, params: AttentionParams,
+              sinks: jax.Array | None, *, launch: str = "split", decode: DecodeConfig | None = None,
+              prefill: PrefillConfig | None = None) -> jax.Array:
+    """``q: [T, Hq, D]`` -> ``[T, Hq, D]`` in ``q.dtype``; ``launch`` is "split" or "single"."""
+    from jaxattn.kernels import triton_attention as kernels
+    from jaxattn.kernels.triton_call import triton_call
+
+    if launch not in LAUNCHES:
+        raise ValueError(f"{_WHERE}: launch must be one of {LAUNCHES}, got {launch!r}")
+    num_tokens, num_q_heads, head_dim = q.shape
+    batch, width = meta.batch_size, meta.max_pages_per_seq
+    group = num_q_heads // cache.num_kv_heads
+    kv_lens = jnp.clip(meta.kv_lens, 0, width * cache.page_size).astype(jnp.int32)
+    cu = meta.cu_q_lens.astype(jnp.int32)
+    tables = meta.block_tables.astype(jnp.int32)
+    sinks_arg = jnp.zeros((1,), jnp.float32) if sinks is None else sinks.astype(jnp.float32)
+    scales = (jnp.zeros((2,), jnp.float32) if not cache.is_fp8
+              else jnp.stack([cache.k_scale, cache.v_scale]).astype(jnp.float32))
+    strides = _kv_strides(cache)
+    dot_f32 = q.dtype == jnp.float32 or _interpreting()
+    shared = dict(
+        HQ=num_q_heads, G=group, D=head_dim, D_P=_pow2_ceil(head_dim), PAGE=cache.page_size,
+        NUM_PAGES=cache.num_pages, SK_P=strides[0], SK_H=strides[1], SK_T=strides[2], SCALE=float(params.scale),
+        SOFTCAP=float(params.softcap or 0.0), WINDOW=int(params.sliding_window or 0), CAUSAL=params.causal,
+        FP8=cache.is_fp8, DOT_F32=dot_f32, PRECISION="ieee" if dot_f32 else "tf32", T=num_tokens, B=batch,
+        P=width)
+    log_b = (batch + 1).bit_length() + 1
+    out_type = jax.ShapeDtypeStruct(q.shape, q.dtype)
+
+    decode_only = meta.max_q_len == 1 and launch == "split"
+    out = None
+    if launch == "split":
+        if decode_only:
+            num_decodes = jnp.full((1,), batch, jnp.int32)
+        else:
+            leading_ones = jnp.sum(jnp.cumprod((cu[1:] - cu[:-1] == 1).astype(jnp.int32)))
+            num_decodes = jnp.clip(meta.num_decodes, 0, leading_ones).astype(jnp.int32).reshape(1)
+        cfg = decode or decode_config(head_dim, batch, cache.num_kv_heads, width * cache.page_size)
+        nseg = cfg.num_segments
+        seg_acc, seg_ml = triton_call(
+            q, cache.k_pages, cache.v_pages, tables, kv_lens, cu, num_decodes, scales,
+            kernel=kernels.paged_decode_kernel,
+            out_shape=[jax.ShapeDtypeStruct((batch, num_q_heads, nseg, head_dim), jnp.float32),
+                       jax.ShapeDtypeStruct((batch, num_q_heads, nseg, 2), jnp.float32)],
+            grid=(batch, cache.num_kv_heads, nseg), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            BLOCK_H=max(16, _pow2_ceil(group)), BLOCK_N=cfg.block_n, NSEG=nseg,
+            **_subset(shared, "T B P HQ G D D_P PAGE NUM_PAGES SK_P SK_H SK_T SCALE SOFTCAP WINDOW CAUSAL FP8 "
+                              "DOT_F32 PRECISION"))
+        (out,) = triton_call(
+            cu, num_decodes, sinks_arg, scales, seg_acc, seg_ml, kernel=kernels.paged_decode_reduce_kernel,
+            out_shape=[out_type], grid=(num_tokens if decode_only else batch, cache.num_kv_heads), num_warps=4,
+            num_stages=1, LOG_B=log_b, G_P=_pow2_ceil(group), NSEG=nseg, HAS_SINKS=sinks is not None,
+            WRITE_ALL=decode_only, **_subset(shared, "T B HQ G D D_P FP8"))
+        if decode_only:
+            return out
+    else:
+        num_decodes = jnp.zeros((1,), jnp.int32)
+
+    cfg = prefill or prefill_config(head_dim)
+    block_m = max(cfg.block_m, _pow2_ceil(group))
+    rows_per_block = block_m // _pow2_ceil(group)
+    (out,) = triton_call(
+        q, cache.k_pages, cache.v_pages, tables, kv_lens, cu, num_decodes, sinks_arg, scales,
+        num_decodes if out is None else out,
+        kernel=kernels.paged_prefill_kernel, out_shape=[out_type],
+        grid=(num_tokens // rows_per_block + batch + 2, cache.num_kv_heads),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        input_output_aliases=None if out is None else {9: 0},
+        LOG_B=log_b, G_P=_pow2_ceil(group), BLOCK_M=block_m, BLOCK_N=cfg.block_n, HAS_SINKS=sinks is not None,
+        **_subset(shared, "T B P HQ G D D_P PAGE NUM_PAGES SK_P SK_H SK_T SCALE SOFTCAP WINDOW CAUSAL FP8 "
+                          "DOT_F32 PRECISION"))
+    return out
+
+
+def _kv_strides(cache: KVCache) -> tuple[int, int, int]:
+    """Element strides of (page, KV head, token in page) in the page pools."""
+    page, heads, dim = cache.page_size, cache.num_kv_heads, cache.head_dim
+    if cache.layout == "HND":
+        return heads * page * dim, page * dim, dim
+    return page * heads * dim, dim, heads * dim
+
+
+def _subset(values: dict, names: str) -> dict:
+    return {n: values[n] for n in names.split()}
+
+
+def _pow2_ceil(n: int) -> int:
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+def _interpreting() -> bool:
+    return jax.default_backend() == "cpu"

@@ -1,0 +1,1 @@
+"""Kernels written in this repository (Triton), and how they are launched from JAX."""

@@ -1,0 +1,223 @@
+"""The triton backend against the float64 reference and the xla backend.
+
+Without a GPU the kernels run under Triton's interpreter (same launch plans, small tiles), so CI
+checks their numerics; GPU tests cover realistic shapes, every feature, and CUDA-graph capture.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxattn
+from jaxattn import backends
+from jaxattn.backends import xla
+from jaxattn.backends.base import AttentionParams
+from tests.conftest import HAS_GPU
+from tests.paged_inputs import TOLERANCE, make_problem, reference, rel_error
+
+pytest.importorskip("triton", reason="the triton backend's tests need the triton package")
+from jaxattn.backends import triton as tb  # noqa: E402
+
+BF16, FP8 = jnp.bfloat16, jnp.float8_e4m3fn
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _params(head_dim, *, causal=True, sliding_window=None, softcap=None, sinks=None, scale=None):
+    return AttentionParams(scale=scale or 1 / np.sqrt(head_dim), causal=causal, sliding_window=sliding_window,
+                           softcap=softcap, has_sinks=sinks is not None)
+
+
+def _run(problem, *, launch="split", decode=None, prefill=None, sinks=None, **kw):
+    params = _params(problem.q.shape[2], sinks=sinks, **kw)
+    fn = jax.jit(lambda q, c, m, s: tb.attention(q, c, m, params, s, launch=launch, decode=decode, prefill=prefill))
+    return fn(problem.q, problem.cache, problem.meta, sinks)
+
+
+def _check(problem, out, *, sinks=None, tol=None, **kw):
+    ref = reference(problem, sinks=sinks, **kw)
+    tol = tol or TOLERANCE[jnp.dtype(problem.q.dtype)]
+    err = rel_error(out, ref)
+    assert err < tol, err
+    params = _params(problem.q.shape[2], sinks=sinks, **kw)
+    ours = np.asarray(jnp.asarray(out, jnp.float32))
+    theirs = np.asarray(xla.attention(problem.q, problem.cache, problem.meta, params, sinks).astype(jnp.float32))
+    assert rel_error(ours, theirs) < 2 * tol
+    # Padding tokens and empty sequences are exact zeros.
+    n = sum(problem.q_lens)
+    assert not ours[n:].any()
+
+
+# --- kernel numerics (interpreter on CPU, the GPU kernels on a GPU) ------------------------------
+
+MIXED = dict(q_lens=[1, 1, 1, 5, 3, 1], kv_lens=[7, 40, 0, 37, 3, 20])       # 3 decodes, then the rest
+SPEC = dict(q_lens=[1, 1, 3, 2, 4], kv_lens=[9, 30, 24, 33, 4])              # multi-token decodes
+
+
+@pytest.mark.parametrize("launch", tb.LAUNCHES)
+@pytest.mark.parametrize("shape", [MIXED, SPEC, dict(q_lens=[1, 1, 1, 1], kv_lens=[5, 1, 0, 47], max_q_len=1)],
+                         ids=["mixed", "spec_decode", "decode_only"])
+@pytest.mark.parametrize("layout", ["HND", "NHD"])
+def test_batches_and_layouts(launch, shape, layout):
+    problem = make_problem(np.random.default_rng(0), num_q_heads=4, num_kv_heads=2, head_dim=32, page_size=8,
+                           layout=layout, **shape)
+    _check(problem, _run(problem, launch=launch))
+
+
+@pytest.mark.parametrize("feature", [
+    dict(sliding_window=5), dict(softcap=2.0), dict(sinks=True), dict(causal=False),
+    dict(sliding_window=9, softcap=3.0, sinks=True), dict(scale=0.3)], ids=str)
+def test_features(feature):
+    feature = dict(feature)
+    problem = make_problem(np.random.default_rng(1), num_q_heads=6, num_kv_heads=2, head_dim=24, page_size=4,
+                           **MIXED)
+    if feature.pop("sinks", False):
+        feature["sinks"] = jnp.asarray(np.random.default_rng(2).normal(size=6), jnp.float32)
+    _check(problem, _run(problem, **feature), **feature)
+
+
+@pytest.mark.parametrize("launch", tb.LAUNCHES)
+@pytest.mark.parametrize("dtype, kv_dtype", [(BF16, BF16), (jnp.float16, jnp.float16), (BF16, FP8),
+                                             (jnp.float32, FP8)], ids=str)
+def test_dtypes_and_fp8(launch, dtype, kv_dtype):
+    problem = make_problem(np.random.default_rng(3), num_q_heads=4, num_kv_heads=4, head_dim=32, page_size=16,
+                           dtype=dtype, kv_dtype=kv_dtype, **SPEC)
+    tol = 2e-2 if dtype != jnp.float32 else 1e-5
+    _check(problem, _run(problem, launch=launch, sinks=None), tol=tol)
+
+
+def test_tokens_before_first_offset_and_bad_counts():
+    """cu_q_lens[0] > 0 leaves leading tokens to padding; a num_decodes larger than the leading
+    run of one-token sequences is capped; bad page ids read the null page."""
+    problem = make_problem(np.random.default_rng(4), q_lens=[1, 2, 1], kv_lens=[6, 11, 3], num_q_heads=2,
+                           num_kv_heads=1, head_dim=16, page_size=4, pad_tokens=2)
+    meta = problem.meta
+    shifted = dataclasses.replace(meta, cu_q_lens=meta.cu_q_lens + 2, num_decodes=jnp.int32(3))
+    q = jnp.roll(problem.q, 2, axis=0)
+    params = _params(16)
+    for launch in tb.LAUNCHES:
+        out = jax.jit(lambda q, c, m: tb.attention(q, c, m, params, None, launch=launch))(q, problem.cache, shifted)
+        ref = np.roll(reference(problem), 2, axis=0)
+        assert rel_error(out, ref) < 1e-5
+        assert not np.asarray(out[:2]).any()
+
+
+def test_explicit_configs():
+    problem = make_problem(np.random.default_rng(5), num_q_heads=8, num_kv_heads=2, head_dim=32, page_size=8,
+                           **MIXED)
+    out = _run(problem, decode=tb.DecodeConfig(block_n=32, num_segments=1, num_warps=4, num_stages=1),
+               prefill=tb.PrefillConfig(block_m=32, block_n=32, num_warps=4, num_stages=1))
+    _check(problem, out)
+
+
+# --- errors and availability --------------------------------------------------------------------
+
+def test_unsupported_configurations_raise():
+    problem = make_problem(np.random.default_rng(6), q_lens=[2], kv_lens=[4], num_q_heads=2, num_kv_heads=2,
+                           head_dim=8, page_size=4)
+    with pytest.raises(ValueError, match="backend 'triton': head_dim must be in 16..256, got 8"):
+        tb.check_supported(problem.q, problem.cache, problem.meta, _params(8))
+    problem = make_problem(np.random.default_rng(6), q_lens=[2], kv_lens=[4], num_q_heads=2, num_kv_heads=2,
+                           head_dim=16, page_size=4, dtype=BF16)
+    cache = jaxattn.KVCache(problem.cache.k_pages.astype(jnp.float16), problem.cache.v_pages.astype(jnp.float16))
+    with pytest.raises(ValueError, match="cache pages must be bfloat16"):
+        tb.check_supported(problem.q, cache, problem.meta, _params(16))
+    with pytest.raises(ValueError, match="launch must be one of"):
+        tb.attention(problem.q, problem.cache, problem.meta, _params(16), None, launch="both")
+
+
+@pytest.mark.skipif(HAS_GPU, reason="checks the reason given on a machine without a GPU")
+def test_unavailable_without_gpu():
+    reason = backends.unavailable_reason("triton")
+    assert reason is not None and "GPU" in reason
+    with pytest.raises(ValueError, match="backend 'triton' is not available"):
+        problem = make_problem(np.random.default_rng(7), q_lens=[1], kv_lens=[3], num_q_heads=2, num_kv_heads=2,
+                               head_dim=16, page_size=4)
+        jaxattn.paged_attention(problem.q, problem.cache, problem.meta, backend="triton")
+
+
+# --- GPU ------------------------------------------------------------------------------------------
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("launch", tb.LAUNCHES)
+@pytest.mark.parametrize("layout, page_size", [("HND", 64), ("NHD", 16)])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_gpu_mixed_batches(launch, layout, page_size, head_dim):
+    rng = np.random.default_rng(head_dim + page_size)
+    decodes = [1] * 12
+    problem = make_problem(rng, q_lens=decodes + [2, 3, 300, 1, 77], num_q_heads=32, num_kv_heads=8,
+                           kv_lens=list(rng.integers(1, 900, 12)) + [40, 3, 700, 1, 77], head_dim=head_dim,
+                           page_size=page_size, layout=layout, dtype=BF16, pad_tokens=5)
+    _check(problem, _run(problem, launch=launch))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("feature", [
+    dict(sliding_window=100), dict(softcap=30.0), dict(sinks=True), dict(causal=False),
+    dict(sliding_window=64, softcap=20.0, sinks=True)], ids=str)
+@pytest.mark.parametrize("kv_dtype", [BF16, FP8], ids=str)
+def test_gpu_features(feature, kv_dtype):
+    feature = dict(feature)
+    rng = np.random.default_rng(11)
+    problem = make_problem(rng, q_lens=[1] * 9 + [4, 130], kv_lens=list(rng.integers(0, 600, 9)) + [300, 400],
+                           num_q_heads=16, num_kv_heads=2, head_dim=128, page_size=32, dtype=BF16, kv_dtype=kv_dtype)
+    if feature.pop("sinks", False):
+        feature["sinks"] = jnp.asarray(rng.normal(size=16), jnp.float32)
+    _check(problem, _run(problem, **feature), **feature)
+
+
+@pytest.mark.gpu
+def test_gpu_decode_only_through_paged_attention():
+    rng = np.random.default_rng(12)
+    problem = make_problem(rng, q_lens=[1] * 40, kv_lens=list(rng.integers(0, 3000, 40)), num_q_heads=32,
+                           num_kv_heads=8, head_dim=128, page_size=64, dtype=BF16, max_q_len=1, pad_tokens=8)
+    out = jax.jit(lambda q, c, m: jaxattn.paged_attention(q, c, m, backend="triton"))(
+        problem.q, problem.cache, problem.meta)
+    _check(problem, out)
+
+
+_CAPTURE_SCRIPT = textwrap.dedent("""
+    import glob, json, os, sys
+    os.environ["XLA_FLAGS"] = f"--xla_dump_to={sys.argv[1]} --xla_gpu_graph_min_graph_size=1"
+    import jax, jax.numpy as jnp, numpy as np
+    sys.path.insert(0, sys.argv[2])
+    import jaxattn
+    from tests.paged_inputs import make_problem, reference, rel_error
+
+    problem = make_problem(np.random.default_rng(0), q_lens=[1] * 6 + [3, 50], kv_lens=[40] * 6 + [90, 60],
+                           num_q_heads=8, num_kv_heads=2, head_dim=128, page_size=64, dtype=jnp.bfloat16)
+    step = jax.jit(lambda q, c, m: jaxattn.paged_attention(q, c, m, backend="triton") * 2)
+    outs = [step(problem.q, problem.cache, problem.meta).block_until_ready() for _ in range(3)]
+    errors = [rel_error(o, reference(problem) * 2) for o in outs]
+    thunks = {os.path.basename(p): open(p).read()
+              for p in glob.glob(os.path.join(sys.argv[1], "*jit__lambda*thunk_sequence*.txt"))}
+    print(json.dumps(dict(errors=errors, thunks=thunks)))
+""")
+
+
+@pytest.mark.gpu
+def test_gpu_launches_captured_in_command_buffer(tmp_path):
+    """The split step's three Triton launches (decode, reduce, 2D) run inside one kCommandBuffer."""
+    env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false")
+    run = subprocess.run([sys.executable, "-c", _CAPTURE_SCRIPT, str(tmp_path), REPO], capture_output=True,
+                         text=True, timeout=300, env=env)
+    assert run.returncode == 0, run.stderr[-4000:]
+    result = json.loads(run.stdout.strip().splitlines()[-1])
+    thunks = "\n".join(result["thunks"].values())
+    if os.environ.get("OUT"):
+        with open(os.path.join(os.environ["OUT"], "triton_thunk_sequence.txt"), "w") as f:
+            f.write(thunks)
+    assert max(result["errors"]) < TOLERANCE[jnp.dtype(BF16)], result["errors"]
+    assert "kCommandBuffer" in thunks, thunks[-3000:]
+    # The first command buffer of the dump lists its commands, one per line, until a blank line.
+    command_buffer = thunks[thunks.index("kCommandBuffer"):].split("\n\n")[0]
+    assert command_buffer.count(": kCustomCall") >= 3, thunks[-3000:]
