@@ -19,9 +19,10 @@ class AttentionMetadata:
       kv_lens: int32[B], each sequence's KV length including this step's tokens.
       block_tables: int32[B, P], page ids of each sequence, in order (0 = null page).
       num_decodes: int32[], sequences ``[0, num_decodes)`` have exactly one query token.
-      max_q_len: static bound on the longest query of the step (``None``: up to T). Backends
-        use it to size their work; a sequence with more query tokens than this gets zeros
-        for the tokens past the bound.
+      max_q_len: static bound on the longest query of the step (``None``: up to T; 1: a
+        decode-only step). Backends use it to size their work and choose kernels. It is a
+        promise: tokens of a sequence past the bound may not be computed (the ``xla`` backend
+        returns zeros for them).
     """
 
     cu_q_lens: jax.Array
