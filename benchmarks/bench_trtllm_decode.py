@@ -3,16 +3,15 @@
     python -m benchmarks.bench_trtllm_decode [--quick] [--budget-s 240]
 
 Rows (bf16, Hq=32, Hkv=8, D=128, page 64, HND pages in a randomly permuted pool that JAX and
-torch share through dlpack; every sequence at kv_len, or uniform in [kv_len / 2, kv_len] for the
-"U[..]" row, the point the issue quotes):
-  * jaxattn ``backend="trtllm"`` (jitted): R decodes of R distinct random queries in one jit,
-    which XLA captures into one command buffer. Time per decode = (t(2R) - t(R)) / R of
-    wall-clock medians, so dispatch and sync cancel. The per-call output masking is counted; the
-    token -> sequence / page-table preparation depends only on the metadata and is shared by the
-    R calls, as by the layers of a model step.
+torch share through dlpack, every sequence at the case's kv_len):
+  * jaxattn ``backend="trtllm"`` (jitted): R decodes chained through their outputs (q <- out) in
+    one jit, which XLA captures into one command buffer. Time per decode = (t(2R) - t(R)) / R
+    of wall-clock medians, so dispatch and sync cancel. The per-call output masking is counted;
+    the token -> sequence / page-table preparation depends only on the metadata and is shared by
+    the R calls, as by the layers of a model step.
   * flashinfer ``trtllm_batch_decode_with_kv_cache(backend="xqa")`` (torch, the same XQA kernel,
-    its default PDL setting) and ``BatchDecodeWithPagedKVCacheWrapper`` (fa2): the same R
-    queries in a CUDA graph, timed with CUDA events, (t(2R) - t(R)) / R likewise.
+    its default PDL setting) and ``BatchDecodeWithPagedKVCacheWrapper`` (fa2): R calls in a
+    CUDA graph, timed with CUDA events, (t(2R) - t(R)) / R likewise.
   * jaxattn ``backend="xla"`` (gather + attention): median wall time of single jitted calls.
   * device copy bandwidth: torch device-to-device copy of 4 GiB, (read + write bytes) / time.
 TB/s counts the K and V bytes each decode must read. Writes the trtllm section of
@@ -53,34 +52,28 @@ KEY_CASE = (64, 4096)
 class Case:
     batch: int
     kv_len: int
-    ragged: bool = False   # lengths uniform in [kv_len / 2, kv_len] instead of all kv_len
-
-    def lens(self) -> np.ndarray:
-        if not self.ragged:
-            return np.full(self.batch, self.kv_len, np.int32)
-        return np.random.default_rng(1).integers(self.kv_len // 2, self.kv_len + 1, self.batch).astype(np.int32)
 
     @property
     def kv_bytes(self) -> int:
-        return 2 * int(self.lens().sum()) * HKV * D * jnp.dtype(DTYPE).itemsize
+        return 2 * self.batch * self.kv_len * HKV * D * jnp.dtype(DTYPE).itemsize
 
     def __str__(self) -> str:
-        return f"B={self.batch} kv={f'U[{self.kv_len // 2},{self.kv_len}]' if self.ragged else self.kv_len}"
+        return f"B={self.batch} kv={self.kv_len}"
 
 
-SWEEP = [Case(*KEY_CASE), Case(*KEY_CASE, ragged=True)] + [
-    Case(b, n) for b in (1, 8, 64, 256) for n in (512, 4096, 32768) if (b, n) != KEY_CASE]
-QUICK = [Case(*KEY_CASE), Case(*KEY_CASE, ragged=True), Case(1, 512), Case(256, 32768)]
+SWEEP = [Case(*KEY_CASE)] + [Case(b, n) for b in (1, 8, 64, 256) for n in (512, 4096, 32768)
+                             if (b, n) != KEY_CASE]
+QUICK = [Case(*KEY_CASE), Case(1, 512), Case(256, 32768)]
 
 
 @dataclasses.dataclass
 class Inputs:
-    queries: list[jax.Array]   # 2R distinct random [B, Hq, D] queries
+    q: jax.Array
     cache: jaxattn.KVCache
     meta: jaxattn.AttentionMetadata
 
 
-def make_inputs(case: Case, num_queries: int, seed: int = 0) -> Inputs:
+def make_inputs(case: Case, seed: int = 0) -> Inputs:
     rng = np.random.default_rng(seed)
     pages_per_seq = -(-case.kv_len // PAGE)
     num_pages = 1 + case.batch * pages_per_seq
@@ -88,23 +81,23 @@ def make_inputs(case: Case, num_queries: int, seed: int = 0) -> Inputs:
     k1, k2, k3 = jax.random.split(jax.random.key(seed), 3)
     shape = (num_pages, HKV, PAGE, D)
     cache = jaxattn.KVCache(jax.random.normal(k1, shape, DTYPE), jax.random.normal(k2, shape, DTYPE), layout="HND")
-    queries = list(jax.random.normal(k3, (num_queries, case.batch, HQ, D), DTYPE))
+    q = jax.random.normal(k3, (case.batch, HQ, D), DTYPE)
     meta = jaxattn.AttentionMetadata(
         cu_q_lens=jnp.arange(case.batch + 1, dtype=jnp.int32),
-        kv_lens=jnp.asarray(case.lens()),
+        kv_lens=jnp.full((case.batch,), case.kv_len, jnp.int32),
         block_tables=jnp.asarray(tables),
         num_decodes=jnp.int32(case.batch),
         max_q_len=1,
     )
-    return Inputs(queries, cache, meta)
+    return Inputs(q, cache, meta)
 
 
-def repeats_for(case: Case, rate: float = 3e12, target_s: float = 6e-3) -> int:
+def repeats_for(case: Case, rate: float = 3e12, target_s: float = 3e-3) -> int:
     """Decodes per timed call: enough work to dwarf a launch."""
     return int(min(64, max(2, math.ceil(target_s / (case.kv_bytes / rate)))))
 
 
-def _difference(run_r, run_2r, repeats: int, trials: int = 9) -> float:
+def _difference(run_r, run_2r, repeats: int, trials: int) -> float:
     """Seconds per call from interleaved medians of R and 2R calls."""
     t_r, t_2r = [], []
     for _ in range(trials):
@@ -114,55 +107,59 @@ def _difference(run_r, run_2r, repeats: int, trials: int = 9) -> float:
     return per_call if per_call > 0 else statistics.median(t_2r) / (2 * repeats)
 
 
-def time_trtllm(x: Inputs, repeats: int) -> tuple[float, jax.Array]:
-    """Seconds per decode of jaxattn trtllm, and the output for the first query."""
+def time_trtllm(x: Inputs, repeats: int, trials: int = 7) -> tuple[float, jax.Array]:
+    """Seconds per decode of jaxattn trtllm, and one call's output."""
 
-    def batch_of(r):
+    def chain(r):
         @jax.jit
-        def run(queries, cache, meta):
-            return [jaxattn.paged_attention(q, cache, meta, backend="trtllm") for q in queries]
-        return lambda: run(x.queries[:r], x.cache, x.meta)
+        def run(q, cache, meta):
+            for _ in range(r):
+                q = jaxattn.paged_attention(q, cache, meta, backend="trtllm")
+            return q
+        return run
+
+    one, short, long = chain(1), chain(repeats), chain(2 * repeats)
+    out = one(x.q, x.cache, x.meta).block_until_ready()
 
     def timed(fn):
         def run():
             start = time.perf_counter()
-            jax.block_until_ready(fn())
+            fn(x.q, x.cache, x.meta).block_until_ready()
             return time.perf_counter() - start
         for _ in range(3):
             run()
         return run
 
-    out = jax.block_until_ready(batch_of(1)())[0]
-    return _difference(timed(batch_of(repeats)), timed(batch_of(2 * repeats)), repeats), out
+    return _difference(timed(short), timed(long), repeats, trials), out
 
 
 def time_xla(x: Inputs, trials: int = 5) -> tuple[float, jax.Array]:
     fn = jax.jit(lambda q, c, m: jaxattn.paged_attention(q, c, m, backend="xla"))
-    out = fn(x.queries[0], x.cache, x.meta).block_until_ready()
+    out = fn(x.q, x.cache, x.meta).block_until_ready()
     times = []
     for _ in range(trials):
         start = time.perf_counter()
-        fn(x.queries[0], x.cache, x.meta).block_until_ready()
+        fn(x.q, x.cache, x.meta).block_until_ready()
         times.append(time.perf_counter() - start)
     return statistics.median(times), out
 
 
-def time_torch(fn, repeats: int) -> tuple[float, str]:
-    """Seconds per call of ``fn(i)`` (query i; warmed up): CUDA graphs of R and 2R calls, else eager."""
+def time_torch(fn, repeats: int, trials: int = 7) -> tuple[float, str]:
+    """Seconds per call of ``fn`` (warmed up): CUDA graphs of R and 2R calls, else eager."""
     import torch
 
     def graph_of(r):
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            for i in range(r):
-                fn(i)
+            for _ in range(r):
+                fn()
         return graph.replay
 
     try:
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
-            fn(0)
+            fn()
         torch.cuda.current_stream().wait_stream(side)
         runs, mode = (graph_of(repeats), graph_of(2 * repeats)), "graph"
     except Exception as err:  # a peer that cannot be captured is timed eagerly
@@ -170,8 +167,8 @@ def time_torch(fn, repeats: int) -> tuple[float, str]:
 
         def eager(r):
             def run():
-                for i in range(r):
-                    fn(i)
+                for _ in range(r):
+                    fn()
             return run
         runs, mode = (eager(repeats), eager(2 * repeats)), "eager"
 
@@ -186,37 +183,36 @@ def time_torch(fn, repeats: int) -> tuple[float, str]:
         measure()
         return measure
 
-    return _difference(timed(runs[0]), timed(runs[1]), repeats), mode
+    return _difference(timed(runs[0]), timed(runs[1]), repeats, trials), mode
 
 
 def flashinfer_runners(case: Case, x: Inputs) -> dict:
-    """name -> callable of a query index returning the output tensor [B, Hq, D]."""
+    """name -> zero-argument callable returning the output tensor [B, Hq, D]."""
     import torch
     import flashinfer
 
-    queries = [torch.from_dlpack(q) for q in x.queries]
+    q = torch.from_dlpack(x.q)
     k = torch.from_dlpack(x.cache.k_pages)
     v = torch.from_dlpack(x.cache.v_pages)
     tables = torch.from_dlpack(x.meta.block_tables)
     lens = torch.from_dlpack(x.meta.kv_lens)
-    dev = queries[0].device
+    dev = q.device
     workspace = torch.zeros(256 << 20, dtype=torch.uint8, device=dev)
     scale = 1 / math.sqrt(D)
 
     def xqa(enable_pdl=None):
-        return lambda i: flashinfer.decode.trtllm_batch_decode_with_kv_cache(
-            queries[i], (k, v), workspace, tables, lens, case.kv_len, bmm1_scale=scale, bmm2_scale=1.0,
+        return lambda: flashinfer.decode.trtllm_batch_decode_with_kv_cache(
+            q, (k, v), workspace, tables, lens, case.kv_len, bmm1_scale=scale, bmm2_scale=1.0,
             kv_layout="HND", backend="xqa", enable_pdl=enable_pdl)
 
-    used = (lens + PAGE - 1) // PAGE
-    indptr = torch.cat([torch.zeros(1, dtype=torch.int32, device=dev), torch.cumsum(used, 0, dtype=torch.int32)])
-    indices = torch.cat([tables[b, :n] for b, n in enumerate(used.tolist())])
-    last = (lens - 1) % PAGE + 1
+    pages_per_seq = tables.shape[1]
+    indptr = torch.arange(case.batch + 1, dtype=torch.int32, device=dev) * pages_per_seq
+    last = torch.full((case.batch,), (case.kv_len - 1) % PAGE + 1, dtype=torch.int32, device=dev)
     fa2_workspace = torch.zeros(128 << 20, dtype=torch.uint8, device=dev)
     wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(fa2_workspace, "HND")
-    wrapper.plan(indptr, indices, last, HQ, HKV, D, PAGE, q_data_type=torch.bfloat16)
+    wrapper.plan(indptr, tables.reshape(-1), last, HQ, HKV, D, PAGE, q_data_type=torch.bfloat16)
     return {"flashinfer xqa": xqa(), "flashinfer xqa, PDL off": xqa(False),
-            "flashinfer fa2": lambda i: wrapper.run(queries[i], (k, v))}
+            "flashinfer fa2": lambda: wrapper.run(q, (k, v))}
 
 
 def copy_bandwidth(gib: int = 4, trials: int = 9) -> float:
@@ -248,8 +244,8 @@ def rel_error(x, ref) -> float:
 def bench_case(case: Case, with_xla: bool) -> dict:
     import torch
 
+    x = make_inputs(case)
     repeats = repeats_for(case)
-    x = make_inputs(case, 2 * repeats)
     row = {"case": case, "seconds": {}, "notes": []}
     row["seconds"]["jaxattn trtllm"], out = time_trtllm(x, repeats)
     try:
@@ -259,7 +255,7 @@ def bench_case(case: Case, with_xla: bool) -> dict:
         row["notes"].append(f"flashinfer setup failed: {err!r}"[:200])
     for name, fn in runners.items():
         try:
-            peer = fn(0)
+            peer = fn()
             torch.cuda.synchronize()
             if name == "flashinfer xqa":
                 row["notes"].append(f"jaxattn vs flashinfer xqa rel err {rel_error(out, jnp.asarray(peer.float().cpu().numpy())):.1e}")

@@ -20,13 +20,12 @@ struct VariantInfo {
   uint32_t hopper_kernel;  // mha_sm90.cu (TMA + GMMA) rather than mha.cu
 };
 
-// What one launch needs besides its operands. Both are zero in single-CTA-per-sequence mode.
-// Semaphores must be zero when the kernel starts and the kernel leaves them zero, so one zeroed
-// array per device serves every launch on it; only the multi-CTA split uses them, and it needs at
-// most sm_count of them (it splits a sequence only while batch * num_kv_heads <= sm_count / 2).
+// Byte layout of the workspace output: [semaphores | pad | scratch].
+// Semaphores must be zero when the kernel starts; the kernel leaves them zero.
 struct Workspace {
-  uint64_t semaphore_count;
-  uint64_t scratch_bytes;
+  uint64_t semaphore_bytes;
+  uint64_t scratch_offset;
+  uint64_t total_bytes;
 };
 
 struct LaunchArgs {
@@ -55,8 +54,7 @@ struct LaunchArgs {
 VariantInfo variant_info();
 
 // Workspace the kernel needs for this launch shape, mirroring the launch function's split
-// count and the kernel's scratch segmentation. Throws std::overflow_error past 32-bit offsets
-// and std::logic_error if the semaphore count would exceed sm_count.
+// count and the kernel's scratch segmentation. Throws std::overflow_error past 32-bit offsets.
 Workspace workspace_layout(uint32_t sm_count, uint32_t batch, uint32_t num_kv_heads,
                            uint32_t max_pages_per_seq);
 

@@ -3,18 +3,16 @@
 // Operands:  q [T, Hq, D], k_pages, v_pages (HND or NHD, described by element strides),
 //            page_table int32 [T, P], seq_lens int32 [T] (0 = no keys), scales f32 [2]
 //            (q_scale, kv_scale), sinks f32 [Hq] or [0].
-// Results:   out [T, Hq, D], workspace u8 [N] (the kernel's scratch, sized at trace time by
-//            jaxattn_xqa_workspace_bytes and checked here).
-// The kernel's semaphores live in one array per device, allocated and zeroed once by the
-// initialize stage (the kernel resets them itself). Execute only enqueues the kernel on XLA's
-// stream, so it is command-buffer safe: under CUDA graphs it runs when XLA records the graph.
+// Results:   out [T, Hq, D], workspace u8 [N] (semaphores + scratch, sized at trace time by
+//            jaxattn_xqa_workspace_bytes; its semaphores are zeroed in-stream when used).
+// Execute only enqueues work on XLA's stream (memset + kernel), so it is command-buffer safe:
+// under CUDA graphs it runs when XLA records the graph, with static shapes and attributes.
 #include <algorithm>
 #include <array>
 #include <atomic>
 #include <cstdint>
 #include <exception>
 #include <mutex>
-#include <stdexcept>
 #include <string>
 
 #include "xla/ffi/api/ffi.h"
@@ -26,14 +24,7 @@ namespace jaxattn::xqa {
 namespace {
 
 constexpr int kMaxDevices = 64;
-
-// Per device, set once by Initialize: the SM count and sm_count zeroed semaphores (the most any
-// launch uses, see xqa.h). Never freed: recorded CUDA graphs keep the address.
-struct DeviceState {
-  std::atomic<int> sm_count{0};  // 0 until initialized
-  uint32_t* semaphores = nullptr;
-};
-std::array<DeviceState, kMaxDevices> g_devices;
+std::array<std::atomic<int>, kMaxDevices> g_sm_count{};  // 0 until the device is initialized
 std::mutex g_init_mutex;
 std::atomic<int64_t> g_host_executions{0};  // diagnostics: how often XLA ran execute on the host
 
@@ -51,10 +42,6 @@ bool same_dims(ffi::AnyBuffer const& a, ffi::AnyBuffer const& b) {
   return std::equal(da.begin(), da.end(), db.begin(), db.end());
 }
 
-void check(cudaError_t err, char const* what) {
-  if (err != cudaSuccess) throw std::runtime_error(std::string(what) + ": " + cudaGetErrorString(err));
-}
-
 ffi::Error cuda_error(char const* what, cudaError_t err) {
   return ffi::Error::Internal(std::string("jaxattn trtllm: ") + what + ": " +
                               cudaGetErrorString(err));
@@ -65,8 +52,7 @@ ffi::Error Initialize(int32_t device) {
     return ffi::Error::InvalidArgument("jaxattn trtllm: device ordinal out of range");
   }
   std::lock_guard<std::mutex> lock(g_init_mutex);
-  DeviceState& state = g_devices[device];
-  if (state.sm_count.load() != 0) return ffi::Error::Success();
+  if (g_sm_count[device].load() != 0) return ffi::Error::Success();
   int previous = 0;
   if (cudaError_t err = cudaGetDevice(&previous); err != cudaSuccess) {
     return cuda_error("cudaGetDevice", err);
@@ -74,26 +60,23 @@ ffi::Error Initialize(int32_t device) {
   if (cudaError_t err = cudaSetDevice(device); err != cudaSuccess) {
     return cuda_error("cudaSetDevice", err);
   }
-  std::string failure;
   int sm_count = 0;
-  uint32_t* semaphores = nullptr;
-  try {
-    check(cudaDeviceGetAttribute(&sm_count, cudaDevAttrMultiProcessorCount, device),
-          "cudaDeviceGetAttribute");
-    init_current_device();
-    check(cudaMalloc(&semaphores, sizeof(uint32_t) * sm_count), "cudaMalloc(semaphores)");
-    check(cudaMemset(semaphores, 0, sizeof(uint32_t) * sm_count), "cudaMemset(semaphores)");
-    check(cudaDeviceSynchronize(), "cudaDeviceSynchronize");  // zero before any XLA stream uses it
-  } catch (std::exception const& e) {
-    failure = e.what();
+  cudaError_t err = cudaDeviceGetAttribute(&sm_count, cudaDevAttrMultiProcessorCount, device);
+  std::string failure;
+  if (err != cudaSuccess) {
+    failure = std::string("cudaDeviceGetAttribute: ") + cudaGetErrorString(err);
+  } else {
+    try {
+      init_current_device();
+    } catch (std::exception const& e) {
+      failure = e.what();
+    }
   }
   cudaSetDevice(previous);
   if (!failure.empty()) {
-    if (semaphores != nullptr) cudaFree(semaphores);
     return ffi::Error::Internal("jaxattn trtllm: XQA device init failed: " + failure);
   }
-  state.semaphores = semaphores;
-  state.sm_count.store(sm_count);
+  g_sm_count[device].store(sm_count);
   return ffi::Error::Success();
 }
 
@@ -157,8 +140,7 @@ ffi::Error Execute(cudaStream_t stream, int32_t device, ffi::AnyBuffer q, ffi::A
         err.failure()) {
       return err;
     }
-    DeviceState const* state = device >= 0 && device < kMaxDevices ? &g_devices[device] : nullptr;
-    int const sm_count = state != nullptr ? state->sm_count.load() : 0;
+    int const sm_count = device >= 0 && device < kMaxDevices ? g_sm_count[device].load() : 0;
     if (sm_count == 0) {
       return ffi::Error::Internal("jaxattn trtllm: execute before initialize on device " +
                                   std::to_string(device));
@@ -167,11 +149,18 @@ ffi::Error Execute(cudaStream_t stream, int32_t device, ffi::AnyBuffer q, ffi::A
     auto const max_pages = static_cast<uint32_t>(page_table.dimensions()[1]);
     Workspace const ws =
         workspace_layout(sm_count, batch, static_cast<uint32_t>(num_kv_heads), max_pages);
-    if (workspace->size_bytes() < ws.scratch_bytes) {
+    if (workspace->size_bytes() < ws.total_bytes) {
       return ffi::Error::InvalidArgument(
           "jaxattn trtllm: workspace of " + std::to_string(workspace->size_bytes()) +
-          " bytes is smaller than the " + std::to_string(ws.scratch_bytes) + " this launch needs (" +
+          " bytes is smaller than the " + std::to_string(ws.total_bytes) + " this launch needs (" +
           std::to_string(sm_count) + " SMs); it was sized for another device");
+    }
+    auto* const ws_base = static_cast<uint8_t*>(workspace->untyped_data());
+    if (ws.semaphore_bytes != 0) {
+      if (cudaError_t err = cudaMemsetAsync(ws_base, 0, ws.semaphore_bytes, stream);
+          err != cudaSuccess) {
+        return cuda_error("cudaMemsetAsync(semaphores)", err);
+      }
     }
     LaunchArgs args{};
     args.sm_count = static_cast<uint32_t>(sm_count);
@@ -188,8 +177,8 @@ ffi::Error Execute(cudaStream_t stream, int32_t device, ffi::AnyBuffer q, ffi::A
     args.max_pages_per_seq = max_pages;
     args.seq_lens = static_cast<uint32_t const*>(seq_lens.untyped_data());
     args.batch = batch;
-    args.semaphores = ws.semaphore_count ? state->semaphores : nullptr;
-    args.scratch = ws.scratch_bytes ? workspace->untyped_data() : nullptr;
+    args.semaphores = ws.semaphore_bytes ? reinterpret_cast<uint32_t*>(ws_base) : nullptr;
+    args.scratch = ws.semaphore_bytes ? ws_base + ws.scratch_offset : nullptr;
     args.stride_page = static_cast<uint64_t>(stride_page);
     args.stride_token = static_cast<uint64_t>(stride_token);
     args.stride_head = static_cast<uint64_t>(stride_head);
@@ -232,15 +221,15 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxattnXqaExecute, jaxattn::xqa::Execute,
                                   .Attr<int64_t>("sliding_window"),
                               {ffi::Traits::kCmdBufferCompatible});
 
-// Trace-time queries (ctypes): the workspace (scratch) bytes a launch of this shape needs (-1
-// when the kernel's 32-bit scratch offsets overflow), and the variant's compile-time constants.
+// Trace-time queries (ctypes): the workspace bytes a launch of this shape needs (-1 when the
+// kernel's 32-bit scratch offsets overflow), and the variant's compile-time constants.
 JAXATTN_EXPORT int64_t jaxattn_xqa_workspace_bytes(int32_t sm_count, int32_t batch,
                                                    int32_t num_kv_heads,
                                                    int32_t max_pages_per_seq) {
   try {
     return static_cast<int64_t>(
         jaxattn::xqa::workspace_layout(sm_count, batch, num_kv_heads, max_pages_per_seq)
-            .scratch_bytes);
+            .total_bytes);
   } catch (std::exception const&) {
     return -1;
   }

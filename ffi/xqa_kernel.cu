@@ -70,17 +70,15 @@ Workspace workspace_layout(uint32_t sm_count, uint32_t batch, uint32_t num_kv_he
   scratch.add(sizeof(ScratchBufs), chunks, sizeof(ScratchBufs));
 #endif
   if (nb_sub_seq == 1) {
-    return Workspace{0, 0};  // single-block mode: neither semaphores nor scratch are touched
+    return Workspace{0, 0, 0};  // single-block mode: neither semaphores nor scratch are touched
   }
   if (scratch.end > UINT32_MAX) {
     throw std::overflow_error("XQA scratch of " + std::to_string(scratch.end) +
                               " bytes exceeds the kernel's 32-bit offsets");
   }
-  if (heads > sm_count) {
-    throw std::logic_error("XQA split " + std::to_string(heads) + " (sequence, head) pairs over " +
-                           std::to_string(sm_count) + " SMs: more semaphores than SMs");
-  }
-  return Workspace{heads, round_up_u64(scratch.end, kScratchAlignment)};
+  uint64_t const semaphore_bytes = sizeof(uint32_t) * uint64_t{heads};
+  uint64_t const scratch_offset = round_up_u64(semaphore_bytes, kScratchAlignment);
+  return Workspace{semaphore_bytes, scratch_offset, scratch_offset + scratch.end};
 }
 
 void init_current_device() {

@@ -96,13 +96,12 @@ class Kernel:
         return self.variant.target_name
 
     def workspace_bytes(self, sm_count: int, batch: int, num_kv_heads: int, max_pages_per_seq: int) -> int:
-        """Scratch bytes of one launch (0 unless XQA splits sequences over CTAs); ValueError past
-        XQA's 32-bit offsets."""
+        """Bytes of semaphores + scratch for one launch; ValueError past XQA's 32-bit offsets."""
         n = self.library.jaxattn_xqa_workspace_bytes(sm_count, batch, num_kv_heads, max_pages_per_seq)
         if n < 0:
             raise ValueError(f"paged_attention: backend 'trtllm': the XQA scratch for batch={batch}, "
-                             f"num_kv_heads={num_kv_heads}, max_pages_per_seq={max_pages_per_seq} on "
-                             f"{sm_count} SMs exceeds the kernel's 32-bit offsets; use fewer pages per sequence")
+                             f"num_kv_heads={num_kv_heads}, max_pages_per_seq={max_pages_per_seq} "
+                             f"exceeds the kernel's 32-bit offsets; use a smaller batch or fewer pages")
         return n
 
     def variant_info(self) -> dict[str, int]:
@@ -132,14 +131,20 @@ def find_nvcc() -> str:
 
 
 def xqa_source_dir() -> Path:
-    """``flashinfer/data/csrc/xqa`` of the installed flashinfer-python (not imported: it needs torch)."""
-    spec = importlib.util.find_spec("flashinfer")
-    if spec is None or not spec.submodule_search_locations:
-        raise BuildError(f"flashinfer-python is not installed: the trtllm backend compiles the XQA "
-                         f"kernels from its sources (`pip install flashinfer-python=={FLASHINFER_VERSION}`)")
-    path = Path(list(spec.submodule_search_locations)[0]) / "data" / "csrc" / "xqa"
+    """XQA's sources: ``$JAXATTN_XQA_SOURCES`` if set, else ``flashinfer/data/csrc/xqa`` of the
+    installed flashinfer-python (located, not imported: importing it needs torch)."""
+    override = os.environ.get("JAXATTN_XQA_SOURCES")
+    if override:
+        path = Path(override)
+    else:
+        spec = importlib.util.find_spec("flashinfer")
+        if spec is None or not spec.submodule_search_locations:
+            raise BuildError(f"flashinfer-python is not installed: the trtllm backend compiles the XQA kernels "
+                             f"from its sources (`pip install flashinfer-python=={FLASHINFER_VERSION}`, or set "
+                             f"JAXATTN_XQA_SOURCES to a copy of its data/csrc/xqa)")
+        path = Path(list(spec.submodule_search_locations)[0]) / "data" / "csrc" / "xqa"
     if not (path / "mha.cu").is_file():
-        raise BuildError(f"flashinfer-python at {path.parents[2]} lacks the XQA sources (data/csrc/xqa/mha.cu)")
+        raise BuildError(f"no XQA sources (mha.cu) in {path}")
     return path
 
 

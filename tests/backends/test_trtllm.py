@@ -7,11 +7,13 @@ CPU tests check the build (one nvcc compile per kernel family) and the error pat
 from __future__ import annotations
 
 import concurrent.futures
+import importlib.util
 import math
 import os
 import subprocess
 import sys
 import textwrap
+import zipfile
 
 import jax
 import jax.numpy as jnp
@@ -28,18 +30,35 @@ FP8 = jnp.float8_e4m3fn
 TOLERANCE = {"bfloat16": 2e-2, "float16": 5e-3, "float8_e4m3fn": 8e-2}
 
 
-def _toolchain_missing() -> str | None:
+@pytest.fixture(scope="module")
+def xqa_sources(tmp_path_factory):
+    """XQA sources for the build: the installed flashinfer-python, else its pinned wheel fetched
+    from PyPI without dependencies (torch) and unpacked. Skips when neither is possible."""
     try:
-        _xqa_build.check_toolchain()
+        _xqa_build.find_nvcc()
     except _xqa_build.BuildError as err:
-        return str(err)
-    return None
+        pytest.skip(str(err))
+    if importlib.util.find_spec("flashinfer") is not None or os.environ.get("JAXATTN_XQA_SOURCES"):
+        yield
+        return
+    tmp = tmp_path_factory.mktemp("flashinfer")
+    fetch = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "-q",
+                            "-d", str(tmp), f"flashinfer-python=={_xqa_build.FLASHINFER_VERSION}"],
+                           capture_output=True, text=True, timeout=300)
+    wheels = list(tmp.glob("flashinfer_python-*.whl"))
+    if fetch.returncode != 0 or not wheels:
+        pytest.skip(f"flashinfer-python is not installed and its wheel could not be fetched: {fetch.stderr[-300:]}")
+    prefix = "flashinfer/data/csrc/xqa/"
+    with zipfile.ZipFile(wheels[0]) as wheel:
+        wheel.extractall(tmp, [n for n in wheel.namelist() if n.startswith(prefix)])
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("JAXATTN_XQA_SOURCES", str(tmp / prefix))
+        yield
 
 
 # ----------------------------------------------------------------------------------------- CPU
 
-@pytest.mark.skipif(_toolchain_missing() is not None, reason=str(_toolchain_missing()))
-def test_compiles_variants_with_nvcc(tmp_path, monkeypatch):
+def test_compiles_variants_with_nvcc(xqa_sources, tmp_path, monkeypatch):
     """Both kernel families (generic mha.cu, Hopper fp8 mha_sm90.cu) build, load and report
     the constants they were compiled with; the second lookup hits the disk cache."""
     monkeypatch.setenv("JAXATTN_CACHE_DIR", str(tmp_path))
@@ -73,6 +92,7 @@ def test_missing_flashinfer_is_a_clear_error(monkeypatch):
     real_find_spec = _xqa_build.importlib.util.find_spec
     monkeypatch.setattr(_xqa_build.importlib.util, "find_spec",
                         lambda name, *a: None if name == "flashinfer" else real_find_spec(name, *a))
+    monkeypatch.delenv("JAXATTN_XQA_SOURCES", raising=False)
     with pytest.raises(_xqa_build.BuildError, match="flashinfer-python is not installed"):
         _xqa_build.xqa_source_dir()
 
