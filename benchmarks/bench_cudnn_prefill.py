@@ -160,7 +160,7 @@ def time_torch(fn, repeats: int, trials: int = 7) -> tuple[float, str]:
 
 
 def flashinfer_runners(case: Case, x: Inputs):
-    """name -> zero-argument callable returning the output tensor [T, Hq, D]."""
+    """name -> factory of a zero-argument callable returning the output tensor [T, Hq, D]."""
     import torch
     import flashinfer
     from flashinfer.cudnn.prefill import cudnn_batch_prefill_with_kv_cache
@@ -184,16 +184,18 @@ def flashinfer_runners(case: Case, x: Inputs):
             actual_seq_lens_q=seq_q, actual_seq_lens_kv=seq_kv, block_tables=tables, causal=True,
             return_lse=False, batch_offsets_q=indptr, batch_offsets_o=indptr, batch_offsets_units="tokens",
             is_cuda_graph_compatible=True)[0]
-    runners["flashinfer cudnn"] = cudnn_call
+    runners["flashinfer cudnn"] = lambda: cudnn_call
 
-    pages_per_seq = tables.shape[1]
-    kv_indptr = torch.arange(b + 1, dtype=torch.int32, device=dev) * pages_per_seq
-    last = torch.full((b,), (case.kv_len - 1) % PAGE + 1, dtype=torch.int32, device=dev)
-    fa3_workspace = torch.zeros(256 << 20, dtype=torch.uint8, device=dev)
-    wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(fa3_workspace, "HND", backend="fa3")
-    wrapper.plan(indptr, kv_indptr, tables.reshape(-1), last, HQ, HKV, D, PAGE, causal=True,
-                 q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16)
-    runners["flashinfer fa3"] = lambda: wrapper.run(q, (k, v))
+    def fa3():   # plans (and JIT-compiles the kernel on first use)
+        pages_per_seq = tables.shape[1]
+        kv_indptr = torch.arange(b + 1, dtype=torch.int32, device=dev) * pages_per_seq
+        last = torch.full((b,), (case.kv_len - 1) % PAGE + 1, dtype=torch.int32, device=dev)
+        fa3_workspace = torch.zeros(256 << 20, dtype=torch.uint8, device=dev)
+        wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(fa3_workspace, "HND", backend="fa3")
+        wrapper.plan(indptr, kv_indptr, tables.reshape(-1), last, HQ, HKV, D, PAGE, causal=True,
+                     q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16)
+        return lambda: wrapper.run(q, (k, v))
+    runners["flashinfer fa3"] = fa3
     return runners
 
 
@@ -203,22 +205,24 @@ def rel_error(x, ref) -> float:
     return float(np.linalg.norm(x - ref) / np.linalg.norm(ref))
 
 
-def bench_case(case: Case, with_xla: bool) -> dict:
+def bench_case(case: Case, with_xla: bool, row: dict, save) -> None:
+    """Fills `row` peer by peer, calling save() after each (a run cut off keeps what it measured)."""
     import torch
 
     x = make_inputs(case)
     repeats = repeats_for(case)
-    row = {"case": str(case), "flops": case.flops, "seconds": {}, "notes": []}
     seconds, out = time_jax(x, "cudnn", repeats)
     row["seconds"]["jaxattn cudnn"] = seconds
+    save()
     out_torch = torch.from_dlpack(out)
     try:
-        runners = flashinfer_runners(case, x)
+        runners = flashinfer_runners(case, x)   # fa3 compiles on first use
     except Exception as err:
         runners = {}
         row["notes"].append(f"flashinfer setup failed: {err!r}"[:200])
-    for name, fn in runners.items():
+    for name, factory in runners.items():
         try:
+            fn = factory()
             peer_out = fn()
             torch.cuda.synchronize()
             err = (peer_out.float() - out_torch.float()).norm() / peer_out.float().norm()
@@ -226,6 +230,7 @@ def bench_case(case: Case, with_xla: bool) -> dict:
             row["seconds"][name], mode = time_torch(fn, repeats)
             if mode != "graph":
                 row["notes"].append(f"{name} timed eagerly")
+            save()
         except Exception as err:
             row["notes"].append(f"{name} failed: {err!r}"[:300])
             traceback.print_exc(limit=2)
@@ -235,7 +240,6 @@ def bench_case(case: Case, with_xla: bool) -> dict:
             row["notes"].append(f"cudnn vs xla rel err {rel_error(out, ref):.1e}")
         except Exception as err:
             row["notes"].append(f"xla failed: {err!r}"[:200])
-    return row
 
 
 def device_name() -> str:
@@ -298,16 +302,16 @@ def main() -> None:
     if reason:
         sys.exit(f"backend cudnn unavailable: {reason}")
     command = " ".join(["python -m benchmarks.bench_cudnn_prefill"] + sys.argv[1:])
-    start, rows, text = time.time(), [], ""
+    start, rows = time.time(), []
     for case in QUICK if args.quick else SWEEP:
         if time.time() - start > args.budget_s:
             print(f"budget of {args.budget_s:.0f}s spent; skipping {case}")
             continue
-        row = bench_case(case, with_xla=case.batch * case.q_len <= args.xla_max_tokens)
+        row = {"case": str(case), "flops": case.flops, "seconds": {}, "notes": []}
         rows.append(row)
+        bench_case(case, case.batch * case.q_len <= args.xla_max_tokens, row, lambda: write_results(rows, command))
         print(case, {k: f"{v * 1e6:.0f}us" for k, v in row["seconds"].items()}, row["notes"], flush=True)
-        text = write_results(rows, command)   # after every case: a cut-off run keeps what it measured
-    print(text)
+    print(write_results(rows, command))
 
 
 if __name__ == "__main__":

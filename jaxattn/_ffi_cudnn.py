@@ -1,12 +1,13 @@
 """Loads the cuDNN paged-prefill FFI library (``jaxattn._cudnn_paged``) and registers it with JAX.
 
 The library is built by the pip install when CUDA, cuDNN, cudnn-frontend and XLA FFI headers are
-found (see CMakeLists.txt); it opens the ``libcudnn.so.9`` of the ``nvidia-cudnn-cu13`` wheel, the
+found (see CMakeLists.txt); it runs on the ``libcudnn.so.9`` of the ``nvidia-cudnn-cu13`` wheel, the
 copy JAX itself loads. Everything here is lazy and cached: importing this module needs no GPU.
 """
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import importlib
 import importlib.util
@@ -48,8 +49,10 @@ def _has_gpu() -> bool:
 
 
 @functools.cache
-def _load() -> tuple[ModuleType | None, str | None]:
-    """(library, None) when the backend can run here, else (None, the reason it cannot)."""
+def import_library() -> tuple[ModuleType | None, str | None]:
+    """(module, None) when the handler library was built and imports (no GPU needed), else
+    (None, why not). It links libcudnn.so.9 and libnvrtc.so.13: the wheels' copies, the ones JAX
+    uses, are loaded first (by soname otherwise)."""
     try:
         build = importlib.import_module("jaxattn._cudnn_build")
     except ImportError:
@@ -57,21 +60,26 @@ def _load() -> tuple[ModuleType | None, str | None]:
                       "(pip install -e .) on a machine with nvcc and the cuDNN headers")
     if not build.BUILT:
         return None, f"the cuDNN paged-prefill library was not built: {build.REASON}"
+    for package, name in (("nvidia.cudnn", "libcudnn.so.9"), ("nvidia.cu13", "libnvrtc.so.13")):
+        try:
+            ctypes.CDLL(_wheel_file(package, "lib", name) or name, mode=ctypes.RTLD_GLOBAL)
+        except OSError as err:
+            return None, f"cannot load {name} (install nvidia-cudnn-cu13 / nvidia-cuda-nvrtc): {err}"
     try:
-        lib = importlib.import_module("jaxattn._cudnn_paged")
+        return importlib.import_module("jaxattn._cudnn_paged"), None
     except ImportError as err:
         return None, f"cannot import the cuDNN paged-prefill library jaxattn._cudnn_paged: {err}"
+
+
+@functools.cache
+def _load() -> tuple[ModuleType | None, str | None]:
+    """(library, None) when the backend can run here, else (None, the reason it cannot)."""
+    lib, reason = import_library()
+    if lib is None:
+        return None, reason
     if not _has_gpu():
         return None, "no NVIDIA GPU is visible to JAX (jax.devices('gpu') is empty)"
-    cudart = _wheel_file("nvidia.cu13", "lib", "libcudart.so.13")
-    if cudart and "CUDNN_FRONTEND_CUDART_LIB_NAME" not in os.environ:
-        # cudnn-frontend dlopens the CUDA runtime by soname; point it at the copy JAX uses.
-        os.environ["CUDNN_FRONTEND_CUDART_LIB_NAME"] = cudart
-    try:
-        lib.load_cudnn(_wheel_file("nvidia.cudnn", "lib", "libcudnn.so.9") or "libcudnn.so.9")
-        version = lib.backend_version()
-    except RuntimeError as err:
-        return None, f"cuDNN could not be loaded: {err}"
+    version = lib.backend_version()
     if version < MIN_CUDNN_VERSION or version in (91000, 91001):
         return None, (f"cuDNN {format_version(version)} is too old: paged prefill with packed ragged "
                       f"queries needs >= {format_version(MIN_CUDNN_VERSION)}")

@@ -56,8 +56,6 @@ NB_MODULE(_cudnn_paged, m) {
   m.def("check_config", [](const nb::dict& config) { return ConfigFromDict(config).Check(); },
         "Empty string when `config` is well formed, else what is wrong (no GPU needed).");
 
-  m.def("load_cudnn", &LoadCudnn, nb::arg("path"),
-        "Opens libcudnn.so.9 at `path` for the handlers (call once, before anything else).");
   m.def("backend_version", &BackendVersion, "cudnnGetVersion() of the loaded cuDNN library.");
   m.def("compiled_version", &CompiledVersion, "CUDNN_VERSION of the headers built against.");
   m.def("frontend_version", &FrontendVersion, "CUDNN_FRONTEND_VERSION built against.");

@@ -3,7 +3,6 @@
 #include "paged_prefill.h"
 
 #include <cudnn_frontend.h>
-#include <dlfcn.h>
 
 #include <cinttypes>
 #include <cstdio>
@@ -13,20 +12,11 @@
 #include <unordered_map>
 #include <utility>
 
-// cudnn-frontend's dynamic-loading mode reads cuDNN's symbols from this handle (LoadCudnn).
-namespace cudnn_frontend {
-void* cudnn_dlhandle = nullptr;
-}  // namespace cudnn_frontend
-
 namespace jaxattn::cudnn {
 namespace {
 
 namespace fe = cudnn_frontend;
 
-std::mutex& LoadMutex() {
-  static auto* mu = new std::mutex;
-  return *mu;
-}
 
 // Tensor uids of the variant pack.
 enum Uid : int64_t {
@@ -236,23 +226,7 @@ std::string Config::Key() const {
   return buf;
 }
 
-void LoadCudnn(const std::string& path) {
-  std::lock_guard<std::mutex> lock(LoadMutex());
-  if (fe::cudnn_dlhandle) return;
-  void* handle = dlopen(path.c_str(), RTLD_NOW | RTLD_GLOBAL);
-  if (!handle) Fail("cannot open cuDNN library '" + path + "': " + dlerror());
-  fe::cudnn_dlhandle = handle;
-}
-
-namespace {
-void RequireCudnn() {
-  std::lock_guard<std::mutex> lock(LoadMutex());
-  if (!fe::cudnn_dlhandle) Fail("the cuDNN library is not loaded (jaxattn._ffi_cudnn loads it)");
-}
-}  // namespace
-
 std::shared_ptr<const Plan> GetPlan(const Config& config, int device) {
-  RequireCudnn();
   if (std::string problem = config.Check(); !problem.empty()) Fail("invalid configuration: " + problem);
   DeviceGuard guard(device);
   const std::string key = std::to_string(guard.device()) + "|" + config.Key();
@@ -300,10 +274,7 @@ void Run(const Plan& plan, const Buffers& x, cudaStream_t stream) {
             "zeroing unowned output rows");
 }
 
-int64_t BackendVersion() {
-  RequireCudnn();
-  return static_cast<int64_t>(fe::detail::get_backend_version());
-}
+int64_t BackendVersion() { return static_cast<int64_t>(fe::detail::get_backend_version()); }
 int64_t CompiledVersion() { return CUDNN_VERSION; }
 int64_t FrontendVersion() { return CUDNN_FRONTEND_VERSION; }
 

@@ -104,11 +104,6 @@ cudaError_t LaunchZeroUnownedRows(void* out, int64_t num_tokens, int64_t row_ele
                                   const int32_t* ragged_offsets, const int32_t* seq_len_q,
                                   const int32_t* seq_len_kv, int64_t batch, cudaStream_t stream);
 
-// Opens the cuDNN library at `path` (the libcudnn.so.9 JAX loaded) for cudnn-frontend, which is
-// built with dynamic loading. Must precede every other call here; later calls are no-ops.
-// Throws std::runtime_error when it cannot be opened.
-void LoadCudnn(const std::string& path);
-
 // Versions: of the loaded cuDNN library, of the cuDNN headers and of cudnn-frontend built against.
 int64_t BackendVersion();
 int64_t CompiledVersion();

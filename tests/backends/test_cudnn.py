@@ -68,7 +68,8 @@ def test_library_is_built_where_its_headers_are():
         pytest.skip("CUDA/cuDNN/cudnn-frontend headers are not installed here")
     build = importlib.import_module("jaxattn._cudnn_build")
     assert build.BUILT, build.REASON
-    lib = importlib.import_module("jaxattn._cudnn_paged")
+    lib, reason = _ffi_cudnn.import_library()
+    assert lib is not None, reason
     assert set(lib.handlers()) == {"instantiate", "initialize", "execute"}
     assert set(lib.state_type()) == {"type_id", "type_info"}
     assert lib.compiled_version() >= _ffi_cudnn.MIN_CUDNN_VERSION
@@ -76,7 +77,9 @@ def test_library_is_built_where_its_headers_are():
 
 
 def test_library_validates_its_configuration():
-    lib = pytest.importorskip("jaxattn._cudnn_paged")
+    lib, reason = _ffi_cudnn.import_library()
+    if lib is None:
+        pytest.skip(reason)
     config = dict(dtype=0, batch=2, num_tokens=64, num_q_heads=8, num_kv_heads=2, head_dim=128,
                   num_pages=9, page_size=16, pages_per_seq=4, layout=1, max_q_len=32,
                   scale=np.float32(0.1), causal=True, sliding_window=0, has_sinks=False, return_lse=False)
