@@ -33,7 +33,9 @@ ARCH = "90a"  # XQA's Hopper kernel uses wgmma/TMA, so SM90 builds need the "a" 
 FP8 = "float8_e4m3fn"
 _C_TYPES = {"bfloat16": "__nv_bfloat16", "float16": "__half"}
 SYSTEM_NVCC = Path("/usr/local/cuda/bin/nvcc")
-_FFI_DIR_CANDIDATES = (Path(__file__).resolve().parents[2] / "ffi",)
+# The wheel ships the handler sources in jaxattn/ffi (see CMakeLists.txt); a source checkout
+# (editable install) has them in ffi/ at the repository root.
+_FFI_DIR_CANDIDATES = (Path(__file__).resolve().parents[1] / "ffi", Path(__file__).resolve().parents[2] / "ffi")
 _load_lock = threading.Lock()
 
 
