@@ -17,6 +17,8 @@ from typing import Any
 
 import jax
 
+from jaxattn.backends import base
+
 TARGET = "jaxattn_cudnn_paged_prefill"
 STATE_TYPE = "jaxattn_cudnn_paged_prefill_state"
 # Paged K/V with packed ragged Q works from 9.10.2 (9.10.0/9.10.1 have known SDPA bugs).
@@ -39,13 +41,6 @@ def _wheel_file(package: str, *parts: str) -> str | None:
         if os.path.isfile(path):
             return path
     return None
-
-
-def _has_gpu() -> bool:
-    try:
-        return bool(jax.devices("gpu"))
-    except RuntimeError:
-        return False
 
 
 @functools.cache
@@ -77,8 +72,8 @@ def _load() -> tuple[ModuleType | None, str | None]:
     lib, reason = import_library()
     if lib is None:
         return None, reason
-    if not _has_gpu():
-        return None, "no NVIDIA GPU is visible to JAX (jax.devices('gpu') is empty)"
+    if not base.gpu_devices():
+        return None, base.NO_GPU
     version = lib.backend_version()
     if version < MIN_CUDNN_VERSION or version in (91000, 91001):
         return None, (f"cuDNN {format_version(version)} is too old: paged prefill with packed ragged "

@@ -12,6 +12,7 @@ import sys
 import jax
 
 from jaxattn import __version__, backends
+from jaxattn.backends.base import gpu_devices
 
 # (label, distribution names tried in order)
 _PACKAGES = (
@@ -61,12 +62,8 @@ def cuda_library_versions() -> dict[str, str]:
 
 
 def gpus() -> list[str]:
-    try:
-        devices = jax.devices("gpu")
-    except RuntimeError:
-        return []
     return [f"{d.id}: {d.device_kind}, compute capability {getattr(d, 'compute_capability', '?')}"
-            for d in devices]
+            for d in gpu_devices()]
 
 
 def report() -> str:

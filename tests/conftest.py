@@ -2,18 +2,11 @@
 
 from __future__ import annotations
 
-import jax
 import pytest
 
+from jaxattn.backends.base import gpu_devices
 
-def _has_gpu() -> bool:
-    try:
-        return bool(jax.devices("gpu"))
-    except RuntimeError:
-        return False
-
-
-HAS_GPU = _has_gpu()
+HAS_GPU = bool(gpu_devices())
 
 
 def pytest_collection_modifyitems(config, items):

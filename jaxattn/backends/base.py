@@ -11,6 +11,18 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
+
+NO_GPU = "no NVIDIA GPU is visible to JAX (jax.devices('gpu') is empty)"
+
+
+def gpu_devices() -> list[jax.Device]:
+    """JAX's GPU devices; empty on a machine (or a jax install) without one."""
+    try:
+        return jax.devices("gpu")
+    except RuntimeError:
+        return []
+
 
 @dataclasses.dataclass(frozen=True)
 class AttentionParams:

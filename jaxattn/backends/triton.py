@@ -21,7 +21,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jaxattn.backends.base import AttentionParams
+from jaxattn.backends.base import NO_GPU, AttentionParams, gpu_devices
 from jaxattn.kv_cache import KVCache
 from jaxattn.metadata import AttentionMetadata
 
@@ -65,10 +65,8 @@ def unavailable_reason() -> str | None:
     version = tuple(int(x) for x in triton.__version__.split(".")[:2])
     if version < MIN_TRITON:
         return f"needs triton >= {'.'.join(map(str, MIN_TRITON))}, found {triton.__version__}"
-    try:
-        jax.devices("gpu")
-    except RuntimeError:
-        return "no CUDA GPU is visible to JAX (on CPU the kernels run only under Triton's interpreter, in tests)"
+    if not gpu_devices():
+        return f"{NO_GPU}; on CPU the kernels run only under Triton's interpreter, in tests"
     from jax._src.lib import gpu_triton
     if not hasattr(gpu_triton, "TritonKernelCall"):
         return "this jaxlib's CUDA plugin has no Triton launcher (jax._src.lib.gpu_triton)"

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxattn.backends import _xqa_build
-from jaxattn.backends.base import AttentionParams
+from jaxattn.backends.base import NO_GPU, AttentionParams, gpu_devices
 from jaxattn.kv_cache import KVCache
 from jaxattn.metadata import AttentionMetadata
 
@@ -31,10 +31,9 @@ _WHERE = "paged_attention: backend 'trtllm'"
 
 @functools.cache
 def unavailable_reason() -> str | None:
-    try:
-        gpus = jax.devices("gpu")
-    except RuntimeError:
-        return "no CUDA GPU is visible to JAX"
+    gpus = gpu_devices()
+    if not gpus:
+        return NO_GPU
     capability = str(getattr(gpus[0], "compute_capability", "?"))
     if not capability.startswith("9."):
         return (f"the XQA decode kernels are built for SM90 (Hopper) only; "

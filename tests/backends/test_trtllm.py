@@ -134,7 +134,7 @@ def test_supported_configuration_passes():
 @pytest.mark.skipif(bool(jax.devices()[0].platform == "gpu"), reason="checks the CPU-only message")
 def test_unavailable_without_gpu():
     q, cache, meta = _inputs()
-    with pytest.raises(ValueError, match="backend 'trtllm' is not available: no CUDA GPU"):
+    with pytest.raises(ValueError, match="backend 'trtllm' is not available: no NVIDIA GPU"):
         jaxattn.paged_attention(q, cache, meta, backend="trtllm")
 
 
