@@ -7,7 +7,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import jaxattn
 from jaxattn import KVCache
 
 

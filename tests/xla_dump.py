@@ -41,5 +41,7 @@ def thunk_sequences(dump_dir: os.PathLike, module: str) -> dict[str, str]:
 
 
 def top_level_thunks(text: str) -> list[str]:
-    """Kinds of the thunks XLA runs one by one (not inside a command buffer), in order."""
-    return [kind for _, kind in _TOP_LEVEL.findall(text)]
+    """Kinds of the thunks XLA runs one by one, in order: the unindented lines of the dump's first
+    block (commands inside a command buffer are indented under it; later blocks list the
+    command buffers' own sequences again)."""
+    return [kind for _, kind in _TOP_LEVEL.findall(text.strip("\n").split("\n\n")[0])]

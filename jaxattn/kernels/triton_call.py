@@ -25,7 +25,6 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import triton

@@ -26,10 +26,10 @@ import jaxattn
 from jaxattn import _ffi_cudnn, backends
 from jaxattn.backends import cudnn
 from jaxattn.backends.base import AttentionParams
+from tests.xla_dump import REPO, run_with_dump, thunk_sequences, top_level_thunks
 from tests.paged_inputs import (TOLERANCE, dot_product_attention_reference, make_problem, reference,
                                 rel_error)
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 BF16, F16 = jnp.bfloat16, jnp.float16
 
 
@@ -256,10 +256,8 @@ def test_unsupported_raise_at_trace_time(kw, message):
 
 
 _CAPTURE_SCRIPT = textwrap.dedent("""
-    import glob, json, os, sys
-    os.environ["XLA_FLAGS"] = f"--xla_dump_to={sys.argv[1]} --xla_gpu_graph_min_graph_size=1"
+    import json
     import jax, jax.numpy as jnp, numpy as np
-    sys.path.insert(0, sys.argv[2])
     import jaxattn
     from jaxattn import _ffi_cudnn
     from tests.paged_inputs import make_problem, reference, rel_error
@@ -281,9 +279,7 @@ _CAPTURE_SCRIPT = textwrap.dedent("""
     ref = reference(problem) * 2
     n = sum(problem.q_lens)
     errors = [rel_error(o[:n], ref[:n]) for o in outs]
-    thunks = {os.path.basename(p): open(p).read()
-              for p in glob.glob(os.path.join(sys.argv[1], "*thunk_sequence*.txt"))}
-    print(json.dumps(dict(after_first=after_first, after_six=after_six, errors=errors, thunks=thunks)))
+    print(json.dumps(dict(after_first=after_first, after_six=after_six, errors=errors)))
 """)
 
 
@@ -291,17 +287,11 @@ _CAPTURE_SCRIPT = textwrap.dedent("""
 def test_captured_in_command_buffer_and_replayed(tmp_path):
     """A jitted step puts the custom call inside a kCommandBuffer thunk, and replays of the
     recorded graph do not run the execute handler's host code."""
-    run = subprocess.run([sys.executable, "-c", _CAPTURE_SCRIPT, str(tmp_path), REPO], capture_output=True,
-                         text=True, timeout=300)
-    assert run.returncode == 0, run.stderr[-4000:]
+    run = run_with_dump(_CAPTURE_SCRIPT, tmp_path, timeout=300)
     result = json.loads(run.stdout.strip().splitlines()[-1])
-    thunks = "\n".join(result["thunks"].values())
-    if os.environ.get("OUT"):
-        with open(os.path.join(os.environ["OUT"], "cudnn_thunk_sequence.txt"), "w") as f:
-            f.write(thunks)
     assert max(result["errors"]) < TOLERANCE[jnp.dtype(BF16)], result["errors"]
-    assert "kCommandBuffer" in thunks, thunks[-3000:]
-    command_buffer = thunks[thunks.index("kCommandBuffer"):]
-    assert "custom-call" in command_buffer or "CustomCall" in command_buffer, thunks[-3000:]
+    for name, thunks in thunk_sequences(tmp_path, "jit__lambda").items():
+        top = top_level_thunks(thunks)
+        assert "kCommandBuffer" in top and "kCustomCall" not in top, (name, thunks[-3000:])
     # Recorded once (on the first or second run); replays with the same buffers run no host code.
     assert result["after_six"] <= 2 and result["after_six"] - result["after_first"] <= 1, result

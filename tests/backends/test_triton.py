@@ -8,9 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
-import subprocess
-import sys
 import textwrap
 
 import jax
@@ -24,12 +21,12 @@ from jaxattn.backends import xla
 from jaxattn.backends.base import AttentionParams
 from tests.conftest import HAS_GPU
 from tests.paged_inputs import TOLERANCE, make_problem, reference, rel_error
+from tests.xla_dump import run_with_dump, thunk_sequences, top_level_thunks
 
 pytest.importorskip("triton", reason="the triton backend's tests need the triton package")
 from jaxattn.backends import triton as tb  # noqa: E402
 
 BF16, FP8 = jnp.bfloat16, jnp.float8_e4m3fn
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _params(head_dim, *, causal=True, sliding_window=None, softcap=None, sinks=None, scale=None):
@@ -186,10 +183,8 @@ def test_gpu_decode_only_through_paged_attention():
 
 
 _CAPTURE_SCRIPT = textwrap.dedent("""
-    import glob, json, os, sys
-    os.environ["XLA_FLAGS"] = f"--xla_dump_to={sys.argv[1]} --xla_gpu_graph_min_graph_size=1"
+    import json
     import jax, jax.numpy as jnp, numpy as np
-    sys.path.insert(0, sys.argv[2])
     import jaxattn
     from tests.paged_inputs import make_problem, reference, rel_error
 
@@ -198,26 +193,18 @@ _CAPTURE_SCRIPT = textwrap.dedent("""
     step = jax.jit(lambda q, c, m: jaxattn.paged_attention(q, c, m, backend="triton") * 2)
     outs = [step(problem.q, problem.cache, problem.meta).block_until_ready() for _ in range(3)]
     errors = [rel_error(o, reference(problem) * 2) for o in outs]
-    thunks = {os.path.basename(p): open(p).read()
-              for p in glob.glob(os.path.join(sys.argv[1], "*jit__lambda*thunk_sequence*.txt"))}
-    print(json.dumps(dict(errors=errors, thunks=thunks)))
+    print(json.dumps(dict(errors=errors)))
 """)
 
 
 @pytest.mark.gpu
 def test_gpu_launches_captured_in_command_buffer(tmp_path):
     """The split step's three Triton launches (decode, reduce, 2D) run inside one kCommandBuffer."""
-    env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false")
-    run = subprocess.run([sys.executable, "-c", _CAPTURE_SCRIPT, str(tmp_path), REPO], capture_output=True,
-                         text=True, timeout=300, env=env)
-    assert run.returncode == 0, run.stderr[-4000:]
-    result = json.loads(run.stdout.strip().splitlines()[-1])
-    thunks = "\n".join(result["thunks"].values())
-    if os.environ.get("OUT"):
-        with open(os.path.join(os.environ["OUT"], "triton_thunk_sequence.txt"), "w") as f:
-            f.write(thunks)
-    assert max(result["errors"]) < TOLERANCE[jnp.dtype(BF16)], result["errors"]
-    assert "kCommandBuffer" in thunks, thunks[-3000:]
-    # The first command buffer of the dump lists its commands, one per line, until a blank line.
-    command_buffer = thunks[thunks.index("kCommandBuffer"):].split("\n\n")[0]
-    assert command_buffer.count(": kCustomCall") >= 3, thunks[-3000:]
+    run = run_with_dump(_CAPTURE_SCRIPT, tmp_path, timeout=300)
+    errors = json.loads(run.stdout.strip().splitlines()[-1])["errors"]
+    assert max(errors) < TOLERANCE[jnp.dtype(BF16)], errors
+    for name, thunks in thunk_sequences(tmp_path, "jit__lambda").items():
+        top = top_level_thunks(thunks)
+        assert "kCommandBuffer" in top and "kCustomCall" not in top, (name, thunks[-3000:])
+        # The command buffer's commands are listed, indented, under it in the first block.
+        assert thunks.split("\n\n")[0].count(": kCustomCall") >= 3, (name, thunks[-3000:])

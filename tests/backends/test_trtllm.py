@@ -23,6 +23,7 @@ import pytest
 import jaxattn
 from jaxattn.backends import _xqa_build, trtllm
 from jaxattn.backends.base import AttentionParams
+from tests.xla_dump import run_with_dump, thunk_sequences, top_level_thunks
 from tests.paged_inputs import make_problem, rel_error
 
 FP8 = jnp.float8_e4m3fn
@@ -298,17 +299,10 @@ _GRAPH_SCRIPT = textwrap.dedent("""
 def test_command_buffer_capture(tmp_path, prebuilt):
     """XLA records the custom call into a CUDA graph (kCommandBuffer in the thunk dump) and
     replays it: the handler's host code runs only when XLA (re)records, not on every call."""
-    env = dict(os.environ, XLA_FLAGS=f"--xla_dump_to={tmp_path} --xla_dump_hlo_as_text",
-               XLA_PYTHON_CLIENT_PREALLOCATE="false")   # this process holds most of the GPU
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    result = subprocess.run([sys.executable, "-c", _GRAPH_SCRIPT], env=env, cwd=root,
-                            capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+    result = run_with_dump(_GRAPH_SCRIPT, tmp_path)
     line = next(l for l in result.stdout.splitlines() if l.startswith("HOST_EXECUTIONS"))
     executions, calls = int(line.split()[1]), int(line.split()[3])
-    dumps = sorted(p for p in tmp_path.iterdir() if "jit_step" in p.name and "thunk_sequence" in p.name)
-    text = dumps[-1].read_text() if dumps else ""
-    print(f"host executions: {executions} for {calls} calls; {dumps[-1].name if dumps else 'no thunk dump'}:")
-    print(text[-3000:] or sorted(p.name for p in tmp_path.iterdir()))
-    assert "kCommandBuffer" in text, "the step was not captured into a command buffer"
+    for name, thunks in thunk_sequences(tmp_path, "jit_step").items():
+        top = top_level_thunks(thunks)
+        assert "kCommandBuffer" in top and "kCustomCall" not in top, (name, thunks[-3000:])
     assert 0 < executions < calls, f"host execute ran {executions} times for {calls} calls"
