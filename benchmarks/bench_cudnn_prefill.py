@@ -38,12 +38,11 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import jaxattn  # noqa: E402
+from benchmarks.results import write_section  # noqa: E402
 from jaxattn import _ffi_cudnn  # noqa: E402
 
 HQ, HKV, D, PAGE = 32, 8, 128, 64
 DTYPE = jnp.bfloat16
-RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "RESULTS.md")
-BEGIN, END = "<!-- cudnn-prefill:begin -->", "<!-- cudnn-prefill:end -->"
 PEERS = ("jaxattn cudnn", "flashinfer cudnn", "flashinfer fa3", "jaxattn xla")
 
 
@@ -273,9 +272,6 @@ def table(rows: list[dict]) -> str:
 def write_results(rows: list[dict], command: str) -> str:
     lib = _ffi_cudnn
     text = "\n".join([
-        BEGIN,
-        "## cuDNN paged prefill (`backend=\"cudnn\"`)",
-        "",
         f"- device: {device_name()}; cuDNN {lib.format_version(lib.cudnn_version() or 0)}, jax {jax.__version__}",
         f"- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC; command: `{command}`",
         f"- bf16, causal (bottom-right), Hq={HQ}, Hkv={HKV}, D={D}, page {PAGE}, HND, randomly permuted pool.",
@@ -284,19 +280,8 @@ def write_results(rows: list[dict], command: str) -> str:
         table(rows),
         "",
         "Notes: " + "; ".join(f"{r['case']}: " + ", ".join(r["notes"]) for r in rows if r["notes"]),
-        END,
     ])
-    old = open(RESULTS).read() if os.path.exists(RESULTS) else "# Benchmark results\n"
-    if BEGIN in old and END in old:
-        new = old[:old.index(BEGIN)] + text + old[old.index(END) + len(END):]
-    else:
-        new = old.rstrip("\n") + "\n\n" + text + "\n"
-    with open(RESULTS, "w") as f:
-        f.write(new)
-    if os.environ.get("OUT"):
-        with open(os.path.join(os.environ["OUT"], "cudnn_prefill_results.md"), "w") as f:
-            f.write(text + "\n")
-    return text
+    return write_section("cudnn-prefill", text, heading='cuDNN paged prefill (`backend="cudnn"`)')
 
 
 def main() -> None:

@@ -33,13 +33,12 @@ import numpy as np
 from flax import nnx
 
 import jaxattn
+from benchmarks.results import write_section
 from jaxattn.attention import backend_for
 from jaxattn.engine import engine_step
 from jaxattn.models.llama import PRESETS, Llama
 
 PAGE = 64
-RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "RESULTS.md")
-BEGIN, END = "<!-- e2e:begin -->", "<!-- e2e:end -->"
 
 
 def copy_bandwidth(nbytes: int = 4 << 30, trials: int = 10) -> float:
@@ -147,8 +146,8 @@ def fits(cfg, batch: int, context: int, free_bytes: float) -> bool:
     return kv + 2 * gather < 0.8 * free_bytes
 
 
-def write_results(rows: list[dict], header: str) -> None:
-    lines = [BEGIN, header, "",
+def write_results(rows: list[dict], header: str) -> str:
+    lines = [header, "",
              "| backend (decode plan) | batch | context | step ms | tokens/s | vs xla | host ms | "
              "bookkeeping | roofline ms | % of roofline |",
              "|---|---|---|---|---|---|---|---|---|---|"]
@@ -159,14 +158,7 @@ def write_results(rows: list[dict], header: str) -> None:
                      f"{r['tokens_per_s']:,.0f} | {'%.2fx' % (ratio / r['step_ms']) if ratio else '-'} | "
                      f"{r['host_ms']:.2f} | {100 * r['bookkeeping_share']:.1f}% | {r['roofline_ms']:.2f} | "
                      f"{100 * r['roofline_share']:.0f}% |")
-    lines.append(END)
-    text = open(RESULTS).read() if os.path.exists(RESULTS) else "# Benchmark results\n"
-    if BEGIN in text:
-        text = text[: text.index(BEGIN)] + "\n".join(lines) + text[text.index(END) + len(END):]
-    else:
-        text = text.rstrip() + "\n\n## End-to-end decode step\n\n" + "\n".join(lines) + "\n"
-    with open(RESULTS, "w") as f:
-        f.write(text)
+    return write_section("e2e", "\n".join(lines), heading="End-to-end decode step (Llama-3-8B shapes)")
 
 
 def main() -> None:
@@ -212,8 +204,7 @@ def main() -> None:
               f"{bandwidth / 1e12:.2f} TB/s (read + write), measured in the same run.\n"
               f"Command: `python -m benchmarks.bench_e2e --layers {args.layers} --batches {args.batches} "
               f"--contexts {args.contexts} --backends {args.backends}`")
-    write_results(rows, header)
-    print(open(RESULTS).read().split(BEGIN)[1].split(END)[0])
+    print(write_results(rows, header))
 
 
 if __name__ == "__main__":

@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
-import os
 import statistics
 import time
 import traceback
@@ -35,15 +34,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-import jaxattn
+import jaxattn  # noqa: E402
+from benchmarks.results import write_section  # noqa: E402
 from jaxattn import backends
 from jaxattn.backends import triton as tb
 from jaxattn.backends.base import AttentionParams
 
 HQ, HKV, D, PAGE = 32, 8, 128, 64
 DTYPE = jnp.bfloat16
-RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "RESULTS.md")
-BEGIN, END = "<!-- triton:begin -->", "<!-- triton:end -->"
 VLLM_TILES = tb.PrefillConfig(block_m=16, block_n=32, num_warps=4, num_stages=2)
 
 
@@ -218,7 +216,7 @@ def main() -> None:
         sweep(lines)
     text = "\n".join(lines)
     print(text)
-    _write(text, update_results=not only)
+    write_section("triton", text, heading="triton (jaxattn's Triton kernels)", update_results=not only)
 
 
 def _targets(s: dict) -> list[str]:
@@ -236,22 +234,6 @@ def _targets(s: dict) -> list[str]:
         r = ratio((mixed, base), (mixed, "triton split"))
         out.append(f"- mixed: {base} / split time = {r:.2f} (target >= 2)" if r else f"- mixed: {base} not measured")
     return out
-
-
-def _write(text: str, update_results: bool) -> None:
-    section = f"{BEGIN}\n{text}\n{END}"
-    if os.environ.get("OUT"):
-        with open(os.path.join(os.environ["OUT"], f"triton_results{'' if update_results else '_only'}.md"), "w") as f:
-            f.write(section + "\n")
-    if not update_results:
-        return
-    old = open(RESULTS).read() if os.path.exists(RESULTS) else "# Benchmark results\n"
-    if BEGIN in old and END in old:
-        new = old[:old.index(BEGIN)] + section + old[old.index(END) + len(END):]
-    else:
-        new = old.rstrip("\n") + "\n\n## triton (jaxattn's Triton kernels)\n\n" + section + "\n"
-    with open(RESULTS, "w") as f:
-        f.write(new)
 
 
 if __name__ == "__main__":

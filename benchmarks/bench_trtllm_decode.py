@@ -39,11 +39,10 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import jaxattn  # noqa: E402
+from benchmarks.results import write_section  # noqa: E402
 
 HQ, HKV, D, PAGE = 32, 8, 128, 64
 DTYPE = jnp.bfloat16
-RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "RESULTS.md")
-BEGIN, END = "<!-- trtllm-decode:begin -->", "<!-- trtllm-decode:end -->"
 PEERS = ("jaxattn trtllm", "flashinfer xqa", "flashinfer fa2", "jaxattn xla")
 KEY_CASE = (64, 4096)
 
@@ -301,9 +300,6 @@ def write_results(rows: list[dict], copy_rate: float, command: str) -> str:
     pdl = [f"{r['case']}: {r['seconds']['flashinfer xqa, PDL off'] * 1e6:.1f}" for r in rows
            if "flashinfer xqa, PDL off" in r["seconds"]]
     text = "\n".join([
-        BEGIN,
-        "## TRTLLM / XQA paged decode (`backend=\"trtllm\"`)",
-        "",
         f"- device: {device_name()}; jax {jax.__version__}; flashinfer-python XQA sources, SM90 generic kernel (mha.cu)",
         f"- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC; command: `{command}`",
         f"- bf16, Hq={HQ}, Hkv={HKV}, D={D}, page {PAGE}, HND, randomly permuted pool, every sequence at kv_len.",
@@ -317,19 +313,8 @@ def write_results(rows: list[dict], copy_rate: float, command: str) -> str:
         "flashinfer xqa with PDL off, us: " + ", ".join(pdl) + ".",
         "",
         "Notes: " + "; ".join(f"{r['case']}: " + ", ".join(r["notes"]) for r in rows if r["notes"]),
-        END,
     ])
-    old = open(RESULTS).read() if os.path.exists(RESULTS) else "# Benchmark results\n"
-    if BEGIN in old and END in old:
-        new = old[:old.index(BEGIN)] + text + old[old.index(END) + len(END):]
-    else:
-        new = old.rstrip("\n") + "\n\n" + text + "\n"
-    with open(RESULTS, "w") as f:
-        f.write(new)
-    if os.environ.get("OUT"):
-        with open(os.path.join(os.environ["OUT"], "trtllm_decode_results.md"), "w") as f:
-            f.write(text + "\n")
-    return text
+    return write_section("trtllm-decode", text, heading='TRTLLM / XQA paged decode (`backend="trtllm"`)')
 
 
 def main() -> None:
