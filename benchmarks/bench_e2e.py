@@ -5,10 +5,11 @@ with page allocation, KV writes and attention for every layer in one jitted engi
                                    [--backends auto,triton,xla] [--budget-s 500]
 
 For each backend x batch x context (every sequence at that context, decode-only steps):
-  * step time: median over timed steps of one ``engine_step`` call each (dispatch + device,
-    synchronized per step), after warm-up; tokens/s = batch / step time;
-  * host time: median time for the call to return before synchronizing (with XLA command
-    buffers the host only launches graphs);
+  * step time: ``steps`` engine steps issued back to back (each step's next tokens stay on the
+    device and feed the next step, as in a greedy decode loop), then one synchronization; the
+    median over 3 such runs of total / steps, after warm-up. tokens/s = batch / step time;
+  * host time: median time for a step call to return (the host only launches XLA's command
+    buffers; while it stays under the step time, the host is not the bottleneck);
   * bookkeeping: the same step with only the page table work and KV writes (no model), as a
     share of the step;
   * roofline: bytes a step must read (weights + KV of every layer) over the device copy
@@ -35,7 +36,7 @@ from flax import nnx
 import jaxattn
 from benchmarks.results import write_section
 from jaxattn.attention import backend_for
-from jaxattn.engine import engine_step
+from jaxattn.engine import make_engine_step
 from jaxattn.models.llama import PRESETS, Llama
 
 PAGE = 64
@@ -81,25 +82,25 @@ def fill(model: Llama, batch: int, context: int, steps: int, seed: int):
     return caches, table
 
 
-def time_steps(fn, state, steps: int) -> tuple[float, float, object]:
-    """Median step time and median host (dispatch) time over ``steps`` synchronized steps."""
-    step_times, host_times = [], []
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        out = fn(state)
-        t1 = time.perf_counter()
-        jax.block_until_ready(out)
-        t2 = time.perf_counter()
-        step_times.append(t2 - t0)
-        host_times.append(t1 - t0)
-        state = out
-    return statistics.median(step_times), statistics.median(host_times), state
+def time_steps(fn, state, steps: int, runs: int = 3) -> tuple[float, float, object]:
+    """(seconds per step, median host seconds per call, final state) for ``steps`` calls issued
+    back to back, each run synchronized once at its end; the median over ``runs``."""
+    per_step, host_times = [], []
+    for _ in range(runs):
+        start = time.perf_counter()
+        for _ in range(steps):
+            t0 = time.perf_counter()
+            state = fn(state)
+            host_times.append(time.perf_counter() - t0)
+        jax.block_until_ready(state)
+        per_step.append((time.perf_counter() - start) / steps)
+    return statistics.median(per_step), statistics.median(host_times), state
 
 
 def run_case(model: Llama, backend: str, batch: int, context: int, steps: int, bandwidth: float) -> dict:
     cfg = model.cfg
-    graphdef, params = nnx.split(model)
-    caches, table = fill(model, batch, context, 2 * steps + 4, seed=batch + context)
+    step, weights = make_engine_step(model)
+    caches, table = fill(model, batch, context, 7 * steps + 8, seed=batch + context)
     ids = jnp.arange(batch, dtype=jnp.int32)
     ones = jnp.ones((batch,), jnp.int32)
     no_release = jnp.full((batch,), -1, jnp.int32)
@@ -110,8 +111,8 @@ def run_case(model: Llama, backend: str, batch: int, context: int, steps: int, b
 
     def model_step(state):
         tok, caches, table = state
-        tok, ok, caches, table = engine_step(graphdef, params, caches, table, no_release, tok, ids, ones,
-                                             max_q_len=1, backend=backend)
+        tok, ok, caches, table = step(weights, caches, table, no_release, tok, ids, ones, max_q_len=1,
+                                      backend=backend)
         return tok, caches, table
 
     state = (tokens, caches, table)
@@ -130,7 +131,7 @@ def run_case(model: Llama, backend: str, batch: int, context: int, steps: int, b
     book_s, _, state = time_steps(book_step, state, steps)
     del state
 
-    weight_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params)) \
+    weight_bytes = sum(x.size * x.dtype.itemsize for x in weights) \
         - cfg.vocab_size * cfg.dim * jnp.dtype(cfg.dtype).itemsize + batch * cfg.dim * 2   # embed: B rows
     kv_bytes = 2 * cfg.num_layers * batch * context * cfg.num_kv_heads * cfg.head_dim * jnp.dtype(cfg.dtype).itemsize
     roofline_s = (weight_bytes + kv_bytes) / bandwidth

@@ -59,7 +59,7 @@ def test_gpu_decode_step_runs_in_command_buffers(tmp_path):
     command buffer: none is left to run thunk by thunk."""
     from tests.xla_dump import run_with_dump, thunk_sequences, top_level_thunks
     run_with_dump(_DECODE_STEP_SCRIPT, tmp_path)
-    steps = thunk_sequences(tmp_path, "engine_step")
+    steps = thunk_sequences(tmp_path, "jit_step")
     assert len(steps) == 2, list(steps)            # the decode-only and the mixed step
     for name, thunks in steps.items():
         top = top_level_thunks(thunks)
