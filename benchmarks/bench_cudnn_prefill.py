@@ -25,7 +25,6 @@ import datetime
 import math
 import os
 import statistics
-import subprocess
 import sys
 import time
 import traceback
@@ -35,14 +34,12 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.6")
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
 
 import jaxattn  # noqa: E402
-from benchmarks.results import write_section  # noqa: E402
+from benchmarks.common import (  # noqa: E402
+    HKV, HQ, PAGE, D, Inputs, device_name, make_inputs, rel_error, write_section)
 from jaxattn import _ffi_cudnn  # noqa: E402
 
-HQ, HKV, D, PAGE = 32, 8, 128, 64
-DTYPE = jnp.bfloat16
 PEERS = ("jaxattn cudnn", "flashinfer cudnn", "flashinfer fa3", "jaxattn xla")
 
 
@@ -66,33 +63,6 @@ SWEEP = [Case(8, 4096, 4096), Case(1, 512, 512), Case(1, 2048, 2048), Case(1, 81
          Case(4, 4096, 4096), Case(8, 512, 512), Case(8, 2048, 2048), Case(16, 1024, 1024), Case(16, 2048, 2048),
          Case(4, 300, 1200)]
 QUICK = [Case(8, 4096, 4096), Case(1, 512, 512), Case(4, 300, 1200)]
-
-
-@dataclasses.dataclass
-class Inputs:
-    q: jax.Array
-    cache: jaxattn.KVCache
-    meta: jaxattn.AttentionMetadata
-
-
-def make_inputs(case: Case, seed: int = 0) -> Inputs:
-    rng = np.random.default_rng(seed)
-    pages_per_seq = -(-case.kv_len // PAGE)
-    num_pages = 1 + case.batch * pages_per_seq
-    tables = rng.permutation(np.arange(1, num_pages)).reshape(case.batch, pages_per_seq).astype(np.int32)
-    key = jax.random.key(seed)
-    k1, k2, k3 = jax.random.split(key, 3)
-    shape = (num_pages, HKV, PAGE, D)
-    cache = jaxattn.KVCache(jax.random.normal(k1, shape, DTYPE), jax.random.normal(k2, shape, DTYPE), layout="HND")
-    q = jax.random.normal(k3, (case.batch * case.q_len, HQ, D), DTYPE)
-    meta = jaxattn.AttentionMetadata(
-        cu_q_lens=jnp.arange(case.batch + 1, dtype=jnp.int32) * case.q_len,
-        kv_lens=jnp.full((case.batch,), case.kv_len, jnp.int32),
-        block_tables=jnp.asarray(tables),
-        num_decodes=jnp.zeros((), jnp.int32),
-        max_q_len=case.q_len,
-    )
-    return Inputs(q, cache, meta)
 
 
 def repeats_for(case: Case, rate: float = 4e14, target_s: float = 2e-3) -> int:
@@ -205,17 +175,11 @@ def flashinfer_runners(case: Case, x: Inputs):
     return runners
 
 
-def rel_error(x, ref) -> float:
-    x = np.asarray(jnp.asarray(x).astype(jnp.float32), np.float64)
-    ref = np.asarray(jnp.asarray(ref).astype(jnp.float32), np.float64)
-    return float(np.linalg.norm(x - ref) / np.linalg.norm(ref))
-
-
 def bench_case(case: Case, with_xla: bool, row: dict, save) -> None:
     """Fills `row` peer by peer, calling save() after each (a run cut off keeps what it measured)."""
     import torch
 
-    x = make_inputs(case)
+    x = make_inputs(case.batch, case.q_len, case.kv_len)
     repeats = repeats_for(case)
     seconds, out = time_jax(x, "cudnn", repeats)
     row["seconds"]["jaxattn cudnn"] = seconds
@@ -246,14 +210,6 @@ def bench_case(case: Case, with_xla: bool, row: dict, save) -> None:
             row["notes"].append(f"cudnn vs xla rel err {rel_error(out, ref):.1e}")
         except Exception as err:
             row["notes"].append(f"xla failed: {err!r}"[:200])
-
-
-def device_name() -> str:
-    try:
-        return subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"],
-                              capture_output=True, text=True, check=True).stdout.strip().splitlines()[0]
-    except (OSError, subprocess.CalledProcessError, IndexError):
-        return jax.devices()[0].device_kind
 
 
 def table(rows: list[dict]) -> str:

@@ -34,7 +34,7 @@ import numpy as np
 from flax import nnx
 
 import jaxattn
-from benchmarks.results import write_section
+from benchmarks.common import write_section
 from jaxattn.attention import backend_for
 from jaxattn.engine import make_engine_step
 from jaxattn.models.llama import PRESETS, Llama

@@ -35,7 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jaxattn  # noqa: E402
-from benchmarks.results import write_section  # noqa: E402
+from benchmarks.common import write_section  # noqa: E402
 from jaxattn import backends
 from jaxattn.backends import triton as tb
 from jaxattn.backends.base import AttentionParams

@@ -26,7 +26,6 @@ import datetime
 import math
 import os
 import statistics
-import subprocess
 import sys
 import time
 import traceback
@@ -36,13 +35,11 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.7")
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
 
 import jaxattn  # noqa: E402
-from benchmarks.results import write_section  # noqa: E402
+from benchmarks.common import (  # noqa: E402
+    DTYPE, HKV, HQ, PAGE, D, Inputs, device_name, make_inputs, rel_error, write_section)
 
-HQ, HKV, D, PAGE = 32, 8, 128, 64
-DTYPE = jnp.bfloat16
 PEERS = ("jaxattn trtllm", "flashinfer xqa", "flashinfer fa2", "jaxattn xla")
 KEY_CASE = (64, 4096)
 
@@ -63,32 +60,6 @@ class Case:
 SWEEP = [Case(*KEY_CASE)] + [Case(b, n) for b in (1, 8, 64, 256) for n in (512, 4096, 32768)
                              if (b, n) != KEY_CASE]
 QUICK = [Case(*KEY_CASE), Case(1, 512), Case(256, 32768)]
-
-
-@dataclasses.dataclass
-class Inputs:
-    q: jax.Array
-    cache: jaxattn.KVCache
-    meta: jaxattn.AttentionMetadata
-
-
-def make_inputs(case: Case, seed: int = 0) -> Inputs:
-    rng = np.random.default_rng(seed)
-    pages_per_seq = -(-case.kv_len // PAGE)
-    num_pages = 1 + case.batch * pages_per_seq
-    tables = rng.permutation(np.arange(1, num_pages)).reshape(case.batch, pages_per_seq).astype(np.int32)
-    k1, k2, k3 = jax.random.split(jax.random.key(seed), 3)
-    shape = (num_pages, HKV, PAGE, D)
-    cache = jaxattn.KVCache(jax.random.normal(k1, shape, DTYPE), jax.random.normal(k2, shape, DTYPE), layout="HND")
-    q = jax.random.normal(k3, (case.batch, HQ, D), DTYPE)
-    meta = jaxattn.AttentionMetadata(
-        cu_q_lens=jnp.arange(case.batch + 1, dtype=jnp.int32),
-        kv_lens=jnp.full((case.batch,), case.kv_len, jnp.int32),
-        block_tables=jnp.asarray(tables),
-        num_decodes=jnp.int32(case.batch),
-        max_q_len=1,
-    )
-    return Inputs(q, cache, meta)
 
 
 def repeats_for(case: Case, rate: float = 3e12, target_s: float = 3e-3) -> int:
@@ -234,16 +205,10 @@ def copy_bandwidth(gib: int = 4, trials: int = 9) -> float:
     return 2 * (gib << 30) / statistics.median(times)
 
 
-def rel_error(x, ref) -> float:
-    x = np.asarray(jnp.asarray(x).astype(jnp.float32), np.float64)
-    ref = np.asarray(jnp.asarray(ref).astype(jnp.float32), np.float64)
-    return float(np.linalg.norm(x - ref) / np.linalg.norm(ref))
-
-
 def bench_case(case: Case, with_xla: bool) -> dict:
     import torch
 
-    x = make_inputs(case)
+    x = make_inputs(case.batch, 1, case.kv_len)
     repeats = repeats_for(case)
     row = {"case": case, "seconds": {}, "notes": []}
     row["seconds"]["jaxattn trtllm"], out = time_trtllm(x, repeats)
@@ -271,14 +236,6 @@ def bench_case(case: Case, with_xla: bool) -> dict:
         except Exception as err:
             row["notes"].append(f"xla failed: {err!r}"[:200])
     return row
-
-
-def device_name() -> str:
-    try:
-        return subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"],
-                              capture_output=True, text=True, check=True).stdout.strip().splitlines()[0]
-    except (OSError, subprocess.CalledProcessError, IndexError):
-        return jax.devices()[0].device_kind
 
 
 def table(rows: list[dict], copy_rate: float) -> str:

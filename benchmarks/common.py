@@ -1,0 +1,81 @@
+"""Shared by the benchmarks: the standard paged problem, error and device helpers, and the writer
+of benchmarks/RESULTS.md, one file with a marked section per benchmark."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import subprocess
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jaxattn
+
+# The peers' standard shape (Llama-3-8B attention): bf16, Hq=32, Hkv=8, D=128, pages of 64.
+HQ, HKV, D, PAGE = 32, 8, 128, 64
+DTYPE = jnp.bfloat16
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "RESULTS.md")
+
+
+@dataclasses.dataclass
+class Inputs:
+    q: jax.Array
+    cache: jaxattn.KVCache
+    meta: jaxattn.AttentionMetadata
+
+
+def make_inputs(batch: int, q_len: int, kv_len: int, seed: int = 0) -> Inputs:
+    """``batch`` sequences of ``kv_len`` tokens whose last ``q_len`` are this step's queries, in
+    a randomly permuted HND pool of random bf16 values."""
+    rng = np.random.default_rng(seed)
+    pages_per_seq = -(-kv_len // PAGE)
+    num_pages = 1 + batch * pages_per_seq
+    tables = rng.permutation(np.arange(1, num_pages)).reshape(batch, pages_per_seq).astype(np.int32)
+    k1, k2, k3 = jax.random.split(jax.random.key(seed), 3)
+    shape = (num_pages, HKV, PAGE, D)
+    cache = jaxattn.KVCache(jax.random.normal(k1, shape, DTYPE), jax.random.normal(k2, shape, DTYPE), layout="HND")
+    q = jax.random.normal(k3, (batch * q_len, HQ, D), DTYPE)
+    meta = jaxattn.AttentionMetadata(
+        cu_q_lens=jnp.arange(batch + 1, dtype=jnp.int32) * q_len,
+        kv_lens=jnp.full((batch,), kv_len, jnp.int32),
+        block_tables=jnp.asarray(tables),
+        num_decodes=jnp.int32(batch if q_len == 1 else 0),
+        max_q_len=q_len,
+    )
+    return Inputs(q, cache, meta)
+
+
+def rel_error(x, ref) -> float:
+    x = np.asarray(jnp.asarray(x).astype(jnp.float32), np.float64)
+    ref = np.asarray(jnp.asarray(ref).astype(jnp.float32), np.float64)
+    return float(np.linalg.norm(x - ref) / np.linalg.norm(ref))
+
+
+def device_name() -> str:
+    try:
+        return subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"],
+                              capture_output=True, text=True, check=True).stdout.strip().splitlines()[0]
+    except (OSError, subprocess.CalledProcessError, IndexError):
+        return jax.devices()[0].device_kind
+
+
+def write_section(name: str, text: str, *, heading: str, update_results: bool = True) -> str:
+    """Puts ``text`` between ``<!-- name:begin/end -->`` markers in RESULTS.md (replacing the
+    section, or appending it under ``heading``) and a copy in ``$OUT/<name>_results.md``.
+    Returns the section."""
+    begin, end = f"<!-- {name}:begin -->", f"<!-- {name}:end -->"
+    section = f"{begin}\n{text}\n{end}"
+    if os.environ.get("OUT"):
+        with open(os.path.join(os.environ["OUT"], f"{name}_results.md"), "w") as f:
+            f.write(section + "\n")
+    if update_results:
+        old = open(RESULTS).read() if os.path.exists(RESULTS) else "# Benchmark results\n"
+        if begin in old and end in old:
+            new = old[:old.index(begin)] + section + old[old.index(end) + len(end):]
+        else:
+            new = old.rstrip("\n") + f"\n\n## {heading}\n\n" + section + "\n"
+        with open(RESULTS, "w") as f:
+            f.write(new)
+    return section
