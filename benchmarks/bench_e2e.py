@@ -14,7 +14,7 @@ For each backend x batch x context (every sequence at that context, decode-only 
     share of the step;
   * roofline: bytes a step must read (weights + KV of every layer) over the device copy
     bandwidth measured in the same run (4 GiB device-to-device copy, read + write bytes).
-Writes the e2e section of benchmarks/RESULTS.md and ``e2e.json`` (under $OUT when set) for
+Writes the e2e section of benchmarks/RESULTS.md and ``e2e.json`` (in $OUT, else benchmarks/out/) for
 ``python -m benchmarks.plot_e2e``.
 """
 
@@ -202,7 +202,8 @@ def main() -> None:
             row = run_case(model, backend, batch, context, args.steps, bandwidth)
             rows.append(row)
             print(json.dumps(row), flush=True)
-    out_dir = os.environ.get("OUT", ".")
+    out_dir = os.environ.get("OUT") or os.path.join(os.path.dirname(os.path.abspath(__file__)), "out")
+    os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, "e2e.json"), "w") as f:
         json.dump(dict(device=device.device_kind, bandwidth=bandwidth, layers=cfg.num_layers, rows=rows), f, indent=1)
     header = (f"Device: {device.device_kind}; date {datetime.date.today()}; jax {jax.__version__}; "
