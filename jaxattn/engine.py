@@ -54,6 +54,12 @@ def make_engine_step(model: Llama) -> tuple[StepFn, list[jax.Array]]:
     """
     graphdef, state = nnx.split(model)
     weights, treedef = jax.tree.flatten(state)
+    return _jitted_step(graphdef, treedef), weights
+
+
+@functools.cache
+def _jitted_step(graphdef: nnx.GraphDef, treedef) -> StepFn:
+    """One jitted step per model structure, shared by engines (and their compile caches)."""
 
     @functools.partial(jax.jit, static_argnames=("max_q_len", "backend"), donate_argnames=("caches", "table"))
     def step(weights, caches, table, release_ids, tokens, seq_ids, q_lens, *, max_q_len: int, backend: str):
@@ -68,7 +74,7 @@ def make_engine_step(model: Llama) -> tuple[StepFn, list[jax.Array]]:
         next_tokens = jnp.argmax(model.logits(hidden[last]), axis=-1).astype(jnp.int32)
         return next_tokens, ok, caches, table
 
-    return step, weights
+    return step
 
 
 class Engine:
