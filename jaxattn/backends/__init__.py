@@ -3,17 +3,11 @@
 from __future__ import annotations
 
 import importlib
-import importlib.util
 from types import ModuleType
 
 from jaxattn.backends.base import AttentionParams
 
 BACKENDS: tuple[str, ...] = ("xla", "cudnn", "trtllm", "triton")
-
-# Backends named by the design whose kernels are not in this release yet: what each needs.
-_PENDING: dict[str, str] = {
-}
-
 
 def get(name: str) -> ModuleType:
     """The backend module ``jaxattn.backends.<name>``; ValueError if it cannot run here."""
@@ -29,8 +23,6 @@ def unavailable_reason(name: str) -> str | None:
     """None when backend ``name`` can run on this machine, else the exact reason it cannot."""
     if name not in BACKENDS:
         raise ValueError(f"unknown backend {name!r}; known: {BACKENDS}")
-    if importlib.util.find_spec(f"jaxattn.backends.{name}") is None:
-        return f"not implemented in this version of jaxattn (missing: {_PENDING[name]})"
     return importlib.import_module(f"jaxattn.backends.{name}").unavailable_reason()
 
 
