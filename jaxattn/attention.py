@@ -108,12 +108,10 @@ def split_decodes(q: jax.Array, meta: AttentionMetadata
     Returns ``(q_dec, meta_dec, meta_rest, num_decodes)``: ``q_dec = q[:min(T, B)]`` with
     ``meta_dec`` describing the decodes as one token each (other sequences empty), and
     ``meta_rest`` the same batch with the decodes emptied. ``num_decodes`` is
-    ``meta.num_decodes`` capped by the leading run of one-token sequences, so a wrong count from
-    the caller cannot send a longer query to a decode kernel.
+    ``meta.checked_num_decodes``.
     """
     seq = jnp.arange(meta.batch_size, dtype=jnp.int32)
-    leading_ones = jnp.sum(jnp.cumprod((meta.q_lens == 1).astype(jnp.int32)), dtype=jnp.int32)
-    num_decodes = jnp.clip(meta.num_decodes, 0, leading_ones)
+    num_decodes = meta.checked_num_decodes
     is_decode = seq < num_decodes
     bounds = jnp.arange(meta.batch_size + 1, dtype=jnp.int32)
     meta_dec = AttentionMetadata(

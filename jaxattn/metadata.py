@@ -44,6 +44,12 @@ class AttentionMetadata:
         """int32[B]: number of query tokens of each sequence."""
         return self.cu_q_lens[1:] - self.cu_q_lens[:-1]
 
+    @property
+    def checked_num_decodes(self) -> jax.Array:
+        """int32[]: ``num_decodes`` capped by the leading run of one-token sequences, so a wrong
+        count from a caller cannot send a longer query to a decode kernel."""
+        return jnp.clip(self.num_decodes, 0, count_leading_decodes(self.q_lens)).astype(jnp.int32)
+
     def token_to_seq(self, num_tokens: int) -> jax.Array:
         """int32[T]: the sequence each packed query token belongs to; B for padding tokens."""
         t = jnp.arange(num_tokens, dtype=jnp.int32)
@@ -57,3 +63,8 @@ class AttentionMetadata:
         t = jnp.arange(num_tokens, dtype=jnp.int32)
         pos = self.kv_lens[b] - self.q_lens[b] + t - self.cu_q_lens[b]
         return jnp.where(seq < self.batch_size, jnp.maximum(pos, 0), 0)
+
+
+def count_leading_decodes(q_lens: jax.Array) -> jax.Array:
+    """int32[]: how many sequences at the front of the batch have exactly one query token."""
+    return jnp.sum(jnp.cumprod((q_lens == 1).astype(jnp.int32)), dtype=jnp.int32)

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxattn.kv_cache import KVCache
-from jaxattn.metadata import AttentionMetadata
+from jaxattn.metadata import AttentionMetadata, count_leading_decodes
 
 
 @jax.tree_util.register_dataclass
@@ -217,7 +217,7 @@ class PageTable:
         kv_lens = jnp.where(valid, self.seq_lens[row], 0)
         block_tables = jnp.where(valid[:, None], self.block_tables[row], 0)
         cu_q_lens = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(q_lens, dtype=jnp.int32)])
-        num_decodes = jnp.sum(jnp.cumprod((q_lens == 1).astype(jnp.int32)), dtype=jnp.int32)
+        num_decodes = count_leading_decodes(q_lens)
         return AttentionMetadata(cu_q_lens, kv_lens, block_tables, num_decodes, max_q_len=max_q_len)
 
     def slot_mapping(self, seq_ids: jax.Array, q_lens: jax.Array, num_tokens: int) -> jax.Array:

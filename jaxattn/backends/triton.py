@@ -138,8 +138,7 @@ def attention(q: jax.Array, cache: KVCache, meta: AttentionMetadata, params: Att
         if decode_only:
             num_decodes = jnp.full((1,), batch, jnp.int32)
         else:
-            leading_ones = jnp.sum(jnp.cumprod((cu[1:] - cu[:-1] == 1).astype(jnp.int32)))
-            num_decodes = jnp.clip(meta.num_decodes, 0, leading_ones).astype(jnp.int32).reshape(1)
+            num_decodes = meta.checked_num_decodes.reshape(1)
         cfg = decode or decode_config(head_dim, batch, cache.num_kv_heads, width * cache.page_size)
         nseg = cfg.num_segments
         seg_acc, seg_ml = triton_call(
