@@ -4,8 +4,11 @@ of benchmarks/RESULTS.md, one file with a marked section per benchmark."""
 from __future__ import annotations
 
 import dataclasses
+import glob
 import os
 import subprocess
+import tempfile
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -59,6 +62,29 @@ def device_name() -> str:
                               capture_output=True, text=True, check=True).stdout.strip().splitlines()[0]
     except (OSError, subprocess.CalledProcessError, IndexError):
         return jax.devices()[0].device_kind
+
+
+def device_busy_seconds(fn: Callable[[], object], calls: int) -> float:
+    """GPU time per call of ``fn``: the summed durations of the kernels and copies it runs on the
+    device's streams (from ``jax.profiler``), over ``calls`` calls, divided by ``calls``.
+
+    Unlike wall time, this does not include the host's launch time or idle gaps, so it measures
+    small steps whose host dispatch would otherwise dominate. XLA traces the kernels of a command
+    buffer one by one while profiling."""
+    with tempfile.TemporaryDirectory() as trace_dir:
+        with jax.profiler.trace(trace_dir):
+            for _ in range(calls):
+                out = fn()
+            jax.block_until_ready(out)
+        (path,) = glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True)
+        profile = jax.profiler.ProfileData.from_file(path)
+    busy_ns = sum(event.duration_ns
+                  for plane in profile.planes if plane.name.startswith("/device:GPU")
+                  for line in plane.lines if "Stream" in line.name
+                  for event in line.events)
+    if not busy_ns:
+        raise RuntimeError("device_busy_seconds: the profile holds no GPU stream events")
+    return busy_ns * 1e-9 / calls
 
 
 def write_section(name: str, text: str, *, heading: str, update_results: bool = True) -> str:
