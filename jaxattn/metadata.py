@@ -53,7 +53,9 @@ class AttentionMetadata:
     def token_to_seq(self, num_tokens: int) -> jax.Array:
         """int32[T]: the sequence each packed query token belongs to; B for padding tokens."""
         t = jnp.arange(num_tokens, dtype=jnp.int32)
-        return jnp.searchsorted(self.cu_q_lens[1:], t, side="right").astype(jnp.int32)
+        # scan_unrolled: the default method is a while loop, which XLA's GPU command buffers do
+        # not capture (it would split the step's graph and sync the host per iteration).
+        return jnp.searchsorted(self.cu_q_lens[1:], t, side="right", method="scan_unrolled").astype(jnp.int32)
 
     def positions(self, num_tokens: int) -> jax.Array:
         """int32[T]: absolute position of each query token in its sequence (e.g. for RoPE);

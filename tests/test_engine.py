@@ -42,6 +42,19 @@ def test_add_request_errors():
         engine.add_request([], 3)
 
 
+def test_step_has_no_loops():
+    """The engine step compiles to straight-line code: a while loop (e.g. jnp.searchsorted's
+    default method) would not be captured into GPU command buffers and would sync the host."""
+    model = Llama(PRESETS["tiny"], nnx.Rngs(0))
+    engine = Engine(model, max_seqs=4, max_seq_len=64, page_size=8, chunk_size=16, backend="xla")
+    for max_q_len, num_tokens in ((1, 4), (16, 20)):
+        hlo = engine._step.lower(
+            engine._weights, engine.caches, engine.table, jnp.full((4,), -1, jnp.int32),
+            jnp.zeros((num_tokens,), jnp.int32), jnp.arange(4, dtype=jnp.int32), jnp.ones((4,), jnp.int32),
+            max_q_len=max_q_len, backend="xla").compile().as_text()
+        assert " while(" not in hlo and " sort(" not in hlo, max_q_len
+
+
 _DECODE_STEP_SCRIPT = """
 import sys
 import jax, jax.numpy as jnp, numpy as np
@@ -69,6 +82,7 @@ def test_gpu_decode_step_runs_in_command_buffers(tmp_path):
         top = top_level_thunks(thunks)
         assert "kCommandBuffer" in top, (name, thunks[-3000:])
         assert "kCustomCall" not in top, (name, top)
+        assert "kWhile" not in top and "kConditional" not in top, (name, top)
 
 
 @pytest.mark.gpu
