@@ -5,6 +5,9 @@
 #
 #   scripts/device_run.sh                                   # GPU tests only
 #   scripts/device_run.sh python -m benchmarks.bench_xxx    # GPU tests, then a benchmark
+#
+# JAXATTN_PREBUILT=dir uses a handler module built elsewhere (e.g. by Bazel: _cudnn_paged.so and
+# _cudnn_build.py from bazel-bin/jaxattn/, carried) instead of building one with pip.
 set -uo pipefail
 OUT=${OUT:-/tmp/jaxattn_out}
 mkdir -p "$OUT"
@@ -14,8 +17,13 @@ if [ -d .whl ]; then
     || { echo "wheel install failed"; exit 1; }
   export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 fi
-python3 -m pip install -q --no-deps --no-build-isolation -e . > "$OUT/install.log" 2>&1 \
-  || { tail -40 "$OUT/install.log"; echo "jaxattn install failed"; exit 1; }
+if [ -n "${JAXATTN_PREBUILT:-}" ]; then
+  cp "$JAXATTN_PREBUILT"/_cudnn_paged*.so "$JAXATTN_PREBUILT"/_cudnn_build.py jaxattn/ || exit 1
+  export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+else
+  python3 -m pip install -q --no-deps --no-build-isolation -e . > "$OUT/install.log" 2>&1 \
+    || { tail -40 "$OUT/install.log"; echo "jaxattn install failed"; exit 1; }
+fi
 python3 -m jaxattn.info 2>&1 | tee "$OUT/info.txt"
 python3 -m pytest -m gpu -q -rs ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/gpu_tests.log"
 status=${PIPESTATUS[0]}
