@@ -64,9 +64,13 @@ class DeviceGuard {
   int device_ = 0;
 };
 
-// One cuDNN handle per device; its stream is set under `mu` right before each execute.
+// Per device: one cuDNN handle, whose stream is set under `mu` right before each execute, and
+// the side stream and fork/join events of the zeroing pass (see Run), also used under `mu`.
 struct DeviceHandle {
   cudnnHandle_t handle = nullptr;
+  cudaStream_t side = nullptr;
+  cudaEvent_t fork = nullptr;
+  cudaEvent_t join = nullptr;
   std::mutex mu;
 };
 
@@ -81,6 +85,9 @@ DeviceHandle& HandleFor(int device) {
     if (fe::detail::create_handle(&h->handle) != CUDNN_STATUS_SUCCESS) {
       Fail("cudnnCreate failed on device " + std::to_string(device));
     }
+    CheckCuda(cudaStreamCreateWithFlags(&h->side, cudaStreamNonBlocking), "cudaStreamCreateWithFlags");
+    CheckCuda(cudaEventCreateWithFlags(&h->fork, cudaEventDisableTiming), "cudaEventCreateWithFlags");
+    CheckCuda(cudaEventCreateWithFlags(&h->join, cudaEventDisableTiming), "cudaEventCreateWithFlags");
     slot = std::move(h);
   }
   return *slot;
@@ -264,14 +271,21 @@ void Run(const Plan& plan, const Buffers& x, cudaStream_t stream) {
   };
   if (c.has_sinks) pack.emplace(kSinks, const_cast<float*>(x.sinks));
   if (c.return_lse) pack.emplace(kStats, x.lse);
-  {
-    std::lock_guard<std::mutex> lock(plan.handle->mu);
-    if (fe::detail::set_stream(plan.handle->handle, stream) != CUDNN_STATUS_SUCCESS) Fail("cudnnSetStream failed");
-    Check(plan.graph->execute(plan.handle->handle, pack, plan.workspace_size ? x.workspace : nullptr), "execute");
-  }
+  DeviceHandle& h = *plan.handle;
+  std::lock_guard<std::mutex> lock(h.mu);
+  // cuDNN writes exactly the rows sequences own; the others are zeroed on the side stream at the
+  // same time, so the zeroing adds no kernel to `stream`. Fork and join are event record/wait,
+  // which stream capture turns into graph edges.
+  CheckCuda(cudaEventRecord(h.fork, stream), "forking the zeroing stream");
+  CheckCuda(cudaStreamWaitEvent(h.side, h.fork, 0), "forking the zeroing stream");
   CheckCuda(LaunchZeroUnownedRows(x.out, c.num_tokens, c.num_q_heads * c.head_dim, x.ragged_offsets, x.seq_len_q,
-                                  x.seq_len_kv, c.batch, stream),
+                                  c.batch, h.side),
             "zeroing unowned output rows");
+  CheckCuda(cudaEventRecord(h.join, h.side), "joining the zeroing stream");
+  if (fe::detail::set_stream(h.handle, stream) != CUDNN_STATUS_SUCCESS) Fail("cudnnSetStream failed");
+  const fe::error_t status = plan.graph->execute(h.handle, pack, plan.workspace_size ? x.workspace : nullptr);
+  CheckCuda(cudaStreamWaitEvent(stream, h.join, 0), "joining the zeroing stream");
+  Check(status, "execute");
 }
 
 int64_t BackendVersion() { return static_cast<int64_t>(fe::detail::get_backend_version()); }

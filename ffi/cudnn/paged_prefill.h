@@ -72,7 +72,7 @@ struct Buffers {
   const void* q = nullptr;
   const void* k_pages = nullptr;
   const void* v_pages = nullptr;
-  const int32_t* seq_len_q = nullptr;       // [batch], already clamped to max_q_len
+  const int32_t* seq_len_q = nullptr;       // [batch], clamped to max_q_len, 0 where seq_len_kv is 0
   const int32_t* seq_len_kv = nullptr;      // [batch], already clamped to pages_per_seq * page_size
   const int32_t* ragged_offsets = nullptr;  // [batch + 1], token offsets * num_q_heads * head_dim
   const int32_t* block_tables = nullptr;    // [batch, pages_per_seq]
@@ -92,17 +92,18 @@ std::shared_ptr<const Plan> GetPlan(const Config& config, int device);
 // Bytes of workspace the plan needs (the size of the workspace buffer passed to Run).
 int64_t WorkspaceSize(const Plan& plan);
 
-// Enqueues the attention on `stream`, then zeroes the output rows cuDNN does not write (padding
-// tokens, rows past a sequence's clamped query length, sequences with no keys). No allocation,
-// no synchronization, no host reads of device data: safe under CUDA graph capture. Throws
-// std::runtime_error on a launch error.
+// Enqueues the attention on `stream`: cuDNN writes the rows sequences own (seq_len_q[b] rows from
+// ragged_offsets[b]), and the other output rows (padding tokens, rows past a sequence's clamped
+// query length, sequences with no keys) are zeroed concurrently on a side stream that rejoins
+// `stream`. No allocation, no synchronization, no host reads of device data: safe under CUDA graph
+// capture. Throws std::runtime_error on a launch error.
 void Run(const Plan& plan, const Buffers& buffers, cudaStream_t stream);
 
 // Zeroes each row t of out [num_tokens, row_elems] (2-byte elements) that no sequence owns:
 // launched by Run; defined in zero_rows.cu.
 cudaError_t LaunchZeroUnownedRows(void* out, int64_t num_tokens, int64_t row_elems,
-                                  const int32_t* ragged_offsets, const int32_t* seq_len_q,
-                                  const int32_t* seq_len_kv, int64_t batch, cudaStream_t stream);
+                                  const int32_t* ragged_offsets, const int32_t* seq_len_q, int64_t batch,
+                                  cudaStream_t stream);
 
 // Versions: of the loaded cuDNN library, of the cuDNN headers and of cudnn-frontend built against.
 int64_t BackendVersion();

@@ -91,10 +91,11 @@ def _paged_prefill(q: jax.Array, cache: KVCache, meta: AttentionMetadata, params
     seq_width = pages_per_seq * cache.page_size
 
     # Lengths as cuDNN takes them: queries bounded by max_q (as the xla reference does) and by
-    # the tokens that exist, keys by the block tables' width; offsets in elements.
+    # the tokens that exist, none for sequences without keys (cuDNN writes exactly these rows; the
+    # handler zeroes the rest), keys bounded by the block tables' width; offsets in elements.
     q_start = jnp.clip(meta.cu_q_lens[:-1], 0, num_tokens)
-    seq_len_q = jnp.clip(jnp.minimum(meta.q_lens, num_tokens - q_start), 0, max_q)
     seq_len_kv = jnp.clip(meta.kv_lens, 0, seq_width)
+    seq_len_q = jnp.where(seq_len_kv > 0, jnp.clip(jnp.minimum(meta.q_lens, num_tokens - q_start), 0, max_q), 0)
     ragged_offsets = jnp.clip(meta.cu_q_lens, 0, num_tokens) * (num_q_heads * head_dim)
     tables = meta.block_tables
     tables = jnp.where((tables >= 0) & (tables < cache.num_pages), tables, 0)
@@ -128,5 +129,5 @@ def _paged_prefill(q: jax.Array, cache: KVCache, meta: AttentionMetadata, params
     if not return_lse:
         return results[0], None
     rows = jnp.arange(max_q, dtype=jnp.int32)
-    has_row = (rows[None, :] < seq_len_q[:, None]) & (seq_len_kv > 0)[:, None]      # [B, Q]
+    has_row = rows[None, :] < seq_len_q[:, None]                                    # [B, Q]
     return results[0], jnp.where(has_row[:, None, :], results[2], -jnp.inf)
