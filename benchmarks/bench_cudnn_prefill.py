@@ -1,18 +1,24 @@
 """Paged prefill, side by side on one GPU: jaxattn's cuDNN backend vs its peers on the same data.
 
-    python -m benchmarks.bench_cudnn_prefill [--quick] [--budget-s 240]
+    python -m benchmarks.bench_cudnn_prefill [--quick] [--budget-s 300]
+    python -m benchmarks.bench_cudnn_prefill --compile-fa3   # only build flashinfer's fa3 module
 
 Rows: jaxattn ``backend="cudnn"`` (jitted), flashinfer ``cudnn_batch_prefill_with_kv_cache``
 (torch, the same cuDNN kernel), flashinfer ``BatchPrefillWithPagedKVCacheWrapper`` (fa3 on
 SM90) and jaxattn ``backend="xla"``. Causal (bottom-right) prefill, bf16, Hq=32, Hkv=8, D=128,
 page 64, HND pages in a randomly permuted pool shared by JAX and torch (dlpack, no copies).
 
-Timing, compile and graph builds excluded, median of repeats after warm-up:
-  * JAX: one jitted call runs R dependent prefills back to back (unrolled, so XLA captures them
-    into one command buffer), its result in a donated buffer fed back so the command buffer is
-    replayed, not re-recorded; 10 calls back to back, time per prefill = wall time / (10 R). The
-    chain adds one tiny fusion per prefill; jaxattn's own length/offset preparation is counted.
-  * torch: R calls captured in a CUDA graph (eager if capture fails), timed with CUDA events.
+Timing (compile, plan builds and flashinfer's JIT excluded). Every peer is a callable that runs R
+prefills (R so that a call is ~2 ms of work), timed the same way: wall clock of a burst of
+`long` calls minus that of `short` calls, over the calls in between (steady state: neither the
+launch latency of the first call nor the wait for the last counts), median over trials. The
+peers of a case take turns within each trial, in rotating order, so they run at the same GPU
+clock: under sustained prefill load the H200 drops from 1980 to ~1725 MHz (power cap), so a peer
+timed in short bursts after an idle pause looks up to ~12% faster than one timed under load.
+  * JAX: one jitted call runs R prefills, each taking the previous one's output as its queries
+    (a true dependency that adds no kernel); the last lands in a donated buffer that is passed
+    back, so every address repeats and XLA replays its command buffer without re-recording.
+  * torch: R calls captured in a CUDA graph (eager if capture fails), replayed.
 TFLOP/s count 4 * D * Hq * (visible query-key pairs). Writes the table into the cuDNN section of
 benchmarks/RESULTS.md (and $OUT when set).
 """
@@ -28,6 +34,7 @@ import statistics
 import sys
 import time
 import traceback
+from collections.abc import Callable
 
 # JAX and torch share the GPU: leave torch (flashinfer workspaces, fa3) room.
 os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.6")
@@ -59,9 +66,9 @@ class Case:
         return f"B={self.batch} x {self.q_len}{ctx}"
 
 
-SWEEP = [Case(8, 4096, 4096), Case(1, 512, 512), Case(1, 2048, 2048), Case(1, 8192, 8192), Case(4, 1024, 1024),
-         Case(4, 4096, 4096), Case(8, 512, 512), Case(8, 2048, 2048), Case(16, 1024, 1024), Case(16, 2048, 2048),
-         Case(4, 300, 1200)]
+# The issue's point first, then prefill lengths 512..8192 x batch 1..16, then a chunked prefill.
+SWEEP = [Case(8, 4096, 4096)] + [Case(b, n, n) for n in (512, 2048, 4096, 8192) for b in (1, 4, 8, 16)
+                                 if (b, n) != (8, 4096)] + [Case(4, 300, 1200)]
 QUICK = [Case(8, 4096, 4096), Case(1, 512, 512), Case(4, 300, 1200)]
 
 
@@ -70,40 +77,38 @@ def repeats_for(case: Case, rate: float = 4e14, target_s: float = 2e-3) -> int:
     return int(min(32, max(1, math.ceil(target_s / (case.flops / rate)))))
 
 
-def time_jax(x: Inputs, backend: str, repeats: int, trials: int = 7, calls: int = 10) -> tuple[float, jax.Array]:
-    """Seconds per prefill: a jitted chain of `repeats` dependent prefills, called `calls` times
-    back to back. The result goes into a donated buffer that is passed back in, so buffer
-    addresses repeat and XLA replays its recorded command buffer (fresh output addresses would
-    make it re-record the cuDNN call, host work included, on every call)."""
+@dataclasses.dataclass
+class Runner:
+    call: Callable[[], object]     # enqueues one call of R prefills, returns its output
+    sync: Callable[[], None]       # waits until everything enqueued has finished
 
-    def chain(q, cache, meta, zero, out):
+
+def jax_runner(x: Inputs, backend: str, repeats: int) -> Runner:
+    """A jitted chain of `repeats` dependent prefills (see the module docstring), warmed up."""
+
+    def chain(q, cache, meta, out):
         for _ in range(repeats):
-            step_meta = dataclasses.replace(meta, kv_lens=meta.kv_lens + zero)
-            out = jaxattn.paged_attention(q, cache, step_meta, backend=backend)
-            zero = (out[0, 0, 0] * 0).astype(jnp.int32)
+            q = out = jaxattn.paged_attention(q, cache, meta, backend=backend)
         return out
 
-    chain = jax.jit(chain, donate_argnums=4)
-    zero = jnp.zeros((), jnp.int32)
-    out = jnp.zeros(x.q.shape, x.q.dtype)
+    chain = jax.jit(chain, donate_argnums=3)
+    state = {"out": jnp.zeros(x.q.shape, x.q.dtype)}
+
+    def call():
+        state["out"] = chain(x.q, x.cache, x.meta, state["out"])
+        return state["out"]
+
+    runner = Runner(call, lambda: state["out"].block_until_ready())
     for _ in range(3):
-        out = chain(x.q, x.cache, x.meta, zero, out)
-    out.block_until_ready()
-    times = []
-    for _ in range(trials):
-        start = time.perf_counter()
-        for _ in range(calls):
-            out = chain(x.q, x.cache, x.meta, zero, out)
-        out.block_until_ready()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) / (repeats * calls), out
+        runner.call()
+    runner.sync()
+    return runner
 
 
-def time_torch(fn, repeats: int, trials: int = 7) -> tuple[float, str]:
-    """Seconds per call of `fn` (already warmed up): CUDA graph of `repeats` calls, else eager."""
+def torch_runner(fn: Callable[[], object], repeats: int) -> tuple[Runner, str]:
+    """`fn` (already warmed up) `repeats` times per call: a CUDA graph, else eagerly."""
     import torch
 
-    mode = "graph"
     try:
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
@@ -114,25 +119,38 @@ def time_torch(fn, repeats: int, trials: int = 7) -> tuple[float, str]:
         with torch.cuda.graph(graph):
             for _ in range(repeats):
                 fn()
-        run = graph.replay
-        run()
+        call, mode = graph.replay, "graph"
+        call()
     except Exception as err:  # a peer that cannot be captured is timed eagerly
         print(f"    (CUDA graph capture failed: {str(err)[:160]}; timing eagerly)")
         mode = "eager"
 
-        def run():
+        def call():
             for _ in range(repeats):
                 fn()
     torch.cuda.synchronize()
-    times = []
-    for _ in range(trials):
-        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        run()
-        stop.record()
-        stop.synchronize()
-        times.append(start.elapsed_time(stop) * 1e-3)
-    return statistics.median(times) / repeats, mode
+    return Runner(call, torch.cuda.synchronize), mode
+
+
+def time_peers(runners: dict[str, Runner], repeats: int, trials: int = 7, long: int = 12,
+               short: int = 2) -> dict[str, float]:
+    """Seconds per prefill of each runner, measured in turns (see the module docstring)."""
+
+    def burst(runner: Runner, calls: int) -> float:
+        runner.sync()
+        start = time.perf_counter()
+        for _ in range(calls):
+            runner.call()
+        runner.sync()
+        return time.perf_counter() - start
+
+    names = list(runners)
+    samples = {name: [] for name in names}
+    for trial in range(trials):
+        for name in names[trial % len(names):] + names[:trial % len(names)]:
+            t_short, t_long = burst(runners[name], short), burst(runners[name], long)
+            samples[name].append((t_long - t_short) / ((long - short) * repeats))
+    return {name: statistics.median(values) for name, values in samples.items()}
 
 
 def flashinfer_runners(case: Case, x: Inputs):
@@ -175,41 +193,62 @@ def flashinfer_runners(case: Case, x: Inputs):
     return runners
 
 
+def compile_fa3() -> None:
+    """Builds flashinfer's fa3 paged-prefill module (a JIT compile of minutes) on a tiny problem,
+    so that a later process loads it from flashinfer's cache."""
+    import torch
+    import flashinfer
+
+    dev = torch.device("cuda")
+    pages = torch.zeros(2, HKV, PAGE, D, dtype=torch.bfloat16, device=dev)
+    q = torch.zeros(PAGE, HQ, D, dtype=torch.bfloat16, device=dev)
+    wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
+        torch.zeros(128 << 20, dtype=torch.uint8, device=dev), "HND", backend="fa3")
+    indptr = torch.tensor([0, PAGE], dtype=torch.int32, device=dev)
+    one = torch.tensor([0, 1], dtype=torch.int32, device=dev)
+    wrapper.plan(indptr, one, one[1:], torch.tensor([PAGE], dtype=torch.int32, device=dev), HQ, HKV, D, PAGE,
+                 causal=True, q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16)
+    wrapper.run(q, (pages, pages))
+    torch.cuda.synchronize()
+
+
 def bench_case(case: Case, with_xla: bool, row: dict, save) -> None:
-    """Fills `row` peer by peer, calling save() after each (a run cut off keeps what it measured)."""
+    """Fills `row`, calling save() after each measurement (a run cut off keeps what it measured)."""
     import torch
 
     x = make_inputs(case.batch, case.q_len, case.kv_len)
     repeats = repeats_for(case)
-    seconds, out = time_jax(x, "cudnn", repeats)
-    row["seconds"]["jaxattn cudnn"] = seconds
-    save()
+    out = jax.jit(lambda q, c, m: jaxattn.paged_attention(q, c, m, backend="cudnn"))(x.q, x.cache, x.meta)
     out_torch = torch.from_dlpack(out)
+    runners = {"jaxattn cudnn": jax_runner(x, "cudnn", repeats)}
     try:
-        runners = flashinfer_runners(case, x)   # fa3 compiles on first use
+        factories = flashinfer_runners(case, x)
     except Exception as err:
-        runners = {}
+        factories = {}
         row["notes"].append(f"flashinfer setup failed: {err!r}"[:200])
-    for name, factory in runners.items():
+    for name, factory in factories.items():
         try:
             fn = factory()
             peer_out = fn()
             torch.cuda.synchronize()
             err = (peer_out.float() - out_torch.float()).norm() / peer_out.float().norm()
             row["notes"].append(f"{name} vs jaxattn rel err {err.item():.1e}")
-            row["seconds"][name], mode = time_torch(fn, repeats)
+            runners[name], mode = torch_runner(fn, repeats)
             if mode != "graph":
                 row["notes"].append(f"{name} timed eagerly")
-            save()
         except Exception as err:
             row["notes"].append(f"{name} failed: {err!r}"[:300])
             traceback.print_exc(limit=2)
+    row["seconds"].update(time_peers(runners, repeats))
+    save()
     if with_xla:
         try:
-            row["seconds"]["jaxattn xla"], ref = time_jax(x, "xla", 1, trials=3, calls=2)
-            row["notes"].append(f"cudnn vs xla rel err {rel_error(out, ref):.1e}")
+            xla = jax_runner(x, "xla", 1)
+            row["seconds"]["jaxattn xla"] = time_peers({"xla": xla}, 1, trials=3, long=3, short=1)["xla"]
+            row["notes"].append(f"cudnn vs xla rel err {rel_error(out, xla.call()):.1e}")
         except Exception as err:
             row["notes"].append(f"xla failed: {err!r}"[:200])
+        save()
 
 
 def table(rows: list[dict]) -> str:
@@ -225,15 +264,36 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def summary(rows: list[dict]) -> str:
+    """The target ratio at the issue's point and over the sweep, and where fa3 is faster."""
+    def ratio(row, peer):
+        sec = row["seconds"]
+        return sec[peer] / sec["jaxattn cudnn"] if peer in sec and "jaxattn cudnn" in sec else None
+
+    cudnn = [(ratio(r, "flashinfer cudnn"), r["case"]) for r in rows if ratio(r, "flashinfer cudnn")]
+    if not cudnn:
+        return "Summary: no jaxattn cudnn / flashinfer cudnn ratio measured."
+    lo, hi = min(cudnn), max(cudnn)
+    faster = [f"{r['case']} ({1 / ratio(r, 'flashinfer fa3'):.2f}x)" for r in rows
+              if ratio(r, "flashinfer fa3") and ratio(r, "flashinfer fa3") < 1]
+    return (f"Summary: jaxattn cudnn / flashinfer cudnn speed ratio {cudnn[0][0]:.3f} at {cudnn[0][1]}, "
+            f"min {lo[0]:.3f} ({lo[1]}), max {hi[0]:.3f} ({hi[1]}) over {len(cudnn)} cases (target >= 0.98). "
+            f"flashinfer fa3 faster than jaxattn cudnn (fa3 speed / jaxattn cudnn speed): "
+            f"{', '.join(faster) if faster else 'nowhere'}.")
+
+
 def write_results(rows: list[dict], command: str) -> str:
     lib = _ffi_cudnn
     text = "\n".join([
         f"- device: {device_name()}; cuDNN {lib.format_version(lib.cudnn_version() or 0)}, jax {jax.__version__}",
         f"- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC; command: `{command}`",
         f"- bf16, causal (bottom-right), Hq={HQ}, Hkv={HKV}, D={D}, page {PAGE}, HND, randomly permuted pool.",
-        "- time per prefill, median; ratios are speed ratios (peer time / jaxattn cudnn time; > 1: jaxattn faster).",
+        "- time per prefill in steady state, peers timed in turns (see the benchmark's docstring); ratios are",
+        "  speed ratios (peer time / jaxattn cudnn time; > 1: jaxattn faster).",
         "",
         table(rows),
+        "",
+        summary(rows),
         "",
         "Notes: " + "; ".join(f"{r['case']}: " + ", ".join(r["notes"]) for r in rows if r["notes"]),
     ])
@@ -243,9 +303,13 @@ def write_results(rows: list[dict], command: str) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="three cases only")
-    parser.add_argument("--budget-s", type=float, default=240.0, help="stop starting new cases after this")
+    parser.add_argument("--budget-s", type=float, default=300.0, help="stop starting new cases after this")
     parser.add_argument("--xla-max-tokens", type=int, default=16384, help="skip the xla backend above this")
+    parser.add_argument("--compile-fa3", action="store_true", help="only build flashinfer's fa3 module")
     args = parser.parse_args()
+    if args.compile_fa3:
+        compile_fa3()
+        return
     reason = jaxattn.backends.unavailable_reason("cudnn")
     if reason:
         sys.exit(f"backend cudnn unavailable: {reason}")
