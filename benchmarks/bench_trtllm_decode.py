@@ -3,12 +3,14 @@
     python -m benchmarks.bench_trtllm_decode [--quick] [--budget-s 240]
 
 Rows (bf16, Hq=32, Hkv=8, D=128, page 64, HND pages in a randomly permuted pool that JAX and
-torch share through dlpack, every sequence at the case's kv_len):
+torch share through dlpack; every sequence at kv_len, or uniform in [kv_len / 2, kv_len] for the
+"U[..]" row: B=64 kv U[2048,4096] is the point the issue's targets quote):
   * jaxattn ``backend="trtllm"`` (jitted): R decodes chained through their outputs (q <- out) in
     one jit, which XLA captures into one command buffer. Time per decode = (t(2R) - t(R)) / R
-    of wall-clock medians, so dispatch and sync cancel. The per-call output masking is counted;
-    the token -> sequence / page-table preparation depends only on the metadata and is shared by
-    the R calls, as by the layers of a model step.
+    of wall-clock medians, so dispatch and sync cancel. Everything each call launches is
+    counted; the token -> sequence / page-table preparation depends only on the metadata and is
+    shared by the R calls, as by the layers of a model step. Where a decode reads < 300 MB it is
+    timed again with ``JAXATTN_TRTLLM_PDL=0`` (XQA without programmatic dependent launch).
   * flashinfer ``trtllm_batch_decode_with_kv_cache(backend="xqa")`` (torch, the same XQA kernel,
     its default PDL setting) and ``BatchDecodeWithPagedKVCacheWrapper`` (fa2): R calls in a
     CUDA graph, timed with CUDA events, (t(2R) - t(R)) / R likewise.
@@ -21,6 +23,7 @@ benchmarks/RESULTS.md (and a copy under $OUT when set).
 from __future__ import annotations
 
 import argparse
+import ctypes
 import dataclasses
 import datetime
 import math
@@ -35,10 +38,13 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.7")
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
 
 import jaxattn  # noqa: E402
 from benchmarks.common import (  # noqa: E402
     DTYPE, HKV, HQ, PAGE, D, Inputs, device_name, make_inputs, rel_error, write_section)
+from jaxattn.backends import _xqa_build, trtllm  # noqa: E402
+from jaxattn.backends.base import AttentionParams  # noqa: E402
 
 PEERS = ("jaxattn trtllm", "flashinfer xqa", "flashinfer fa2", "jaxattn xla")
 KEY_CASE = (64, 4096)
@@ -48,21 +54,42 @@ KEY_CASE = (64, 4096)
 class Case:
     batch: int
     kv_len: int
+    ragged: bool = False   # lengths uniform in [kv_len / 2, kv_len] instead of all kv_len
+
+    def lens(self) -> np.ndarray:
+        if not self.ragged:
+            return np.full(self.batch, self.kv_len, np.int32)
+        return np.random.default_rng(1).integers(self.kv_len // 2, self.kv_len + 1, self.batch).astype(np.int32)
 
     @property
     def kv_bytes(self) -> int:
-        return 2 * self.batch * self.kv_len * HKV * D * jnp.dtype(DTYPE).itemsize
+        return 2 * int(self.lens().sum()) * HKV * D * jnp.dtype(DTYPE).itemsize
 
     def __str__(self) -> str:
-        return f"B={self.batch} kv={self.kv_len}"
+        return f"B={self.batch} kv={f'U[{self.kv_len // 2},{self.kv_len}]' if self.ragged else self.kv_len}"
 
 
-SWEEP = [Case(*KEY_CASE)] + [Case(b, n) for b in (1, 8, 64, 256) for n in (512, 4096, 32768)
-                             if (b, n) != KEY_CASE]
-QUICK = [Case(*KEY_CASE), Case(1, 512), Case(256, 32768)]
+TARGET_CASE = Case(*KEY_CASE, ragged=True)
+SWEEP = [TARGET_CASE, Case(*KEY_CASE)] + [Case(b, n) for b in (1, 8, 64, 256) for n in (512, 4096, 32768)
+                                          if (b, n) != KEY_CASE]
+QUICK = [TARGET_CASE, Case(*KEY_CASE), Case(1, 512), Case(256, 32768)]
 
 
-def repeats_for(case: Case, rate: float = 3e12, target_s: float = 3e-3) -> int:
+def case_inputs(case: Case) -> Inputs:
+    """The shared inputs, with the case's (possibly ragged) lengths; tables keep kv_len's pages."""
+    x = make_inputs(case.batch, 1, case.kv_len)
+    return dataclasses.replace(x, meta=dataclasses.replace(x.meta, kv_lens=jnp.asarray(case.lens())))
+
+
+def host_executions(x: Inputs) -> int:
+    """How often the XQA handler's host code ran (only when XLA records a command buffer)."""
+    params = AttentionParams(1 / math.sqrt(D), True, None, None, False)
+    lib = _xqa_build.load(trtllm.variant(x.q, x.cache, params)).library
+    lib.jaxattn_xqa_host_executions.restype = ctypes.c_int64
+    return lib.jaxattn_xqa_host_executions()
+
+
+def repeats_for(case: Case, rate: float = 3e12, target_s: float = 5e-3) -> int:
     """Decodes per timed call: enough work to dwarf a launch."""
     return int(min(64, max(2, math.ceil(target_s / (case.kv_bytes / rate)))))
 
@@ -77,8 +104,9 @@ def _difference(run_r, run_2r, repeats: int, trials: int) -> float:
     return per_call if per_call > 0 else statistics.median(t_2r) / (2 * repeats)
 
 
-def time_trtllm(x: Inputs, repeats: int, trials: int = 7) -> tuple[float, jax.Array]:
-    """Seconds per decode of jaxattn trtllm, and one call's output."""
+def time_trtllm(x: Inputs, repeats: int, trials: int = 9) -> tuple[float, jax.Array, str]:
+    """Seconds per decode of jaxattn trtllm, one call's output, and how often the handler's host
+    code ran for how many calls."""
 
     def chain(r):
         @jax.jit
@@ -89,18 +117,22 @@ def time_trtllm(x: Inputs, repeats: int, trials: int = 7) -> tuple[float, jax.Ar
         return run
 
     one, short, long = chain(1), chain(repeats), chain(2 * repeats)
+    recorded = host_executions(x)
     out = one(x.q, x.cache, x.meta).block_until_ready()
+    calls = [1]
 
-    def timed(fn):
+    def timed(fn, r):
         def run():
             start = time.perf_counter()
             fn(x.q, x.cache, x.meta).block_until_ready()
+            calls[0] += r
             return time.perf_counter() - start
         for _ in range(3):
             run()
         return run
 
-    return _difference(timed(short), timed(long), repeats, trials), out
+    seconds = _difference(timed(short, repeats), timed(long, 2 * repeats), repeats, trials)
+    return seconds, out, f"handler host runs {host_executions(x) - recorded} for {calls[0]} calls"
 
 
 def time_xla(x: Inputs, trials: int = 5) -> tuple[float, jax.Array]:
@@ -175,12 +207,14 @@ def flashinfer_runners(case: Case, x: Inputs) -> dict:
             q, (k, v), workspace, tables, lens, case.kv_len, bmm1_scale=scale, bmm2_scale=1.0,
             kv_layout="HND", backend="xqa", enable_pdl=enable_pdl)
 
-    pages_per_seq = tables.shape[1]
-    indptr = torch.arange(case.batch + 1, dtype=torch.int32, device=dev) * pages_per_seq
-    last = torch.full((case.batch,), (case.kv_len - 1) % PAGE + 1, dtype=torch.int32, device=dev)
+    lens_host = case.lens()
+    pages = -(-lens_host // PAGE)
+    indptr = torch.tensor(np.concatenate([[0], np.cumsum(pages)]), dtype=torch.int32, device=dev)
+    indices = torch.cat([tables[b, :n] for b, n in enumerate(pages)])
+    last = torch.tensor((lens_host - 1) % PAGE + 1, dtype=torch.int32, device=dev)
     fa2_workspace = torch.zeros(128 << 20, dtype=torch.uint8, device=dev)
     wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(fa2_workspace, "HND")
-    wrapper.plan(indptr, tables.reshape(-1), last, HQ, HKV, D, PAGE, q_data_type=torch.bfloat16)
+    wrapper.plan(indptr, indices, last, HQ, HKV, D, PAGE, q_data_type=torch.bfloat16)
     return {"flashinfer xqa": xqa(), "flashinfer xqa, PDL off": xqa(False),
             "flashinfer fa2": lambda: wrapper.run(q, (k, v))}
 
@@ -208,10 +242,17 @@ def copy_bandwidth(gib: int = 4, trials: int = 9) -> float:
 def bench_case(case: Case, with_xla: bool) -> dict:
     import torch
 
-    x = make_inputs(case.batch, 1, case.kv_len)
+    x = case_inputs(case)
     repeats = repeats_for(case)
     row = {"case": case, "seconds": {}, "notes": []}
-    row["seconds"]["jaxattn trtllm"], out = time_trtllm(x, repeats)
+    row["seconds"]["jaxattn trtllm"], out, host_note = time_trtllm(x, repeats)
+    row["notes"].append(host_note)
+    if case.kv_bytes < 300e6:  # where a launch's latency shows
+        os.environ["JAXATTN_TRTLLM_PDL"] = "0"
+        try:
+            row["seconds"]["jaxattn trtllm, PDL off"] = time_trtllm(x, repeats)[0]
+        finally:
+            del os.environ["JAXATTN_TRTLLM_PDL"]
     try:
         runners = flashinfer_runners(case, x)
     except Exception as err:
@@ -253,13 +294,33 @@ def table(rows: list[dict], copy_rate: float) -> str:
     return "\n".join(lines)
 
 
+def summary(rows: list[dict], copy_rate: float) -> list[str]:
+    """The numbers the issue's targets are stated in."""
+    lines = []
+    for peer in ("flashinfer xqa", "flashinfer xqa, PDL off"):
+        ratios = [(r["seconds"][peer] / r["seconds"]["jaxattn trtllm"], str(r["case"])) for r in rows
+                  if peer in r["seconds"] and "jaxattn trtllm" in r["seconds"]]
+        if ratios:
+            worst = min(ratios)
+            lines.append(f"- jaxattn trtllm / {peer}: min {worst[0]:.3f} ({worst[1]}) over {len(ratios)} cases; "
+                         f"{sum(v >= 0.98 for v, _ in ratios)} of them >= 0.98.")
+    for r in rows:
+        sec = r["seconds"]
+        if r["case"] == TARGET_CASE and "jaxattn trtllm" in sec:
+            vs_xla = f"{sec['jaxattn xla'] / sec['jaxattn trtllm']:.2f}x the xla backend" if "jaxattn xla" in sec else "xla not run"
+            lines.append(f"- target point {TARGET_CASE}: {vs_xla}; KV read "
+                         f"{TARGET_CASE.kv_bytes / sec['jaxattn trtllm'] / copy_rate:.2f} of the copy rate.")
+    return lines
+
+
 def write_results(rows: list[dict], copy_rate: float, command: str) -> str:
-    pdl = [f"{r['case']}: {r['seconds']['flashinfer xqa, PDL off'] * 1e6:.1f}" for r in rows
-           if "flashinfer xqa, PDL off" in r["seconds"]]
+    pdl = {name: [f"{r['case']}: {r['seconds'][name] * 1e6:.1f}" for r in rows if name in r["seconds"]]
+           for name in ("flashinfer xqa, PDL off", "jaxattn trtllm, PDL off")}
     text = "\n".join([
         f"- device: {device_name()}; jax {jax.__version__}; flashinfer-python XQA sources, SM90 generic kernel (mha.cu)",
         f"- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC; command: `{command}`",
-        f"- bf16, Hq={HQ}, Hkv={HKV}, D={D}, page {PAGE}, HND, randomly permuted pool, every sequence at kv_len.",
+        f"- bf16, Hq={HQ}, Hkv={HKV}, D={D}, page {PAGE}, HND, randomly permuted pool, every sequence at kv_len",
+        f"  (U[a,b]: lengths uniform in [a, b], the issue's target point {TARGET_CASE}).",
         f"- device copy bandwidth (read + write, torch D2D copy of 4 GiB): {copy_rate / 1e12:.2f} TB/s.",
         "- time per decode (median; see the benchmark's docstring); TB/s = K+V bytes read / time;",
         "  ratios are speed ratios (peer time / jaxattn trtllm time: > 1 means jaxattn is faster);",
@@ -267,7 +328,11 @@ def write_results(rows: list[dict], copy_rate: float, command: str) -> str:
         "",
         table(rows, copy_rate),
         "",
-        "flashinfer xqa with PDL off, us: " + ", ".join(pdl) + ".",
+        "flashinfer xqa with PDL off, us: " + ", ".join(pdl["flashinfer xqa, PDL off"]) + ".",
+        "",
+        "jaxattn trtllm with PDL off (`JAXATTN_TRTLLM_PDL=0`), us: " + ", ".join(pdl["jaxattn trtllm, PDL off"]) + ".",
+        "",
+        *summary(rows, copy_rate),
         "",
         "Notes: " + "; ".join(f"{r['case']}: " + ", ".join(r["notes"]) for r in rows if r["notes"]),
     ])

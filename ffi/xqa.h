@@ -20,12 +20,12 @@ struct VariantInfo {
   uint32_t hopper_kernel;  // mha_sm90.cu (TMA + GMMA) rather than mha.cu
 };
 
-// Byte layout of the workspace output: [semaphores | pad | scratch].
-// Semaphores must be zero when the kernel starts; the kernel leaves them zero.
+// What a launch needs beyond its operands when XQA splits each sequence over several CTAs
+// (both zero otherwise). The uint32 semaphores must be zero when the kernel starts; the last
+// CTA of each sequence returns its semaphore to zero (atom.inc wraps). Scratch is per launch.
 struct Workspace {
-  uint64_t semaphore_bytes;
-  uint64_t scratch_offset;
-  uint64_t total_bytes;
+  uint64_t semaphore_count;
+  uint64_t scratch_bytes;
 };
 
 struct LaunchArgs {
@@ -43,11 +43,12 @@ struct LaunchArgs {
   uint32_t max_pages_per_seq;
   uint32_t const* seq_lens;  // [batch]
   uint32_t batch;
-  uint32_t* semaphores;
+  uint32_t* semaphores;  // semaphore_count zeros, or nullptr when the launch does not split
   void* scratch;
   uint64_t stride_page;  // in elements
   uint64_t stride_token;
   uint64_t stride_head;
+  bool enable_pdl;  // programmatic dependent launch: overlap the kernel's prologue with its predecessor
   cudaStream_t stream;
 };
 

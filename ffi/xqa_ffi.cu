@@ -3,15 +3,20 @@
 // Operands:  q [T, Hq, D], k_pages, v_pages (HND or NHD, described by element strides),
 //            page_table int32 [T, P], seq_lens int32 [T] (0 = no keys), scales f32 [2]
 //            (q_scale, kv_scale), sinks f32 [Hq] or [0].
-// Results:   out [T, Hq, D], workspace u8 [N] (semaphores + scratch, sized at trace time by
-//            jaxattn_xqa_workspace_bytes; its semaphores are zeroed in-stream when used).
-// Execute only enqueues work on XLA's stream (memset + kernel), so it is command-buffer safe:
-// under CUDA graphs it runs when XLA records the graph, with static shapes and attributes.
+// Results:   out [T, Hq, D], scratch u8 [N] (sized at trace time by jaxattn_xqa_workspace).
+//            Rows of tokens without keys are zero: the Hopper kernel's are zeroed here after it;
+//            the generic kernel writes zeros given the sinks the caller passes (trtllm._sinks).
+// Stages:    instantiate creates this call's semaphore state (one per custom call in the HLO, so
+//            calls that may run concurrently never share semaphores); initialize allocates and
+//            zeroes it once per device (XQA leaves its semaphores zero after every launch);
+//            execute only enqueues kernels on XLA's stream, so it is command-buffer safe: under
+//            CUDA graphs it runs when XLA records the graph, with static shapes and attributes.
 #include <algorithm>
 #include <array>
 #include <atomic>
 #include <cstdint>
 #include <exception>
+#include <memory>
 #include <mutex>
 #include <string>
 
@@ -47,12 +52,113 @@ ffi::Error cuda_error(char const* what, cudaError_t err) {
                               cudaGetErrorString(err));
 }
 
-ffi::Error Initialize(int32_t device) {
+// Per custom-call instance: a zeroed semaphore array per device, allocated on first use there.
+struct SemaphoreState {
+  static ffi::TypeId id;
+
+  explicit SemaphoreState(uint64_t count) : count(count) {}
+  SemaphoreState(SemaphoreState const&) = delete;
+  SemaphoreState& operator=(SemaphoreState const&) = delete;
+  ~SemaphoreState() {
+    for (uint32_t* buffer : buffers) {
+      if (buffer != nullptr) cudaFree(buffer);  // errors at process exit are moot
+    }
+  }
+
+  uint32_t* get(int32_t device) {
+    std::lock_guard<std::mutex> lock(mutex);
+    return buffers[device];
+  }
+
+  uint64_t const count;
+  std::mutex mutex;
+  std::array<uint32_t*, kMaxDevices> buffers{};
+};
+
+ffi::TypeId SemaphoreState::id = {};
+XLA_FFI_TypeInfo const kSemaphoreStateInfo = ffi::MakeTypeInfo<SemaphoreState>();
+
+ffi::ErrorOr<std::unique_ptr<SemaphoreState>> Instantiate(ffi::Dictionary attrs) {
+  ffi::ErrorOr<int64_t> count = attrs.get<int64_t>("semaphore_count");
+  if (count.has_error()) return ffi::Unexpected(count.error());
+  if (*count < 0) {
+    return ffi::Unexpected(
+        ffi::Error::InvalidArgument("jaxattn trtllm: semaphore_count must be >= 0"));
+  }
+  return std::make_unique<SemaphoreState>(static_cast<uint64_t>(*count));
+}
+
+// Device part of initialize (device current): allocates and zeroes this call's semaphores.
+std::string allocate_semaphores(SemaphoreState& state, int32_t device) {
+  std::lock_guard<std::mutex> lock(state.mutex);
+  if (state.count == 0 || state.buffers[device] != nullptr) return {};
+  size_t const bytes = sizeof(uint32_t) * state.count;
+  uint32_t* buffer = nullptr;
+  if (cudaError_t err = cudaMalloc(&buffer, bytes); err != cudaSuccess) {
+    return std::string("cudaMalloc(semaphores): ") + cudaGetErrorString(err);
+  }
+  // Waited for here: XLA's non-blocking streams do not order against the legacy stream.
+  cudaError_t err = cudaMemset(buffer, 0, bytes);
+  if (err == cudaSuccess) err = cudaStreamSynchronize(cudaStreamLegacy);
+  if (err != cudaSuccess) {
+    cudaFree(buffer);
+    return std::string("zeroing semaphores: ") + cudaGetErrorString(err);
+  }
+  state.buffers[device] = buffer;
+  return {};
+}
+
+// Zeroes the output rows of tokens without keys after XQA's Hopper kernel (whose output for
+// them is not relied on). Launched as a programmatic dependent of the XQA kernel: it waits for
+// XQA's grid to finish before it reads or writes anything.
+__global__ void zero_rows_without_keys(uint32_t const* __restrict__ seq_lens, uint4* __restrict__ out,
+                                       uint32_t row_vectors) {
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+  if (seq_lens[blockIdx.x] != 0) return;
+  uint4* const row = out + uint64_t{blockIdx.x} * row_vectors;
+  for (uint32_t i = threadIdx.x; i < row_vectors; i += blockDim.x) row[i] = make_uint4(0, 0, 0, 0);
+}
+
+cudaError_t launch_zero_rows(uint32_t const* seq_lens, void* out, uint32_t rows, uint64_t row_bytes,
+                             cudaStream_t stream) {
+  cudaLaunchAttribute pdl{};
+  pdl.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  pdl.val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t config{};
+  config.gridDim = dim3(rows);
+  config.blockDim = dim3(128);
+  config.stream = stream;
+  config.attrs = &pdl;
+  config.numAttrs = 1;
+  return cudaLaunchKernelEx(&config, zero_rows_without_keys, seq_lens, static_cast<uint4*>(out),
+                            static_cast<uint32_t>(row_bytes / sizeof(uint4)));
+}
+
+// Once per device (device current): the SM count launches use, and XQA's kernel attributes.
+std::string init_device(int32_t device) {
+  std::lock_guard<std::mutex> lock(g_init_mutex);
+  if (g_sm_count[device].load() != 0) return {};
+  int sm_count = 0;
+  if (cudaError_t err = cudaDeviceGetAttribute(&sm_count, cudaDevAttrMultiProcessorCount, device);
+      err != cudaSuccess) {
+    return std::string("cudaDeviceGetAttribute: ") + cudaGetErrorString(err);
+  }
+  try {
+    init_current_device();
+  } catch (std::exception const& e) {
+    return e.what();
+  }
+  g_sm_count[device].store(sm_count);
+  return {};
+}
+
+ffi::Error Initialize(int32_t device, SemaphoreState* semaphores) {
   if (device < 0 || device >= kMaxDevices) {
     return ffi::Error::InvalidArgument("jaxattn trtllm: device ordinal out of range");
   }
-  std::lock_guard<std::mutex> lock(g_init_mutex);
-  if (g_sm_count[device].load() != 0) return ffi::Error::Success();
+  if (g_sm_count[device].load() != 0 && (semaphores->count == 0 || semaphores->get(device))) {
+    return ffi::Error::Success();  // the common case: nothing to do, no device switch
+  }
   int previous = 0;
   if (cudaError_t err = cudaGetDevice(&previous); err != cudaSuccess) {
     return cuda_error("cudaGetDevice", err);
@@ -60,23 +166,12 @@ ffi::Error Initialize(int32_t device) {
   if (cudaError_t err = cudaSetDevice(device); err != cudaSuccess) {
     return cuda_error("cudaSetDevice", err);
   }
-  int sm_count = 0;
-  cudaError_t err = cudaDeviceGetAttribute(&sm_count, cudaDevAttrMultiProcessorCount, device);
-  std::string failure;
-  if (err != cudaSuccess) {
-    failure = std::string("cudaDeviceGetAttribute: ") + cudaGetErrorString(err);
-  } else {
-    try {
-      init_current_device();
-    } catch (std::exception const& e) {
-      failure = e.what();
-    }
-  }
+  std::string failure = init_device(device);
+  if (failure.empty()) failure = allocate_semaphores(*semaphores, device);
   cudaSetDevice(previous);
   if (!failure.empty()) {
     return ffi::Error::Internal("jaxattn trtllm: XQA device init failed: " + failure);
   }
-  g_sm_count[device].store(sm_count);
   return ffi::Error::Success();
 }
 
@@ -126,12 +221,13 @@ ffi::Error check_operands(VariantInfo const& info, ffi::AnyBuffer const& q,
   return ffi::Error::Success();
 }
 
-ffi::Error Execute(cudaStream_t stream, int32_t device, ffi::AnyBuffer q, ffi::AnyBuffer k_pages,
-                   ffi::AnyBuffer v_pages, ffi::AnyBuffer page_table, ffi::AnyBuffer seq_lens,
-                   ffi::AnyBuffer scales, ffi::AnyBuffer sinks, ffi::Result<ffi::AnyBuffer> out,
-                   ffi::Result<ffi::AnyBuffer> workspace, int64_t num_kv_heads,
-                   int64_t stride_page, int64_t stride_token, int64_t stride_head,
-                   int64_t sliding_window) {
+ffi::Error Execute(cudaStream_t stream, int32_t device, SemaphoreState* semaphores,
+                   ffi::AnyBuffer q, ffi::AnyBuffer k_pages, ffi::AnyBuffer v_pages,
+                   ffi::AnyBuffer page_table, ffi::AnyBuffer seq_lens, ffi::AnyBuffer scales,
+                   ffi::AnyBuffer sinks, ffi::Result<ffi::AnyBuffer> out,
+                   ffi::Result<ffi::AnyBuffer> scratch, int64_t num_kv_heads, int64_t stride_page,
+                   int64_t stride_token, int64_t stride_head, int64_t sliding_window,
+                   int64_t semaphore_count, int64_t enable_pdl) {
   g_host_executions.fetch_add(1, std::memory_order_relaxed);
   try {
     VariantInfo const info = variant_info();
@@ -149,19 +245,18 @@ ffi::Error Execute(cudaStream_t stream, int32_t device, ffi::AnyBuffer q, ffi::A
     auto const max_pages = static_cast<uint32_t>(page_table.dimensions()[1]);
     Workspace const ws =
         workspace_layout(sm_count, batch, static_cast<uint32_t>(num_kv_heads), max_pages);
-    if (workspace->size_bytes() < ws.total_bytes) {
+    if (semaphore_count < 0 || static_cast<uint64_t>(semaphore_count) != semaphores->count) {
+      return ffi::Error::Internal("jaxattn trtllm: semaphore state does not match its call");
+    }
+    if (scratch->size_bytes() < ws.scratch_bytes || semaphores->count < ws.semaphore_count) {
       return ffi::Error::InvalidArgument(
-          "jaxattn trtllm: workspace of " + std::to_string(workspace->size_bytes()) +
-          " bytes is smaller than the " + std::to_string(ws.total_bytes) + " this launch needs (" +
-          std::to_string(sm_count) + " SMs); it was sized for another device");
+          "jaxattn trtllm: this launch (" + std::to_string(sm_count) + " SMs) needs " +
+          std::to_string(ws.scratch_bytes) + " scratch bytes and " +
+          std::to_string(ws.semaphore_count) + " semaphores, the call has " +
+          std::to_string(scratch->size_bytes()) + " and " + std::to_string(semaphores->count) +
+          "; it was sized for another device");
     }
-    auto* const ws_base = static_cast<uint8_t*>(workspace->untyped_data());
-    if (ws.semaphore_bytes != 0) {
-      if (cudaError_t err = cudaMemsetAsync(ws_base, 0, ws.semaphore_bytes, stream);
-          err != cudaSuccess) {
-        return cuda_error("cudaMemsetAsync(semaphores)", err);
-      }
-    }
+    bool const splits = ws.semaphore_count != 0;
     LaunchArgs args{};
     args.sm_count = static_cast<uint32_t>(sm_count);
     args.num_kv_heads = static_cast<uint32_t>(num_kv_heads);
@@ -177,13 +272,25 @@ ffi::Error Execute(cudaStream_t stream, int32_t device, ffi::AnyBuffer q, ffi::A
     args.max_pages_per_seq = max_pages;
     args.seq_lens = static_cast<uint32_t const*>(seq_lens.untyped_data());
     args.batch = batch;
-    args.semaphores = ws.semaphore_bytes ? reinterpret_cast<uint32_t*>(ws_base) : nullptr;
-    args.scratch = ws.semaphore_bytes ? ws_base + ws.scratch_offset : nullptr;
+    args.semaphores = splits ? semaphores->get(device) : nullptr;
+    args.scratch = splits ? scratch->untyped_data() : nullptr;
+    args.enable_pdl = enable_pdl != 0;
     args.stride_page = static_cast<uint64_t>(stride_page);
     args.stride_token = static_cast<uint64_t>(stride_token);
     args.stride_head = static_cast<uint64_t>(stride_head);
     args.stream = stream;
+    if (splits && args.semaphores == nullptr) {
+      return ffi::Error::Internal("jaxattn trtllm: no semaphores on device " +
+                                  std::to_string(device) + " (initialize did not run there)");
+    }
     launch(args);
+    if (info.hopper_kernel) {
+      if (cudaError_t err = launch_zero_rows(args.seq_lens, args.out, batch,
+                                             out->size_bytes() / batch, stream);
+          err != cudaSuccess) {
+        return cuda_error("zero_rows_without_keys", err);
+      }
+    }
     return ffi::Error::Success();
   } catch (std::exception const& e) {
     return ffi::Error::Internal(std::string("jaxattn trtllm: XQA launch failed: ") + e.what());
@@ -195,16 +302,25 @@ ffi::Error Execute(cudaStream_t stream, int32_t device, ffi::AnyBuffer q, ffi::A
 
 #define JAXATTN_EXPORT extern "C" __attribute__((visibility("default")))
 
+JAXATTN_EXPORT XLA_FFI_Error* JaxattnXqaInstantiate(XLA_FFI_CallFrame*);
 JAXATTN_EXPORT XLA_FFI_Error* JaxattnXqaInitialize(XLA_FFI_CallFrame*);
 JAXATTN_EXPORT XLA_FFI_Error* JaxattnXqaExecute(XLA_FFI_CallFrame*);
 
+using jaxattn::xqa::SemaphoreState;
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxattnXqaInstantiate, jaxattn::xqa::Instantiate,
+                              ffi::Ffi::BindInstantiate().Attrs<ffi::Dictionary>());
+
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxattnXqaInitialize, jaxattn::xqa::Initialize,
-                              ffi::Ffi::BindInitialize().Ctx<ffi::DeviceOrdinal>());
+                              ffi::Ffi::BindInitialize()
+                                  .Ctx<ffi::DeviceOrdinal>()
+                                  .Ctx<ffi::State<SemaphoreState>>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxattnXqaExecute, jaxattn::xqa::Execute,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
                                   .Ctx<ffi::DeviceOrdinal>()
+                                  .Ctx<ffi::State<SemaphoreState>>()
                                   .Arg<ffi::AnyBuffer>()  // q
                                   .Arg<ffi::AnyBuffer>()  // k_pages
                                   .Arg<ffi::AnyBuffer>()  // v_pages
@@ -213,23 +329,33 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxattnXqaExecute, jaxattn::xqa::Execute,
                                   .Arg<ffi::AnyBuffer>()  // scales
                                   .Arg<ffi::AnyBuffer>()  // sinks
                                   .Ret<ffi::AnyBuffer>()  // out
-                                  .Ret<ffi::AnyBuffer>()  // workspace
+                                  .Ret<ffi::AnyBuffer>()  // scratch
                                   .Attr<int64_t>("num_kv_heads")
                                   .Attr<int64_t>("stride_page")
                                   .Attr<int64_t>("stride_token")
                                   .Attr<int64_t>("stride_head")
-                                  .Attr<int64_t>("sliding_window"),
+                                  .Attr<int64_t>("sliding_window")
+                                  .Attr<int64_t>("semaphore_count")
+                                  .Attr<int64_t>("enable_pdl"),
                               {ffi::Traits::kCmdBufferCompatible});
 
-// Trace-time queries (ctypes): the workspace bytes a launch of this shape needs (-1 when the
-// kernel's 32-bit scratch offsets overflow), and the variant's compile-time constants.
-JAXATTN_EXPORT int64_t jaxattn_xqa_workspace_bytes(int32_t sm_count, int32_t batch,
-                                                   int32_t num_kv_heads,
-                                                   int32_t max_pages_per_seq) {
+// The semaphore state's type, registered with jax.ffi.register_ffi_type before the target.
+JAXATTN_EXPORT void* jaxattn_xqa_state_type_id() { return &SemaphoreState::id; }
+JAXATTN_EXPORT void const* jaxattn_xqa_state_type_info() {
+  return &jaxattn::xqa::kSemaphoreStateInfo;
+}
+
+// Trace-time queries (ctypes): the semaphores and scratch bytes a launch of this shape needs
+// (returns -1 when the kernel's 32-bit scratch offsets overflow), and the variant's constants.
+JAXATTN_EXPORT int32_t jaxattn_xqa_workspace(int32_t sm_count, int32_t batch, int32_t num_kv_heads,
+                                             int32_t max_pages_per_seq, int64_t* semaphore_count,
+                                             int64_t* scratch_bytes) {
   try {
-    return static_cast<int64_t>(
-        jaxattn::xqa::workspace_layout(sm_count, batch, num_kv_heads, max_pages_per_seq)
-            .total_bytes);
+    jaxattn::xqa::Workspace const ws =
+        jaxattn::xqa::workspace_layout(sm_count, batch, num_kv_heads, max_pages_per_seq);
+    *semaphore_count = static_cast<int64_t>(ws.semaphore_count);
+    *scratch_bytes = static_cast<int64_t>(ws.scratch_bytes);
+    return 0;
   } catch (std::exception const&) {
     return -1;
   }

@@ -18,8 +18,6 @@
 namespace jaxattn::xqa {
 namespace {
 
-constexpr uint64_t kScratchAlignment = 256;
-
 uint64_t round_up_u64(uint64_t a, uint64_t b) { return (a + b - 1) / b * b; }
 
 // The running end offset of XQA's Segmenter (utils.h): each segment starts aligned.
@@ -70,15 +68,13 @@ Workspace workspace_layout(uint32_t sm_count, uint32_t batch, uint32_t num_kv_he
   scratch.add(sizeof(ScratchBufs), chunks, sizeof(ScratchBufs));
 #endif
   if (nb_sub_seq == 1) {
-    return Workspace{0, 0, 0};  // single-block mode: neither semaphores nor scratch are touched
+    return Workspace{0, 0};  // single-block mode: neither semaphores nor scratch are touched
   }
   if (scratch.end > UINT32_MAX) {
     throw std::overflow_error("XQA scratch of " + std::to_string(scratch.end) +
                               " bytes exceeds the kernel's 32-bit offsets");
   }
-  uint64_t const semaphore_bytes = sizeof(uint32_t) * uint64_t{heads};
-  uint64_t const scratch_offset = round_up_u64(semaphore_bytes, kScratchAlignment);
-  return Workspace{semaphore_bytes, scratch_offset, scratch_offset + scratch.end};
+  return Workspace{heads, scratch.end};  // one semaphore per (request, KV head)
 }
 
 void init_current_device() {
@@ -105,12 +101,12 @@ void launch(LaunchArgs const& a) {
 #if JAXATTN_XQA_HOPPER
   launchHopperF8MHAFlashInfer(a.sm_count, a.num_kv_heads, a.sliding_window, 1.f, a.q_scale, out,
                               q, a.sinks, k, v, a.page_table, max_seq_len, a.seq_lens, a.batch,
-                              1.f, a.kv_scale, a.semaphores, a.scratch, /*enable_pdl=*/false,
-                              a.stride_page, a.stride_token, a.stride_head, a.stream);
+                              1.f, a.kv_scale, a.semaphores, a.scratch, a.enable_pdl, a.stride_page,
+                              a.stride_token, a.stride_head, a.stream);
 #else
   launchMHAFlashInfer(a.sm_count, a.num_kv_heads, a.sliding_window, 1.f, a.q_scale, out, q,
                       a.sinks, k, v, a.page_table, max_seq_len, a.seq_lens, a.batch, 1.f,
-                      a.kv_scale, a.semaphores, a.scratch, /*enable_pdl=*/false, a.stride_page,
+                      a.kv_scale, a.semaphores, a.scratch, a.enable_pdl, a.stride_page,
                       a.stride_token, a.stride_head, a.stream);
 #endif
 }

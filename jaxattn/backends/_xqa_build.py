@@ -97,14 +97,16 @@ class Kernel:
     def target_name(self) -> str:
         return self.variant.target_name
 
-    def workspace_bytes(self, sm_count: int, batch: int, num_kv_heads: int, max_pages_per_seq: int) -> int:
-        """Bytes of semaphores + scratch for one launch; ValueError past XQA's 32-bit offsets."""
-        n = self.library.jaxattn_xqa_workspace_bytes(sm_count, batch, num_kv_heads, max_pages_per_seq)
-        if n < 0:
+    def workspace(self, sm_count: int, batch: int, num_kv_heads: int, max_pages_per_seq: int) -> tuple[int, int]:
+        """(semaphores, scratch bytes) of one launch, both 0 unless XQA splits sequences over
+        CTAs; ValueError past XQA's 32-bit scratch offsets."""
+        semaphores, scratch = ctypes.c_int64(), ctypes.c_int64()
+        if self.library.jaxattn_xqa_workspace(sm_count, batch, num_kv_heads, max_pages_per_seq,
+                                              ctypes.byref(semaphores), ctypes.byref(scratch)) != 0:
             raise ValueError(f"paged_attention: backend 'trtllm': the XQA scratch for batch={batch}, "
                              f"num_kv_heads={num_kv_heads}, max_pages_per_seq={max_pages_per_seq} "
                              f"exceeds the kernel's 32-bit offsets; use a smaller batch or fewer pages")
-        return n
+        return semaphores.value, scratch.value
 
     def variant_info(self) -> dict[str, int]:
         """The compile-time constants the library reports (a check of the build)."""
@@ -283,12 +285,24 @@ def load(variant: Variant) -> Kernel:
         if kernel is None:
             import jax.ffi
             library = ctypes.CDLL(str(build(variant)))
-            library.jaxattn_xqa_workspace_bytes.restype = ctypes.c_int64
-            library.jaxattn_xqa_workspace_bytes.argtypes = [ctypes.c_int32] * 4
+            library.jaxattn_xqa_workspace.restype = ctypes.c_int32
+            library.jaxattn_xqa_workspace.argtypes = [ctypes.c_int32] * 4 + [ctypes.POINTER(ctypes.c_int64)] * 2
             library.jaxattn_xqa_variant_info.argtypes = [ctypes.POINTER(ctypes.c_uint32)]
+            for symbol in ("jaxattn_xqa_state_type_id", "jaxattn_xqa_state_type_info"):
+                getattr(library, symbol).restype = ctypes.c_void_p
+            # The per-call semaphore state's type must be known before the target that uses it,
+            # and JAX replays queued targets before queued types when it creates a backend:
+            # create the backends first so that both registrations apply at once, in order.
+            jax.devices()
+            jax.ffi.register_ffi_type(
+                f"{variant.target_name}_semaphores",
+                {"type_id": jax.ffi.pycapsule(library.jaxattn_xqa_state_type_id()),
+                 "type_info": jax.ffi.pycapsule(library.jaxattn_xqa_state_type_info())},
+                platform="CUDA")
             jax.ffi.register_ffi_target(
                 variant.target_name,
-                {"initialize": jax.ffi.pycapsule(library.JaxattnXqaInitialize),
+                {"instantiate": jax.ffi.pycapsule(library.JaxattnXqaInstantiate),
+                 "initialize": jax.ffi.pycapsule(library.JaxattnXqaInitialize),
                  "execute": jax.ffi.pycapsule(library.JaxattnXqaExecute)},
                 platform="CUDA")
             kernel = _kernels[variant] = Kernel(variant, library)

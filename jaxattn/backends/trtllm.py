@@ -2,14 +2,19 @@
 
 Decode-only steps (``meta.max_q_len == 1``) on SM90. Each query token is one XQA request: its
 sequence's KV length and page-table row are gathered per token (padding tokens get length 0),
-so any ``cu_q_lens`` packing works; the output rows of tokens with no keys are zeroed.
-Kernels are compiled with nvcc on first use (see ``_xqa_build``).
+so any ``cu_q_lens`` packing works. The output rows of tokens with no keys are zero without an
+extra pass for bf16/fp16 pages (see ``_sinks``); the fp8 (Hopper) kernel's handler zeroes them
+after the kernel. Kernels are compiled with nvcc on first use (see ``_xqa_build``).
+
+``JAXATTN_TRTLLM_PDL=0`` (read when a call is traced) launches XQA without programmatic
+dependent launch, for comparisons; it is on by default, as in flashinfer.
 """
 
 from __future__ import annotations
 
 import functools
 import math
+import os
 
 import jax
 import jax.numpy as jnp
@@ -26,6 +31,10 @@ PAGE_SIZES = (16, 32, 64, 128)
 HEAD_DIMS = (64, 128, 256)
 MAX_GROUP_SIZE = 16
 MAX_TOKENS = 65535  # XQA puts requests on the grid's z dimension
+# XQA starts each row's running max at -1e5 (utils.cuh: safeInitRowMax). A sink of -9e4 adds
+# exp(-9e4 - max) == 0.0 exactly to every row with keys (any max above -89,900), and exp(1e4) = inf
+# to a row without keys, whose output then is 0 * (1 / inf) = 0 where it would be 0/0.
+SINK_FLOOR = -9e4
 _WHERE = "paged_attention: backend 'trtllm'"
 
 
@@ -97,22 +106,39 @@ def attention(q: jax.Array, cache: KVCache, meta: AttentionMetadata, params: Att
     tables = meta.block_tables[seq_c]
     tables = jnp.where((tables >= 0) & (tables < cache.num_pages), tables, 0)
 
-    workspace = kernel.workspace_bytes(_sm_count(), num_tokens, cache.num_kv_heads, max_pages)
+    semaphores, scratch = kernel.workspace(_sm_count(), num_tokens, cache.num_kv_heads, max_pages)
     stride_page, stride_token, stride_head = _strides(cache)
     call = jax.ffi.ffi_call(
         kernel.target_name,
-        (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((max(workspace, 1),), jnp.uint8)),
+        (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((max(scratch, 1),), jnp.uint8)),
     )
     out, _ = call(
         q, cache.k_pages, cache.v_pages, tables, seq_lens, _scales(cache, params, head_dim),
-        jnp.zeros((0,), jnp.float32) if sinks is None else sinks.astype(jnp.float32),
+        _sinks(sinks, num_q_heads, kernel.variant.hopper),
         num_kv_heads=np.int64(cache.num_kv_heads),
         stride_page=np.int64(stride_page),
         stride_token=np.int64(stride_token),
         stride_head=np.int64(stride_head),
         sliding_window=np.int64(params.sliding_window or 0),
+        semaphore_count=np.int64(semaphores),  # persistent per call site, zeroed once (handler)
+        enable_pdl=np.int64(os.environ.get("JAXATTN_TRTLLM_PDL", "1") != "0"),
     )
-    return jnp.where((seq_lens > 0)[:, None, None], out, jnp.zeros((), q.dtype))
+    return out
+
+
+def _sinks(sinks: jax.Array | None, num_q_heads: int, hopper: bool) -> jax.Array:
+    """float32 [Hq] sinks for the kernel, or [0] for none.
+
+    XQA's generic kernel writes zeros for a token without keys when each sequence runs on one
+    CTA, but 0/0 when it splits sequences over CTAs (small batches), unless a sink is present.
+    So it always gets one, at least ``SINK_FLOOR``: absent sinks become that floor (which adds
+    exactly nothing to rows with keys) and given ones are clamped to it (likewise exact). The
+    Hopper kernel keeps flashinfer's inputs; its handler zeroes rows without keys instead."""
+    if hopper:
+        return jnp.zeros((0,), jnp.float32) if sinks is None else sinks.astype(jnp.float32)
+    if sinks is None:
+        return jnp.full((num_q_heads,), SINK_FLOOR, jnp.float32)
+    return jnp.maximum(sinks.astype(jnp.float32), SINK_FLOOR)
 
 
 def _scales(cache: KVCache, params: AttentionParams, head_dim: int) -> jax.Array:

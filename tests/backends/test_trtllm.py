@@ -74,10 +74,11 @@ def test_compiles_variants_with_nvcc(xqa_sources, tmp_path, monkeypatch):
             "head_dim": variant.head_dim, "group_size": variant.group_size, "page_size": variant.page_size,
             "input_fp16": int(variant.dtype == "float16"), "cache_fp8": int(variant.hopper),
             "sliding_window": int(variant.sliding_window), "hopper_kernel": int(variant.hopper)}
-        # 132 SMs: one sequence splits its keys over several CTAs (semaphores + scratch);
-        # 256 x 8 heads fill the GPU with one CTA each and need no workspace.
-        assert kernel.workspace_bytes(132, 1, 8, 64) > 0
-        assert kernel.workspace_bytes(132, 256, 8, 64) == 0
+        # 132 SMs: one sequence splits its keys over several CTAs (a semaphore per KV head +
+        # scratch); 256 x 8 heads fill the GPU with one CTA each and need neither.
+        semaphores, scratch = kernel.workspace(132, 1, 8, 64)
+        assert semaphores == 8 and scratch > 0
+        assert kernel.workspace(132, 256, 8, 64) == (0, 0)
 
 
 def test_missing_nvcc_is_a_clear_error(monkeypatch, tmp_path):
@@ -137,6 +138,16 @@ def test_unavailable_without_gpu():
     q, cache, meta = _inputs()
     with pytest.raises(ValueError, match="backend 'trtllm' is not available: no NVIDIA GPU"):
         jaxattn.paged_attention(q, cache, meta, backend="trtllm")
+
+
+def test_sinks_always_reach_the_generic_kernel():
+    """Absent sinks become the floor, given ones are clamped to it; the Hopper kernel gets them as given."""
+    floor = trtllm.SINK_FLOOR
+    np.testing.assert_array_equal(trtllm._sinks(None, 4, hopper=False), np.full(4, floor, np.float32))
+    given = jnp.asarray([0.5, -jnp.inf, -1e6, 2.0], jnp.bfloat16)
+    np.testing.assert_array_equal(trtllm._sinks(given, 4, hopper=False), [0.5, floor, floor, 2.0])
+    assert trtllm._sinks(None, 4, hopper=True).shape == (0,)
+    np.testing.assert_array_equal(trtllm._sinks(given, 4, hopper=True), given.astype(jnp.float32))
 
 
 # ----------------------------------------------------------------------------------------- GPU
@@ -224,6 +235,55 @@ def test_batch_sizes(batch, prebuilt):
     kv_lens = [int(n) for n in rng.integers(1, 300 if batch > 64 else 2000, size=batch)]
     problem = _problem(case, rng, kv_lens, pad_seqs=0, pad_tokens=0)
     assert rel_error(_run("trtllm", problem), _run("xla", problem)) < TOLERANCE["bfloat16"], f"seed {seed}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", [GPU_CASES[0], GPU_CASES[3], GPU_CASES[5]], ids=_case_id)
+def test_padding_rows_one_cta_per_sequence(case, prebuilt):
+    """At B=64 XQA runs one CTA per (sequence, KV head) and no zeroing pass follows it for
+    bf16/fp16 pages: rows of tokens without keys must still be zero (sinks included)."""
+    seed = int(np.random.SeedSequence().entropy % 2**32)
+    rng = np.random.default_rng(seed)
+    kv_lens = [int(n) for n in rng.integers(1, 500, size=64)]
+    kv_lens[5] = kv_lens[40] = 0
+    problem = _problem(case, rng, kv_lens, pad_seqs=2, pad_tokens=5)
+    kwargs = _kwargs(case, rng)
+    out = _run("trtllm", problem, **kwargs)
+    ref = _run("xla", problem, **kwargs)
+    rows = np.flatnonzero(np.asarray(kv_lens) > 0)
+    assert rel_error(out[rows], ref[rows]) < TOLERANCE[case[1]], f"seed {seed}"
+    dead = np.setdiff1d(np.arange(out.shape[0]), rows)
+    assert not np.asarray(out[dead].astype(jnp.float32)).any(), f"padding rows not zero (seed {seed})"
+
+
+@pytest.mark.gpu
+def test_sinks_of_minus_infinity_mean_no_sink(prebuilt):
+    """-inf (no sink) and very negative sinks, in a small batch where XQA splits sequences and
+    a decode has no keys: the rows with keys match xla, the row without is zero."""
+    case = GPU_CASES[2]
+    rng = np.random.default_rng(11)
+    problem = _problem(case, rng, [700, 0, 1500], pad_seqs=1, pad_tokens=2)
+    sinks = jnp.asarray([-np.inf, -1e9, 1.0] + [-np.inf] * (case[5] - 3), jnp.float32)
+    out = _run("trtllm", problem, sinks=sinks)
+    ref = _run("xla", problem, sinks=sinks)
+    assert rel_error(out[np.array([0, 2])], ref[np.array([0, 2])]) < TOLERANCE["bfloat16"]
+    assert not np.asarray(out[np.array([1, 3, 4])].astype(jnp.float32)).any()
+
+
+@pytest.mark.gpu
+def test_independent_calls_keep_their_own_semaphores(prebuilt):
+    """Calls that XLA may run concurrently (no data dependence, one jit) split sequences over
+    CTAs with semaphores that persist across calls: each call site has its own."""
+    case = GPU_CASES[0]
+    rng = np.random.default_rng(7)
+    problem = _problem(case, rng, [int(n) for n in rng.integers(500, 3000, size=2)], pad_seqs=0, pad_tokens=0)
+    queries = [problem.q * s for s in (1.0, -0.5, 2.0, 0.25)]
+    both = jax.jit(lambda qs, c, m: [jaxattn.paged_attention(q, c, m, backend="trtllm") for q in qs])
+    one = jax.jit(lambda q, c, m: jaxattn.paged_attention(q, c, m, backend="trtllm"))
+    for _ in range(3):
+        together = both(queries, problem.cache, problem.meta)
+        for q, out in zip(queries, together):
+            np.testing.assert_array_equal(np.asarray(out), np.asarray(one(q, problem.cache, problem.meta)))
 
 
 def _flashinfer_decode(problem, case, kwargs):
