@@ -1,6 +1,6 @@
 """jaxattn's Triton kernels vs the other backends on one GPU (one command, one device run).
 
-    python -m benchmarks.bench_triton [--sweep] [--quick] [--skip ROWS] [--only ROWS]
+    python -m benchmarks.bench_triton [--quick] [--skip ROWS] [--only ROWS] [--rounds N]
 
 Workloads (bf16, Hq=32, Hkv=8, D=128, page 64, HND pages in a randomly permuted pool, causal):
   decode   B=64 sequences x 1 token at kv_len 4096 (meta.max_q_len = 1)
@@ -8,16 +8,18 @@ Workloads (bf16, Hq=32, Hkv=8, D=128, page 64, HND pages in a randomly permuted 
   mixed    63 decodes at kv_len 4096 + one 8192-token prefill
   16k      batch 1, a 16384-token prompt
 Rows: triton split (decode kernels for the leading decodes + the 2D kernel for the rest), triton
-single (the 2D kernel alone, our prefill tiles), triton single with vLLM's decode-sized tiles
-(BLOCK_M 16, tile 32: what one launch serving every batch mix uses there), trtllm (XQA) and cudnn
-where ``backends.unavailable_reason`` is None and they take the workload, auto (trtllm decodes +
-cudnn rest) for the mixed batch, and xla where it fits in time.
+single (the 2D kernel alone over every sequence, our prefill tiles), triton single with vLLM's
+tiles (BLOCK_M 16, 32-key tiles: what vLLM's unified kernel uses for every batch), trtllm (XQA)
+for decode, cudnn for the others, auto (trtllm decodes + cudnn rest) for the mixed batch, and xla
+where it fits in time.
 
-Timing: one jitted call runs R independent calls of the backend on R different query sets
-(XLA captures them into one command buffer); time per call = wall time / R after
-``block_until_ready``, median of repeats after a warm-up (compile and graph recording excluded).
-TFLOP/s count 4 * D * Hq * visible (query, key) pairs. ``--sweep`` also times the candidate
-block sizes of each phase (how the defaults in ``jaxattn/backends/triton.py`` were chosen).
+Timing: one jitted call runs R independent calls of a row on R different query sets (XLA captures
+them into one command buffer); time per call = wall time / R after ``block_until_ready``. All rows
+of a workload are compiled and warmed first, then timed in interleaved rounds (row 1, row 2, ...,
+row 1, ...); a row's time is the median of its rounds, its spread (max - min) / median. Each
+workload runs in a child process, so a crashing peer (the cudnn row once segfaulted here) costs
+only its own rows: the workload is then re-run without the peers. TFLOP/s count 4 * D * Hq *
+visible (query, key) pairs. Block sizes were chosen by ``benchmarks/tune_triton.py``.
 Writes the table into the triton section of benchmarks/RESULTS.md (and $OUT when set).
 """
 
@@ -26,22 +28,27 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import json
+import os
 import statistics
+import subprocess
+import sys
 import time
-import traceback
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-import jaxattn  # noqa: E402
-from benchmarks.common import write_section  # noqa: E402
+import jaxattn
+from benchmarks.common import RESULTS, device_name, write_section
 from jaxattn import backends
 from jaxattn.backends import triton as tb
 from jaxattn.backends.base import AttentionParams
 
 HQ, HKV, D, PAGE = 32, 8, 128, 64
 DTYPE = jnp.bfloat16
+# Where the triton section's block-size tables start (kept when this benchmark rewrites the section).
+TUNING_HEADING = "### Block sizes"
 VLLM_TILES = tb.PrefillConfig(block_m=16, block_n=32, num_warps=4, num_stages=2)
 
 
@@ -104,17 +111,23 @@ def runner(kind: str, **kw):
     return lambda q, c, m: jaxattn.paged_attention(q, c, m, backend=kind)
 
 
-def time_per_call(fn, qs, cache, meta, repeats: int) -> float:
-    """Seconds per call: median over timed rounds of one jitted call running ``len(qs)`` calls."""
-    step = jax.jit(lambda qs, c, m: tuple(fn(q, c, m) for q in qs))
-    jax.block_until_ready(step(qs, cache, meta))
-    jax.block_until_ready(step(qs, cache, meta))
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        jax.block_until_ready(step(qs, cache, meta))
-        times.append((time.perf_counter() - t0) / len(qs))
-    return statistics.median(times)
+def timed_rounds(fns: dict, qs, cache, meta, rounds: int) -> dict[str, list[float]]:
+    """Seconds per call of each row ``label -> (fn, R)``, one value per round; the rounds interleave
+    the rows. Each timing is one jitted call running the row on ``qs[:R]``."""
+    steps = {}
+    for label, (fn, n) in fns.items():
+        step = jax.jit(lambda qs, c, m, fn=fn: tuple(fn(q, c, m) for q in qs))
+        jax.block_until_ready(step(qs[:n], cache, meta))
+        jax.block_until_ready(step(qs[:n], cache, meta))
+        steps[label] = (step, n)
+        print(f"  warmed {label}", flush=True)
+    times = {label: [] for label in steps}
+    for _ in range(rounds):
+        for label, (step, n) in steps.items():
+            t0 = time.perf_counter()
+            jax.block_until_ready(step(qs[:n], cache, meta))
+            times[label].append((time.perf_counter() - t0) / n)
+    return times
 
 
 def rows_for(w: Workload) -> list[tuple[str, str, dict]]:
@@ -136,87 +149,99 @@ def check(fn, qs, cache, meta) -> float:
     return float(jnp.linalg.norm(out - ref) / jnp.linalg.norm(ref))
 
 
-def sweep(lines: list[str]) -> None:
-    decode_w, prefill_w = WORKLOADS[0], WORKLOADS[1]
-    qs, cache, meta = make_inputs(decode_w, 10)
-    lines.append("\nDecode block sizes (decode B=64 x kv 4096):\n\n| block_n | segments | warps | stages | us |\n"
-                 "|---|---|---|---|---|")
-    for block_n in (32, 64):
-        for segments in (1, 2, 4):
-            for stages in (2, 3):
-                cfg = tb.DecodeConfig(block_n=block_n, num_segments=segments, num_warps=4, num_stages=stages)
-                _timed_row(lines, f"| {block_n} | {segments} | 4 | {stages} |",
-                           runner("triton", launch="split", decode=cfg), qs, cache, meta, 3)
-    del qs, cache, meta
-    qs, cache, meta = make_inputs(prefill_w, 2)
-    lines.append("\nPrefill block sizes (prefill B=8 x 4096):\n\n| block_m | block_n | warps | stages | ms | TFLOP/s |\n"
-                 "|---|---|---|---|---|---|")
-    for block_m, block_n, warps, stages in [(128, 64, 8, 2), (128, 64, 8, 3), (128, 64, 4, 2), (128, 128, 8, 2),
-                                            (128, 32, 8, 2), (64, 64, 4, 2), (64, 64, 4, 3), (64, 128, 4, 2),
-                                            (256, 64, 8, 2)]:
-        cfg = tb.PrefillConfig(block_m=block_m, block_n=block_n, num_warps=warps, num_stages=stages)
-        _timed_row(lines, f"| {block_m} | {block_n} | {warps} | {stages} |",
-                   runner("triton", launch="single", prefill=cfg), qs, cache, meta, 3, flops=prefill_w.flops)
+def run_workload(index: int, rows: list[int], rounds: int) -> list[dict]:
+    """Times ``rows`` (indices into ``rows_for``) of workload ``index`` in this process; one dict
+    per row."""
+    w = WORKLOADS[index]
+    qs, cache, meta = make_inputs(w, w.repeats)
+    fns, results = {}, []
+    for label, kind, kw in (rows_for(w)[i] for i in rows):
+        reason = None if kind in ("triton", "auto") else backends.unavailable_reason(kind)
+        if reason is not None:
+            results.append(dict(label=label, error=reason[:80]))
+            continue
+        fns[label] = (runner(kind, **kw), 1 if kind == "xla" else w.repeats)
+    times = timed_rounds(fns, qs, cache, meta, rounds)
+    for label, (fn, _) in fns.items():
+        results.append(dict(label=label, times=times[label], err=check(fn, qs, cache, meta)))
+    return results
 
 
-def _timed_row(lines, prefix, fn, qs, cache, meta, repeats, flops=None):
-    try:
-        t = time_per_call(fn, qs, cache, meta, repeats)
-        lines.append(f"{prefix} {t * 1e6:.1f} |" if flops is None else f"{prefix} {t * 1e3:.3f} | {flops / t / 1e12:.0f} |")
-    except Exception as err:  # noqa: BLE001 (a config that does not compile or fit is a row, not a crash)
-        lines.append(f"{prefix} failed: {type(err).__name__}: {str(err).splitlines()[0][:100]} |")
-    print(lines[-1], flush=True)
+_RESULT = "RESULT "
+
+
+def workload_in_child(index: int, labels: list[str], rounds: int) -> list[dict]:
+    """``run_workload`` in a child process; if the child dies, the workload runs again without the
+    peers, which are reported with the exit code."""
+    all_labels = [label for label, _, _ in rows_for(WORKLOADS[index])]
+    cmd = [sys.executable, "-m", "benchmarks.bench_triton", "--child", str(index), "--rounds", str(rounds),
+           "--child-rows", ",".join(str(all_labels.index(label)) for label in labels)]
+    proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True)
+    print(proc.stdout, end="", flush=True)
+    results = [json.loads(line[len(_RESULT):]) for line in proc.stdout.splitlines() if line.startswith(_RESULT)]
+    if proc.returncode == 0:
+        return results
+    peers = [label for label in labels if not label.startswith("triton")]
+    if not peers or len(peers) == len(labels):
+        return [dict(label=label, error=f"process died (exit {proc.returncode})") for label in labels]
+    print(f"workload {index}: the child died (exit {proc.returncode}); again without {peers}", flush=True)
+    return (workload_in_child(index, [label for label in labels if label not in peers], rounds)
+            + [dict(label=label, error=f"process died (exit {proc.returncode}) in this row's run")
+               for label in peers])
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--sweep", action="store_true", help="also time candidate block sizes")
     parser.add_argument("--quick", action="store_true", help="decode and mixed workloads only")
-    parser.add_argument("--skip", default="", help="comma-separated row labels to leave out (e.g. cudnn)")
-    parser.add_argument("--only", default="", help="comma-separated row labels to run alone (no RESULTS.md update)")
+    parser.add_argument("--skip", default="", help="';'-separated row labels to leave out (e.g. cudnn)")
+    parser.add_argument("--only", default="", help="';'-separated row labels to run alone (no RESULTS.md update)")
+    parser.add_argument("--rounds", type=int, default=7, help="interleaved timing rounds per row")
+    parser.add_argument("--child", type=int, default=-1, help=argparse.SUPPRESS)
+    parser.add_argument("--child-rows", default="", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    skip, only = set(filter(None, args.skip.split(","))), set(filter(None, args.only.split(",")))
-    device = jax.devices()[0]
-    lines = [f"Device: {device.device_kind}; jax {jax.__version__}; "
-             f"{datetime.date.today().isoformat()}; command: `python -m benchmarks.bench_triton"
-             f"{' --sweep' if args.sweep else ''}{' --quick' if args.quick else ''}`\n",
-             "| workload | row | time | TFLOP/s | KV TB/s | vs triton split | rel. err vs split |",
-             "|---|---|---|---|---|---|---|"]
+    skip, only = set(filter(None, args.skip.split(";"))), set(filter(None, args.only.split(";")))
+    if args.child >= 0:
+        for result in run_workload(args.child, [int(i) for i in args.child_rows.split(",")], args.rounds):
+            print(_RESULT + json.dumps(result), flush=True)
+        return
+    command = " ".join(["python -m benchmarks.bench_triton"] + sys.argv[1:])
+    # The parent never touches the GPU (JAX would take most of its memory): the children time.
+    lines = [f"Device: {device_name()}; jax {jax.__version__}; "
+             f"{datetime.date.today().isoformat()}; command: `{command}`; {args.rounds} interleaved rounds\n",
+             "| workload | row | time (median) | spread | TFLOP/s | KV TB/s | vs triton split | rel. err vs split |",
+             "|---|---|---|---|---|---|---|---|"]
     summary = {}
-    for w in WORKLOADS if not args.quick else [WORKLOADS[0], WORKLOADS[2]]:
-        qs, cache, meta = make_inputs(w, w.repeats)
-        split_time = None
-        for label, kind, kw in rows_for(w):
-            if label in skip or (only and label not in only):
+    for index, w in enumerate(WORKLOADS):
+        if args.quick and index not in (0, 2):
+            continue
+        labels = [label for label, _, _ in rows_for(w) if label not in skip and (not only or label in only)]
+        by_label = {r["label"]: r for r in workload_in_child(index, labels, args.rounds)}
+        for label in labels:
+            r = by_label[label]
+            if "error" in r:
+                lines.append(f"| {w.name} | {label} | n/a: {r['error']} | | | | | |")
                 continue
-            reason = None if kind in ("triton", "auto") else backends.unavailable_reason(kind)
-            if reason is not None:
-                lines.append(f"| {w.name} | {label} | n/a: {reason[:80]} | | | | |")
-                print(lines[-1], flush=True)
-                continue
-            fn = runner(kind, **kw)
-            try:
-                t = time_per_call(fn, qs if kind != "xla" else qs[:1], cache, meta, 3 if kind != "xla" else 1)
-                err = check(fn, qs, cache, meta)
-            except Exception as e:  # noqa: BLE001 (an unsupported peer is a row, not a crash)
-                lines.append(f"| {w.name} | {label} | n/a: {type(e).__name__}: {str(e).splitlines()[0][:90]} "
-                             f"| | | | |")
-                print(lines[-1], flush=True)
-                traceback.print_exc()
-                continue
-            split_time = split_time or summary.get((w.name, "triton split")) or t
+            t = statistics.median(r["times"])
             summary[(w.name, label)] = t
-            lines.append(f"| {w.name} | {label} | {t * 1e3:.3f} ms | {w.flops / t / 1e12:.0f} | "
-                         f"{w.kv_bytes / t / 1e12:.2f} | {t / split_time:.2f}x | {err:.1e} |")
+            split = summary.get((w.name, "triton split"), t)
+            lines.append(f"| {w.name} | {label} | {t * 1e3:.3f} ms | {(max(r['times']) - min(r['times'])) / t:.1%} | "
+                         f"{w.flops / t / 1e12:.0f} | {w.kv_bytes / t / 1e12:.2f} | {t / split:.2f}x | "
+                         f"{r['err']:.1e} |")
             print(lines[-1], flush=True)
-        del qs, cache, meta
     lines.append("\nTargets:")
     lines += _targets(summary)
-    if args.sweep:
-        sweep(lines)
     text = "\n".join(lines)
     print(text)
-    write_section("triton", text, heading="triton (jaxattn's Triton kernels)", update_results=not only)
+    write_section("triton", text + _kept_tuning_tables(), heading="triton (jaxattn's Triton kernels)",
+                  update_results=not only)
+
+
+def _kept_tuning_tables() -> str:
+    """The section's block-size tables (from benchmarks/tune_triton.py), which this run keeps."""
+    old = open(RESULTS).read() if os.path.exists(RESULTS) else ""
+    begin, end = old.find("<!-- triton:begin -->"), old.find("<!-- triton:end -->")
+    start = old.find(TUNING_HEADING, begin)
+    return "\n\n" + old[start:end].strip("\n") if 0 <= begin < start < end else ""
 
 
 def _targets(s: dict) -> list[str]:

@@ -31,9 +31,13 @@ MIN_HEAD_DIM, MAX_HEAD_DIM = 16, 256
 LAUNCHES = ("split", "single")
 MIN_TRITON = (3, 6)
 _WHERE = "paged_attention: backend 'triton'"
-# Decode programs to aim for when choosing the number of KV segments: about 4 per SM of a 132-SM
-# H100/H200 (B=64, Hkv=8 -> 2 segments: 0.295 ms, on par with XQA; benchmarks/RESULTS.md).
-_DECODE_PROGRAMS = 528
+# Decode: KV segments are chosen to give about this many programs (B x Hkv x segments; ~8 per SM
+# of a 132-SM H100/H200), with at least _MIN_TILES_PER_SEGMENT KV tiles each. Chosen on an H200 by
+# benchmarks/tune_triton.py (benchmarks/RESULTS.md, triton section, "Block sizes"): at D=128,
+# B=64 x kv 4096 -> 2 segments, 0.263 ms (best of 54 configs: 0.261); B=8 x kv 4096 -> 8 segments,
+# 0.052 ms (best of 12: 0.052).
+_DECODE_PROGRAMS = 1024
+_MIN_TILES_PER_SEGMENT = 8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,22 +89,45 @@ def check_supported(q: jax.Array, cache: KVCache, meta: AttentionMetadata, param
 
 
 def decode_config(head_dim: int, batch: int, num_kv_heads: int, max_kv_len: int) -> DecodeConfig:
-    """Decode tiles for this shape (static): enough KV segments to give ~4 programs per SM."""
+    """Decode tiles for this shape (static), from the H200 sweep (benchmarks/RESULTS.md, triton
+    section, "Block sizes"), 4 warps. B=64 x kv 4096 (best of 54 configs in brackets):
+
+    * D <= 64: 64-key tiles, 2 stages: 0.143 ms (0.141; 3 stages 0.175).
+    * D <= 128: 64-key tiles, 3 stages: 0.263 ms (0.261; 2 stages 0.273).
+    * D > 128: 32-key tiles, 2 stages: 0.504 ms (0.500; 3 stages 0.528).
+    """
     if _interpreting():
         return DecodeConfig(block_n=16, num_segments=4, num_warps=4, num_stages=1)
     block_n = 64 if head_dim <= 128 else 32
     segments = _pow2_ceil(-(-_DECODE_PROGRAMS // (batch * num_kv_heads)))
-    segments = max(1, min(segments, 16, _pow2_ceil(-(-max_kv_len // (4 * block_n)))))
-    return DecodeConfig(block_n=block_n, num_segments=segments, num_warps=4, num_stages=3)
+    most = max(1, -(-max_kv_len // (_MIN_TILES_PER_SEGMENT * block_n)))
+    segments = max(1, min(segments, 16, _pow2_floor(most)))
+    return DecodeConfig(block_n=block_n, num_segments=segments, num_warps=4,
+                        num_stages=3 if 64 < head_dim <= 128 else 2)
 
 
-def prefill_config(head_dim: int) -> PrefillConfig:
-    """2D kernel tiles for this head dim (static)."""
+def prefill_config(head_dim: int, dtype) -> PrefillConfig:
+    """2D kernel tiles for this head dim and query dtype (static), from the H200 sweep
+    (benchmarks/RESULTS.md, triton section, "Block sizes"): each is the winner at B=8 x 4096
+    causal and on the mixed batch's prefill part.
+
+    * D <= 64: 128 x 128, 4 warps, 2 stages: 1.63 ms = 338 TFLOP/s.
+    * D <= 128: 256 x 64, 8 warps, 3 stages: 2.62 ms = 419 TFLOP/s (before the sweep, 128 x 64, 8
+      warps, 2 stages: 3.37 ms).
+    * D > 128: 128 x 64, 8 warps, 3 stages: 4.92 ms = 447 TFLOP/s (before, 64 x 32: 13.2 ms).
+    float32 queries (not swept) keep tiles whose K/V stages fit in shared memory.
+    """
     if _interpreting():
         return PrefillConfig(block_m=16, block_n=16, num_warps=4, num_stages=1)
+    four_bytes = jnp.dtype(dtype).itemsize == 4
+    if head_dim <= 64:
+        return PrefillConfig(block_m=64 if four_bytes else 128, block_n=128, num_warps=4, num_stages=2)
     if head_dim <= 128:
-        return PrefillConfig(block_m=128, block_n=64, num_warps=8, num_stages=2)
-    return PrefillConfig(block_m=64, block_n=32, num_warps=8, num_stages=2)
+        return PrefillConfig(block_m=128 if four_bytes else 256, block_n=64, num_warps=8,
+                             num_stages=2 if four_bytes else 3)
+    if four_bytes:
+        return PrefillConfig(block_m=32, block_n=32, num_warps=8, num_stages=2)
+    return PrefillConfig(block_m=128, block_n=64, num_warps=8, num_stages=3)
 
 
 def attention(q: jax.Array, cache: KVCache, meta: AttentionMetadata, params: AttentionParams,
@@ -160,7 +187,7 @@ def attention(q: jax.Array, cache: KVCache, meta: AttentionMetadata, params: Att
     else:
         num_decodes = jnp.zeros((1,), jnp.int32)
 
-    cfg = prefill or prefill_config(head_dim)
+    cfg = prefill or prefill_config(head_dim, q.dtype)
     block_m = max(cfg.block_m, _pow2_ceil(group))
     rows_per_block = block_m // _pow2_ceil(group)
     (out,) = triton_call(
@@ -190,6 +217,10 @@ def _subset(values: dict, names: str) -> dict:
 
 def _pow2_ceil(n: int) -> int:
     return 1 << max(0, int(n) - 1).bit_length()
+
+
+def _pow2_floor(n: int) -> int:
+    return 1 << (max(1, int(n)).bit_length() - 1)
 
 
 def _interpreting() -> bool:

@@ -108,8 +108,15 @@ def paged_prefill_kernel(
     hb = (head_end + BQ - 1) // BQ
     b = _find_seq(cu_ptr, pid - hb, nd, B, LOG_B, BQ, True)
     q_start = tl.load(cu_ptr + b)
-    row0 = q_start + (pid - hb - ((q_start - tl.load(cu_ptr + nd)) // BQ + b - nd)) * BQ
     q_end = tl.load(cu_ptr + tl.minimum(b + 1, B))
+    c_nd = tl.load(cu_ptr + nd)
+    first = (q_start - c_nd) // BQ
+    block = pid - hb - (first + b - nd)
+    # A sequence's q-blocks run last first: under a causal mask the last ones see the most keys,
+    # and starting them first shortens the launch's tail. Sequence b < B owns
+    # start(b + 1) - start(b) = (q_end - c_nd) // BQ - first + 1 programs, at most one spare.
+    block = tl.where(b < B, (q_end - c_nd) // BQ - first - block, block)
+    row0 = q_start + block * BQ
     q_end = tl.where(b < B, q_end, T)
     kv_len = tl.load(kv_lens_ptr + tl.minimum(b, B - 1))
     kv_len = tl.where(b < B, kv_len, 0)

@@ -158,6 +158,19 @@ def test_gpu_mixed_batches(launch, layout, page_size, head_dim):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("launch", tb.LAUNCHES)
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.float16], ids=str)
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_gpu_other_dtypes(launch, dtype, head_dim):
+    """float32 (its own, smaller prefill tiles) and float16 through both launch plans."""
+    rng = np.random.default_rng(head_dim)
+    problem = make_problem(rng, q_lens=[1] * 5 + [3, 260], kv_lens=list(rng.integers(1, 700, 5)) + [9, 500],
+                           num_q_heads=16, num_kv_heads=4, head_dim=head_dim, page_size=32, dtype=dtype)
+    # float32: the xla backend's GPU dots may use TF32.
+    _check(problem, _run(problem, launch=launch), tol=5e-4 if dtype == jnp.float32 else None)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("feature", [
     dict(sliding_window=100), dict(softcap=30.0), dict(sinks=True), dict(causal=False),
     dict(sliding_window=64, softcap=20.0, sinks=True)], ids=str)

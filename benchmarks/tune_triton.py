@@ -1,0 +1,350 @@
+"""Block-size sweep for jaxattn's Triton kernels, timed with CUDA events (one device run).
+
+    python -m benchmarks.tune_triton [--head-dims 128,64,256] [--quick]
+
+The kernels of ``jaxattn.kernels.triton_attention`` are launched directly from torch (the device
+image has it) with the same arguments ``jaxattn.backends.triton`` passes, and timed with
+``triton.testing.do_bench`` (CUDA events, L2 flushed before each call, median). Every candidate
+is compiled first, in parallel worker processes (``JITFunction.warmup`` fills Triton's on-disk
+cache). Each table's best candidates are then timed again in interleaved rounds, and the table
+reports the median over rounds and the spread (max - min) / median; a difference smaller than the
+spread is noise.
+
+Points (bf16, Hq=32, Hkv=8, page 64, HND pool randomly permuted, causal):
+  decode   B=64 x kv 4096 (the issue's decode point) and B=8 x kv 4096: decode + reduce kernels
+  prefill  B=8 x 4096 new tokens: the 2D kernel
+  mixed    63 decodes at kv 4096 + one 8192-token prefill: the 2D kernel's part of a split launch
+           (the prefill); then, at each table's winner, split (decode + reduce + 2D) against one 2D
+           launch over the whole batch with our prefill tiles and with vLLM's decode tiles.
+Writes ``$OUT/tune_triton.md`` (and prints it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import dataclasses
+import itertools
+import math
+import multiprocessing
+import os
+import statistics
+import time
+
+HQ, HKV, PAGE = 32, 8, 64
+# vLLM's unified kernel: BLOCK_M 16 for every batch, 32-key tiles (block_m, block_n, warps, stages).
+VLLM_TILES = (16, 32, 4, 2)
+
+DECODE_POINTS = (("decode B=64 x kv 4096", 64, 4096), ("decode B=8 x kv 4096", 8, 4096))
+PREFILL_POINTS = (("prefill B=8 x 4096", (4096,) * 8, (4096,) * 8, 0),
+                  ("mixed prefill part (63 decodes + 8192)", (1,) * 63 + (8192,), (4096,) * 63 + (8192,), 63))
+
+
+def pow2_ceil(n: int) -> int:
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+@dataclasses.dataclass(frozen=True)
+class Launch:
+    """One kernel launch: kernel name, grid, pointer dtypes (torch dtype names), constexprs, warps, stages."""
+
+    kernel: str
+    grid: tuple[int, int, int]
+    dtypes: tuple[str, ...]
+    constants: tuple[tuple[str, object], ...]
+    num_warps: int
+    num_stages: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Batch:
+    """A paged batch: query lengths, KV lengths (one per sequence), head dim."""
+
+    q_lens: tuple[int, ...]
+    kv_lens: tuple[int, ...]
+    head_dim: int
+
+    @property
+    def tokens(self) -> int:
+        return sum(self.q_lens)
+
+    @property
+    def width(self) -> int:
+        return max(-(-k // PAGE) for k in self.kv_lens)
+
+    @property
+    def num_pages(self) -> int:
+        return 1 + sum(-(-k // PAGE) for k in self.kv_lens)
+
+    @property
+    def flops(self) -> float:
+        pairs = sum(q * k - q * (q - 1) / 2 for q, k in zip(self.q_lens, self.kv_lens))
+        return 4.0 * self.head_dim * HQ * pairs
+
+
+def shared_constants(batch: Batch) -> dict:
+    """The constexprs ``jaxattn.backends.triton.attention`` passes for a bf16 HND pool."""
+    d = batch.head_dim
+    return dict(T=batch.tokens, B=len(batch.q_lens), P=batch.width, HQ=HQ, G=HQ // HKV, D=d, D_P=pow2_ceil(d),
+                PAGE=PAGE, NUM_PAGES=batch.num_pages, SK_P=HKV * PAGE * d, SK_H=PAGE * d, SK_T=d,
+                SCALE=1 / math.sqrt(d), SOFTCAP=0.0, WINDOW=0, CAUSAL=True, FP8=False, DOT_F32=False,
+                PRECISION="tf32")
+
+
+def decode_launches(batch: Batch, block_n: int, nseg: int, warps: int, stages: int, mixed: bool) -> list[Launch]:
+    """Decode kernel + reduce for the leading decodes (``mixed``) or a decode-only batch."""
+    c = shared_constants(batch)
+    b, group = len(batch.q_lens), HQ // HKV
+    decode = dict(c, BLOCK_H=max(16, pow2_ceil(group)), BLOCK_N=block_n, NSEG=nseg)
+    reduce = {k: c[k] for k in "T B HQ G D D_P FP8".split()}
+    reduce.update(LOG_B=(b + 1).bit_length() + 1, G_P=pow2_ceil(group), NSEG=nseg, HAS_SINKS=False,
+                  WRITE_ALL=not mixed)
+    ptr = ("bfloat16", "bfloat16", "bfloat16", "int32", "int32", "int32", "int32", "float32", "float32", "float32")
+    return [Launch("paged_decode_kernel", (b, HKV, nseg), ptr, tuple(sorted(decode.items())), warps, stages),
+            Launch("paged_decode_reduce_kernel", (batch.tokens if not mixed else b, HKV, 1),
+                   ("int32", "int32", "float32", "float32", "float32", "float32", "bfloat16"),
+                   tuple(sorted(reduce.items())), 4, 1)]
+
+
+def prefill_launch(batch: Batch, block_m: int, block_n: int, warps: int, stages: int) -> Launch:
+    c = shared_constants(batch)
+    b, g_p = len(batch.q_lens), pow2_ceil(HQ // HKV)
+    block_m = max(block_m, g_p)
+    c.update(LOG_B=(b + 1).bit_length() + 1, G_P=g_p, BLOCK_M=block_m, BLOCK_N=block_n, HAS_SINKS=False)
+    ptr = ("bfloat16",) * 3 + ("int32",) * 4 + ("float32", "float32", "bfloat16", "bfloat16")
+    grid = (batch.tokens // (block_m // g_p) + b + 2, HKV, 1)
+    return Launch("paged_prefill_kernel", grid, ptr, tuple(sorted(c.items())), warps, stages)
+
+
+def _compile(launch: Launch) -> str | None:
+    """Worker: compile one launch into Triton's cache; returns an error line or None."""
+    import torch
+    from jaxattn.kernels import triton_attention as kernels
+    try:
+        getattr(kernels, launch.kernel).warmup(
+            *(getattr(torch, d) for d in launch.dtypes), grid=launch.grid, num_warps=launch.num_warps,
+            num_stages=launch.num_stages, **dict(launch.constants))
+        return None
+    except Exception as err:  # noqa: BLE001 (a config that does not compile is reported, not fatal)
+        return f"{type(err).__name__}: {str(err).splitlines()[0][:80] if str(err) else ''}"
+
+
+def compile_all(launches: list[Launch]) -> None:
+    """Fills Triton's cache with every launch's kernel, in parallel processes."""
+    unique = list(dict.fromkeys(launches))
+    t0 = time.time()
+    workers = max(1, min(len(unique), (os.cpu_count() or 2) - 2))
+    with concurrent.futures.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+        errors = [e for e in pool.map(_compile, unique) if e]
+    print(f"compiled {len(unique)} kernels in {time.time() - t0:.0f} s with {workers} workers; "
+          f"{len(errors)} failed{', first: ' + errors[0] if errors else ''}", flush=True)
+
+
+class Problem:
+    """Device tensors of one batch (torch, CUDA), shared by every launch over it."""
+
+    def __init__(self, batch: Batch, num_decodes: int, seed: int = 0):
+        import numpy as np
+        import torch
+        rng = np.random.default_rng(seed)
+        need = [-(-k // PAGE) for k in batch.kv_lens]
+        perm = rng.permutation(np.arange(1, batch.num_pages))
+        tables = np.zeros((len(need), batch.width), np.int32)
+        start = 0
+        for b, n in enumerate(need):
+            tables[b, :n] = perm[start:start + n]
+            start += n
+        gen = torch.Generator("cuda").manual_seed(seed)
+        dev = dict(device="cuda")
+        shape = (batch.num_pages, HKV, PAGE, batch.head_dim)
+        self.q = torch.randn(batch.tokens, HQ, batch.head_dim, generator=gen, dtype=torch.bfloat16, **dev)
+        self.k = torch.randn(shape, generator=gen, dtype=torch.bfloat16, **dev)
+        self.v = torch.randn(shape, generator=gen, dtype=torch.bfloat16, **dev)
+        self.tables = torch.tensor(tables, **dev)
+        self.kv_lens = torch.tensor(batch.kv_lens, dtype=torch.int32, **dev)
+        self.cu = torch.tensor(np.concatenate([[0], np.cumsum(batch.q_lens)]), dtype=torch.int32, **dev)
+        self.nd = torch.tensor([num_decodes], dtype=torch.int32, **dev)
+        self.no_decodes = torch.zeros(1, dtype=torch.int32, **dev)
+        self.sinks = torch.zeros(1, dtype=torch.float32, **dev)
+        self.scales = torch.zeros(2, dtype=torch.float32, **dev)
+        self.out = torch.zeros_like(self.q)
+        self.batch = batch
+
+    def runner(self, launches: list[Launch], single: bool = False):
+        """A function running ``launches`` in order (decode, reduce, 2D) on this problem."""
+        import torch
+        from jaxattn.kernels import triton_attention as kernels
+        calls = []
+        for launch in launches:
+            kernel = getattr(kernels, launch.kernel)[launch.grid]
+            kw = dict(launch.constants, num_warps=launch.num_warps, num_stages=launch.num_stages)
+            if launch.kernel == "paged_decode_kernel":
+                nseg = dict(launch.constants)["NSEG"]
+                b, d = len(self.batch.q_lens), self.batch.head_dim
+                seg_acc = torch.empty(b, HQ, nseg, d, dtype=torch.float32, device="cuda")
+                seg_ml = torch.empty(b, HQ, nseg, 2, dtype=torch.float32, device="cuda")
+                args = (self.q, self.k, self.v, self.tables, self.kv_lens, self.cu, self.nd, self.scales, seg_acc,
+                        seg_ml)
+            elif launch.kernel == "paged_decode_reduce_kernel":
+                args = (self.cu, self.nd, self.sinks, self.scales, seg_acc, seg_ml, self.out)
+            else:
+                nd = self.no_decodes if single else self.nd
+                args = (self.q, self.k, self.v, self.tables, self.kv_lens, self.cu, nd, self.sinks, self.scales,
+                        self.out, self.out)
+            calls.append((kernel, args, kw))
+
+        def run():
+            for kernel, args, kw in calls:
+                kernel(*args, **kw)
+        return run
+
+
+def time_ms(fn) -> float:
+    from triton.testing import do_bench
+    return do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+
+def sweep_table(title: str, header: str, candidates: list[tuple[str, object]], rounds: int, top: int,
+                flops: float | None) -> tuple[list[str], str]:
+    """Times every ``(row label, runner)`` once, then the ``top`` best again in ``rounds``
+    interleaved rounds. Returns the table lines and the winner's label."""
+    first, failed = {}, {}
+    for label, fn in candidates:
+        try:
+            first[label] = time_ms(fn)
+        except Exception as err:  # noqa: BLE001 (e.g. out of shared memory at launch)
+            failed[label] = f"{type(err).__name__}: {str(err).splitlines()[0][:60] if str(err) else ''}"
+    runners = dict(candidates)
+    best = sorted(first, key=first.get)[:top]
+    times = {label: [] for label in best}
+    for _ in range(rounds):
+        for label in best:
+            times[label].append(time_ms(runners[label]))
+    final = {label: statistics.median(v) for label, v in times.items()}
+    winner = min(final, key=final.get)
+    columns = " ms (first pass) | ms (median of rounds) | spread |" + (" TFLOP/s |" if flops else "")
+    lines = [f"\n{title}\n", header + columns, "|---" * (header.count("|") + columns.count("|") - 1) + "|"]
+    for label, _ in candidates:
+        if label in failed:
+            lines.append(f"{label} failed: {failed[label]} | | |" + (" |" if flops else ""))
+            continue
+        t, median, spread = first[label], "", ""
+        if label in final:
+            t = final[label]
+            median = f"**{t:.4f}**" if label == winner else f"{t:.4f}"
+            spread = f"{(max(times[label]) - min(times[label])) / t:.1%}"
+        lines.append(f"{label} {first[label]:.4f} | {median} | {spread} |" +
+                     (f" {flops / (t * 1e-3) / 1e12:.0f} |" if flops else ""))
+    print("\n".join(lines), flush=True)
+    return lines, winner
+
+
+def decode_candidates(head_dim: int, batch: int, quick: bool):
+    """(block_n, segments, warps, stages); small batches need more segments to fill the GPU."""
+    if quick:
+        return [(64, 2, 4, 2), (64, 2, 4, 3)]
+    if batch < 32:
+        return list(itertools.product((32, 64), (4, 8, 16), (4,), (2, 3)))
+    block_ns = (32, 64, 128) if head_dim <= 128 else (16, 32, 64)
+    return list(itertools.product(block_ns, (1, 2, 4), (4, 8), (2, 3, 4)))
+
+
+def prefill_candidates(head_dim: int, quick: bool):
+    """(block_m, block_n, warps, stages)."""
+    if quick:
+        return [(128, 64, 8, 2), (128, 128, 8, 2)]
+    if head_dim <= 64:
+        return list(itertools.product((64, 128, 256), (64, 128), (4, 8), (2, 3)))
+    if head_dim <= 128:
+        return list(itertools.product((64, 128, 256), (32, 64, 128), (4, 8), (2, 3, 4)))
+    return list(itertools.product((32, 64, 128), (32, 64), (4, 8), (1, 2, 3)))
+
+
+def parse(label: str) -> list[int]:
+    return [int(x) for x in label.strip("| ").split(" | ")]
+
+
+def tune_head_dim(d: int, quick: bool, rounds: int, lines: list[str], save) -> None:
+    """Sweeps the decode and 2D configs at head dim ``d``, then times split vs one launch on the
+    mixed batch at the winners; appends the tables to ``lines`` (``save()`` after each)."""
+    import torch
+    plans = []  # (title, header, batch, num_decodes, [(label, launches)], flops)
+    for name, b, kv in DECODE_POINTS:
+        batch = Batch((1,) * b, (kv,) * b, d)
+        rows = [(f"| {bn} | {s} | {w} | {st} |", decode_launches(batch, bn, s, w, st, mixed=False))
+                for bn, s, w, st in decode_candidates(d, b, quick)]
+        plans.append((f"D={d}, {name} (decode + reduce)", "| block_n | segments | warps | stages |", batch, b, rows,
+                      None))
+    for name, q_lens, kv_lens, nd in PREFILL_POINTS:
+        batch = Batch(q_lens, kv_lens, d)
+        rows = [(f"| {bm} | {bn} | {w} | {st} |", [prefill_launch(batch, bm, bn, w, st)])
+                for bm, bn, w, st in prefill_candidates(d, quick)]
+        plans.append((f"D={d}, {name} (2D kernel)", "| block_m | block_n | warps | stages |", batch, nd, rows,
+                      Batch(q_lens[nd:], kv_lens[nd:], d).flops))
+    compile_all([launch for plan in plans for _, launches in plan[4] for launch in launches])
+    winners = []
+    for title, header, batch, nd, rows, flops in plans:
+        problem = Problem(batch, nd)
+        # A candidate whose warm-up failed is still launched: the launch reports the real error.
+        candidates = [(label, problem.runner(launches)) for label, launches in rows]
+        table, winner = sweep_table(title, header, candidates, rounds, 6, flops)
+        lines += table
+        winners.append(parse(winner))
+        save()
+        del problem
+        torch.cuda.empty_cache()
+
+    batch = Batch(PREFILL_POINTS[1][1], PREFILL_POINTS[1][2], d)
+    dec, full, pre = winners[0], winners[2], winners[3]
+    split = decode_launches(batch, *dec, mixed=True) + [prefill_launch(batch, *pre)]
+    ours = [prefill_launch(batch, *full)]
+    vllm = [prefill_launch(batch, *VLLM_TILES)]
+    compile_all(split + ours + vllm)
+    problem = Problem(batch, PREFILL_POINTS[1][3])
+    runs = {"split (decode + reduce + 2D)": problem.runner(split),
+            "decode + reduce only": problem.runner(split[:2]),
+            "2D part only": problem.runner(split[2:]),
+            "single 2D launch, our prefill tiles": problem.runner(ours, single=True),
+            "single 2D launch, vLLM tiles (16 x 32, 4 warps, 2 stages)": problem.runner(vllm, single=True)}
+    times = {k: [] for k in runs}
+    for _ in range(rounds):
+        for k, fn in runs.items():
+            times[k].append(time_ms(fn))
+    med = {k: statistics.median(v) for k, v in times.items()}
+    lines += [f"\nD={d}, mixed 63 decodes + 8192 prefill, split vs one launch (decode {dec}, 2D part {pre}; "
+              f"single launch: the prefill winner {full})\n",
+              "| plan | ms (median of rounds) | spread | vs split |", "|---|---|---|---|"]
+    for k, v in times.items():
+        lines.append(f"| {k} | {med[k]:.4f} | {(max(v) - min(v)) / med[k]:.1%} | "
+                     f"{med[k] / med['split (decode + reduce + 2D)']:.2f}x |")
+    print("\n".join(lines[-8:]), flush=True)
+    save()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--head-dims", default="128", help="comma-separated head dims, swept in this order")
+    parser.add_argument("--quick", action="store_true", help="two candidates per table (checks the script)")
+    parser.add_argument("--rounds", type=int, default=5, help="interleaved re-timing rounds of the best candidates")
+    args = parser.parse_args()
+
+    import torch
+    import triton
+    lines = [f"Device: {torch.cuda.get_device_name()}; torch {torch.__version__}; triton {triton.__version__}; "
+             f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; command: `python -m benchmarks.tune_triton "
+             f"--head-dims {args.head_dims}`. Times are do_bench medians in ms; the best 6 of each table are "
+             f"re-timed in {args.rounds} interleaved rounds (median of rounds, spread = (max - min) / median); "
+             f"bold: the winner."]
+
+    def save():
+        if os.environ.get("OUT"):
+            with open(os.path.join(os.environ["OUT"], "tune_triton.md"), "w") as f:
+                f.write("\n".join(lines) + "\n")
+
+    for d in (int(x) for x in args.head_dims.split(",")):
+        tune_head_dim(d, args.quick, args.rounds, lines, save)
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
