@@ -108,6 +108,14 @@ def test_tokens_before_first_offset_and_bad_counts():
         assert not np.asarray(out[:2]).any()
 
 
+@pytest.mark.parametrize("launch", tb.LAUNCHES)
+def test_many_q_blocks_per_sequence(launch):
+    """Sequences of several q-blocks at unaligned offsets (the 2D kernel runs them last first)."""
+    problem = make_problem(np.random.default_rng(8), q_lens=[1, 1, 20, 37, 5], kv_lens=[5, 9, 30, 40, 5],
+                           num_q_heads=2, num_kv_heads=2, head_dim=16, page_size=8)
+    _check(problem, _run(problem, launch=launch))
+
+
 def test_explicit_configs():
     problem = make_problem(np.random.default_rng(5), num_q_heads=8, num_kv_heads=2, head_dim=32, page_size=8,
                            **MIXED)
