@@ -2,7 +2,12 @@
 // installed flashinfer-python (data/csrc/xqa, on the include path), plus the entry points of
 // xqa.h. The variant is fixed by the -D flags of jaxattn/backends/_xqa_build.py:
 //   JAXATTN_XQA_HOPPER=1  mha_sm90.cu (TMA + GMMA, fp8 KV on SM90), else mha.cu (generic).
+//   SPEC_DEC=1            (mha.cu only) several query tokens per request, with a bit mask over
+//                         each request's last q_len keys; q_len is a launch argument.
 #if JAXATTN_XQA_HOPPER
+#if SPEC_DEC
+#error "jaxattn builds speculative decode from mha.cu only (JAXATTN_XQA_HOPPER=0)"
+#endif
 #include "mha_sm90.cu"
 #else
 #include "mha.cu"
@@ -37,13 +42,22 @@ VariantInfo variant_info() {
                      INPUT_FP16,
                      CACHE_ELEM_ENUM == 2,
                      SLIDING_WINDOW,
-                     JAXATTN_XQA_HOPPER};
+                     JAXATTN_XQA_HOPPER,
+                     SPEC_DEC};
 }
 
 Workspace workspace_layout(uint32_t sm_count, uint32_t batch, uint32_t num_kv_heads,
-                           uint32_t max_pages_per_seq) {
+                           uint32_t max_pages_per_seq, uint32_t q_seq_len) {
   uint32_t const max_seq_len = max_pages_per_seq * tokensPerPage;
+#if SPEC_DEC
+  if (q_seq_len == 0) throw std::invalid_argument("q_seq_len must be >= 1");
+  // The grid's y dimension holds (KV head, block of rowsPerBlock (query token, head) rows); the
+  // split count below still divides the SMs by batch * KV heads only, as the launch does.
+  uint32_t const heads = batch * num_kv_heads * divUp(q_seq_len * headGrpSize, rowsPerBlock);
+#else
+  if (q_seq_len != 1) throw std::invalid_argument("q_seq_len must be 1 without SPEC_DEC");
   uint32_t const heads = batch * num_kv_heads;
+#endif
   ByteSegmenter scratch;
 #if JAXATTN_XQA_HOPPER
   // Split count of launchHopperF8MHAFlashInfer; scratch of ScratchMem (mha_sm90.cu).
@@ -57,9 +71,9 @@ Workspace workspace_layout(uint32_t sm_count, uint32_t batch, uint32_t num_kv_he
 #else
   // Split count of launchMHAFlashInfer; scratch of the multi-block epilogue (mha.cu).
   uint32_t const nb_sub_seq =
-      allowMultiBlockMode
-          ? std::min<uint32_t>(std::max<uint32_t>(1U, sm_count / heads), divUp(max_seq_len, ctaTile.x))
-          : 1U;
+      allowMultiBlockMode ? std::min<uint32_t>(std::max<uint32_t>(1U, sm_count / (batch * num_kv_heads)),
+                                               divUp(max_seq_len, ctaTile.x))
+                          : 1U;
   uint64_t const chunks = uint64_t{nb_sub_seq} * heads;
   using ScratchBufs = Vec<Array2D<LdGrain, nbValidRows, SharedMem::XSmemBuffer::cols>,
                           gemm1WarpsPerGrp * nbHeadSplits>;
@@ -74,7 +88,7 @@ Workspace workspace_layout(uint32_t sm_count, uint32_t batch, uint32_t num_kv_he
     throw std::overflow_error("XQA scratch of " + std::to_string(scratch.end) +
                               " bytes exceeds the kernel's 32-bit offsets");
   }
-  return Workspace{heads, scratch.end};  // one semaphore per (request, KV head)
+  return Workspace{heads, scratch.end};  // one semaphore per (request, KV head[, row block])
 }
 
 void init_current_device() {
@@ -106,7 +120,11 @@ void launch(LaunchArgs const& a) {
 #else
   launchMHAFlashInfer(a.sm_count, a.num_kv_heads, a.sliding_window, 1.f, a.q_scale, out, q,
                       a.sinks, k, v, a.page_table, max_seq_len, a.seq_lens, a.batch, 1.f,
-                      a.kv_scale, a.semaphores, a.scratch, a.enable_pdl, a.stride_page,
+                      a.kv_scale,
+#if SPEC_DEC
+                      a.q_seq_len, a.q_cu_seq_lens, a.mask,
+#endif
+                      a.semaphores, a.scratch, a.enable_pdl, a.stride_page,
                       a.stride_token, a.stride_head, a.stream);
 #endif
 }

@@ -2,8 +2,9 @@
 
 The kernel sources come from the installed ``flashinfer-python`` package
 (``flashinfer/data/csrc/xqa``; never copied into jaxattn). Each variant (dtypes, page size,
-head dim, group size, sliding window) becomes one shared library: ``ffi/xqa_kernel.cu`` (a unity
-build of XQA's ``mha.cu`` or ``mha_sm90.cu``) linked with the handler ``ffi/xqa_ffi.cu``, built
+head dim, group size, sliding window, speculative decode) becomes one shared library:
+``ffi/xqa_kernel.cu`` (a unity build of XQA's ``mha.cu`` or ``mha_sm90.cu``) linked with the
+handler ``ffi/xqa_ffi.cu``, built
 by nvcc on first use against the XLA FFI headers of the running jaxlib, and cached on disk under
 a key of the variant, every source and header, the compiler and the FFI headers.
 """
@@ -53,18 +54,25 @@ class Variant:
     head_dim: int       # 64, 128 or 256
     group_size: int     # query heads per KV head
     sliding_window: bool
+    # Speculative decode: a ``SPEC_DEC=1`` build of mha.cu, one request per sequence with up to
+    # q_len query tokens (ragged, by cumulative offsets) and a bit mask over its last q_len keys.
+    # The length is not a compile-time constant of mha.cu (only mha_sm90.cu's SWAP_AB path,
+    # ``SPEC_Q_SEQ_LEN``, fixes it), so one build serves every q_len.
+    spec_dec: bool = False
 
     @property
     def hopper(self) -> bool:
-        """fp8 pages run XQA's SM90 TMA/GMMA kernel (as flashinfer does); the rest mha.cu."""
-        return self.cache_dtype == FP8
+        """fp8 decode runs XQA's SM90 TMA/GMMA kernel (as flashinfer does); the rest, fp8
+        speculative decode included, mha.cu (flashinfer's own choice for ragged q)."""
+        return self.cache_dtype == FP8 and not self.spec_dec
 
     @property
     def name(self) -> str:
-        kv = "e4m3" if self.hopper else self.cache_dtype
+        kv = "e4m3" if self.cache_dtype == FP8 else self.cache_dtype
         window = "_window" if self.sliding_window else ""
+        spec = "_spec" if self.spec_dec else ""
         return (f"{self.dtype}_kv_{kv}_page{self.page_size}_d{self.head_dim}"
-                f"_g{self.group_size}{window}")
+                f"_g{self.group_size}{window}{spec}")
 
     @property
     def target_name(self) -> str:
@@ -77,10 +85,11 @@ class Variant:
             f"-DHEAD_ELEMS={self.head_dim}",
             f"-DINPUT_FP16={int(self.dtype == 'float16')}",
             f"-DDTYPE={_C_TYPES[self.dtype]}",
-            f"-DCACHE_ELEM_ENUM={2 if self.hopper else 0}",
+            f"-DCACHE_ELEM_ENUM={2 if self.cache_dtype == FP8 else 0}",
             f"-DHEAD_GRP_SIZE={self.group_size}",
             f"-DSLIDING_WINDOW={int(self.sliding_window)}",
-            "-DLOW_PREC_OUTPUT=0", "-DSPEC_DEC=0", "-DIS_SPEC_DEC_TREE=0", "-DMLA_WRAPPER=0",
+            "-DLOW_PREC_OUTPUT=0", f"-DSPEC_DEC={int(self.spec_dec)}", "-DIS_SPEC_DEC_TREE=0",
+            "-DMLA_WRAPPER=0",
             f"-DUSE_SM90_MHA={int(self.hopper)}",
             f"-DJAXATTN_XQA_HOPPER={int(self.hopper)}",
         ]
@@ -97,12 +106,18 @@ class Kernel:
     def target_name(self) -> str:
         return self.variant.target_name
 
-    def workspace(self, sm_count: int, batch: int, num_kv_heads: int, max_pages_per_seq: int) -> tuple[int, int]:
+    def workspace(self, sm_count: int, batch: int, num_kv_heads: int, max_pages_per_seq: int,
+                  q_seq_len: int = 1) -> tuple[int, int]:
         """(semaphores, scratch bytes) of one launch, both 0 unless XQA splits sequences over
-        CTAs; ValueError past XQA's 32-bit scratch offsets."""
+        CTAs; ValueError past XQA's 32-bit scratch offsets. ``q_seq_len``: the bound on query
+        tokens per request (1 unless ``spec_dec``)."""
         semaphores, scratch = ctypes.c_int64(), ctypes.c_int64()
-        if self.library.jaxattn_xqa_workspace(sm_count, batch, num_kv_heads, max_pages_per_seq,
-                                              ctypes.byref(semaphores), ctypes.byref(scratch)) != 0:
+        status = self.library.jaxattn_xqa_workspace(sm_count, batch, num_kv_heads, max_pages_per_seq, q_seq_len,
+                                                    ctypes.byref(semaphores), ctypes.byref(scratch))
+        if status == -2:
+            raise ValueError(f"paged_attention: backend 'trtllm': XQA variant {self.variant.name} cannot take "
+                             f"q_seq_len={q_seq_len}")
+        if status != 0:
             raise ValueError(f"paged_attention: backend 'trtllm': the XQA scratch for batch={batch}, "
                              f"num_kv_heads={num_kv_heads}, max_pages_per_seq={max_pages_per_seq} "
                              f"exceeds the kernel's 32-bit offsets; use a smaller batch or fewer pages")
@@ -110,10 +125,10 @@ class Kernel:
 
     def variant_info(self) -> dict[str, int]:
         """The compile-time constants the library reports (a check of the build)."""
-        values = (ctypes.c_uint32 * 7)()
+        values = (ctypes.c_uint32 * 8)()
         self.library.jaxattn_xqa_variant_info(values)
         keys = ("head_dim", "group_size", "page_size", "input_fp16", "cache_fp8", "sliding_window",
-                "hopper_kernel")
+                "hopper_kernel", "spec_dec")
         return dict(zip(keys, values))
 
 
@@ -286,7 +301,7 @@ def load(variant: Variant) -> Kernel:
             import jax.ffi
             library = ctypes.CDLL(str(build(variant)))
             library.jaxattn_xqa_workspace.restype = ctypes.c_int32
-            library.jaxattn_xqa_workspace.argtypes = [ctypes.c_int32] * 4 + [ctypes.POINTER(ctypes.c_int64)] * 2
+            library.jaxattn_xqa_workspace.argtypes = [ctypes.c_int32] * 5 + [ctypes.POINTER(ctypes.c_int64)] * 2
             library.jaxattn_xqa_variant_info.argtypes = [ctypes.POINTER(ctypes.c_uint32)]
             for symbol in ("jaxattn_xqa_state_type_id", "jaxattn_xqa_state_type_info"):
                 getattr(library, symbol).restype = ctypes.c_void_p
@@ -303,7 +318,8 @@ def load(variant: Variant) -> Kernel:
                 variant.target_name,
                 {"instantiate": jax.ffi.pycapsule(library.JaxattnXqaInstantiate),
                  "initialize": jax.ffi.pycapsule(library.JaxattnXqaInitialize),
-                 "execute": jax.ffi.pycapsule(library.JaxattnXqaExecute)},
+                 "execute": jax.ffi.pycapsule(library.JaxattnXqaSpecExecute if variant.spec_dec
+                                              else library.JaxattnXqaExecute)},
                 platform="CUDA")
             kernel = _kernels[variant] = Kernel(variant, library)
         return kernel

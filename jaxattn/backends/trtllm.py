@@ -1,10 +1,28 @@
 """TensorRT-LLM XQA paged decode (from flashinfer-python's sources) as an XLA FFI custom call.
 
-Decode-only steps (``meta.max_q_len == 1``) on SM90. Each query token is one XQA request: its
-sequence's KV length and page-table row are gathered per token (padding tokens get length 0),
-so any ``cu_q_lens`` packing works. The output rows of tokens with no keys are zero without an
-extra pass for bf16/fp16 pages (see ``_sinks``); the fp8 (Hopper) kernel's handler zeroes them
-after the kernel. Kernels are compiled with nvcc on first use (see ``_xqa_build``).
+SM90 only. Two kinds of step, chosen by the static ``meta.max_q_len``:
+
+* Decode (``max_q_len == 1``). Each query token is one XQA request: its sequence's KV length
+  and page-table row are gathered per token (padding tokens get length 0), so any ``cu_q_lens``
+  packing works. The output rows of tokens with no keys are zero without an extra pass for
+  bf16/fp16 pages (see ``_sinks``); the fp8 (Hopper) kernel's handler zeroes them after the kernel.
+* Speculative decode (``2 <= max_q_len <= MAX_SPEC_Q_LEN``): XQA's ``SPEC_DEC`` build of its
+  generic kernel (mha.cu, for bf16/fp16 and fp8 pages alike), one request per sequence with its
+  query tokens packed by ``cu_q_lens`` (XQA's ragged-q mode), so lengths may differ per
+  sequence and step: any length ``0..max_q_len`` is computed exactly, with the usual
+  bottom-right causal mask (query row r of a sequence with q_len tokens sits at position
+  ``kv_len - q_len + r``), passed to XQA as a bit mask built here, plus the sliding window and
+  sinks. ``max_q_len`` sizes the launch (XQA's grid covers ``max_q_len`` tokens per request), so
+  the step costs the same for any lengths up to it. Rows XQA does not compute are zero (a small
+  kernel after XQA zeroes them): padding tokens, and every token of a sequence that breaks the
+  step's contract: ``q_len > max_q_len`` (the ``max_q_len`` promise), ``kv_len < q_len`` (kv_lens
+  include the step's tokens), or ``cu_q_lens`` decreasing or outside ``[0, T]``. (The ``xla``
+  reference computes something for the first two; no valid step has them.)
+  Unsupported (ValueError at trace time): ``max_q_len`` None or above ``MAX_SPEC_Q_LEN``, and
+  sinks with a group size that does not divide 32 when ``max_q_len * group > 32`` (XQA's
+  spec-decode sink lookup indexes heads within a 32-row block, which is wrong there).
+
+Kernels are compiled with nvcc on first use (see ``_xqa_build``).
 
 ``JAXATTN_TRTLLM_PDL=0`` (read when a call is traced) launches XQA without programmatic
 dependent launch, for comparisons; it is on by default, as in flashinfer.
@@ -31,6 +49,8 @@ PAGE_SIZES = (16, 32, 64, 128)
 HEAD_DIMS = (64, 128, 256)
 MAX_GROUP_SIZE = 16
 MAX_TOKENS = 65535  # XQA puts requests on the grid's z dimension
+MAX_SPEC_Q_LEN = 16  # speculative decode: query tokens per sequence (the tested range)
+_SPEC_ROWS = 32      # XQA spec decode's (query token, head) rows per CTA (M_TILESIZE)
 # XQA starts each row's running max at -1e5 (utils.cuh: safeInitRowMax). A sink of -9e4 adds
 # exp(-9e4 - max) == 0.0 exactly to every row with keys (any max above -89,900), and exp(1e4) = inf
 # to a row without keys, whose output then is 0 * (1 / inf) = 0 where it would be 0/0.
@@ -57,9 +77,11 @@ def unavailable_reason() -> str | None:
 def check_supported(q: jax.Array, cache: KVCache, meta: AttentionMetadata, params: AttentionParams) -> None:
     """ValueError naming the first parameter XQA cannot take."""
     num_tokens, num_q_heads, head_dim = q.shape
-    if meta.max_q_len != 1:
-        raise ValueError(f"{_WHERE} runs decode-only steps: meta.max_q_len must be 1, got {meta.max_q_len!r} "
-                         f"(speculative decode with q_len > 1 is not supported by this backend yet)")
+    max_q_len = meta.max_q_len
+    if not (isinstance(max_q_len, int) and 1 <= max_q_len <= MAX_SPEC_Q_LEN):
+        raise ValueError(f"{_WHERE} runs decode (meta.max_q_len == 1) and speculative-decode steps: "
+                         f"meta.max_q_len must be an int in 1..{MAX_SPEC_Q_LEN} (a static bound on every "
+                         f"sequence's query length), got {max_q_len!r}")
     if q.dtype.name not in DTYPES:
         raise ValueError(f"{_WHERE}: q.dtype must be one of {DTYPES}, got {q.dtype}")
     if cache.dtype != q.dtype and not cache.is_fp8:
@@ -76,10 +98,18 @@ def check_supported(q: jax.Array, cache: KVCache, meta: AttentionMetadata, param
         raise ValueError(f"{_WHERE}: softcap must be None (XQA has no logit soft-capping), got {params.softcap}")
     if not 1 <= num_tokens <= MAX_TOKENS:
         raise ValueError(f"{_WHERE}: the number of query tokens T must be in 1..{MAX_TOKENS}, got {num_tokens}")
+    if max_q_len > 1:
+        if not 1 <= meta.batch_size <= MAX_TOKENS:
+            raise ValueError(f"{_WHERE}: speculative decode needs 1..{MAX_TOKENS} sequences, got {meta.batch_size}")
+        if params.has_sinks and _SPEC_ROWS % group and min(max_q_len, num_tokens) * group > _SPEC_ROWS:
+            raise ValueError(
+                f"{_WHERE}: sinks with speculative decode need query heads per KV head (Hq // Hkv = {group}) "
+                f"dividing {_SPEC_ROWS}, or meta.max_q_len * {group} <= {_SPEC_ROWS}; got max_q_len={max_q_len} "
+                f"(XQA looks sinks up by the row within a block of {_SPEC_ROWS} (token, head) rows)")
 
 
-def variant(q: jax.Array, cache: KVCache, params: AttentionParams) -> _xqa_build.Variant:
-    """The compiled kernel variant this call needs."""
+def variant(q: jax.Array, cache: KVCache, params: AttentionParams, spec_dec: bool = False) -> _xqa_build.Variant:
+    """The compiled kernel variant this call needs (``spec_dec``: ``meta.max_q_len > 1``)."""
     return _xqa_build.Variant(
         dtype=q.dtype.name,
         cache_dtype=cache.dtype.name,
@@ -87,12 +117,15 @@ def variant(q: jax.Array, cache: KVCache, params: AttentionParams) -> _xqa_build
         head_dim=q.shape[2],
         group_size=q.shape[1] // cache.num_kv_heads,
         sliding_window=params.sliding_window is not None,
+        spec_dec=spec_dec,
     )
 
 
 def attention(q: jax.Array, cache: KVCache, meta: AttentionMetadata, params: AttentionParams,
               sinks: jax.Array | None) -> jax.Array:
     """``q: [T, Hq, D]`` -> ``[T, Hq, D]`` in ``q.dtype``."""
+    if meta.max_q_len != 1:
+        return _spec_attention(q, cache, meta, params, sinks)
     kernel = _xqa_build.load(variant(q, cache, params))
     num_tokens, num_q_heads, head_dim = q.shape
     batch, max_pages = meta.block_tables.shape
@@ -124,6 +157,73 @@ def attention(q: jax.Array, cache: KVCache, meta: AttentionMetadata, params: Att
         enable_pdl=np.int64(os.environ.get("JAXATTN_TRTLLM_PDL", "1") != "0"),
     )
     return out
+
+
+def _spec_attention(q: jax.Array, cache: KVCache, meta: AttentionMetadata, params: AttentionParams,
+                    sinks: jax.Array | None) -> jax.Array:
+    """Speculative decode: one XQA request per sequence, its tokens packed by ``cu_q_lens``."""
+    kernel = _xqa_build.load(variant(q, cache, params, spec_dec=True))
+    num_tokens, num_q_heads, _ = q.shape
+    batch, max_pages = meta.block_tables.shape
+    max_q = min(meta.max_q_len, num_tokens)
+    causal = params.causal or params.sliding_window is not None     # a window also bounds keys by position
+    seq_lens, cu, mask, row_valid = spec_inputs(meta, num_tokens, max_q, max_pages * cache.page_size, causal)
+    tables = jnp.where((meta.block_tables >= 0) & (meta.block_tables < cache.num_pages), meta.block_tables, 0)
+
+    semaphores, scratch = kernel.workspace(_sm_count(), batch, cache.num_kv_heads, max_pages, max_q)
+    stride_page, stride_token, stride_head = _strides(cache)
+    call = jax.ffi.ffi_call(
+        kernel.target_name,
+        (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((max(scratch, 1),), jnp.uint8)),
+    )
+    out, _ = call(
+        q, cache.k_pages, cache.v_pages, tables, seq_lens, _scales(cache, params, q.shape[2]),
+        jnp.zeros((0,), jnp.float32) if sinks is None else sinks.astype(jnp.float32),
+        cu, mask, row_valid,
+        num_kv_heads=np.int64(cache.num_kv_heads),
+        stride_page=np.int64(stride_page),
+        stride_token=np.int64(stride_token),
+        stride_head=np.int64(stride_head),
+        sliding_window=np.int64(params.sliding_window or 0),
+        semaphore_count=np.int64(semaphores),
+        enable_pdl=np.int64(os.environ.get("JAXATTN_TRTLLM_PDL", "1") != "0"),
+        q_seq_len=np.int64(max_q),
+    )
+    return out
+
+
+def spec_inputs(meta: AttentionMetadata, num_tokens: int, max_q: int, capacity: int, causal: bool = True
+                ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """XQA's speculative-decode operands: ``(seq_lens int32[B], q_cu_seq_lens int32[B+1],
+    mask uint32[T, ceil(max_q / 32)], row_valid int32[T])``.
+
+    XQA computes request b's tokens ``cu[b] .. cu[b+1]`` against its ``seq_lens[b]`` keys; all
+    keys but the last ``q_len`` are visible, and token row r sees the last ones where bit j of its
+    mask row (little-endian words) is set: the causal mask sets bits ``0..r``, so row r sees
+    keys ``0 .. kv_len - q_len + r`` (``causal=False``: every bit set, every row sees all
+    ``kv_len`` keys; the kernel applies a sliding window itself). A sequence that breaks the step's contract (q_len above
+    ``max_q``, ``kv_len < q_len``, offsets out of order or outside ``[0, T]``) gets no keys, and
+    rows with ``row_valid == 0`` (those and padding tokens) are zeroed after the kernel."""
+    batch = meta.batch_size
+    cu_in = meta.cu_q_lens.astype(jnp.int32)
+    cu = jnp.clip(jax.lax.cummax(cu_in), 0, num_tokens)          # non-decreasing, in [0, T]
+    q_lens = cu[1:] - cu[:-1]
+    kv_lens = jnp.clip(meta.kv_lens, 0, capacity)
+    valid = (cu[:-1] == cu_in[:-1]) & (cu[1:] == cu_in[1:]) & (q_lens <= max_q) & (q_lens <= kv_lens)
+    seq_lens = jnp.where(valid, kv_lens, 0)
+
+    token = jnp.arange(num_tokens, dtype=jnp.int32)
+    seq = jnp.sum(cu[None, 1:] <= token[:, None], axis=1, dtype=jnp.int32)   # B for tokens past cu[B]
+    seq_c = jnp.minimum(seq, batch - 1)
+    row_valid = ((seq < batch) & valid[seq_c]).astype(jnp.int32)
+    row = token - cu[seq_c]                                        # the token's row in its sequence
+    words = -(-max_q // 32)
+    ones = jnp.clip(row[:, None] + 1 - 32 * jnp.arange(words, dtype=jnp.int32)[None, :], 0, 32)
+    full = jnp.uint32(0xFFFFFFFF)
+    mask = jnp.where(ones >= 32, full, (jnp.uint32(1) << jnp.minimum(ones, 31).astype(jnp.uint32)) - jnp.uint32(1))
+    if not causal:
+        mask = jnp.full_like(mask, full)
+    return seq_lens, cu, mask, row_valid
 
 
 def _sinks(sinks: jax.Array | None, num_q_heads: int, hopper: bool) -> jax.Array:

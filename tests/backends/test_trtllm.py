@@ -7,6 +7,7 @@ CPU tests check the build (one nvcc compile per kernel family) and the error pat
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import importlib.util
 import math
 import os
@@ -64,7 +65,8 @@ def test_compiles_variants_with_nvcc(xqa_sources, tmp_path, monkeypatch):
     the constants they were compiled with; the second lookup hits the disk cache."""
     monkeypatch.setenv("JAXATTN_CACHE_DIR", str(tmp_path))
     variants = [_xqa_build.Variant("bfloat16", "bfloat16", 64, 128, 4, False),
-                _xqa_build.Variant("float16", "float8_e4m3fn", 16, 64, 8, True)]
+                _xqa_build.Variant("float16", "float8_e4m3fn", 16, 64, 8, True),
+                _xqa_build.Variant("bfloat16", "float8_e4m3fn", 32, 128, 6, True, spec_dec=True)]
     with concurrent.futures.ThreadPoolExecutor(len(variants)) as pool:
         paths = list(pool.map(_xqa_build.build, variants))
     for variant, path in zip(variants, paths):
@@ -72,13 +74,21 @@ def test_compiles_variants_with_nvcc(xqa_sources, tmp_path, monkeypatch):
         kernel = _xqa_build.load(variant)
         assert kernel.variant_info() == {
             "head_dim": variant.head_dim, "group_size": variant.group_size, "page_size": variant.page_size,
-            "input_fp16": int(variant.dtype == "float16"), "cache_fp8": int(variant.hopper),
-            "sliding_window": int(variant.sliding_window), "hopper_kernel": int(variant.hopper)}
+            "input_fp16": int(variant.dtype == "float16"), "cache_fp8": int(variant.cache_dtype == "float8_e4m3fn"),
+            "sliding_window": int(variant.sliding_window), "hopper_kernel": int(variant.hopper),
+            "spec_dec": int(variant.spec_dec)}
         # 132 SMs: one sequence splits its keys over several CTAs (a semaphore per KV head +
         # scratch); 256 x 8 heads fill the GPU with one CTA each and need neither.
         semaphores, scratch = kernel.workspace(132, 1, 8, 64)
         assert semaphores == 8 and scratch > 0
         assert kernel.workspace(132, 256, 8, 64) == (0, 0)
+        if variant.spec_dec:
+            # 7 tokens x 6 heads = 42 rows: two CTAs of 32 rows per KV head, each its own semaphore.
+            semaphores7, scratch7 = kernel.workspace(132, 1, 8, 64, q_seq_len=7)
+            assert semaphores7 == 16 and scratch7 > scratch
+        else:
+            with pytest.raises(ValueError, match="cannot take q_seq_len=2"):
+                kernel.workspace(132, 1, 8, 64, q_seq_len=2)
 
 
 def test_missing_nvcc_is_a_clear_error(monkeypatch, tmp_path):
@@ -100,21 +110,29 @@ def test_missing_flashinfer_is_a_clear_error(monkeypatch):
 
 
 def _inputs(*, dtype=jnp.bfloat16, kv_dtype=None, num_q_heads=8, num_kv_heads=2, head_dim=128,
-            page_size=64, max_q_len=1, tokens=4):
+            page_size=64, max_q_len=1, tokens=4, batch=None):
     q = jnp.zeros((tokens, num_q_heads, head_dim), dtype)
     cache = jaxattn.KVCache.create(4, page_size, num_kv_heads, head_dim, dtype=kv_dtype or dtype)
     meta = jaxattn.AttentionMetadata(
-        cu_q_lens=jnp.arange(tokens + 1, dtype=jnp.int32), kv_lens=jnp.ones((tokens,), jnp.int32),
-        block_tables=jnp.ones((tokens, 2), jnp.int32), num_decodes=jnp.int32(tokens), max_q_len=max_q_len)
+        cu_q_lens=jnp.arange((batch or tokens) + 1, dtype=jnp.int32), kv_lens=jnp.ones((batch or tokens,), jnp.int32),
+        block_tables=jnp.ones((batch or tokens, 2), jnp.int32), num_decodes=jnp.int32(0), max_q_len=max_q_len)
     return q, cache, meta
 
 
 _PARAMS = AttentionParams(scale=0.1, causal=True, sliding_window=None, softcap=None, has_sinks=False)
 
 
+_SINKS = AttentionParams(scale=0.1, causal=True, sliding_window=None, softcap=None, has_sinks=True)
+
+
 @pytest.mark.parametrize("kwargs,params,match", [
-    (dict(max_q_len=None), _PARAMS, "meta.max_q_len must be 1"),
-    (dict(max_q_len=4), _PARAMS, "meta.max_q_len must be 1"),
+    (dict(max_q_len=None), _PARAMS, r"meta.max_q_len must be an int in 1..16 .*got None"),
+    (dict(max_q_len=17, tokens=40), _PARAMS, r"meta.max_q_len must be an int in 1..16 .*got 17"),
+    (dict(max_q_len=0), _PARAMS, r"meta.max_q_len must be an int in 1..16"),
+    # sinks + spec decode: XQA's sink lookup is wrong when a 32-row block splits a token's heads
+    (dict(max_q_len=6, num_q_heads=12, num_kv_heads=2, tokens=12), _SINKS,
+     r"sinks with speculative decode need .*Hq // Hkv = 6.* dividing 32"),
+    (dict(max_q_len=11, num_q_heads=6, num_kv_heads=2, tokens=20), _SINKS, "sinks with speculative decode"),
     (dict(dtype=jnp.float32), _PARAMS, "q.dtype must be one of"),
     (dict(kv_dtype=jnp.float16), _PARAMS, "cache pages must be bfloat16"),
     (dict(page_size=8), _PARAMS, r"page_size must be one of \(16, 32, 64, 128\)"),
@@ -131,6 +149,101 @@ def test_unsupported_configurations_raise(kwargs, params, match):
 def test_supported_configuration_passes():
     q, cache, meta = _inputs(kv_dtype=FP8, num_q_heads=16, num_kv_heads=1, head_dim=64, page_size=16)
     trtllm.check_supported(q, cache, meta, _PARAMS)
+
+
+@pytest.mark.parametrize("kwargs,params", [
+    (dict(max_q_len=4, tokens=9, batch=3), _PARAMS),                     # T need not be B * max_q_len
+    (dict(max_q_len=16, tokens=20, kv_dtype=FP8), _PARAMS),
+    (dict(max_q_len=7, num_q_heads=32, num_kv_heads=2, tokens=8), _SINKS),  # 16 divides 32
+    (dict(max_q_len=5, num_q_heads=12, num_kv_heads=2, tokens=8), _SINKS),  # 5 x 6 rows fit one block
+    (dict(max_q_len=16, num_q_heads=12, num_kv_heads=2, tokens=5), _SINKS),  # the bound is min(max_q_len, T)
+])
+def test_speculative_decode_configurations_pass(kwargs, params):
+    q, cache, meta = _inputs(**kwargs)
+    trtllm.check_supported(q, cache, meta, params)
+    assert trtllm.variant(q, cache, params, spec_dec=True).spec_dec
+
+
+def test_spec_inputs_mask_and_contract():
+    """cu_q_lens passes through; mask row t has bits 0..r set for the token's row r in its
+    sequence; sequences breaking the contract get no keys and their rows are flagged."""
+    # seq 0: 3 tokens, 10 keys | seq 1: empty | seq 2: 2 tokens, 2 keys | seq 3: 4 > max_q_len tokens
+    # | seq 4: 2 tokens but 1 key (kv_len < q_len) | seq 5: empty, then 2 padding tokens
+    meta = jaxattn.AttentionMetadata(
+        cu_q_lens=jnp.asarray([0, 3, 3, 5, 9, 11, 11], jnp.int32), kv_lens=jnp.asarray([10, 0, 2, 3, 1, 0], jnp.int32),
+        block_tables=jnp.zeros((6, 1), jnp.int32), num_decodes=jnp.int32(0), max_q_len=3)
+    seq_lens, cu, mask, row_valid = trtllm.spec_inputs(meta, 13, 3, 64)
+    np.testing.assert_array_equal(seq_lens, [10, 0, 2, 0, 0, 0])
+    np.testing.assert_array_equal(cu, meta.cu_q_lens)
+    assert mask.dtype == jnp.uint32 and mask.shape == (13, 1)
+    np.testing.assert_array_equal(mask[:, 0], [1, 3, 7, 1, 3, 1, 3, 7, 15, 1, 3, 1, 3])
+    np.testing.assert_array_equal(row_valid, [1, 1, 1, 1, 1] + [0] * 8)
+    _, _, full, _ = trtllm.spec_inputs(meta, 13, 3, 64, causal=False)
+    assert (np.asarray(full) == 0xFFFFFFFF).all()
+    # A 40-token bound: two words per row; decreasing offsets or offsets past T void the sequences.
+    meta = jaxattn.AttentionMetadata(
+        cu_q_lens=jnp.asarray([0, 40, 35, 50], jnp.int32), kv_lens=jnp.asarray([50, 50, 50], jnp.int32),
+        block_tables=jnp.zeros((3, 1), jnp.int32), num_decodes=jnp.int32(0), max_q_len=40)
+    seq_lens, cu, mask, row_valid = trtllm.spec_inputs(meta, 45, 40, 64)
+    np.testing.assert_array_equal(seq_lens, [50, 0, 0])
+    np.testing.assert_array_equal(cu, [0, 40, 40, 45])
+    words = np.asarray(mask)
+    assert words.shape == (45, 2)
+    np.testing.assert_array_equal(words[[0, 30, 31, 32, 39]], [[1, 0], [0x7FFFFFFF, 0], [0xFFFFFFFF, 0],
+                                                               [0xFFFFFFFF, 1], [0xFFFFFFFF, 0xFF]])
+    np.testing.assert_array_equal(row_valid, [1] * 40 + [0] * 5)
+
+
+def _emulate_xqa_spec(problem, params, sinks=None):
+    """What XQA's speculative-decode kernel computes from ``spec_inputs`` (its masking rules in
+    mha.cu: keys before the last q_len always visible, the last q_len by the mask bits, the
+    window per row), in float64 with numpy; rows with row_valid == 0 are zero."""
+    meta, q = problem.meta, np.asarray(problem.q.astype(jnp.float32), np.float64)
+    num_tokens, num_q_heads, _ = q.shape
+    capacity = meta.block_tables.shape[1] * problem.cache.page_size
+    causal = params.causal or params.sliding_window is not None
+    seq_lens, cu, mask, row_valid = (np.asarray(x) for x in trtllm.spec_inputs(
+        meta, num_tokens, min(meta.max_q_len, num_tokens), capacity, causal))
+    group = num_q_heads // problem.cache.num_kv_heads
+    out = np.zeros_like(q)
+    for b in range(meta.batch_size):
+        n, length = int(seq_lens[b]), int(cu[b + 1] - cu[b])
+        if length == 0 or n == 0:
+            continue
+        k, v = problem.k_dense[b][:n], problem.v_dense[b][:n]
+        for r in range(length):
+            t = int(cu[b]) + r
+            bits = [(int(mask[t, j // 32]) >> (j % 32)) & 1 for j in range(length)]
+            col = np.arange(n)
+            visible = (col < n - length) | np.array([bits[c - (n - length)] if c >= n - length else 0 for c in col], bool)
+            if params.sliding_window is not None and n > params.sliding_window:
+                visible &= col >= n - length + 1 - params.sliding_window + r
+            for h in range(num_q_heads):
+                s = params.scale * (k[:, h // group] @ q[t, h])
+                s = np.where(visible, s, -np.inf)
+                m = s.max() if sinks is None else max(s.max(), float(sinks[h]))
+                p = np.exp(s - m)
+                denom = p.sum() + (0.0 if sinks is None else np.exp(float(sinks[h]) - m))
+                out[t, h] = p @ v[:, h // group] / denom
+    return out * row_valid[:, None, None]
+
+
+@pytest.mark.parametrize("causal,window,with_sinks", [(True, None, False), (True, 5, True), (False, None, False)])
+def test_spec_inputs_give_the_reference_semantics(causal, window, with_sinks):
+    """The mask, offsets and lengths handed to XQA, under XQA's own masking rules, give what the
+    xla reference computes for a ragged spec-decode step (unequal q and kv lengths, GQA, an
+    empty sequence, padding tokens); checked on CPU with an emulation of the kernel's rules."""
+    rng = np.random.default_rng(3)
+    q_lens, kv_lens = [4, 1, 0, 3, 2], [37, 9, 0, 3, 20]
+    problem = make_problem(rng, q_lens=q_lens, kv_lens=kv_lens, num_q_heads=6, num_kv_heads=2, head_dim=16,
+                           page_size=8, dtype=jnp.float32, pad_seqs=1, pad_tokens=3, max_q_len=4)
+    sinks = jnp.asarray(rng.normal(size=6), jnp.float32) if with_sinks else None
+    params = AttentionParams(scale=0.25, causal=causal, sliding_window=window, softcap=None, has_sinks=with_sinks)
+    expected = jaxattn.paged_attention(problem.q, problem.cache, problem.meta, causal=causal, sliding_window=window,
+                                       sinks=sinks, backend="xla")
+    emulated = _emulate_xqa_spec(problem, dataclasses.replace(params, scale=1 / math.sqrt(16)),
+                                 None if sinks is None else np.asarray(sinks))
+    np.testing.assert_allclose(emulated, np.asarray(expected), rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.skipif(bool(jax.devices()[0].platform == "gpu"), reason="checks the CPU-only message")
@@ -179,8 +292,8 @@ def _variant(case) -> _xqa_build.Variant:
 @pytest.fixture(scope="module")
 def prebuilt():
     """Compiles every variant of this module in parallel before the tests trace them."""
-    variants = sorted({_variant(c) for c in GPU_CASES}, key=lambda v: v.name)
-    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+    variants = sorted({_variant(c) for c in GPU_CASES} | {_spec_variant(c) for c in SPEC_CASES}, key=lambda v: v.name)
+    with concurrent.futures.ThreadPoolExecutor(16) as pool:
         list(pool.map(_xqa_build.build, variants))
 
 
@@ -286,6 +399,106 @@ def test_independent_calls_keep_their_own_semaphores(prebuilt):
             np.testing.assert_array_equal(np.asarray(out), np.asarray(one(q, problem.cache, problem.meta)))
 
 
+# ------------------------------------------------------------------ GPU: speculative decode
+
+# (dtype, kv dtype, layout, page, head_dim, Hq, Hkv, features, max_q_len): both layouts, GQA 1..16
+# (6: a token's heads straddle XQA's 32-row blocks), fp8 pages (mha.cu), window and sinks, and
+# max_q_len * group from 2 to 112 rows (one to four row blocks per KV head).
+SPEC_CASES = [
+    ("bfloat16", "bfloat16", "HND", 64, 128, 32, 8, {}, 4),
+    ("float16", "float16", "NHD", 16, 64, 4, 4, {}, 2),
+    ("bfloat16", "bfloat16", "NHD", 32, 128, 16, 2, {"sliding_window": 100, "sinks": True}, 3),
+    ("bfloat16", "float8_e4m3fn", "HND", 64, 128, 32, 8, {}, 4),
+    ("float16", "float8_e4m3fn", "NHD", 16, 64, 24, 4, {"sliding_window": 50}, 7),
+    ("bfloat16", "bfloat16", "HND", 128, 256, 16, 1, {"sinks": True}, 7),
+]
+
+
+def _spec_id(case) -> str:
+    return f"{_case_id(case[:-1])}-q{case[-1]}"
+
+
+def _spec_variant(case) -> _xqa_build.Variant:
+    return dataclasses.replace(_variant(case[:-1]), spec_dec=True)
+
+
+@pytest.fixture(scope="module")
+def prebuilt_spec(prebuilt):
+    """The speculative-decode variants (built with the others by ``prebuilt``)."""
+
+
+def _spec_problem(case, rng, q_lens, kv_lens, *, pad_seqs=1, pad_tokens=3):
+    dtype, kv, layout, page, dim, hq, hkv, _, max_q = case
+    return make_problem(rng, q_lens=q_lens, kv_lens=kv_lens, num_q_heads=hq, num_kv_heads=hkv,
+                        head_dim=dim, page_size=page, layout=layout, dtype=jnp.dtype(dtype),
+                        kv_dtype=jnp.dtype(kv), pad_seqs=pad_seqs, pad_tokens=pad_tokens, max_q_len=max_q)
+
+
+def _check_rows(out, ref, live, tolerance, seed):
+    """Rows of ``live`` tokens match the reference, the rest are exactly zero."""
+    assert out.shape == ref.shape and out.dtype == ref.dtype
+    assert rel_error(out[live], ref[live]) < tolerance, f"seed {seed}"
+    dead = np.setdiff1d(np.arange(out.shape[0]), live)
+    assert not np.asarray(out[dead].astype(jnp.float32)).any(), f"dead rows not zero (seed {seed})"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", SPEC_CASES, ids=_spec_id)
+def test_spec_decode_matches_xla(case, prebuilt_spec):
+    """Ragged speculative decode: full-length, shorter and single-token sequences, an empty
+    padding sequence in the middle, padding sequences and tokens at the end, unequal KV lengths
+    (one exactly q_len: its first row sees one key); the small batch splits keys over CTAs."""
+    seed = int(np.random.SeedSequence().entropy % 2**32)
+    rng = np.random.default_rng(seed)
+    max_q = case[-1]
+    q_lens = [max_q, 1, max_q, 0, max(max_q - 1, 1), max_q]
+    kv_lens = [int(n) for n in rng.integers(max_q, 900, size=len(q_lens))]
+    kv_lens[3], kv_lens[5] = 0, max_q
+    problem = _spec_problem(case, rng, q_lens, kv_lens)
+    kwargs = _kwargs(case[:-1], rng)
+    out = _run("trtllm", problem, **kwargs)
+    ref = _run("xla", problem, **kwargs)
+    _check_rows(out, ref, np.arange(sum(q_lens)), TOLERANCE[case[1]], seed)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("batch", [1, 64, 200])
+def test_spec_decode_batch_sizes(batch, prebuilt_spec):
+    """Uniform lengths (T = B * max_q_len, no padding), from XQA's multi-CTA split to one CTA
+    per (sequence, KV head, row block)."""
+    case = SPEC_CASES[0]
+    seed = int(np.random.SeedSequence().entropy % 2**32)
+    rng = np.random.default_rng(seed)
+    kv_lens = [int(n) for n in rng.integers(case[-1], 300 if batch > 64 else 2000, size=batch)]
+    problem = _spec_problem(case, rng, [case[-1]] * batch, kv_lens, pad_seqs=0, pad_tokens=0)
+    assert rel_error(_run("trtllm", problem), _run("xla", problem)) < TOLERANCE["bfloat16"], f"seed {seed}"
+
+
+@pytest.mark.gpu
+def test_spec_decode_not_causal(prebuilt_spec):
+    case = SPEC_CASES[0]
+    rng = np.random.default_rng(5)
+    problem = _spec_problem(case, rng, [4, 2, 3], [300, 40, 1000])
+    out = _run("trtllm", problem, causal=False)
+    ref = _run("xla", problem, causal=False)
+    _check_rows(out, ref, np.arange(9), TOLERANCE["bfloat16"], 5)
+
+
+@pytest.mark.gpu
+def test_spec_decode_contract_violations_give_zero_rows(prebuilt_spec):
+    """A sequence longer than max_q_len and one with fewer keys than query tokens get zero rows;
+    the others are unaffected."""
+    case = SPEC_CASES[2]
+    rng = np.random.default_rng(9)
+    q_lens, kv_lens = [3, 5, 2, 3, 1], [400, 600, 1, 250, 30]       # max_q_len is 3
+    problem = _spec_problem(case, rng, q_lens, kv_lens)
+    kwargs = _kwargs(case[:-1], rng)
+    out = _run("trtllm", problem, **kwargs)
+    ref = _run("xla", problem, **kwargs)
+    live = np.r_[0:3, 10:14]                                        # sequences 0, 3 and 4
+    _check_rows(out, ref, live, TOLERANCE["bfloat16"], 9)
+
+
 def _flashinfer_decode(problem, case, kwargs):
     """flashinfer's trtllm_batch_decode_with_kv_cache(backend="xqa") in torch on the same buffers."""
     torch = pytest.importorskip("torch")
@@ -366,3 +579,36 @@ def test_command_buffer_capture(tmp_path, prebuilt):
         top = top_level_thunks(thunks)
         assert "kCommandBuffer" in top and "kCustomCall" not in top, (name, thunks[-3000:])
     assert 0 < executions < calls, f"host execute ran {executions} times for {calls} calls"
+
+
+def _flashinfer_spec_decode(problem, case, mask):
+    """flashinfer's trtllm_batch_decode_with_kv_cache(backend="xqa", q_len_per_req=...) on
+    uniform lengths, with our causal bit mask as its uint16 [B, q_len, 2] mask."""
+    torch = pytest.importorskip("torch")
+    flashinfer = pytest.importorskip("flashinfer")
+    cache, meta = problem.cache, problem.meta
+    batch, max_q = meta.batch_size, case[-1]
+    as_torch = lambda x: torch.from_dlpack(x)                                    # noqa: E731
+    mask16 = jax.lax.bitcast_convert_type(mask, jnp.uint16).reshape(batch, max_q, -1)
+    workspace = torch.zeros(256 << 20, dtype=torch.uint8, device="cuda")
+    out = flashinfer.decode.trtllm_batch_decode_with_kv_cache(
+        as_torch(problem.q), (as_torch(cache.k_pages), as_torch(cache.v_pages)), workspace,
+        as_torch(meta.block_tables), as_torch(meta.kv_lens), int(np.max(np.asarray(meta.kv_lens))),
+        bmm1_scale=1 / math.sqrt(problem.q.shape[2]), bmm2_scale=1.0, kv_layout=case[2], backend="xqa",
+        q_len_per_req=max_q, mask=torch.from_dlpack(jax.lax.bitcast_convert_type(mask16, jnp.int16)).view(torch.uint16))
+    torch.cuda.synchronize()
+    return jnp.asarray(np.asarray(out.float().cpu()))
+
+
+@pytest.mark.gpu
+def test_spec_decode_matches_flashinfer_xqa(prebuilt_spec):
+    """Same kernel (mha.cu, SPEC_DEC), same split and mask: agreement to output rounding."""
+    case = SPEC_CASES[0]
+    seed = int(np.random.SeedSequence().entropy % 2**32)
+    rng = np.random.default_rng(seed)
+    batch, max_q = 8, case[-1]
+    problem = _spec_problem(case, rng, [max_q] * batch, [int(n) for n in rng.integers(max_q, 3000, size=batch)],
+                            pad_seqs=0, pad_tokens=0)
+    _, _, mask, _ = trtllm.spec_inputs(problem.meta, batch * max_q, max_q, 1 << 20)
+    expected = _flashinfer_spec_decode(problem, case, mask)
+    assert rel_error(_run("trtllm", problem), expected) < 2e-3, f"seed {seed}"
