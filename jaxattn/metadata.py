@@ -52,10 +52,7 @@ class AttentionMetadata:
 
     def token_to_seq(self, num_tokens: int) -> jax.Array:
         """int32[T]: the sequence each packed query token belongs to; B for padding tokens."""
-        t = jnp.arange(num_tokens, dtype=jnp.int32)
-        # scan_unrolled: the default method is a while loop, which XLA's GPU command buffers do
-        # not capture (it would split the step's graph and sync the host per iteration).
-        return jnp.searchsorted(self.cu_q_lens[1:], t, side="right", method="scan_unrolled").astype(jnp.int32)
+        return token_sequences(self.cu_q_lens[1:], num_tokens)
 
     def positions(self, num_tokens: int) -> jax.Array:
         """int32[T]: absolute position of each query token in its sequence (e.g. for RoPE);
@@ -65,6 +62,15 @@ class AttentionMetadata:
         t = jnp.arange(num_tokens, dtype=jnp.int32)
         pos = self.kv_lens[b] - self.q_lens[b] + t - self.cu_q_lens[b]
         return jnp.where(seq < self.batch_size, jnp.maximum(pos, 0), 0)
+
+
+def token_sequences(ends: jax.Array, num_tokens: int) -> jax.Array:
+    """int32[T]: the sequence of each packed token t, given each sequence's end offset ``ends``
+    (int32[B], non-decreasing): how many ends are <= t, so B for tokens past the last end."""
+    token = jnp.arange(num_tokens, dtype=jnp.int32)
+    # scan_unrolled: the default method is a while loop, which XLA's GPU command buffers do not
+    # capture (it would split the step's graph and sync the host per iteration).
+    return jnp.searchsorted(ends, token, side="right", method="scan_unrolled").astype(jnp.int32)
 
 
 def count_leading_decodes(q_lens: jax.Array) -> jax.Array:

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxattn.kv_cache import KVCache
-from jaxattn.metadata import AttentionMetadata, count_leading_decodes
+from jaxattn.metadata import AttentionMetadata, count_leading_decodes, token_sequences
 
 
 @jax.tree_util.register_dataclass
@@ -229,7 +229,7 @@ class PageTable:
         valid, row, q_lens = self._step_rows(seq_ids, q_lens)
         ends = jnp.cumsum(q_lens, dtype=jnp.int32)
         token = jnp.arange(num_tokens, dtype=jnp.int32)
-        seq = jnp.searchsorted(ends, token, side="right", method="scan_unrolled").astype(jnp.int32)  # no while loop
+        seq = token_sequences(ends, num_tokens)
         seq_c = jnp.minimum(seq, seq_ids.shape[0] - 1)
         r = row[seq_c]
         pos = self.seq_lens[r] - q_lens[seq_c] + token - (ends[seq_c] - q_lens[seq_c])

@@ -41,7 +41,7 @@ import numpy as np
 from jaxattn.backends import _xqa_build
 from jaxattn.backends.base import NO_GPU, AttentionParams, gpu_devices
 from jaxattn.kv_cache import KVCache
-from jaxattn.metadata import AttentionMetadata
+from jaxattn.metadata import AttentionMetadata, token_sequences
 
 NAME = "trtllm"
 DTYPES = ("bfloat16", "float16")
@@ -213,7 +213,7 @@ def spec_inputs(meta: AttentionMetadata, num_tokens: int, max_q: int, capacity: 
     seq_lens = jnp.where(valid, kv_lens, 0)
 
     token = jnp.arange(num_tokens, dtype=jnp.int32)
-    seq = jnp.sum(cu[None, 1:] <= token[:, None], axis=1, dtype=jnp.int32)   # B for tokens past cu[B]
+    seq = token_sequences(cu[1:], num_tokens)                      # B for tokens past cu[B]
     seq_c = jnp.minimum(seq, batch - 1)
     row_valid = ((seq < batch) & valid[seq_c]).astype(jnp.int32)
     row = token - cu[seq_c]                                        # the token's row in its sequence
