@@ -107,17 +107,24 @@ def _difference(run_r, run_2r, repeats: int, trials: int) -> float:
 def time_trtllm(x: Inputs, repeats: int, trials: int = 9) -> tuple[float, jax.Array, str]:
     """Seconds per decode of jaxattn trtllm, one call's output, and how often the handler's host
     code ran for how many calls."""
+    recorded = host_executions(x)
+    seconds, out, calls = time_chained(x, repeats, "trtllm", trials)
+    return seconds, out, f"handler host runs {host_executions(x) - recorded} for {calls} calls"
+
+
+def time_chained(x: Inputs, repeats: int, backend: str, trials: int = 9) -> tuple[float, jax.Array, int]:
+    """Seconds per call of jaxattn ``backend`` (R and 2R calls chained through their outputs in
+    one jit), one call's output, and the number of calls run."""
 
     def chain(r):
         @jax.jit
         def run(q, cache, meta):
             for _ in range(r):
-                q = jaxattn.paged_attention(q, cache, meta, backend="trtllm")
+                q = jaxattn.paged_attention(q, cache, meta, backend=backend)
             return q
         return run
 
     one, short, long = chain(1), chain(repeats), chain(2 * repeats)
-    recorded = host_executions(x)
     out = one(x.q, x.cache, x.meta).block_until_ready()
     calls = [1]
 
@@ -132,7 +139,7 @@ def time_trtllm(x: Inputs, repeats: int, trials: int = 9) -> tuple[float, jax.Ar
         return run
 
     seconds = _difference(timed(short, repeats), timed(long, 2 * repeats), repeats, trials)
-    return seconds, out, f"handler host runs {host_executions(x) - recorded} for {calls[0]} calls"
+    return seconds, out, calls[0]
 
 
 def time_xla(x: Inputs, trials: int = 5) -> tuple[float, jax.Array]:
@@ -313,7 +320,7 @@ def summary(rows: list[dict], copy_rate: float) -> list[str]:
     return lines
 
 
-def write_results(rows: list[dict], copy_rate: float, command: str) -> str:
+def write_results(rows: list[dict], copy_rate: float, command: str, update_results: bool = True) -> str:
     pdl = {name: [f"{r['case']}: {r['seconds'][name] * 1e6:.1f}" for r in rows if name in r["seconds"]]
            for name in ("flashinfer xqa, PDL off", "jaxattn trtllm, PDL off")}
     text = "\n".join([
@@ -336,7 +343,8 @@ def write_results(rows: list[dict], copy_rate: float, command: str) -> str:
         "",
         "Notes: " + "; ".join(f"{r['case']}: " + ", ".join(r["notes"]) for r in rows if r["notes"]),
     ])
-    return write_section("trtllm-decode", text, heading='TRTLLM / XQA paged decode (`backend="trtllm"`)')
+    return write_section("trtllm-decode", text, heading='TRTLLM / XQA paged decode (`backend="trtllm"`)',
+                         update_results=update_results)
 
 
 def main() -> None:
@@ -344,6 +352,8 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="three cases only")
     parser.add_argument("--budget-s", type=float, default=240.0, help="stop starting new cases after this")
     parser.add_argument("--xla-max-tokens", type=int, default=64 * 4096, help="skip the xla backend above B * kv_len")
+    parser.add_argument("--cases", default="", help="only these sweep cases, e.g. '1x512,8x512' (B x kv_len); "
+                        "the table then goes to stdout and $OUT, not RESULTS.md")
     args = parser.parse_args()
     reason = jaxattn.backends.unavailable_reason("trtllm")
     if reason:
@@ -351,7 +361,11 @@ def main() -> None:
     copy_rate = copy_bandwidth()
     print(f"device copy bandwidth: {copy_rate / 1e12:.2f} TB/s", flush=True)
     start, rows = time.time(), []
-    for case in QUICK if args.quick else SWEEP:
+    cases = QUICK if args.quick else SWEEP
+    if args.cases:
+        wanted = {tuple(int(n) for n in c.split("x")) for c in args.cases.split(",")}
+        cases = [c for c in SWEEP if (c.batch, c.kv_len) in wanted and not c.ragged]
+    for case in cases:
         if time.time() - start > args.budget_s:
             print(f"budget of {args.budget_s:.0f}s spent; skipping {case}")
             continue
@@ -363,7 +377,7 @@ def main() -> None:
         rows.append(row)
         print(case, {k: f"{v * 1e6:.1f}us" for k, v in row["seconds"].items()}, row["notes"], flush=True)
     command = "python -m benchmarks.bench_trtllm_decode " + " ".join(sys.argv[1:])
-    print(write_results(rows, copy_rate, command.strip()))
+    print(write_results(rows, copy_rate, command.strip(), update_results=not args.cases))
 
 
 if __name__ == "__main__":

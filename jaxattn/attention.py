@@ -12,6 +12,7 @@ import jax.numpy as jnp
 
 from jaxattn import backends
 from jaxattn.backends import AttentionParams
+from jaxattn.backends.trtllm import MAX_SPEC_Q_LEN
 from jaxattn.kv_cache import KVCache
 from jaxattn.metadata import AttentionMetadata
 
@@ -87,15 +88,23 @@ def plan_backends(q: jax.Array, cache: KVCache, meta: AttentionMetadata, params:
     """Chooses backends from static information only.
 
     ``auto``: a decode-only step (``meta.max_q_len == 1``) goes to the first of trtllm, triton,
-    xla that supports it. Otherwise the batch goes to the first of cudnn, triton, xla, and its
-    leading decodes to the best decode backend when that is a different one.
+    xla that supports it, and a speculative-decode step (``2 <= meta.max_q_len <= 16``: every
+    sequence has at most that many query tokens) to trtllm, whole, when it supports it. Otherwise
+    the batch goes to the first of cudnn, triton, xla, and its leading decodes to the best decode
+    backend when that is a different one.
     """
     if backend != "auto":
         backends.get(backend).check_supported(q, cache, meta, params)
         return Plan(backend)
     if meta.max_q_len == 1:
         return Plan(_first_supported(_DECODE_ORDER, q, cache, meta, params))
-    main = _first_supported(_PREFILL_ORDER, q, cache, meta, params)
+    skipped = []
+    if meta.max_q_len is not None and meta.max_q_len <= _SPEC_DECODE_MAX_Q_LEN:
+        reason = _unsupported_reason(_SPEC_DECODE_BACKEND, q, cache, meta, params)
+        if reason is None:
+            return Plan(_SPEC_DECODE_BACKEND)
+        skipped.append(f"{_SPEC_DECODE_BACKEND} skipped for speculative decode ({reason})")
+    main = _first_supported(_PREFILL_ORDER, q, cache, meta, params, skipped)
     q_dec = q[: min(q.shape[0], meta.batch_size)]
     decode = _first_supported(_DECODE_ORDER, q_dec, cache, dataclasses.replace(meta, max_q_len=1), params)
     return Plan(main, None if decode == main else decode)
@@ -133,18 +142,28 @@ def split_decodes(q: jax.Array, meta: AttentionMetadata
 
 _DECODE_ORDER = ("trtllm", "triton", "xla")
 _PREFILL_ORDER = ("cudnn", "triton", "xla")
+_SPEC_DECODE_BACKEND, _SPEC_DECODE_MAX_Q_LEN = "trtllm", MAX_SPEC_Q_LEN
+
+
+def _unsupported_reason(name: str, q: jax.Array, cache: KVCache, meta: AttentionMetadata,
+                        params: AttentionParams) -> str | None:
+    """None when backend ``name`` runs here and takes this call, else why not."""
+    reason = backends.unavailable_reason(name)
+    if reason is None:
+        try:
+            backends.get(name).check_supported(q, cache, meta, params)
+        except ValueError as err:
+            reason = str(err)
+    return reason
 
 
 def _first_supported(order: tuple[str, ...], q: jax.Array, cache: KVCache, meta: AttentionMetadata,
-                     params: AttentionParams) -> str:
-    skipped = []
+                     params: AttentionParams, skipped: list[str] | None = None) -> str:
+    """The first backend of ``order`` that takes this call; logs once why earlier ones (and the
+    ``skipped`` ones before them) did not."""
+    skipped = list(skipped or ())
     for name in order:
-        reason = backends.unavailable_reason(name)
-        if reason is None:
-            try:
-                backends.get(name).check_supported(q, cache, meta, params)
-            except ValueError as err:
-                reason = str(err)
+        reason = _unsupported_reason(name, q, cache, meta, params)
         if reason is None:
             if skipped:
                 _log_once(f"jaxattn auto: using {name!r}; " + "; ".join(skipped))

@@ -152,7 +152,53 @@ def test_auto_plans_a_split_when_decode_and_prefill_backends_differ(monkeypatch)
     assert attention_module.backend_for(q0[:2], cache0, _with(meta0, max_q_len=1)) == attention_module.Plan("trtllm")
 
 
+def test_auto_sends_speculative_decode_steps_to_trtllm_whole(monkeypatch, caplog):
+    """2 <= max_q_len <= 16: one trtllm call when it takes the step; otherwise the prefill plan,
+    with the reason logged. Longer steps never ask trtllm for the whole batch."""
+    monkeypatch.setattr(backends, "unavailable_reason", lambda name: None if name in ("xla", "trtllm") else "off")
+    monkeypatch.setattr(attention_module, "_logged", set())
+    asked = []
+
+    class FakeTrtllm:
+        @staticmethod
+        def check_supported(q, cache, meta, params):
+            asked.append(meta.max_q_len)
+            if params.softcap is not None:
+                raise ValueError("no softcap")
+
+    real_get = backends.get
+    monkeypatch.setattr(backends, "get", lambda name: FakeTrtllm if name == "trtllm" else real_get(name))
+    for max_q_len in (2, 4, 16):
+        assert attention_module.backend_for(q0, cache0, _with(meta0, max_q_len=max_q_len)) == attention_module.Plan("trtllm")
+    asked.clear()
+    assert attention_module.backend_for(q0, cache0, _with(meta0, max_q_len=17)) == attention_module.Plan("xla", "trtllm")
+    assert asked == [1], "a step longer than speculative decode only sends its decodes to trtllm"
+    with caplog.at_level(logging.WARNING, logger="jaxattn"):
+        plan = attention_module.backend_for(q0, cache0, _with(meta0, max_q_len=4), softcap=30.0)
+    assert plan == attention_module.Plan("xla")
+    assert any("trtllm skipped for speculative decode (no softcap)" in r.getMessage() for r in caplog.records)
+
+
 def test_numpy_scalars_are_accepted_as_static_options():
     out = jaxattn.paged_attention(q0, cache0, meta0, scale=np.float32(0.2), sliding_window=np.int64(4),
                                   softcap=np.float64(30.0), backend="xla")
     assert out.shape == q0.shape
+
+
+@pytest.mark.gpu
+def test_gpu_auto_runs_a_speculative_decode_step_on_trtllm():
+    """A draft-verification step (up to 4 tokens per sequence, one sequence padding) through
+    ``auto`` is one trtllm call and gives the xla backend's rows."""
+    from tests.paged_inputs import make_problem, rel_error
+    seed = int(np.random.SeedSequence().entropy % 2**32)
+    rng = np.random.default_rng(seed)
+    q_lens = [4, 1, 3, 0, 4, 2]
+    problem = make_problem(rng, q_lens=q_lens, kv_lens=[700, 90, 3, 0, 2500, 4], num_q_heads=32, num_kv_heads=8,
+                           head_dim=128, page_size=64, dtype=jnp.bfloat16, pad_seqs=0, pad_tokens=0, max_q_len=4)
+    if backends.unavailable_reason("trtllm") is not None:
+        pytest.skip(backends.unavailable_reason("trtllm"))
+    assert attention_module.backend_for(problem.q, problem.cache, problem.meta) == attention_module.Plan("trtllm")
+    run = jax.jit(jaxattn.paged_attention, static_argnames="backend")
+    out = run(problem.q, problem.cache, problem.meta)
+    ref = run(problem.q, problem.cache, problem.meta, backend="xla")
+    assert rel_error(out, ref) < 1e-2, f"seed {seed}"

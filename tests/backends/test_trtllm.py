@@ -411,6 +411,10 @@ SPEC_CASES = [
     ("bfloat16", "float8_e4m3fn", "HND", 64, 128, 32, 8, {}, 4),
     ("float16", "float8_e4m3fn", "NHD", 16, 64, 24, 4, {"sliding_window": 50}, 7),
     ("bfloat16", "bfloat16", "HND", 128, 256, 16, 1, {"sinks": True}, 7),
+    # the longest drafts, on the variants above (max_q_len is a launch argument, not a build option)
+    ("bfloat16", "bfloat16", "HND", 64, 128, 32, 8, {}, 16),
+    ("float16", "float8_e4m3fn", "NHD", 16, 64, 24, 4, {"sliding_window": 50}, 12),
+    ("bfloat16", "bfloat16", "HND", 128, 256, 16, 1, {"sinks": True}, 16),
 ]
 
 
@@ -547,9 +551,10 @@ _GRAPH_SCRIPT = textwrap.dedent("""
     from tests.paged_inputs import make_problem
 
     rng = np.random.default_rng(0)
-    problem = make_problem(rng, q_lens=[1] * 8, kv_lens=[int(n) for n in rng.integers(1, 500, 8)],
+    q_len = {q_len}
+    problem = make_problem(rng, q_lens=[q_len] * 8, kv_lens=[int(n) for n in rng.integers(q_len, 500, 8)],
                            num_q_heads=32, num_kv_heads=8, head_dim=128, page_size=64, dtype=jnp.bfloat16,
-                           pad_seqs=0, pad_tokens=0, max_q_len=1)
+                           pad_seqs=0, pad_tokens=0, max_q_len=q_len)
 
     layers = 3
 
@@ -562,17 +567,18 @@ _GRAPH_SCRIPT = textwrap.dedent("""
     calls = 6
     for _ in range(calls):
         step(problem.q, problem.cache, problem.meta).block_until_ready()
-    lib = _xqa_build.load(_xqa_build.Variant("bfloat16", "bfloat16", 64, 128, 4, False)).library
+    lib = _xqa_build.load(_xqa_build.Variant("bfloat16", "bfloat16", 64, 128, 4, False, spec_dec=q_len > 1)).library
     lib.jaxattn_xqa_host_executions.restype = ctypes.c_int64
     print("HOST_EXECUTIONS", lib.jaxattn_xqa_host_executions(), "CALLS", calls * layers)
 """)
 
 
 @pytest.mark.gpu
-def test_command_buffer_capture(tmp_path, prebuilt):
+@pytest.mark.parametrize("q_len", [1, 4], ids=["decode", "spec-decode"])
+def test_command_buffer_capture(tmp_path, prebuilt, q_len):
     """XLA records the custom call into a CUDA graph (kCommandBuffer in the thunk dump) and
     replays it: the handler's host code runs only when XLA (re)records, not on every call."""
-    result = run_with_dump(_GRAPH_SCRIPT, tmp_path)
+    result = run_with_dump(_GRAPH_SCRIPT.format(q_len=q_len), tmp_path)
     line = next(l for l in result.stdout.splitlines() if l.startswith("HOST_EXECUTIONS"))
     executions, calls = int(line.split()[1]), int(line.split()[3])
     for name, thunks in thunk_sequences(tmp_path, "jit_step").items():
