@@ -61,7 +61,8 @@ def flashinfer_xqa(x: Inputs, q_len: int):
     if q_len > 1:
         _, _, mask, _ = trtllm.spec_inputs(x.meta, batch * q_len, q_len, 1 << 30)
         mask16 = jax.lax.bitcast_convert_type(mask, jnp.uint16).reshape(batch, q_len, -1)
-        spec = dict(q_len_per_req=q_len, mask=as_torch(jax.lax.bitcast_convert_type(mask16, jnp.int16)).view(torch.uint16))
+        mask16 = as_torch(jax.lax.bitcast_convert_type(mask16, jnp.int16)).view(torch.uint16)
+        spec = dict(q_len_per_req=q_len, mask=mask16)
     return lambda: flashinfer.decode.trtllm_batch_decode_with_kv_cache(
         q, (k, v), workspace, tables, lens, KV_LEN, bmm1_scale=1 / math.sqrt(D), bmm2_scale=1.0,
         kv_layout="HND", backend="xqa", **spec)
@@ -86,7 +87,8 @@ def bench_case(batch: int, q_len: int) -> dict:
         peer = fn()
         torch.cuda.synchronize()
         if "trtllm" in outs:
-            row["notes"].append(f"trtllm vs flashinfer xqa rel err {rel_error(outs['trtllm'], jnp.asarray(peer.float().cpu().numpy())):.1e}")
+            err = rel_error(outs["trtllm"], jnp.asarray(peer.float().cpu().numpy()))
+            row["notes"].append(f"trtllm vs flashinfer xqa rel err {err:.1e}")
         row["seconds"]["flashinfer xqa"], mode = time_torch(fn, repeats)
         if mode != "graph":
             row["notes"].append("flashinfer xqa timed eagerly")

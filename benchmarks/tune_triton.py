@@ -1,6 +1,6 @@
 """Block-size sweep for jaxattn's Triton kernels, timed with CUDA events (one device run).
 
-    python -m benchmarks.tune_triton [--head-dims 128,64,256] [--quick]
+    python -m benchmarks.tune_triton [--head-dims 128,64,256] [--quick] [--short]
 
 The kernels of ``jaxattn.kernels.triton_attention`` are launched directly from torch (the device
 image has it) with the same arguments ``jaxattn.backends.triton`` passes, and timed with
@@ -16,6 +16,8 @@ Points (bf16, Hq=32, Hkv=8, page 64, HND pool randomly permuted, causal):
   mixed    63 decodes at kv 4096 + one 8192-token prefill: the 2D kernel's part of a split launch
            (the prefill); then, at each table's winner, split (decode + reduce + 2D) against one 2D
            launch over the whole batch with our prefill tiles and with vLLM's decode tiles.
+  short    (``--short``, instead of the above) B=64 and B=8 sequences verifying 4 or 16 draft
+           tokens at kv 4096: the 2D kernel's tiles for speculative-decode steps.
 Writes ``$OUT/tune_triton.md`` (and prints it).
 """
 
@@ -38,6 +40,10 @@ VLLM_TILES = (16, 32, 4, 2)
 DECODE_POINTS = (("decode B=64 x kv 4096", 64, 4096), ("decode B=8 x kv 4096", 8, 4096))
 PREFILL_POINTS = (("prefill B=8 x 4096", (4096,) * 8, (4096,) * 8, 0),
                   ("mixed prefill part (63 decodes + 8192)", (1,) * 63 + (8192,), (4096,) * 63 + (8192,), 63))
+# Short queries (speculative decode: every sequence verifies q_len drafts): the 2D kernel.
+SHORT_POINTS = (("spec B=64 q_len 4 x kv 4096", (4,) * 64, (4096,) * 64, 0),
+                ("spec B=64 q_len 16 x kv 4096", (16,) * 64, (4096,) * 64, 0),
+                ("spec B=8 q_len 4 x kv 4096", (4,) * 8, (4096,) * 8, 0))
 
 
 def pow2_ceil(n: int) -> int:
@@ -260,6 +266,33 @@ def prefill_candidates(head_dim: int, quick: bool):
     return list(itertools.product((32, 64, 128), (32, 64), (4, 8), (1, 2, 3)))
 
 
+def short_candidates(head_dim: int, quick: bool):
+    """(block_m, block_n, warps, stages) for short-query steps: small query tiles."""
+    if quick:
+        return [(16, 64, 4, 3), (64, 64, 4, 3)]
+    block_ns = (32, 64, 128) if head_dim <= 128 else (32, 64)
+    return list(itertools.product((16, 32, 64), block_ns, (4, 8), (2, 3, 4)))
+
+
+def tune_short(d: int, quick: bool, rounds: int, lines: list[str], save) -> None:
+    """Sweeps the 2D kernel's tiles on the short-query points at head dim ``d``."""
+    import torch
+    plans = []
+    for name, q_lens, kv_lens, nd in SHORT_POINTS:
+        batch = Batch(q_lens, kv_lens, d)
+        rows = [(f"| {bm} | {bn} | {w} | {st} |", [prefill_launch(batch, bm, bn, w, st)])
+                for bm, bn, w, st in short_candidates(d, quick)]
+        plans.append((f"D={d}, {name} (2D kernel)", batch, nd, rows))
+    compile_all([launch for plan in plans for _, launches in plan[3] for launch in launches])
+    for title, batch, nd, rows in plans:
+        problem = Problem(batch, nd)
+        candidates = [(label, problem.runner(launches)) for label, launches in rows]
+        lines += sweep_table(title, "| block_m | block_n | warps | stages |", candidates, rounds, 6, batch.flops)[0]
+        save()
+        del problem
+        torch.cuda.empty_cache()
+
+
 def parse(label: str) -> list[int]:
     return [int(x) for x in label.strip("| ").split(" | ")]
 
@@ -326,13 +359,14 @@ def main() -> None:
     parser.add_argument("--head-dims", default="128", help="comma-separated head dims, swept in this order")
     parser.add_argument("--quick", action="store_true", help="two candidates per table (checks the script)")
     parser.add_argument("--rounds", type=int, default=5, help="interleaved re-timing rounds of the best candidates")
+    parser.add_argument("--short", action="store_true", help="only the short-query (speculative decode) tables")
     args = parser.parse_args()
 
     import torch
     import triton
     lines = [f"Device: {torch.cuda.get_device_name()}; torch {torch.__version__}; triton {triton.__version__}; "
              f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; command: `python -m benchmarks.tune_triton "
-             f"--head-dims {args.head_dims}`. Times are do_bench medians in ms; the best 6 of each table are "
+             f"--head-dims {args.head_dims}{' --short' if args.short else ''}`. Times are do_bench medians in ms; the best 6 of each table are "
              f"re-timed in {args.rounds} interleaved rounds (median of rounds, spread = (max - min) / median); "
              f"bold: the winner."]
 
@@ -342,7 +376,7 @@ def main() -> None:
                 f.write("\n".join(lines) + "\n")
 
     for d in (int(x) for x in args.head_dims.split(",")):
-        tune_head_dim(d, args.quick, args.rounds, lines, save)
+        (tune_short if args.short else tune_head_dim)(d, args.quick, args.rounds, lines, save)
     print("\n".join(lines))
 
 

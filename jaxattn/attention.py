@@ -12,7 +12,7 @@ import jax.numpy as jnp
 
 from jaxattn import backends
 from jaxattn.backends import AttentionParams
-from jaxattn.backends.trtllm import MAX_SPEC_Q_LEN
+from jaxattn.backends.trtllm import MAX_SPEC_Q_LEN, SPEC_TILE_ROWS
 from jaxattn.kv_cache import KVCache
 from jaxattn.metadata import AttentionMetadata
 
@@ -88,10 +88,12 @@ def plan_backends(q: jax.Array, cache: KVCache, meta: AttentionMetadata, params:
     """Chooses backends from static information only.
 
     ``auto``: a decode-only step (``meta.max_q_len == 1``) goes to the first of trtllm, triton,
-    xla that supports it, and a speculative-decode step (``2 <= meta.max_q_len <= 16``: every
-    sequence has at most that many query tokens) to trtllm, whole, when it supports it. Otherwise
-    the batch goes to the first of cudnn, triton, xla, and its leading decodes to the best decode
-    backend when that is a different one.
+    xla that supports it. A speculative-decode step (``2 <= meta.max_q_len <= 16``: every
+    sequence has at most that many query tokens) goes whole to trtllm, or to triton first when
+    ``max_q_len * (Hq // Hkv)`` rows exceed one XQA tile (32 rows, one CTA each, each reading
+    the keys; measured in benchmarks/RESULTS.md, speculative decode). Otherwise the batch goes to the first of
+    cudnn, triton, xla, and its leading decodes to the best decode backend when that is a
+    different one.
     """
     if backend != "auto":
         backends.get(backend).check_supported(q, cache, meta, params)
@@ -99,11 +101,12 @@ def plan_backends(q: jax.Array, cache: KVCache, meta: AttentionMetadata, params:
     if meta.max_q_len == 1:
         return Plan(_first_supported(_DECODE_ORDER, q, cache, meta, params))
     skipped = []
-    if meta.max_q_len is not None and meta.max_q_len <= _SPEC_DECODE_MAX_Q_LEN:
-        reason = _unsupported_reason(_SPEC_DECODE_BACKEND, q, cache, meta, params)
-        if reason is None:
-            return Plan(_SPEC_DECODE_BACKEND)
-        skipped.append(f"{_SPEC_DECODE_BACKEND} skipped for speculative decode ({reason})")
+    if meta.max_q_len is not None and meta.max_q_len <= MAX_SPEC_Q_LEN:
+        rows = meta.max_q_len * (q.shape[1] // cache.num_kv_heads)
+        order = _SPEC_DECODE_ORDER if rows <= SPEC_TILE_ROWS else _SPEC_DECODE_ORDER[::-1]
+        name = _first_of(order, q, cache, meta, params, skipped, " for speculative decode")
+        if name is not None:
+            return Plan(name)
     main = _first_supported(_PREFILL_ORDER, q, cache, meta, params, skipped)
     q_dec = q[: min(q.shape[0], meta.batch_size)]
     decode = _first_supported(_DECODE_ORDER, q_dec, cache, dataclasses.replace(meta, max_q_len=1), params)
@@ -142,7 +145,7 @@ def split_decodes(q: jax.Array, meta: AttentionMetadata
 
 _DECODE_ORDER = ("trtllm", "triton", "xla")
 _PREFILL_ORDER = ("cudnn", "triton", "xla")
-_SPEC_DECODE_BACKEND, _SPEC_DECODE_MAX_Q_LEN = "trtllm", MAX_SPEC_Q_LEN
+_SPEC_DECODE_ORDER = ("trtllm", "triton")
 
 
 def _unsupported_reason(name: str, q: jax.Array, cache: KVCache, meta: AttentionMetadata,
@@ -157,19 +160,27 @@ def _unsupported_reason(name: str, q: jax.Array, cache: KVCache, meta: Attention
     return reason
 
 
-def _first_supported(order: tuple[str, ...], q: jax.Array, cache: KVCache, meta: AttentionMetadata,
-                     params: AttentionParams, skipped: list[str] | None = None) -> str:
-    """The first backend of ``order`` that takes this call; logs once why earlier ones (and the
-    ``skipped`` ones before them) did not."""
-    skipped = list(skipped or ())
+def _first_of(order: tuple[str, ...], q: jax.Array, cache: KVCache, meta: AttentionMetadata,
+              params: AttentionParams, skipped: list[str], role: str = "") -> str | None:
+    """The first backend of ``order`` that takes this call, or None; appends to ``skipped`` why
+    each one before it did not, and logs that once (with earlier entries) when one is found."""
     for name in order:
         reason = _unsupported_reason(name, q, cache, meta, params)
         if reason is None:
             if skipped:
                 _log_once(f"jaxattn auto: using {name!r}; " + "; ".join(skipped))
             return name
-        skipped.append(f"{name} skipped ({reason})")
-    raise AssertionError("the xla backend supports every valid configuration")
+        skipped.append(f"{name} skipped{role} ({reason})")
+    return None
+
+
+def _first_supported(order: tuple[str, ...], q: jax.Array, cache: KVCache, meta: AttentionMetadata,
+                     params: AttentionParams, skipped: list[str] | None = None) -> str:
+    """``_first_of`` for an order that ends with xla, which takes every valid call."""
+    name = _first_of(order, q, cache, meta, params, list(skipped or ()))
+    if name is None:
+        raise AssertionError("the xla backend supports every valid configuration")
+    return name
 
 
 def _log_once(message: str) -> None:

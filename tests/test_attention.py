@@ -169,14 +169,35 @@ def test_auto_sends_speculative_decode_steps_to_trtllm_whole(monkeypatch, caplog
     real_get = backends.get
     monkeypatch.setattr(backends, "get", lambda name: FakeTrtllm if name == "trtllm" else real_get(name))
     for max_q_len in (2, 4, 16):
-        assert attention_module.backend_for(q0, cache0, _with(meta0, max_q_len=max_q_len)) == attention_module.Plan("trtllm")
+        plan = attention_module.backend_for(q0, cache0, _with(meta0, max_q_len=max_q_len))
+        assert plan == attention_module.Plan("trtllm")
     asked.clear()
-    assert attention_module.backend_for(q0, cache0, _with(meta0, max_q_len=17)) == attention_module.Plan("xla", "trtllm")
+    plan = attention_module.backend_for(q0, cache0, _with(meta0, max_q_len=17))
+    assert plan == attention_module.Plan("xla", "trtllm")
     assert asked == [1], "a step longer than speculative decode only sends its decodes to trtllm"
     with caplog.at_level(logging.WARNING, logger="jaxattn"):
         plan = attention_module.backend_for(q0, cache0, _with(meta0, max_q_len=4), softcap=30.0)
     assert plan == attention_module.Plan("xla")
     assert any("trtllm skipped for speculative decode (no softcap)" in r.getMessage() for r in caplog.records)
+
+
+def test_auto_sends_long_drafts_to_triton_first(monkeypatch):
+    """Above one XQA tile (max_q_len * group > 32 rows) triton goes before trtllm."""
+    monkeypatch.setattr(backends, "unavailable_reason",
+                        lambda name: None if name in ("xla", "trtllm", "triton") else "off")
+    monkeypatch.setattr(attention_module, "_logged", set())
+
+    class FakeTrtllm:
+        @staticmethod
+        def check_supported(q, cache, meta, params):
+            pass
+
+    real_get = backends.get
+    monkeypatch.setattr(backends, "get", lambda name: FakeTrtllm if name == "trtllm" else real_get(name))
+    q = jnp.zeros((5, 8, 64), jnp.bfloat16)                          # group 4
+    plan = lambda max_q_len: attention_module.backend_for(q, cache0, _with(meta0, max_q_len=max_q_len))  # noqa: E731
+    assert plan(8) == attention_module.Plan("trtllm")                # 32 rows
+    assert plan(9) == attention_module.Plan("triton") == plan(16)
 
 
 def test_numpy_scalars_are_accepted_as_static_options():

@@ -8,8 +8,8 @@ metadata's device arrays):
   kernel for the rest, writing in place into the same output buffer (aliased).
 * ``launch="single"``: the 2D kernel alone serves every sequence (one launch), for comparison.
 
-Block sizes come from ``decode_config`` / ``prefill_config`` (measured on an H200, see
-``benchmarks/RESULTS.md``), or are passed explicitly. On CPU the kernels run under Triton's
+Block sizes come from ``decode_config`` / ``short_query_config`` / ``prefill_config`` (measured on
+an H200, see ``benchmarks/RESULTS.md``), or are passed explicitly. On CPU the kernels run under Triton's
 interpreter (tests only; the registry reports the backend unavailable there).
 """
 
@@ -38,6 +38,10 @@ _WHERE = "paged_attention: backend 'triton'"
 # 0.052 ms (best of 12: 0.052).
 _DECODE_PROGRAMS = 1024
 _MIN_TILES_PER_SEGMENT = 8
+# Short-query steps (speculative decode): the 2D kernel takes one small query tile per (sequence,
+# KV head) up to this many rows, and longer key tiles below this many (sequence, KV head) pairs.
+_SHORT_QUERY_ROWS = 64
+_FEW_PAIRS = 256
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,6 +134,31 @@ def prefill_config(head_dim: int, dtype) -> PrefillConfig:
     return PrefillConfig(block_m=128, block_n=64, num_warps=8, num_stages=3)
 
 
+def short_query_config(head_dim: int, dtype, max_q_len: int | None, group: int, batch: int,
+                       num_kv_heads: int) -> PrefillConfig | None:
+    """2D kernel tiles for a step whose query lengths are all at most ``max_q_len`` (static),
+    when one query tile of ``max(16, pow2(max_q_len) * pow2(group))`` rows holds a sequence's
+    tokens and that is at most 64 rows; None otherwise (``prefill_config`` applies). From the H200
+    sweep (benchmarks/RESULTS.md, triton section, "Block sizes", short queries; D=128, kv 4096;
+    best of 54 configs in brackets), 4 warps, 2 stages:
+
+    * B=64, q_len 4: 16 x 64 tiles: 0.254 ms (the winner).
+    * B=64, q_len 16: 64 x 64: 0.276 ms (the winner).
+    * B=8, q_len 4: only 64 (sequence, KV head) pairs, so 128-key tiles: 16 x 128: 0.084 ms (0.081).
+    """
+    if max_q_len is None or _interpreting():
+        return None
+    block_m = max(16, _pow2_ceil(max_q_len) * _pow2_ceil(group))
+    if block_m > _SHORT_QUERY_ROWS:
+        return None
+    wide = jnp.dtype(dtype).itemsize == 4 or head_dim > 128      # K/V stages must fit in shared memory
+    if batch * num_kv_heads < _FEW_PAIRS and not wide:
+        block_n = 128
+    else:
+        block_n = 32 if jnp.dtype(dtype).itemsize == 4 and head_dim > 128 else 64
+    return PrefillConfig(block_m=block_m, block_n=block_n, num_warps=4, num_stages=2)
+
+
 def attention(q: jax.Array, cache: KVCache, meta: AttentionMetadata, params: AttentionParams,
               sinks: jax.Array | None, *, launch: str = "split", decode: DecodeConfig | None = None,
               prefill: PrefillConfig | None = None) -> jax.Array:
@@ -187,7 +216,8 @@ def attention(q: jax.Array, cache: KVCache, meta: AttentionMetadata, params: Att
     else:
         num_decodes = jnp.zeros((1,), jnp.int32)
 
-    cfg = prefill or prefill_config(head_dim, q.dtype)
+    cfg = (prefill or short_query_config(head_dim, q.dtype, meta.max_q_len, group, batch, cache.num_kv_heads)
+           or prefill_config(head_dim, q.dtype))
     block_m = max(cfg.block_m, _pow2_ceil(group))
     rows_per_block = block_m // _pow2_ceil(group)
     (out,) = triton_call(

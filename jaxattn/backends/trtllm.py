@@ -50,7 +50,7 @@ HEAD_DIMS = (64, 128, 256)
 MAX_GROUP_SIZE = 16
 MAX_TOKENS = 65535  # XQA puts requests on the grid's z dimension
 MAX_SPEC_Q_LEN = 16  # speculative decode: query tokens per sequence (the tested range)
-_SPEC_ROWS = 32      # XQA spec decode's (query token, head) rows per CTA (M_TILESIZE)
+SPEC_TILE_ROWS = 32  # XQA spec decode's (query token, head) rows per CTA (M_TILESIZE)
 # XQA starts each row's running max at -1e5 (utils.cuh: safeInitRowMax). A sink of -9e4 adds
 # exp(-9e4 - max) == 0.0 exactly to every row with keys (any max above -89,900), and exp(1e4) = inf
 # to a row without keys, whose output then is 0 * (1 / inf) = 0 where it would be 0/0.
@@ -101,11 +101,12 @@ def check_supported(q: jax.Array, cache: KVCache, meta: AttentionMetadata, param
     if max_q_len > 1:
         if not 1 <= meta.batch_size <= MAX_TOKENS:
             raise ValueError(f"{_WHERE}: speculative decode needs 1..{MAX_TOKENS} sequences, got {meta.batch_size}")
-        if params.has_sinks and _SPEC_ROWS % group and min(max_q_len, num_tokens) * group > _SPEC_ROWS:
+        if params.has_sinks and SPEC_TILE_ROWS % group and min(max_q_len, num_tokens) * group > SPEC_TILE_ROWS:
             raise ValueError(
                 f"{_WHERE}: sinks with speculative decode need query heads per KV head (Hq // Hkv = {group}) "
-                f"dividing {_SPEC_ROWS}, or meta.max_q_len * {group} <= {_SPEC_ROWS}; got max_q_len={max_q_len} "
-                f"(XQA looks sinks up by the row within a block of {_SPEC_ROWS} (token, head) rows)")
+                f"dividing {SPEC_TILE_ROWS}, or meta.max_q_len * {group} <= {SPEC_TILE_ROWS}; "
+                f"got max_q_len={max_q_len} "
+                f"(XQA looks sinks up by the row within a block of {SPEC_TILE_ROWS} (token, head) rows)")
 
 
 def variant(q: jax.Array, cache: KVCache, params: AttentionParams, spec_dec: bool = False) -> _xqa_build.Variant:

@@ -124,6 +124,20 @@ def test_explicit_configs():
     _check(problem, out)
 
 
+def test_short_query_tiles(monkeypatch):
+    """Steps whose queries all fit one tile of <= 64 rows get the short-query tiles; others and
+    steps without a static bound keep the prefill tiles."""
+    monkeypatch.setattr(tb, "_interpreting", lambda: False)
+    short = lambda max_q_len, group=4, batch=64, dtype=BF16, head_dim=128: tb.short_query_config(  # noqa: E731
+        head_dim, dtype, max_q_len, group, batch, 8)
+    assert short(4) == tb.PrefillConfig(block_m=16, block_n=64, num_warps=4, num_stages=2)
+    assert short(16) == tb.PrefillConfig(block_m=64, block_n=64, num_warps=4, num_stages=2)
+    assert short(4, batch=8).block_n == 128                      # few (sequence, KV head) pairs
+    assert short(4, batch=8, dtype=jnp.float32, head_dim=256).block_n == 32
+    assert short(1, group=16).block_m == 16
+    assert short(None) is None and short(17) is None and short(8, group=16) is None
+
+
 # --- errors and availability --------------------------------------------------------------------
 
 def test_unsupported_configurations_raise():
@@ -191,6 +205,28 @@ def test_gpu_features(feature, kv_dtype):
     if feature.pop("sinks", False):
         feature["sinks"] = jnp.asarray(rng.normal(size=16), jnp.float32)
     _check(problem, _run(problem, **feature), **feature)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("launch", tb.LAUNCHES)
+@pytest.mark.parametrize("max_q_len, head_dim, dtype, kv_dtype", [
+    (4, 128, BF16, BF16), (16, 64, BF16, BF16), (8, 256, BF16, FP8), (3, 128, jnp.float32, jnp.float32),
+    (2, 256, jnp.float32, jnp.float32)], ids=str)
+def test_gpu_short_query_steps(launch, max_q_len, head_dim, dtype, kv_dtype):
+    """Speculative-decode-like steps (every q_len <= max_q_len, the short-query tiles), with
+    decodes first, a padding sequence in the middle, sinks and a sliding window; B=8 and B=64
+    (the two key-tile widths)."""
+    for batch in (8, 64):
+        rng = np.random.default_rng(max_q_len * batch + head_dim)
+        q_lens = [1, 1] + [int(n) for n in rng.integers(1, max_q_len + 1, batch - 2)]
+        q_lens[4] = 0
+        kv_lens = [int(k) + q for k, q in zip(rng.integers(0, 900, batch), q_lens)]
+        kv_lens[4] = 0
+        problem = make_problem(rng, q_lens=q_lens, kv_lens=kv_lens, num_q_heads=16, num_kv_heads=4,
+                               head_dim=head_dim, page_size=32, dtype=dtype, kv_dtype=kv_dtype, max_q_len=max_q_len)
+        sinks = jnp.asarray(rng.normal(size=16), jnp.float32)
+        _check(problem, _run(problem, launch=launch, sinks=sinks, sliding_window=200), sinks=sinks,
+               sliding_window=200, tol=5e-4 if dtype == jnp.float32 else None)
 
 
 @pytest.mark.gpu
