@@ -207,18 +207,23 @@ def test_numpy_scalars_are_accepted_as_static_options():
 
 
 @pytest.mark.gpu
-def test_gpu_auto_runs_a_speculative_decode_step_on_trtllm():
-    """A draft-verification step (up to 4 tokens per sequence, one sequence padding) through
-    ``auto`` is one trtllm call and gives the xla backend's rows."""
+@pytest.mark.parametrize("max_q_len, expected", [(4, "trtllm"), (16, "triton")])
+def test_gpu_auto_speculative_decode_steps(max_q_len, expected):
+    """A draft-verification step (up to max_q_len tokens per sequence, one sequence padding)
+    through ``auto`` is one call of the expected backend (32 query heads over 8 KV heads: 16 rows
+    fit one XQA tile, 64 do not) and gives the xla backend's rows."""
     from tests.paged_inputs import make_problem, rel_error
     seed = int(np.random.SeedSequence().entropy % 2**32)
     rng = np.random.default_rng(seed)
-    q_lens = [4, 1, 3, 0, 4, 2]
+    q_lens = [max_q_len, 1, 3, 0, max_q_len, 2]
     problem = make_problem(rng, q_lens=q_lens, kv_lens=[700, 90, 3, 0, 2500, 4], num_q_heads=32, num_kv_heads=8,
-                           head_dim=128, page_size=64, dtype=jnp.bfloat16, pad_seqs=0, pad_tokens=0, max_q_len=4)
-    if backends.unavailable_reason("trtllm") is not None:
-        pytest.skip(backends.unavailable_reason("trtllm"))
-    assert attention_module.backend_for(problem.q, problem.cache, problem.meta) == attention_module.Plan("trtllm")
+                           head_dim=128, page_size=64, dtype=jnp.bfloat16, pad_seqs=0, pad_tokens=0,
+                           max_q_len=max_q_len)
+    for name in ("trtllm", "triton"):
+        if backends.unavailable_reason(name) is not None:
+            pytest.skip(backends.unavailable_reason(name))
+    plan = attention_module.backend_for(problem.q, problem.cache, problem.meta)
+    assert plan == attention_module.Plan(expected)
     run = jax.jit(jaxattn.paged_attention, static_argnames="backend")
     out = run(problem.q, problem.cache, problem.meta)
     ref = run(problem.q, problem.cache, problem.meta, backend="xla")
