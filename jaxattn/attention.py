@@ -91,8 +91,8 @@ def plan_backends(q: jax.Array, cache: KVCache, meta: AttentionMetadata, params:
     xla that supports it. A speculative-decode step (``2 <= meta.max_q_len <= 16``: every
     sequence has at most that many query tokens) goes whole to trtllm, or to triton first when
     ``max_q_len * (Hq // Hkv)`` rows exceed one XQA tile (32 rows, one CTA each, each reading
-    the keys; measured in benchmarks/RESULTS.md, speculative decode). Otherwise the batch goes to the first of
-    cudnn, triton, xla, and its leading decodes to the best decode backend when that is a
+    the keys; benchmarks/RESULTS.md, speculative decode). Otherwise the batch goes to the first
+    of cudnn, triton, xla, and its leading decodes to the best decode backend when that is a
     different one.
     """
     if backend != "auto":

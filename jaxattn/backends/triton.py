@@ -139,8 +139,8 @@ def short_query_config(head_dim: int, dtype, max_q_len: int | None, group: int, 
     """2D kernel tiles for a step whose query lengths are all at most ``max_q_len`` (static),
     when one query tile of ``max(16, pow2(max_q_len) * pow2(group))`` rows holds a sequence's
     tokens and that is at most 64 rows; None otherwise (``prefill_config`` applies). From the H200
-    sweep (benchmarks/RESULTS.md, triton section, "Block sizes", short queries; D=128, kv 4096;
-    best of 54 configs in brackets), 4 warps, 2 stages:
+    sweep (benchmarks/RESULTS.md, triton section, "Short-query tiles"; D=128, kv 4096; the best
+    of 54 configs in brackets where it is not this one), 4 warps, 2 stages:
 
     * B=64, q_len 4: 16 x 64 tiles: 0.254 ms (the winner).
     * B=64, q_len 16: 64 x 64: 0.276 ms (the winner).
@@ -151,11 +151,13 @@ def short_query_config(head_dim: int, dtype, max_q_len: int | None, group: int, 
     block_m = max(16, _pow2_ceil(max_q_len) * _pow2_ceil(group))
     if block_m > _SHORT_QUERY_ROWS:
         return None
-    wide = jnp.dtype(dtype).itemsize == 4 or head_dim > 128      # K/V stages must fit in shared memory
-    if batch * num_kv_heads < _FEW_PAIRS and not wide:
+    four_bytes = jnp.dtype(dtype).itemsize == 4
+    if four_bytes and head_dim > 128:            # the K/V stages must fit in shared memory
+        block_n = 32
+    elif batch * num_kv_heads < _FEW_PAIRS and not four_bytes and head_dim <= 128:
         block_n = 128
     else:
-        block_n = 32 if jnp.dtype(dtype).itemsize == 4 and head_dim > 128 else 64
+        block_n = 64
     return PrefillConfig(block_m=block_m, block_n=block_n, num_warps=4, num_stages=2)
 
 
