@@ -276,21 +276,34 @@ def short_candidates(head_dim: int, quick: bool):
 
 def tune_short(d: int, quick: bool, rounds: int, lines: list[str], save) -> None:
     """Sweeps the 2D kernel's tiles on the short-query points at head dim ``d``."""
-    import torch
     plans = []
     for name, q_lens, kv_lens, nd in SHORT_POINTS:
         batch = Batch(q_lens, kv_lens, d)
         rows = [(f"| {bm} | {bn} | {w} | {st} |", [prefill_launch(batch, bm, bn, w, st)])
                 for bm, bn, w, st in short_candidates(d, quick)]
-        plans.append((f"D={d}, {name} (2D kernel)", batch, nd, rows))
-    compile_all([launch for plan in plans for _, launches in plan[3] for launch in launches])
-    for title, batch, nd, rows in plans:
+        plans.append((f"D={d}, {name} (2D kernel)", "| block_m | block_n | warps | stages |", batch, nd, rows,
+                      batch.flops))
+    sweep_plans(plans, rounds, lines, save)
+
+
+def sweep_plans(plans: list[tuple], rounds: int, lines: list[str], save) -> list[list[int]]:
+    """Compiles every candidate of ``plans`` ((title, header, batch, num_decodes, [(label,
+    launches)], flops) each), then sweeps each plan's table; appends the tables to ``lines``
+    (``save()`` after each) and returns each table's winner as its numbers."""
+    import torch
+    compile_all([launch for plan in plans for _, launches in plan[4] for launch in launches])
+    winners = []
+    for title, header, batch, nd, rows, flops in plans:
         problem = Problem(batch, nd)
+        # A candidate whose warm-up failed is still launched: the launch reports the real error.
         candidates = [(label, problem.runner(launches)) for label, launches in rows]
-        lines += sweep_table(title, "| block_m | block_n | warps | stages |", candidates, rounds, 6, batch.flops)[0]
+        table, winner = sweep_table(title, header, candidates, rounds, 6, flops)
+        lines += table
+        winners.append(parse(winner))
         save()
         del problem
         torch.cuda.empty_cache()
+    return winners
 
 
 def parse(label: str) -> list[int]:
@@ -300,7 +313,6 @@ def parse(label: str) -> list[int]:
 def tune_head_dim(d: int, quick: bool, rounds: int, lines: list[str], save) -> None:
     """Sweeps the decode and 2D configs at head dim ``d``, then times split vs one launch on the
     mixed batch at the winners; appends the tables to ``lines`` (``save()`` after each)."""
-    import torch
     plans = []  # (title, header, batch, num_decodes, [(label, launches)], flops)
     for name, b, kv in DECODE_POINTS:
         batch = Batch((1,) * b, (kv,) * b, d)
@@ -314,18 +326,7 @@ def tune_head_dim(d: int, quick: bool, rounds: int, lines: list[str], save) -> N
                 for bm, bn, w, st in prefill_candidates(d, quick)]
         plans.append((f"D={d}, {name} (2D kernel)", "| block_m | block_n | warps | stages |", batch, nd, rows,
                       Batch(q_lens[nd:], kv_lens[nd:], d).flops))
-    compile_all([launch for plan in plans for _, launches in plan[4] for launch in launches])
-    winners = []
-    for title, header, batch, nd, rows, flops in plans:
-        problem = Problem(batch, nd)
-        # A candidate whose warm-up failed is still launched: the launch reports the real error.
-        candidates = [(label, problem.runner(launches)) for label, launches in rows]
-        table, winner = sweep_table(title, header, candidates, rounds, 6, flops)
-        lines += table
-        winners.append(parse(winner))
-        save()
-        del problem
-        torch.cuda.empty_cache()
+    winners = sweep_plans(plans, rounds, lines, save)
 
     batch = Batch(PREFILL_POINTS[1][1], PREFILL_POINTS[1][2], d)
     dec, full, pre = winners[0], winners[2], winners[3]

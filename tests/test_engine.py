@@ -86,32 +86,48 @@ def test_gpu_decode_step_runs_in_command_buffers(tmp_path):
         assert "kWhile" not in top and "kConditional" not in top, (name, top)
 
 
+def _small_model() -> Llama:
+    cfg = PRESETS["small"].replace(vocab_size=1024, dim=512, num_layers=2, num_q_heads=8, num_kv_heads=2,
+                                   hidden_dim=1024)
+    return Llama(cfg, nnx.Rngs(0))
+
+
+def _mixed_step(model: Llama, rng: np.random.Generator, kv_lens: list[int], q_lens: list[int], max_q_len: int,
+                num_tokens: int):
+    """One step of 4 sequences (kv_lens include the q_lens new tokens) over random caches:
+    ``(hidden_states(backend) -> float32 rows of the real tokens, first layer's cache, meta)``."""
+    table = jaxattn.PageTable.create(32, 4, 8, 64)
+    ids = jnp.arange(4, dtype=jnp.int32)
+    table, _ = table.extend(ids, jnp.asarray(kv_lens, jnp.int32))
+    caches = [jaxattn.KVCache(jnp.asarray(rng.normal(size=c.k_pages.shape), c.dtype),
+                              jnp.asarray(rng.normal(size=c.v_pages.shape), c.dtype), layout=c.layout)
+              for c in model.init_caches(32, 64)]
+    q_lens = jnp.asarray(q_lens, jnp.int32)
+    meta = table.metadata(ids, q_lens, max_q_len=max_q_len)
+    slots = table.slot_mapping(ids, q_lens, num_tokens)
+    tokens_in = jnp.asarray(rng.integers(0, 1024, size=num_tokens), jnp.int32)
+    step = jax.jit(lambda g, s, c, backend: forward_paged(nnx.merge(g, s), tokens_in, c, meta, slots, backend)[0],
+                   static_argnums=(0, 3))
+    graphdef, state = nnx.split(model)
+    real = int(q_lens.sum())
+
+    def hidden_states(backend: str) -> np.ndarray:
+        return np.asarray(step(graphdef, state, caches, backend)[:real], np.float32)
+    return hidden_states, caches[0], meta
+
+
 @pytest.mark.gpu
 def test_gpu_backends_agree():
     """One mixed step (decodes + prefill chunks) through the model gives the xla backend's hidden
     states with every GPU backend; greedy generation starts with the same tokens (after a first
     bf16-level difference in a near tie, greedy sequences are free to part)."""
-    cfg = PRESETS["small"].replace(vocab_size=1024, dim=512, num_layers=2, num_q_heads=8, num_kv_heads=2,
-                                   hidden_dim=1024)
-    model = Llama(cfg, nnx.Rngs(0))
+    model = _small_model()
     rng = np.random.default_rng()
     backends = ("xla", "auto", "cudnn", "triton")
 
     # Hidden states of one mixed step: 2 decodes over 90/40 tokens, then 50 and 7 new tokens.
-    table = jaxattn.PageTable.create(32, 4, 8, 64)
-    ids = jnp.arange(4, dtype=jnp.int32)
-    table, _ = table.extend(ids, jnp.asarray([90, 40, 80, 7], jnp.int32))
-    caches = [jaxattn.KVCache(jnp.asarray(rng.normal(size=c.k_pages.shape), c.dtype),
-                              jnp.asarray(rng.normal(size=c.v_pages.shape), c.dtype), layout=c.layout)
-              for c in model.init_caches(32, 64)]
-    q_lens = jnp.asarray([1, 1, 50, 7], jnp.int32)
-    meta = table.metadata(ids, q_lens, max_q_len=64)
-    slots = table.slot_mapping(ids, q_lens, 64)
-    tokens_in = jnp.asarray(rng.integers(0, 1024, size=64), jnp.int32)
-    step = jax.jit(lambda g, s, c, backend: forward_paged(nnx.merge(g, s), tokens_in, c, meta, slots, backend)[0],
-                   static_argnums=(0, 3))
-    graphdef, state = nnx.split(model)
-    hidden = {b: np.asarray(step(graphdef, state, caches, b)[:59], np.float32) for b in backends}
+    hidden_states, _, _ = _mixed_step(model, rng, [90, 40, 80, 7], [1, 1, 50, 7], max_q_len=64, num_tokens=64)
+    hidden = {b: hidden_states(b) for b in backends}
     errors = {b: rel_error(hidden[b], hidden["xla"]) for b in backends[1:]}
     print("hidden-state rel. error vs xla:", errors)
     assert max(errors.values()) < 2e-2, errors
@@ -134,27 +150,12 @@ def test_gpu_short_prefill_chunks_run_whole_on_one_fast_backend():
     """With prefill chunks of at most 16 tokens a mixed step is speculative-decode shaped: auto
     runs it as one trtllm call (8 tokens x 4 heads per KV head fit one XQA tile). Its hidden
     states match the xla backend's, and the engine's greedy tokens start the same."""
-    cfg = PRESETS["small"].replace(vocab_size=1024, dim=512, num_layers=2, num_q_heads=8, num_kv_heads=2,
-                                   hidden_dim=1024)
-    model = Llama(cfg, nnx.Rngs(0))
+    model = _small_model()
     rng = np.random.default_rng()
-    table = jaxattn.PageTable.create(32, 4, 8, 64)
-    ids = jnp.arange(4, dtype=jnp.int32)
-    table, _ = table.extend(ids, jnp.asarray([90, 40, 80, 5], jnp.int32))
-    caches = [jaxattn.KVCache(jnp.asarray(rng.normal(size=c.k_pages.shape), c.dtype),
-                              jnp.asarray(rng.normal(size=c.v_pages.shape), c.dtype), layout=c.layout)
-              for c in model.init_caches(32, 64)]
-    q_lens = jnp.asarray([1, 1, 8, 5], jnp.int32)
-    meta = table.metadata(ids, q_lens, max_q_len=8)
-    q = jnp.zeros((20, cfg.num_q_heads, cfg.head_dim), jnp.bfloat16)
-    assert attention_module.backend_for(q, caches[0], meta) == attention_module.Plan("trtllm")
-    slots = table.slot_mapping(ids, q_lens, 20)
-    tokens_in = jnp.asarray(rng.integers(0, 1024, size=20), jnp.int32)
-    step = jax.jit(lambda g, s, c, backend: forward_paged(nnx.merge(g, s), tokens_in, c, meta, slots, backend)[0],
-                   static_argnums=(0, 3))
-    graphdef, state = nnx.split(model)
-    hidden = {b: np.asarray(step(graphdef, state, caches, b)[:15], np.float32) for b in ("xla", "auto")}
-    assert rel_error(hidden["auto"], hidden["xla"]) < 2e-2
+    hidden_states, cache, meta = _mixed_step(model, rng, [90, 40, 80, 5], [1, 1, 8, 5], max_q_len=8, num_tokens=20)
+    q = jnp.zeros((20, model.cfg.num_q_heads, model.cfg.head_dim), jnp.bfloat16)
+    assert attention_module.backend_for(q, cache, meta) == attention_module.Plan("trtllm")
+    assert rel_error(hidden_states("auto"), hidden_states("xla")) < 2e-2
 
     outputs = {}
     for backend in ("xla", "auto"):
