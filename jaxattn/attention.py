@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-import numbers
 
 import jax
 import jax.numpy as jnp
@@ -13,6 +12,7 @@ import jax.numpy as jnp
 from jaxattn import backends
 from jaxattn.backends import AttentionParams
 from jaxattn.backends.trtllm import MAX_SPEC_Q_LEN, SPEC_TILE_ROWS
+from jaxattn.checks import is_int, is_real
 from jaxattn.kv_cache import KVCache
 from jaxattn.metadata import AttentionMetadata
 
@@ -32,7 +32,8 @@ def paged_attention(
     softcap: float | None = None,
     sinks: jax.Array | None = None,
     backend: str = "auto",
-) -> jax.Array:
+    return_status: bool = False,
+) -> jax.Array | tuple[jax.Array, jax.Array]:
     """Attention of packed ragged queries over a paged KV cache.
 
     Args:
@@ -45,15 +46,40 @@ def paged_attention(
       softcap: c, logits become ``c * tanh(s / c)``.
       sinks: float32 ``[Hq]``; each head's softmax denominator gains ``exp(sinks[h])``.
       backend: "auto", "xla", "cudnn", "trtllm" or "triton".
+      return_status: also return which sequences kept the contract.
 
     Returns:
-      ``[T, Hq, D]`` in ``q.dtype``; rows of padding tokens and of empty sequences are zero.
+      ``out``: ``[T, Hq, D]`` in ``q.dtype``; rows of padding tokens, of empty sequences and of
+      sequences that break the contract are zero. With ``return_status``, ``(out, valid)``:
+      ``valid`` bool[B] is False for a sequence whose metadata breaks the contract
+      (``AttentionMetadata.sanitize``) or, for every sequence, when an FP8 cache's scales are
+      not positive and finite.
     """
     params = _check_args(q, cache, meta, scale=scale, causal=causal, sliding_window=sliding_window,
                          softcap=softcap, sinks=sinks, backend=backend)
+    if not isinstance(return_status, bool):
+        raise ValueError(f"paged_attention: return_status must be a bool, got {return_status!r}")
     if sinks is not None:
         sinks = sinks.astype(jnp.float32)
-    plan = plan_backends(q, cache, meta, params, backend)
+    meta, valid = sanitize(q, cache, meta)
+    out = _dispatch(q, cache, meta, params, sinks, plan_backends(q, cache, meta, params, backend))
+    return (out, valid) if return_status else out
+
+
+def sanitize(q: jax.Array, cache: KVCache, meta: AttentionMetadata) -> tuple[AttentionMetadata, jax.Array]:
+    """``meta.sanitize`` for this call, with every sequence emptied when an FP8 cache's scales
+    are not positive and finite (traced scales cannot be checked at trace time)."""
+    meta, valid = meta.sanitize(q.shape[0], cache.num_pages, cache.page_size)
+    if cache.is_fp8:
+        scales = jnp.stack([cache.k_scale, cache.v_scale]).astype(jnp.float32)
+        valid &= jnp.all(jnp.isfinite(scales) & (scales > 0))
+        meta = dataclasses.replace(meta, kv_lens=jnp.where(valid, meta.kv_lens, 0))
+    return meta, valid
+
+
+def _dispatch(q: jax.Array, cache: KVCache, meta: AttentionMetadata, params: AttentionParams,
+              sinks: jax.Array | None, plan: Plan) -> jax.Array:
+    """Runs ``plan`` on sanitized metadata."""
     if plan.decode is None:
         return backends.get(plan.main).attention(q, cache, meta, params, sinks)
     q_dec, meta_dec, meta_rest, num_decodes = split_decodes(q, meta)
@@ -212,18 +238,18 @@ def _check_args(q, cache, meta, *, scale=None, causal=True, sliding_window=None,
         raise ValueError(f"{where}: cache pages are {cache.dtype} but q is {q.dtype}; "
                          f"pages must match q.dtype or be float8_e4m3fn")
     _check_metadata(where, meta)
-    if meta.max_q_len is not None and not (_is_int(meta.max_q_len) and meta.max_q_len >= 1):
+    if meta.max_q_len is not None and not (is_int(meta.max_q_len) and meta.max_q_len >= 1):
         raise ValueError(f"{where}: meta.max_q_len must be None or an int >= 1, got {meta.max_q_len!r}")
 
     if scale is None:
         scale = 1.0 / math.sqrt(head_dim)
-    elif not (_is_real(scale) and math.isfinite(scale) and scale > 0):
+    elif not (is_real(scale) and math.isfinite(scale) and scale > 0):
         raise ValueError(f"{where}: scale must be a positive finite float, got {scale!r}")
     if not isinstance(causal, bool):
         raise ValueError(f"{where}: causal must be a bool, got {causal!r}")
-    if sliding_window is not None and not (_is_int(sliding_window) and sliding_window >= 1):
+    if sliding_window is not None and not (is_int(sliding_window) and sliding_window >= 1):
         raise ValueError(f"{where}: sliding_window must be None or an int >= 1, got {sliding_window!r}")
-    if softcap is not None and not (_is_real(softcap) and math.isfinite(softcap) and softcap > 0):
+    if softcap is not None and not (is_real(softcap) and math.isfinite(softcap) and softcap > 0):
         raise ValueError(f"{where}: softcap must be None or a positive float, got {softcap!r}")
     if sinks is not None:
         if getattr(sinks, "shape", None) != (num_q_heads,) or not jnp.issubdtype(sinks.dtype, jnp.floating):
@@ -236,15 +262,6 @@ def _check_args(q, cache, meta, *, scale=None, causal=True, sliding_window=None,
         softcap=None if softcap is None else float(softcap),
         has_sinks=sinks is not None,
     )
-
-
-def _is_int(x) -> bool:
-    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
-
-
-def _is_real(x) -> bool:
-    """A static Python or NumPy number (a traced array cannot be a static option)."""
-    return isinstance(x, numbers.Real) and not isinstance(x, bool)
 
 
 def _check_metadata(where: str, meta: AttentionMetadata) -> None:

@@ -36,22 +36,33 @@ def attention_plans(cfg: LlamaConfig, engine: Engine) -> dict[str, str]:
     return plans
 
 
+def positive_int(text: str) -> int:
+    """argparse type: an int >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be an int >= 1, got {text!r}")
+    return value
+
+
 def main(argv: list[str] | None = None) -> None:
     on_gpu = jax.default_backend() == "gpu"
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--preset", choices=sorted(PRESETS), default="small" if on_gpu else "tiny")
-    parser.add_argument("--layers", type=int, default=None, help="override the preset's number of layers")
+    parser.add_argument("--layers", type=positive_int, default=None, help="override the preset's number of layers")
     parser.add_argument("--backend", default="auto", choices=("auto",) + jaxattn.backends.BACKENDS)
-    parser.add_argument("--requests", type=int, default=64 if on_gpu else 12)
-    parser.add_argument("--max-seqs", type=int, default=32 if on_gpu else 4)
-    parser.add_argument("--prompt-len", type=int, default=512 if on_gpu else 48, help="longest prompt")
-    parser.add_argument("--new-tokens", type=int, default=128 if on_gpu else 24)
-    parser.add_argument("--chunk-size", type=int, default=512 if on_gpu else 32)
-    parser.add_argument("--page-size", type=int, default=64 if on_gpu else 16)
+    parser.add_argument("--requests", type=positive_int, default=64 if on_gpu else 12)
+    parser.add_argument("--max-seqs", type=positive_int, default=32 if on_gpu else 4)
+    parser.add_argument("--prompt-len", type=positive_int, default=512 if on_gpu else 48, help="longest prompt")
+    parser.add_argument("--new-tokens", type=positive_int, default=128 if on_gpu else 24)
+    parser.add_argument("--chunk-size", type=positive_int, default=512 if on_gpu else 32)
+    parser.add_argument("--page-size", type=positive_int, default=64 if on_gpu else 16)
     args = parser.parse_args(argv)
 
     cfg = PRESETS[args.preset]
-    if args.layers:
+    if args.layers is not None:
         cfg = cfg.replace(num_layers=args.layers)
     model = Llama(cfg, nnx.Rngs(0))
     rng = np.random.default_rng(0)

@@ -66,7 +66,7 @@ def _jitted_step(graphdef: nnx.GraphDef, treedef) -> StepFn:
         model = nnx.merge(graphdef, jax.tree.unflatten(treedef, weights))
         table = table.release(release_ids)
         table, ok = table.extend(seq_ids, table.seq_lens[jnp.maximum(seq_ids, 0)] + q_lens)
-        q_lens = jnp.where(ok, q_lens, 0)
+        seq_ids = jnp.where(ok, seq_ids, -1)        # refused: its tokens stay in place as padding
         meta = table.metadata(seq_ids, q_lens, max_q_len=max_q_len)
         slots = table.slot_mapping(seq_ids, q_lens, tokens.shape[0])
         hidden, caches = forward_paged(model, tokens, caches, meta, slots, backend)

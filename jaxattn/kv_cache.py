@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Literal
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from jaxattn.checks import int_array, is_positive_int, is_real
 
 Layout = Literal["HND", "NHD"]
 LAYOUTS: tuple[str, ...] = ("HND", "NHD")
@@ -53,10 +56,11 @@ class KVCache:
         k_scale: float | None = None,
         v_scale: float | None = None,
     ) -> "KVCache":
-        """A zeroed cache. FP8 caches get scales (default 1.0); other dtypes take none."""
+        """A zeroed cache. FP8 caches get scales (default 1.0, positive and finite); other
+        dtypes take none."""
         for name, value in (("num_pages", num_pages), ("page_size", page_size),
                             ("num_kv_heads", num_kv_heads), ("head_dim", head_dim)):
-            if not isinstance(value, (int, np.integer)) or value < 1:
+            if not is_positive_int(value):
                 raise ValueError(f"KVCache.create: {name} must be a positive int, got {value!r}")
         if num_pages < 2:
             raise ValueError(f"KVCache.create: num_pages must be >= 2 (page 0 is the null page), got {num_pages}")
@@ -67,8 +71,10 @@ class KVCache:
         else:
             shape = (num_pages, page_size, num_kv_heads, head_dim)
         if is_fp8(dtype):
-            k_scale = jnp.asarray(1.0 if k_scale is None else k_scale, jnp.float32)
-            v_scale = jnp.asarray(1.0 if v_scale is None else v_scale, jnp.float32)
+            k_scale = jnp.asarray(1.0 if k_scale is None else _checked_scale("KVCache.create", "k_scale", k_scale),
+                                  jnp.float32)
+            v_scale = jnp.asarray(1.0 if v_scale is None else _checked_scale("KVCache.create", "v_scale", v_scale),
+                                  jnp.float32)
         elif k_scale is not None or v_scale is not None:
             raise ValueError(f"KVCache.create: k_scale/v_scale are only for {jnp.dtype(FP8_DTYPE).name} "
                              f"pages, got dtype={jnp.dtype(dtype).name}")
@@ -101,15 +107,13 @@ class KVCache:
     def write(self, k: jax.Array, v: jax.Array, slot_mapping: jax.Array) -> "KVCache":
         """Scatters tokens ``k, v: [T, Hkv, D]`` to ``slot = page * page_size + offset``.
 
-        Tokens with ``slot < 0`` (padding) or a slot outside the pool are skipped. The update is
-        in place when the caller's jit donates the cache.
+        ``slot_mapping``: int[T] (an array or a list). Tokens with ``slot < 0`` (padding), a slot
+        in the null page 0 or outside the pool are skipped. The update is in place when the
+        caller's jit donates the cache.
         """
         t = _check_tokens("KVCache.write", self, k, v)
-        if slot_mapping.shape != (t,) or not jnp.issubdtype(slot_mapping.dtype, jnp.integer):
-            raise ValueError(f"KVCache.write: slot_mapping must be int[{t}], "
-                             f"got {slot_mapping.dtype}{list(slot_mapping.shape)}")
-        slot_mapping = slot_mapping.astype(jnp.int32)
-        in_pool = (slot_mapping >= 0) & (slot_mapping < self.num_pages * self.page_size)
+        slot_mapping = int_array("KVCache.write", "slot_mapping", slot_mapping, f"int[{t}]", (t,))
+        in_pool = (slot_mapping >= self.page_size) & (slot_mapping < self.num_pages * self.page_size)
         # Out-of-range pages become index num_pages, which mode="drop" discards.
         page = jnp.where(in_pool, slot_mapping // self.page_size, self.num_pages)
         offset = jnp.where(in_pool, slot_mapping % self.page_size, 0)
@@ -120,12 +124,14 @@ class KVCache:
         )
 
     def copy_pages(self, copies: jax.Array) -> "KVCache":
-        """Copies whole pages: ``copies`` is int32[N, 2] of (src, dst) rows; rows with an id
-        outside ``[0, num_pages)`` are skipped (e.g. the ``-1`` padding of ``PageTable.fork``)."""
-        if copies.ndim != 2 or copies.shape[1] != 2 or not jnp.issubdtype(copies.dtype, jnp.integer):
+        """Copies whole pages: ``copies`` is int[N, 2] of (src, dst) rows; rows with an id
+        outside ``[1, num_pages)`` are skipped (e.g. the ``-1`` padding of ``PageTable.fork``):
+        the null page 0 is never read or written."""
+        copies = int_array("KVCache.copy_pages", "copies", copies, "int[N, 2]")
+        if copies.ndim != 2 or copies.shape[1] != 2:
             raise ValueError(f"KVCache.copy_pages: copies must be int[N, 2], got {copies.dtype}{list(copies.shape)}")
         src, dst = copies[:, 0], copies[:, 1]
-        valid = (src >= 0) & (src < self.num_pages) & (dst >= 0) & (dst < self.num_pages)
+        valid = (src >= 1) & (src < self.num_pages) & (dst >= 1) & (dst < self.num_pages)
         src = jnp.where(valid, src, 0)
         dst = jnp.where(valid, dst, self.num_pages)
         return dataclasses.replace(
@@ -135,10 +141,12 @@ class KVCache:
         )
 
     def zero_pages(self, pages: jax.Array) -> "KVCache":
-        """Zeroes the listed pages (int32[N]); ids outside ``[0, num_pages)`` are skipped."""
-        if pages.ndim != 1 or not jnp.issubdtype(pages.dtype, jnp.integer):
+        """Zeroes the listed pages (int[N]); ids outside ``[1, num_pages)`` are skipped (the
+        null page 0 is never written)."""
+        pages = int_array("KVCache.zero_pages", "pages", pages, "int[N]")
+        if pages.ndim != 1:
             raise ValueError(f"KVCache.zero_pages: pages must be int[N], got {pages.dtype}{list(pages.shape)}")
-        pages = jnp.where((pages >= 0) & (pages < self.num_pages), pages, self.num_pages)
+        pages = jnp.where((pages >= 1) & (pages < self.num_pages), pages, self.num_pages)
         return dataclasses.replace(
             self,
             k_pages=self.k_pages.at[pages].set(0, mode="drop"),
@@ -179,6 +187,24 @@ def _check_cache(cache: KVCache) -> None:
         raise ValueError("KVCache: FP8 pages need both k_scale and v_scale (float32 scalars)")
     if not is_fp8(cache.k_pages.dtype) and any(has_scales):
         raise ValueError(f"KVCache: k_scale/v_scale are only for FP8 pages, got dtype {cache.k_pages.dtype}")
+    for name in ("k_scale", "v_scale"):
+        if getattr(cache, name) is not None:
+            _checked_scale("KVCache", name, getattr(cache, name))
+
+
+def _checked_scale(where: str, name: str, scale):
+    """An FP8 scale: a float scalar; positive and finite where its value is known on the host
+    (a device array's value is checked on the device: ``paged_attention`` flags every sequence)."""
+    if isinstance(scale, jax.Array):
+        if scale.shape != () or not jnp.issubdtype(scale.dtype, jnp.floating):
+            raise ValueError(f"{where}: {name} must be a float32 scalar, got {scale.dtype}{list(scale.shape)}")
+        return scale
+    value = np.asarray(scale) if isinstance(scale, (np.ndarray, np.generic)) else scale
+    if isinstance(value, np.ndarray):
+        value = value.item() if value.shape == () else None
+    if not (is_real(value) and math.isfinite(value) and value > 0):
+        raise ValueError(f"{where}: {name} must be a positive finite float, got {scale!r}")
+    return scale
 
 
 def _check_tokens(where: str, cache: KVCache, k: jax.Array, v: jax.Array) -> int:

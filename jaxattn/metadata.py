@@ -20,9 +20,11 @@ class AttentionMetadata:
       block_tables: int32[B, P], page ids of each sequence, in order (0 = null page).
       num_decodes: int32[], sequences ``[0, num_decodes)`` have exactly one query token.
       max_q_len: static bound on the longest query of the step (``None``: up to T; 1: a
-        decode-only step). Backends use it to size their work and choose kernels. It is a
-        promise: tokens of a sequence past the bound may not be computed (the ``xla`` backend
-        returns zeros for them).
+        decode-only step). Backends use it to size their work and choose kernels. A sequence
+        with more query tokens breaks the step's contract (see ``validate``).
+
+    The values are data, checked on the device (``validate``): a sequence that breaks the
+    contract gets zero output rows on every backend, never rows computed from other pages.
     """
 
     cu_q_lens: jax.Array
@@ -47,8 +49,48 @@ class AttentionMetadata:
     @property
     def checked_num_decodes(self) -> jax.Array:
         """int32[]: ``num_decodes`` capped by the leading run of one-token sequences, so a wrong
-        count from a caller cannot send a longer query to a decode kernel."""
-        return jnp.clip(self.num_decodes, 0, count_leading_decodes(self.q_lens)).astype(jnp.int32)
+        count from a caller cannot send a longer query to a decode kernel; 0 unless the first
+        sequence starts at token 0 (decode b is token b)."""
+        leading = jnp.where(self.cu_q_lens[0] == 0, count_leading_decodes(self.q_lens), 0)
+        return jnp.clip(self.num_decodes, 0, leading).astype(jnp.int32)
+
+    def validate(self, num_tokens: int, num_pages: int, page_size: int) -> jax.Array:
+        """bool[B], jittable: whether each sequence keeps the contract for ``q: [num_tokens, ...]``
+        over a pool of ``num_pages`` pages of ``page_size`` tokens (see ``sanitize``)."""
+        return self.sanitize(num_tokens, num_pages, page_size)[1]
+
+    def sanitize(self, num_tokens: int, num_pages: int, page_size: int) -> tuple["AttentionMetadata", jax.Array]:
+        """This metadata with every sequence that breaks the contract emptied, and which keep it.
+
+        Sequence b keeps the contract when its offsets are in order (``cu_q_lens[b]`` and
+        ``cu_q_lens[b+1]`` in ``[0, T]``, neither below an earlier offset), its query is at most
+        ``max_q_len`` tokens, ``q_len <= kv_lens[b] <= P * page_size``, and the pages covering its
+        ``kv_lens[b]`` keys are in ``[1, num_pages)``. Padding sequences (no tokens, no keys)
+        keep it. Returns ``(meta, valid)``: ``valid`` bool[B]; in ``meta`` the offsets are made
+        non-decreasing within ``[0, T]`` (tokens keep their owner where it is unambiguous), a
+        sequence that breaks the contract has ``kv_lens == 0`` (so every backend gives its rows
+        zeros), and block-table entries past each sequence's keys are the null page, so no
+        kernel reads a page because of a bad id or a stale entry.
+        """
+        cu_in = self.cu_q_lens
+        cu = jnp.clip(jax.lax.cummax(cu_in), 0, num_tokens)
+        q_lens = cu[1:] - cu[:-1]
+        capacity = self.max_pages_per_seq * page_size
+        valid = (cu[:-1] == cu_in[:-1]) & (cu[1:] == cu_in[1:])
+        valid &= (self.kv_lens >= q_lens) & (self.kv_lens <= capacity)
+        if self.max_q_len is not None:
+            valid &= q_lens <= self.max_q_len
+        pages_used = (jnp.clip(self.kv_lens, 0, capacity) + page_size - 1) // page_size
+        used = jnp.arange(self.max_pages_per_seq, dtype=jnp.int32)[None, :] < pages_used[:, None]
+        tables = self.block_tables
+        valid &= jnp.all(~used | ((tables >= 1) & (tables < num_pages)), axis=1)
+        meta = dataclasses.replace(
+            self,
+            cu_q_lens=cu,
+            kv_lens=jnp.where(valid, self.kv_lens, 0),
+            block_tables=jnp.where(used & valid[:, None], tables, 0),
+        )
+        return meta, valid
 
     def token_to_seq(self, num_tokens: int) -> jax.Array:
         """int32[T]: the sequence each packed query token belongs to; B for padding tokens."""

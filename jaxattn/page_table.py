@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxattn.checks import is_positive_int
 from jaxattn.kv_cache import KVCache
 from jaxattn.metadata import AttentionMetadata, count_leading_decodes, token_sequences
 
@@ -50,7 +51,7 @@ class PageTable:
         """An empty table; pages 1..num_pages-1 are free (page 0 is the null page)."""
         for name, value in (("num_pages", num_pages), ("max_seqs", max_seqs),
                             ("max_pages_per_seq", max_pages_per_seq), ("page_size", page_size)):
-            if not isinstance(value, (int, np.integer)) or value < 1:
+            if not is_positive_int(value):
                 raise ValueError(f"PageTable.create: {name} must be a positive int, got {value!r}")
         if num_pages < 2:
             raise ValueError(f"PageTable.create: num_pages must be >= 2 (page 0 is the null page), got {num_pages}")
@@ -93,9 +94,12 @@ class PageTable:
 
         Returns:
           (table, ok): ``ok[i]`` is False for padding, an invalid or repeated id, a length
-          that shrinks or exceeds ``max_pages_per_seq * page_size``, or when the free pages
-          do not cover this request together with the earlier requests of the call. A request
-          that is not ok leaves its sequence unchanged.
+          that shrinks or exceeds ``max_pages_per_seq * page_size``, or when too few pages are
+          free. Requests are granted in order: request i gets its pages when the pages still
+          free after the granted requests before it suffice, so a refused request takes no
+          pages from later ones. A request that is not ok leaves its sequence unchanged; its
+          tokens must then not be written or attended (e.g. ``seq_ids = where(ok, seq_ids, -1)``
+          before ``slot_mapping`` and ``metadata``).
         """
         seq_ids, new_lens = self._check_requests("extend", seq_ids, new_lens=new_lens)
         valid = self._valid_ids(seq_ids)
@@ -104,9 +108,8 @@ class PageTable:
         have = _pages_for(old_lens, self.page_size)
         want = _pages_for(new_lens, self.page_size)
         valid &= (new_lens >= old_lens) & (want <= self.max_pages_per_seq)
-        need = jnp.where(valid, want - have, 0)
-        ok = valid & (jnp.cumsum(need) <= self.num_free)
-        need = jnp.where(ok, need, 0)
+        ok = valid & _grant_in_order(jnp.where(valid, want - have, 0), self.num_free)
+        need = jnp.where(ok, want - have, 0)
         table, pages = self._pop(need)                                      # [N, max_pages_per_seq]
         slot = have[:, None] + jnp.arange(self.max_pages_per_seq)[None, :]
         taken = pages > 0
@@ -167,7 +170,7 @@ class PageTable:
         Returns:
           (table, ok, copies): ``ok[i]`` is False for padding, invalid ids, a ``dst`` that is
           not empty, repeated or also a source in this call, or when no page is free for the
-          copy. ``copies`` is int32[N, 2] of (src_page, dst_page) rows for
+          copy (granted in order, as ``extend``). ``copies`` is int32[N, 2] of (src_page, dst_page) rows for
           ``KVCache.copy_pages`` (-1 where nothing is copied).
         """
         src_ids, dst_ids = self._check_requests("fork", src_ids, dst_ids=dst_ids)
@@ -181,7 +184,7 @@ class PageTable:
         full = lens // self.page_size
         partial = (lens % self.page_size) > 0
         need = jnp.where(valid & partial, 1, 0)
-        ok = valid & (jnp.cumsum(need) <= self.num_free)
+        ok = valid & _grant_in_order(need, self.num_free)
         need = jnp.where(ok, need, 0)
         table, new_pages = self._pop(need)
         new_page = new_pages[:, 0]
@@ -207,11 +210,17 @@ class PageTable:
 
     def metadata(self, seq_ids: jax.Array, q_lens: jax.Array, max_q_len: int | None = None) -> AttentionMetadata:
         """``AttentionMetadata`` for a step over sequences ``seq_ids`` with ``q_lens`` new tokens
-        each (already counted in ``seq_lens`` by ``extend``).
+        each (already counted in ``seq_lens`` by ``extend``), packed in this order.
 
-        Put decodes (q_len 1) first: ``num_decodes`` counts the leading run of them, so a batch
-        in another order is still correct, just served by the general path.
+        A row with an id outside ``[0, max_seqs)`` (padding, or a request ``extend`` refused,
+        set to -1) keeps its tokens' place in the packing but has no keys: its rows come out
+        zero and ``paged_attention``'s status flags them when it has tokens. Put decodes (q_len
+        1) first: ``num_decodes`` counts the leading run of them, so a batch in another order is
+        still correct, just served by the general path. ``max_q_len``: None or an int >= 1
+        (``AttentionMetadata.max_q_len``).
         """
+        if max_q_len is not None and not is_positive_int(max_q_len):
+            raise ValueError(f"PageTable.metadata: max_q_len must be None or an int >= 1, got {max_q_len!r}")
         seq_ids, q_lens = self._check_requests("metadata", seq_ids, q_lens=q_lens)
         valid, row, q_lens = self._step_rows(seq_ids, q_lens)
         kv_lens = jnp.where(valid, self.seq_lens[row], 0)
@@ -224,6 +233,8 @@ class PageTable:
         """int32[num_tokens]: cache slot of each packed new token, -1 for padding tokens.
 
         Token i of sequence s (in ``seq_ids`` order) sits at position ``seq_lens[s] - q_len + i``.
+        Tokens of rows with an id outside ``[0, max_seqs)`` keep their place in the packing and
+        get -1 (as in ``metadata``), as do tokens past a sequence's length.
         """
         seq_ids, q_lens = self._check_requests("slot_mapping", seq_ids, q_lens=q_lens)
         valid, row, q_lens = self._step_rows(seq_ids, q_lens)
@@ -235,7 +246,7 @@ class PageTable:
         pos = self.seq_lens[r] - q_lens[seq_c] + token - (ends[seq_c] - q_lens[seq_c])
         page_idx = jnp.clip(pos // self.page_size, 0, self.max_pages_per_seq - 1)
         page = self.block_tables[r, page_idx]
-        ok = (seq < seq_ids.shape[0]) & (pos >= 0) & (pos < self.seq_lens[r]) & (page > 0)
+        ok = (seq < seq_ids.shape[0]) & valid[seq_c] & (pos >= 0) & (pos < self.seq_lens[r]) & (page > 0)
         return jnp.where(ok, page * self.page_size + pos % self.page_size, -1)
 
     # -- helpers ----------------------------------------------------------------------------
@@ -262,8 +273,9 @@ class PageTable:
         return in_range & ~repeat
 
     def _step_rows(self, seq_ids: jax.Array, q_lens: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """(valid id, table row, q_lens >= 0) of each step row; every row keeps its tokens."""
         valid = (seq_ids >= 0) & (seq_ids < self.max_seqs)
-        return valid, jnp.where(valid, seq_ids, 0), jnp.where(valid, jnp.maximum(q_lens, 0), 0)
+        return valid, jnp.where(valid, seq_ids, 0), jnp.maximum(q_lens, 0)
 
     def _pop(self, need: jax.Array) -> tuple["PageTable", jax.Array]:
         """Pops ``need[i]`` pages for request i from the free stack -> int32[N, max_pages_per_seq]
@@ -282,6 +294,16 @@ class PageTable:
         pos = self.num_free + jnp.cumsum(push) - push
         free_pages = self.free_pages.at[jnp.where(push, pos, self.num_pages)].set(pages, mode="drop")
         return dataclasses.replace(self, free_pages=free_pages, num_free=self.num_free + jnp.sum(push, dtype=jnp.int32))
+
+
+def _grant_in_order(need: jax.Array, num_free: jax.Array) -> jax.Array:
+    """bool[N]: request i is granted when ``need[i]`` pages remain free after the granted requests
+    before it. The scan is unrolled over N: a while loop would leave the step's command buffer."""
+    def grant(free, n):
+        granted = n <= free
+        return free - jnp.where(granted, n, 0), granted
+
+    return jax.lax.scan(grant, num_free, need, unroll=True)[1]
 
 
 def _pages_for(lens: jax.Array, page_size: int) -> jax.Array:

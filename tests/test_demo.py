@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from jaxattn import demo
 
 
@@ -11,3 +13,12 @@ def test_demo_runs(capsys):
     out = capsys.readouterr().out
     assert "attention backend, decode step: xla" in out
     assert "3 requests" in out and "generated tokens/s" in out
+
+
+@pytest.mark.parametrize("flag, value", [("--page-size", "0"), ("--requests", "0"), ("--layers", "0"),
+                                         ("--layers", "-2"), ("--max-seqs", "x")])
+def test_bad_flags_exit_with_a_usage_error(capsys, flag, value):
+    with pytest.raises(SystemExit) as exit_info:
+        demo.main([flag, value])
+    assert exit_info.value.code == 2
+    assert f"argument {flag}: must be an int >= 1, got '{value}'" in capsys.readouterr().err

@@ -32,16 +32,17 @@ def test_create_shapes(layout):
 
 @pytest.mark.parametrize("layout", ["HND", "NHD"])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float8_e4m3fn])
-def test_write_round_trip_skips_padding_and_out_of_pool_slots(layout, dtype):
+def test_write_round_trip_skips_padding_null_page_and_out_of_pool_slots(layout, dtype):
     rng = np.random.default_rng()
     cache = KVCache.create(6, 8, 2, 16, dtype=dtype, layout=layout)
     slots = rng.permutation(6 * 8)[:20].astype(np.int32)
     slots[[3, 11]] = -1                       # padding
     slots[7] = 6 * 8 + 5                      # past the pool: dropped, never wraps around
+    slots[9] = 2                              # the null page 0: never written
     k = rng.normal(size=(20, 2, 16)).astype(np.float32)
     v = rng.normal(size=(20, 2, 16)).astype(np.float32)
     out = jax.jit(KVCache.write)(cache, jnp.asarray(k, dtype), jnp.asarray(v, dtype), jnp.asarray(slots))
-    keep = (slots >= 0) & (slots < 48)
+    keep = (slots >= 8) & (slots < 48)
     k_read, v_read = _read_slots(out, slots[keep])
     tol = 0.07 if dtype == jnp.float8_e4m3fn else 1e-2
     np.testing.assert_allclose(k_read, k[keep], rtol=tol, atol=tol)
@@ -67,7 +68,7 @@ def test_write_is_in_place_when_donated(layout):
     cache = jax.tree.map(lambda x: x + 1, cache)   # a buffer of our own to donate
     write = jax.jit(KVCache.write, donate_argnums=0)
     k = jnp.ones((5, 4, 64), jnp.float32)
-    slots = jnp.asarray([17, 3, -1, 900, 40], jnp.int32)
+    slots = jnp.asarray([17, 30, -1, 900, 40], jnp.int32)
     hlo = write.lower(cache, k, k, slots).compile().as_text()
     pool_shape = "f32[" + ",".join(map(str, cache.k_pages.shape)) + "]"
     assert "copy(" not in " ".join(line for line in hlo.splitlines() if pool_shape in line.split("=")[0]), hlo
@@ -82,15 +83,18 @@ def test_write_is_in_place_when_donated(layout):
 def test_copy_pages_and_zero_pages(layout):
     rng = np.random.default_rng()
     cache = KVCache(*(jnp.asarray(rng.normal(size=(5, 2, 4, 8)), jnp.float32) for _ in range(2)), layout=layout)
-    copies = jnp.asarray([[1, 3], [-1, -1], [2, 7], [4, 0]], jnp.int32)
+    copies = [[1, 3], [-1, -1], [2, 7], [4, 0], [0, 2]]      # a list; page 0 is never read or written
     out = cache.copy_pages(copies)
     k0, k1 = np.asarray(cache.k_pages), np.asarray(out.k_pages)
     np.testing.assert_array_equal(k1[3], k0[1])
-    np.testing.assert_array_equal(k1[0], k0[4])
-    np.testing.assert_array_equal(k1[[1, 2, 4]], k0[[1, 2, 4]])
-    zeroed = out.zero_pages(jnp.asarray([2, -1, 99], jnp.int32))
+    np.testing.assert_array_equal(k1[[0, 1, 2, 4]], k0[[0, 1, 2, 4]])
+    zeroed = out.zero_pages([2, -1, 99, 0])
     assert not np.asarray(zeroed.v_pages[2]).any()
     np.testing.assert_array_equal(np.asarray(zeroed.v_pages)[[0, 1, 3, 4]], np.asarray(out.v_pages)[[0, 1, 3, 4]])
+    k = jnp.full((2, cache.num_kv_heads, 8), 5.0, jnp.float32)
+    written = cache.write(k, k, [3 * cache.page_size + 1, 1])               # slots as a list; slot 1 is page 0
+    np.testing.assert_array_equal(_read_slots(written, np.array([3 * cache.page_size + 1]))[0], 5.0)
+    np.testing.assert_array_equal(np.asarray(written.k_pages[0]), k0[0])
 
 
 @pytest.mark.parametrize("kwargs,match", [
@@ -99,6 +103,10 @@ def test_copy_pages_and_zero_pages(layout):
     (dict(layout="HDN"), "layout must be one of"),
     (dict(dtype=jnp.bfloat16, k_scale=2.0), "only for float8_e4m3fn"),
     (dict(dtype=jnp.int8), "page dtype must be one of"),
+    (dict(page_size=True), "page_size must be a positive int"),
+    (dict(dtype=jnp.float8_e4m3fn, k_scale=-1.0), "k_scale must be a positive finite float"),
+    (dict(dtype=jnp.float8_e4m3fn, v_scale=float("nan")), "v_scale must be a positive finite float"),
+    (dict(dtype=jnp.float8_e4m3fn, v_scale=np.float32(0)), "v_scale must be a positive finite float"),
 ])
 def test_create_errors(kwargs, match):
     args = dict(num_pages=4, page_size=16, num_kv_heads=2, head_dim=64)

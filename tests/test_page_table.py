@@ -164,7 +164,7 @@ def test_metadata_and_slot_mapping_decodes_first_and_padding():
     table, _ = table.extend(jnp.asarray([2, 0, 1]), jnp.asarray([6, 9, 3]))
     ids, q_lens = jnp.asarray([0, 2, 1, -1]), jnp.asarray([1, 1, 3, 5])
     meta = jax.jit(lambda t, i, q: t.metadata(i, q, max_q_len=3))(table, ids, q_lens)
-    np.testing.assert_array_equal(meta.cu_q_lens, [0, 1, 2, 5, 5])
+    np.testing.assert_array_equal(meta.cu_q_lens, [0, 1, 2, 5, 10])       # padding keeps its tokens' place
     np.testing.assert_array_equal(meta.kv_lens, [9, 6, 3, 0])
     np.testing.assert_array_equal(meta.block_tables[3], 0)
     assert int(meta.num_decodes) == 2 and meta.max_q_len == 3
@@ -230,3 +230,26 @@ def test_errors():
         table.fork(jnp.asarray([0]), jnp.asarray([0.5]))
     with pytest.raises(ValueError, match=r"metadata: q_lens must be int\[1\]"):
         table.metadata(jnp.asarray([0]), jnp.asarray([1, 1]))
+
+
+def test_extend_grants_in_order_and_a_refusal_takes_no_pages_from_later_entries():
+    table = PageTable.create(8, 4, 8, 4)                          # 7 free pages
+    table, ok = table.extend([0, 1, 2, 3], [12, 24, 4, 0])          # 3 pages, 6 (refused), 1, 0
+    np.testing.assert_array_equal(ok, [True, False, True, True])
+    np.testing.assert_array_equal(table.seq_lens, [12, 0, 4, 0])
+    assert int(table.num_free) == 3
+    table, ok = table.extend(jnp.asarray([2, 0, 1]), jnp.asarray([20, 13, 4]))   # +4 (refused), +1, +1
+    np.testing.assert_array_equal(ok, [False, True, True])
+    assert int(table.num_free) == 1
+
+
+@pytest.mark.parametrize("max_q_len", [0, -1, True, 2.0])
+def test_metadata_rejects_a_bad_max_q_len(max_q_len):
+    table = PageTable.create(8, 2, 2, 4)
+    with pytest.raises(ValueError, match="PageTable.metadata: max_q_len must be None or an int >= 1"):
+        table.metadata(jnp.asarray([0, 1]), jnp.asarray([1, 1]), max_q_len=max_q_len)
+
+
+def test_create_rejects_a_bool_page_size():
+    with pytest.raises(ValueError, match="page_size must be a positive int"):
+        PageTable.create(8, 2, 2, True)
