@@ -1,0 +1,137 @@
+"""Bad metadata is data: ``AttentionMetadata.sanitize`` flags each sequence that breaks the
+contract, and ``paged_attention`` gives its rows zeros on every backend while the other
+sequences' rows equal the reference, whatever the pages they do not own hold."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import jaxattn
+from jaxattn import backends
+from tests.paged_inputs import Problem, reference
+
+BATCH, TOKENS, PAGES_PER_SEQ, PAGE, HKV, HQ, D = 4, 20, 4, 4, 2, 4, 16
+NUM_PAGES = 1 + BATCH * PAGES_PER_SEQ + 3
+BAD_PAGE_IDS = (-1, 0, NUM_PAGES, 2**30)
+FAULTS = ("none", "page", "short", "long")
+
+
+def _meta(cu, kv_lens, tables, max_q_len=None) -> jaxattn.AttentionMetadata:
+    return jaxattn.AttentionMetadata(jnp.asarray(cu, jnp.int32), jnp.asarray(kv_lens, jnp.int32),
+                                     jnp.asarray(tables, jnp.int32), jnp.asarray(0, jnp.int32), max_q_len=max_q_len)
+
+
+def test_offsets_out_of_order_or_past_the_tokens_are_flagged():
+    tables = np.arange(1, 1 + 4 * 2).reshape(4, 2)
+    meta = _meta([0, 5, 3, 8, 30], [8, 8, 8, 8], tables)
+    sanitized, valid = meta.sanitize(num_tokens=10, num_pages=9, page_size=4)
+    # 1 ends before it starts, 2 starts inside 0, 3 ends past T = 10.
+    np.testing.assert_array_equal(valid, [True, False, False, False])
+    np.testing.assert_array_equal(sanitized.cu_q_lens, [0, 5, 5, 8, 10])
+    np.testing.assert_array_equal(sanitized.kv_lens, [8, 0, 0, 0])
+    np.testing.assert_array_equal(sanitized.block_tables, [[1, 2], [0, 0], [0, 0], [0, 0]])
+
+
+def test_lengths_pages_and_max_q_len_are_flagged():
+    tables = [[1, 2], [3, 0], [0, 4], [5, 99]]
+    meta = _meta([0, 1, 4, 4, 6], [5, 2, 0, 4], tables, max_q_len=2)
+    # 0 ok (pages 1, 2); 1: q_len 3 > max_q_len and > kv_len; 2: empty padding; 3: page 5 covers all 4 keys.
+    np.testing.assert_array_equal(meta.validate(6, 8, 4), [True, False, True, True])
+    np.testing.assert_array_equal(meta.sanitize(6, 8, 4)[0].block_tables, [[1, 2], [0, 0], [0, 0], [5, 0]])
+    np.testing.assert_array_equal(_meta([0, 1, 2, 3, 4], [9, 1, 1, 1], tables).validate(4, 8, 4),
+                                  [False, True, False, True])          # 9 keys > 2 pages of 4; page 0 in use
+    np.testing.assert_array_equal(_meta([0, 1, 2, 3, 4], [-1, 1, 5, 1], tables).validate(4, 8, 4),
+                                  [False, True, False, True])          # kv_len < q_len; page 0 in use (5 keys)
+
+
+def test_non_finite_fp8_scales_flag_every_sequence():
+    cache = jaxattn.KVCache.create(4, 4, 1, 16, dtype=jnp.float8_e4m3fn)
+    meta = _meta([0, 1, 1], [3, 0], [[1], [0]])
+    q = jnp.ones((1, 1, 16), jnp.float32)
+    run = jax.jit(lambda c: jaxattn.paged_attention(q, c, meta, return_status=True, backend="xla"))
+    assert np.asarray(run(cache)[1]).tolist() == [True, True]
+    out, valid = run(dataclasses.replace(cache, k_scale=jnp.float32(jnp.nan)))
+    assert np.asarray(valid).tolist() == [False, False] and not np.asarray(out).any()
+
+
+def _problem(rng: np.random.Generator, q_lens: list[int], kv_lens: list[int]) -> tuple[Problem, np.ndarray]:
+    """A float32 problem of fixed shapes (one compilation for all examples); every page no
+    sequence owns, page 0 included, holds NaN. Returns it and the pools (float64)."""
+    perm = rng.permutation(np.arange(1, NUM_PAGES))
+    tables = np.zeros((BATCH, PAGES_PER_SEQ), np.int32)
+    start = 0
+    for b, n in enumerate(kv_lens):
+        need = -(-n // PAGE)
+        tables[b, :need] = perm[start:start + need]
+        start += need
+    owned = np.zeros(NUM_PAGES, bool)
+    owned[tables[tables > 0]] = True
+    pools = [rng.normal(size=(NUM_PAGES, HKV, PAGE, D)) for _ in range(2)]
+    for pool in pools:
+        pool[~owned] = np.nan
+    dense = [[np.swapaxes(pool[tables[b, :-(-n // PAGE)]], 1, 2).reshape(-1, HKV, D)[:n]
+              for b, n in enumerate(kv_lens)] for pool in pools]
+    cache = jaxattn.KVCache(jnp.asarray(pools[0], jnp.float32), jnp.asarray(pools[1], jnp.float32))
+    q = jnp.asarray(rng.normal(size=(TOKENS, HQ, D)), jnp.float32)
+    cu = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    meta = _meta(cu, kv_lens, tables)
+    return Problem(q, cache, meta, dense[0], dense[1], list(q_lens), list(kv_lens), owned), tables
+
+
+@st.composite
+def _batches(draw):
+    q_lens = [draw(st.integers(0, TOKENS // BATCH)) for _ in range(BATCH)]
+    kv_lens = [draw(st.integers(q, PAGES_PER_SEQ * PAGE)) for q in q_lens]
+    faults = [draw(st.sampled_from(FAULTS)) for _ in range(BATCH)]
+    return q_lens, kv_lens, faults, draw(st.sampled_from((None, 3))), draw(st.integers(0, 2**32 - 1))
+
+
+@pytest.fixture(params=["xla", "triton"])
+def backend(request, monkeypatch):
+    if request.param == "triton":
+        pytest.importorskip("triton")
+        # On CPU the triton kernels run under Triton's interpreter (tests only).
+        real = backends.unavailable_reason
+        monkeypatch.setattr(backends, "unavailable_reason", lambda name: None if name == "triton" else real(name))
+    return request.param
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(batch=_batches())
+def test_broken_sequences_are_zero_and_flagged_and_unowned_pages_never_leak(backend, batch):
+    q_lens, kv_lens, faults, max_q_len, seed = batch
+    rng = np.random.default_rng(seed)
+    problem, tables = _problem(rng, q_lens, kv_lens)
+    kv_in, broken = np.array(kv_lens), np.zeros(BATCH, bool)
+    for b, fault in enumerate(faults):
+        used = -(-kv_lens[b] // PAGE)
+        if fault == "page" and used:
+            tables[b, rng.integers(used)] = rng.choice(BAD_PAGE_IDS)
+        elif fault == "short" and q_lens[b]:
+            kv_in[b] = q_lens[b] - 1
+        elif fault == "long":
+            kv_in[b] = PAGES_PER_SEQ * PAGE + 1 + rng.integers(5)
+        else:
+            continue
+        broken[b] = True
+    if max_q_len is not None:
+        broken |= np.array(q_lens) > max_q_len
+    meta = dataclasses.replace(problem.meta, kv_lens=jnp.asarray(kv_in, jnp.int32),
+                               block_tables=jnp.asarray(tables), max_q_len=max_q_len)
+    run = jax.jit(lambda q, c, m: jaxattn.paged_attention(q, c, m, return_status=True, backend=backend))
+    out, valid = run(problem.q, problem.cache, meta)
+    np.testing.assert_array_equal(valid, ~broken)
+    keep = [slice(0 if bad else None) for bad in broken]         # broken sequences: no keys
+    expected = reference(dataclasses.replace(
+        problem, kv_lens=[0 if bad else n for bad, n in zip(broken, kv_lens)],
+        k_dense=[k[s] for k, s in zip(problem.k_dense, keep)], v_dense=[v[s] for v, s in zip(problem.v_dense, keep)]))
+    out = np.asarray(out, np.float64)
+    assert not np.isnan(out).any(), "a page the sequence does not own reached its output"
+    np.testing.assert_allclose(out, expected, rtol=2e-4, atol=2e-4)
