@@ -11,12 +11,12 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
 from jaxattn.models.llama import Llama, Llama3RopeScaling, LlamaConfig
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+_REQUIRED_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size")
 # Tensors some checkpoints carry that the model recomputes or does not need.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
@@ -79,6 +79,9 @@ def llama_config_from_hf(hf: dict[str, Any], dtype: str) -> LlamaConfig:
     # Qwen2 always has q/k/v biases and none on o_proj; elsewhere attention_bias would put one on o_proj too.
     if model_type != "qwen2" and hf.get("attention_bias", False):
         raise _field(hf, "attention_bias", "false (biases on q/k/v only, as in qwen2)")
+    missing = [name for name in _REQUIRED_FIELDS if name not in hf]
+    if missing:
+        raise ValueError(f"from_pretrained: config.json lacks the fields {missing}")
     theta, scaling = _rope(hf)
     num_q_heads = hf["num_attention_heads"]
     return LlamaConfig(

@@ -5,6 +5,7 @@ prefill + decodes) as transformers' own model; unsupported configs are refused b
 from __future__ import annotations
 
 import functools
+import json
 
 import jax
 import jax.numpy as jnp
@@ -116,3 +117,26 @@ def test_attention_bias_outside_qwen2_is_refused():
 def test_mesh_is_refused(tmp_path):
     with pytest.raises(ValueError, match="mesh is not supported yet"):
         from_pretrained(str(tmp_path), mesh=jax.make_mesh((1,), ("tp",)))
+
+
+def test_missing_config_fields_are_named():
+    with pytest.raises(ValueError, match="intermediate_size"):
+        llama_config_from_hf({k: v for k, v in _QWEN2.items() if k != "intermediate_size"}, "float32")
+
+
+def _write_checkpoint(path, tensors: dict[str, np.ndarray]) -> str:
+    from safetensors.numpy import save_file
+
+    (path / "config.json").write_text(json.dumps(_QWEN2))
+    save_file(tensors, str(path / "model.safetensors"))
+    return str(path)
+
+
+def test_bad_tensors_are_named(tmp_path):
+    embed = np.zeros((_QWEN2["vocab_size"], _QWEN2["hidden_size"]), np.float32)
+    with pytest.raises(ValueError, match="tensors missing .*model.norm.weight"):
+        from_pretrained(_write_checkpoint(tmp_path, {"model.embed_tokens.weight": embed}))
+    with pytest.raises(ValueError, match="'model.embed_tokens.weight' .* has shape \\(8, 4\\), expected \\(8, 8\\)"):
+        from_pretrained(_write_checkpoint(tmp_path, {"model.embed_tokens.weight": embed[:, :4]}))
+    with pytest.raises(ValueError, match="unexpected tensor 'model.extra'"):
+        from_pretrained(_write_checkpoint(tmp_path, {"model.extra": embed}))
