@@ -107,7 +107,8 @@ def _checkpoint_files(path: str) -> list[str]:
 
 def _hf_parameters(model: Llama) -> dict[str, tuple[nnx.Variable, bool]]:
     """Hugging Face tensor name -> (the model's variable, whether HF stores it transposed)."""
-    params = {"model.embed_tokens.weight": (model.embed.embedding, False), "model.norm.weight": (model.norm.scale, False)}
+    params = {"model.embed_tokens.weight": (model.embed.embedding, False),
+              "model.norm.weight": (model.norm.scale, False)}
     if not model.cfg.tie_embeddings:
         params["lm_head.weight"] = (model.lm_head.kernel, True)
     for i, block in enumerate(model.layers):

@@ -4,7 +4,6 @@ prefill + decodes) as transformers' own model; unsupported configs are refused b
 
 from __future__ import annotations
 
-import functools
 import json
 
 import jax
@@ -20,6 +19,7 @@ from jaxattn.engine import Engine  # noqa: E402
 from jaxattn.models import from_pretrained  # noqa: E402
 from jaxattn.models.hf import llama_config_from_hf  # noqa: E402
 from jaxattn.models.llama import Llama  # noqa: E402
+from tests.models.test_llama import dense_hidden  # noqa: E402
 from tests.paged_inputs import rel_error  # noqa: E402
 
 VOCAB = 128
@@ -57,24 +57,13 @@ def _prompts() -> list[np.ndarray]:
     return [rng.integers(0, VOCAB, size=n).astype(np.int32) for n in PROMPT_LENS]
 
 
-@functools.partial(jax.jit, static_argnums=0)
-def _dense_logits(graphdef: nnx.GraphDef, state: nnx.State, tokens: jax.Array) -> jax.Array:
-    model = nnx.merge(graphdef, state)
-    window = model.cfg.sliding_window
-
-    def attend(layer: int, q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
-        local = None if window is None else (window - 1, 0)
-        return jax.nn.dot_product_attention(q[None], k[None], v[None], is_causal=True, local_window_size=local)[0]
-
-    return model.logits(model.hidden(tokens, jnp.arange(tokens.shape[0], dtype=jnp.int32), attend))
-
-
 def test_dense_logits_match_transformers(checkpoint):
     reference, model = checkpoint
     tokens = np.random.default_rng(1).integers(0, VOCAB, size=max(PROMPT_LENS))  # every position, one compile
     with torch.no_grad():
         expected = reference(torch.from_numpy(tokens)[None]).logits[0].numpy()
-    assert rel_error(_dense_logits(*nnx.split(model), jnp.asarray(tokens, jnp.int32)), expected) <= 1e-4
+    hidden = dense_hidden(*nnx.split(model), jnp.asarray(tokens, jnp.int32))
+    assert rel_error(model.logits(hidden), expected) <= 1e-4
 
 
 def test_engine_greedy_tokens_match_generate(checkpoint):
