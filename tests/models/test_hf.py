@@ -15,10 +15,12 @@ from flax import nnx
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS  # noqa: E402
+
 from jaxattn.engine import Engine  # noqa: E402
 from jaxattn.models import from_pretrained  # noqa: E402
 from jaxattn.models.hf import llama_config_from_hf  # noqa: E402
-from jaxattn.models.llama import Llama  # noqa: E402
+from jaxattn.models.llama import PRESETS, Llama, Llama3RopeScaling, rope_frequencies  # noqa: E402
 from tests.models.test_llama import dense_hidden  # noqa: E402
 from tests.paged_inputs import rel_error  # noqa: E402
 
@@ -129,3 +131,20 @@ def test_bad_tensors_are_named(tmp_path):
         from_pretrained(_write_checkpoint(tmp_path, {"model.embed_tokens.weight": embed[:, :4]}))
     with pytest.raises(ValueError, match="unexpected tensor 'model.extra'"):
         from_pretrained(_write_checkpoint(tmp_path, {"model.extra": embed}))
+
+
+# Llama-3.1-8B's config.json as transformers 4 wrote it (rope_theta and rope_scaling at the top level)
+_LLAMA31_8B = dict(model_type="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+                   num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, rms_norm_eps=1e-5,
+                   rope_theta=500000.0, max_position_embeddings=131072, tie_word_embeddings=False,
+                   rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                                     original_max_position_embeddings=8192))
+
+
+def test_llama31_config_and_rope_frequencies_match_transformers():
+    cfg = llama_config_from_hf(_LLAMA31_8B, "bfloat16")
+    assert cfg == PRESETS["llama3-8b"].replace(rope_scaling=Llama3RopeScaling(8.0, 1.0, 4.0, 8192))
+    hf_config = transformers.LlamaConfig(**{k: v for k, v in _LLAMA31_8B.items() if k != "model_type"})
+    expected, _ = ROPE_INIT_FUNCTIONS["llama3"](hf_config, "cpu")
+    np.testing.assert_allclose(rope_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling), expected.numpy(),
+                               rtol=1e-6)
