@@ -34,10 +34,12 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 OUTPUT = os.path.join(HERE, "local_config.bzl")
 
+# "executable" keeps symlinks: a virtualenv's bin/python links to the base interpreter, and only
+# the link finds the venv's site-packages (resolving it loses jax and the rest).
 _PROBE = r"""
 import json, os, sys, sysconfig
 out = {"include": sysconfig.get_paths()["include"], "version": "%d.%d" % sys.version_info[:2],
-       "ext_suffix": sysconfig.get_config_var("EXT_SUFFIX"), "executable": os.path.realpath(sys.executable)}
+       "ext_suffix": sysconfig.get_config_var("EXT_SUFFIX"), "executable": os.path.abspath(sys.executable)}
 try:
     import nanobind
     out["nanobind"] = os.path.dirname(os.path.abspath(nanobind.__file__))

@@ -1,1 +1,5 @@
-"""Reference models that use jaxattn."""
+"""Reference models that use jaxattn, and loading Hugging Face checkpoints into them."""
+
+from jaxattn.models.hf import from_pretrained
+
+__all__ = ["from_pretrained"]

@@ -1,6 +1,8 @@
-"""A Llama-style decoder in Flax NNX (RMSNorm, RoPE, GQA attention, SwiGLU MLP) over packed
+"""A Llama-family decoder in Flax NNX (RMSNorm, RoPE, GQA attention, SwiGLU MLP) over packed
 tokens, with attention supplied by the caller: paged through ``jaxattn.paged_attention`` in
-serving (``forward_paged``), or dense in tests. Weights are random; nothing is downloaded."""
+serving (``forward_paged``), or dense in tests. The config covers Llama 2/3/3.1, Mistral, Qwen2
+(q/k/v biases) and Qwen3 (per-head q/k norms); weights are random unless loaded with
+``jaxattn.models.from_pretrained``."""
 
 from __future__ import annotations
 
@@ -9,9 +11,21 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 import jaxattn
+
+
+@dataclasses.dataclass(frozen=True)
+class Llama3RopeScaling:
+    """Llama 3.1's rope scaling: long wavelengths are slowed by ``factor``, short ones kept, and
+    the band between ``original_max_position_embeddings / high_freq_factor`` and ``... /
+    low_freq_factor`` interpolated smoothly."""
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position_embeddings: int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -26,6 +40,11 @@ class LlamaConfig:
     rope_theta: float = 500000.0
     norm_eps: float = 1e-5
     dtype: str = "bfloat16"
+    rope_scaling: Llama3RopeScaling | None = None
+    qkv_bias: bool = False           # biases on the q, k and v projections (Qwen2)
+    qk_norm: bool = False            # RMSNorm over head_dim on q and k before RoPE (Qwen3)
+    tie_embeddings: bool = False     # logits use the embedding table; no separate lm_head
+    sliding_window: int | None = None  # every layer's keys ``i-W+1 .. i`` (Mistral)
 
     def replace(self, **changes) -> "LlamaConfig":
         return dataclasses.replace(self, **changes)
@@ -45,51 +64,78 @@ PRESETS: dict[str, LlamaConfig] = {
 AttendFn = Callable[[int, jax.Array, jax.Array, jax.Array], jax.Array]
 
 
-def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
-    """Rotary embedding (half-split convention). x: [T, H, D], positions: int32[T]."""
+def rope_frequencies(head_dim: int, theta: float, scaling: Llama3RopeScaling | None = None) -> np.ndarray:
+    """Rotary inverse frequencies float32[head_dim // 2] (in float64 before the cast, so they
+    are the correctly rounded values)."""
+    inv_freq = theta ** (-np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    if scaling is not None:
+        wavelen = 2 * np.pi / inv_freq
+        context = scaling.original_max_position_embeddings
+        # 0 at the low-frequency edge (wavelen = context / low_freq_factor), 1 at the high one
+        smooth = (context / wavelen - scaling.low_freq_factor) / (scaling.high_freq_factor - scaling.low_freq_factor)
+        smooth = np.clip(smooth, 0.0, 1.0)
+        inv_freq = (1 - smooth) * inv_freq / scaling.factor + smooth * inv_freq
+    return inv_freq.astype(np.float32)
+
+
+def rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.Array:
+    """Rotary embedding, half-split convention (dimension ``j`` pairs with ``j + D/2``, as in
+    Hugging Face's ``rotate_half``). x: [T, H, D], positions: int32[T], inv_freq: [D/2]."""
     half = x.shape[-1] // 2
-    freq = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
-    angle = positions[:, None, None].astype(jnp.float32) * freq
+    angle = positions[:, None, None].astype(jnp.float32) * jnp.asarray(inv_freq)
     x1, x2 = x[..., :half].astype(jnp.float32), x[..., half:].astype(jnp.float32)
     cos, sin = jnp.cos(angle), jnp.sin(angle)
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1).astype(x.dtype)
 
 
-def _linear(cfg: LlamaConfig, fan_in: int, fan_out: int, rngs: nnx.Rngs) -> nnx.Linear:
-    return nnx.Linear(fan_in, fan_out, use_bias=False, dtype=cfg.dtype, param_dtype=cfg.dtype, rngs=rngs,
+def _linear(cfg: LlamaConfig, fan_in: int, fan_out: int, rngs: nnx.Rngs, bias: bool = False) -> nnx.Linear:
+    return nnx.Linear(fan_in, fan_out, use_bias=bias, dtype=cfg.dtype, param_dtype=cfg.dtype, rngs=rngs,
                       kernel_init=nnx.initializers.normal(fan_in ** -0.5))
+
+
+def _rms_norm(cfg: LlamaConfig, size: int, rngs: nnx.Rngs) -> nnx.RMSNorm:
+    return nnx.RMSNorm(size, epsilon=cfg.norm_eps, dtype=cfg.dtype, param_dtype=cfg.dtype, rngs=rngs)
 
 
 class Attention(nnx.Module):
     def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs):
         self.cfg = cfg
-        self.qkv = _linear(cfg, cfg.dim, (cfg.num_q_heads + 2 * cfg.num_kv_heads) * cfg.head_dim, rngs)
-        self.out = _linear(cfg, cfg.num_q_heads * cfg.head_dim, cfg.dim, rngs)
+        self.q_proj = _linear(cfg, cfg.dim, cfg.num_q_heads * cfg.head_dim, rngs, cfg.qkv_bias)
+        self.k_proj = _linear(cfg, cfg.dim, cfg.num_kv_heads * cfg.head_dim, rngs, cfg.qkv_bias)
+        self.v_proj = _linear(cfg, cfg.dim, cfg.num_kv_heads * cfg.head_dim, rngs, cfg.qkv_bias)
+        self.o_proj = _linear(cfg, cfg.num_q_heads * cfg.head_dim, cfg.dim, rngs)
+        if cfg.qk_norm:
+            self.q_norm = _rms_norm(cfg, cfg.head_dim, rngs)
+            self.k_norm = _rms_norm(cfg, cfg.head_dim, rngs)
 
     def __call__(self, x: jax.Array, positions: jax.Array, attend: Callable) -> jax.Array:
+        """x: [T, dim], positions: int32[T] -> [T, dim]."""
         cfg = self.cfg
-        qkv = self.qkv(x).reshape(x.shape[0], -1, cfg.head_dim)
-        q, k, v = jnp.split(qkv, [cfg.num_q_heads, cfg.num_q_heads + cfg.num_kv_heads], axis=1)
-        q, k = rope(q, positions, cfg.rope_theta), rope(k, positions, cfg.rope_theta)
-        return self.out(attend(q, k, v).reshape(x.shape[0], -1))
+        q = self.q_proj(x).reshape(x.shape[0], cfg.num_q_heads, cfg.head_dim)
+        k = self.k_proj(x).reshape(x.shape[0], cfg.num_kv_heads, cfg.head_dim)
+        v = self.v_proj(x).reshape(x.shape[0], cfg.num_kv_heads, cfg.head_dim)
+        if cfg.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        inv_freq = rope_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+        q, k = rope(q, positions, inv_freq), rope(k, positions, inv_freq)
+        return self.o_proj(attend(q, k, v).reshape(x.shape[0], -1))
 
 
 class MLP(nnx.Module):
     def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs):
-        self.gate_up = _linear(cfg, cfg.dim, 2 * cfg.hidden_dim, rngs)
-        self.down = _linear(cfg, cfg.hidden_dim, cfg.dim, rngs)
+        self.gate_proj = _linear(cfg, cfg.dim, cfg.hidden_dim, rngs)
+        self.up_proj = _linear(cfg, cfg.dim, cfg.hidden_dim, rngs)
+        self.down_proj = _linear(cfg, cfg.hidden_dim, cfg.dim, rngs)
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        gate, up = jnp.split(self.gate_up(x), 2, axis=-1)
-        return self.down(jax.nn.silu(gate) * up)
+        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class Block(nnx.Module):
     def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs):
-        norm = dict(epsilon=cfg.norm_eps, dtype=cfg.dtype, param_dtype=cfg.dtype, rngs=rngs)
-        self.attn_norm = nnx.RMSNorm(cfg.dim, **norm)
+        self.attn_norm = _rms_norm(cfg, cfg.dim, rngs)
         self.attn = Attention(cfg, rngs)
-        self.mlp_norm = nnx.RMSNorm(cfg.dim, **norm)
+        self.mlp_norm = _rms_norm(cfg, cfg.dim, rngs)
         self.mlp = MLP(cfg, rngs)
 
     def __call__(self, x: jax.Array, positions: jax.Array, attend: Callable) -> jax.Array:
@@ -104,8 +150,9 @@ class Llama(nnx.Module):
         self.cfg = cfg
         self.embed = nnx.Embed(cfg.vocab_size, cfg.dim, dtype=cfg.dtype, param_dtype=cfg.dtype, rngs=rngs)
         self.layers = nnx.List([Block(cfg, rngs) for _ in range(cfg.num_layers)])
-        self.norm = nnx.RMSNorm(cfg.dim, epsilon=cfg.norm_eps, dtype=cfg.dtype, param_dtype=cfg.dtype, rngs=rngs)
-        self.lm_head = _linear(cfg, cfg.dim, cfg.vocab_size, rngs)
+        self.norm = _rms_norm(cfg, cfg.dim, rngs)
+        if not cfg.tie_embeddings:
+            self.lm_head = _linear(cfg, cfg.dim, cfg.vocab_size, rngs)
 
     def hidden(self, tokens: jax.Array, positions: jax.Array, attend: AttendFn) -> jax.Array:
         """Final normalized hidden states ``[T, dim]``."""
@@ -115,7 +162,9 @@ class Llama(nnx.Module):
         return self.norm(x)
 
     def logits(self, hidden: jax.Array) -> jax.Array:
-        return self.lm_head(hidden).astype(jnp.float32)
+        """``[T, dim]`` -> float32 ``[T, vocab]``."""
+        head = self.embed.attend if self.cfg.tie_embeddings else self.lm_head
+        return head(hidden).astype(jnp.float32)
 
     def init_caches(self, num_pages: int, page_size: int, layout: str = "HND", dtype=None) -> list[jaxattn.KVCache]:
         """One zeroed KV cache per layer (``dtype`` defaults to the model's)."""
@@ -132,6 +181,7 @@ def forward_paged(model: Llama, tokens: jax.Array, caches: list[jaxattn.KVCache]
 
     def attend(layer: int, q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
         new_caches[layer] = new_caches[layer].write(k, v, slots)
-        return jaxattn.paged_attention(q, new_caches[layer], meta, backend=backend)
+        return jaxattn.paged_attention(q, new_caches[layer], meta, sliding_window=model.cfg.sliding_window,
+                                       backend=backend)
 
     return model.hidden(tokens, meta.positions(tokens.shape[0]), attend), new_caches

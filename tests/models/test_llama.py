@@ -10,11 +10,18 @@ import numpy as np
 from flax import nnx
 
 import jaxattn
-from jaxattn.models.llama import PRESETS, Llama, forward_paged
+from jaxattn.models.llama import PRESETS, AttendFn, Llama, forward_paged
 
 
-def _dense_attend(layer, q, k, v):
-    return jax.nn.dot_product_attention(q[None], k[None], v[None], is_causal=True)[0]  # T == S: no offset
+def dense_attend(sliding_window: int | None = None) -> AttendFn:
+    """Causal attention over the whole sequence (T == S: no offset), no paging."""
+    local_window = None if sliding_window is None else (sliding_window - 1, 0)
+
+    def attend(layer: int, q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+        return jax.nn.dot_product_attention(q[None], k[None], v[None], is_causal=True,
+                                            local_window_size=local_window)[0]
+
+    return attend
 
 
 @functools.partial(jax.jit, static_argnums=0)
@@ -22,14 +29,15 @@ def _dense_next_token(graphdef: nnx.GraphDef, state: nnx.State, tokens: jax.Arra
     """Greedy next token after ``tokens[:length]``; tokens past ``length`` are padding that the
     causal mask keeps out of earlier rows."""
     model = nnx.merge(graphdef, state)
-    hidden = model.hidden(tokens, jnp.arange(tokens.shape[0], dtype=jnp.int32), _dense_attend)
+    hidden = model.hidden(tokens, jnp.arange(tokens.shape[0], dtype=jnp.int32), dense_attend(model.cfg.sliding_window))
     return jnp.argmax(model.logits(hidden[length - 1]))
 
 
 @functools.partial(jax.jit, static_argnums=0)
-def _dense_hidden(graphdef: nnx.GraphDef, state: nnx.State, tokens: jax.Array) -> jax.Array:
+def dense_hidden(graphdef: nnx.GraphDef, state: nnx.State, tokens: jax.Array) -> jax.Array:
+    """The model's final hidden states ``[T, dim]`` for one whole sequence, attended densely."""
     model = nnx.merge(graphdef, state)
-    return model.hidden(tokens, jnp.arange(tokens.shape[0], dtype=jnp.int32), _dense_attend)
+    return model.hidden(tokens, jnp.arange(tokens.shape[0], dtype=jnp.int32), dense_attend(model.cfg.sliding_window))
 
 
 def dense_greedy(model: Llama, prompt: np.ndarray, new_tokens: int, max_len: int = 64) -> list[int]:
@@ -58,6 +66,6 @@ def test_paged_step_matches_dense_forward():
     hidden, _ = paged(*nnx.split(model), jnp.asarray(tokens), caches, meta, slots)
     start = 0
     for n in lens:
-        dense = _dense_hidden(*nnx.split(model), jnp.asarray(tokens[start:start + n]))
+        dense = dense_hidden(*nnx.split(model), jnp.asarray(tokens[start:start + n]))
         np.testing.assert_allclose(hidden[start:start + n], dense, rtol=2e-5, atol=2e-5)
         start += n

@@ -1,0 +1,150 @@
+"""from_pretrained against transformers: tiny random checkpoints written locally by transformers
+load into the same logits (dense forward) and the same greedy tokens (Engine, paged, chunked
+prefill + decodes) as transformers' own model; unsupported configs are refused by field."""
+
+from __future__ import annotations
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS  # noqa: E402
+
+from jaxattn.engine import Engine  # noqa: E402
+from jaxattn.models import from_pretrained  # noqa: E402
+from jaxattn.models.hf import llama_config_from_hf  # noqa: E402
+from jaxattn.models.llama import PRESETS, Llama, Llama3RopeScaling, rope_frequencies  # noqa: E402
+from tests.models.test_llama import dense_hidden  # noqa: E402
+from tests.paged_inputs import rel_error  # noqa: E402
+
+VOCAB = 128
+_SHAPES = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+               num_key_value_heads=2, max_position_embeddings=256)
+_LLAMA3_ROPE = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                    original_max_position_embeddings=16)  # short, so that the scaled band covers test positions
+# name: (transformers config class, its arguments beyond _SHAPES, save_pretrained arguments)
+CHECKPOINTS = {
+    "llama": ("LlamaConfig", {}, {}),
+    "llama3-rope-sharded": ("LlamaConfig", dict(rope_scaling=_LLAMA3_ROPE, rope_theta=500000.0),
+                            dict(max_shard_size="50KB")),
+    "mistral-sliding-window": ("MistralConfig", dict(sliding_window=8, head_dim=32), {}),
+    "qwen2-tied": ("Qwen2Config", dict(tie_word_embeddings=True), {}),
+    "qwen3": ("Qwen3Config", dict(head_dim=16, num_hidden_layers=3), {}),
+}
+PROMPT_LENS = (5, 23, 12, 40)
+NEW_TOKENS = 32
+
+
+@pytest.fixture(scope="module", params=list(CHECKPOINTS))
+def checkpoint(request, tmp_path_factory) -> tuple[torch.nn.Module, Llama]:
+    """(transformers model, the same checkpoint loaded with from_pretrained) in float32."""
+    config_class, changes, save = CHECKPOINTS[request.param]
+    config = getattr(transformers, config_class)(**{**_SHAPES, **changes})
+    torch.manual_seed(0)
+    reference = transformers.AutoModelForCausalLM.from_config(config).to(torch.float32).eval()
+    path = tmp_path_factory.mktemp(request.param)
+    reference.save_pretrained(path, safe_serialization=True, **save)
+    return reference, from_pretrained(str(path), dtype="float32")
+
+
+def _prompts() -> list[np.ndarray]:
+    rng = np.random.default_rng(0)
+    return [rng.integers(0, VOCAB, size=n).astype(np.int32) for n in PROMPT_LENS]
+
+
+def test_dense_logits_match_transformers(checkpoint):
+    reference, model = checkpoint
+    tokens = np.random.default_rng(1).integers(0, VOCAB, size=max(PROMPT_LENS))  # every position, one compile
+    with torch.no_grad():
+        expected = reference(torch.from_numpy(tokens)[None]).logits[0].numpy()
+    hidden = dense_hidden(*nnx.split(model), jnp.asarray(tokens, jnp.int32))
+    assert rel_error(model.logits(hidden), expected) <= 1e-4
+
+
+def test_engine_greedy_tokens_match_generate(checkpoint):
+    reference, model = checkpoint
+    reference.generation_config.eos_token_id = None  # generate exactly NEW_TOKENS, as the engine does
+    # fewer slots than requests, prompts longer than a chunk: chunked prefill beside decodes
+    engine = Engine(model, max_seqs=3, max_seq_len=max(PROMPT_LENS) + NEW_TOKENS, page_size=8, chunk_size=16,
+                    backend="xla")
+    requests = [engine.add_request(prompt, NEW_TOKENS) for prompt in _prompts()]
+    engine.run()
+    for request in requests:
+        prompt = torch.from_numpy(request.prompt.astype(np.int64))[None]
+        with torch.no_grad():
+            expected = reference.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=False,
+                                          max_new_tokens=NEW_TOKENS, pad_token_id=0)[0, prompt.shape[1]:]
+        assert request.output == expected.tolist(), request.id
+
+
+_QWEN2 = dict(model_type="qwen2", vocab_size=8, hidden_size=8, num_hidden_layers=1, num_attention_heads=2,
+              intermediate_size=16)
+
+
+@pytest.mark.parametrize("field, value", [
+    ("model_type", "gpt2"),
+    ("hidden_act", "gelu"),
+    ("rope_scaling", {"rope_type": "yarn", "factor": 4.0}),
+    ("use_sliding_window", True),
+    ("mlp_bias", True),
+])
+def test_unsupported_config_fields_are_named(field, value):
+    with pytest.raises(ValueError, match=field):
+        llama_config_from_hf({**_QWEN2, field: value}, "float32")
+
+
+def test_attention_bias_outside_qwen2_is_refused():
+    with pytest.raises(ValueError, match="attention_bias"):
+        llama_config_from_hf({**_QWEN2, "model_type": "llama", "attention_bias": True}, "float32")
+
+
+def test_mesh_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="mesh is not supported yet"):
+        from_pretrained(str(tmp_path), mesh=jax.make_mesh((1,), ("tp",)))
+
+
+def test_missing_config_fields_are_named():
+    with pytest.raises(ValueError, match="intermediate_size"):
+        llama_config_from_hf({k: v for k, v in _QWEN2.items() if k != "intermediate_size"}, "float32")
+
+
+def _write_checkpoint(path, tensors: dict[str, np.ndarray]) -> str:
+    from safetensors.numpy import save_file
+
+    (path / "config.json").write_text(json.dumps(_QWEN2))
+    save_file(tensors, str(path / "model.safetensors"))
+    return str(path)
+
+
+def test_bad_tensors_are_named(tmp_path):
+    embed = np.zeros((_QWEN2["vocab_size"], _QWEN2["hidden_size"]), np.float32)
+    with pytest.raises(ValueError, match="tensors missing .*model.norm.weight"):
+        from_pretrained(_write_checkpoint(tmp_path, {"model.embed_tokens.weight": embed}))
+    with pytest.raises(ValueError, match="'model.embed_tokens.weight' .* has shape \\(8, 4\\), expected \\(8, 8\\)"):
+        from_pretrained(_write_checkpoint(tmp_path, {"model.embed_tokens.weight": embed[:, :4]}))
+    with pytest.raises(ValueError, match="unexpected tensor 'model.extra'"):
+        from_pretrained(_write_checkpoint(tmp_path, {"model.extra": embed}))
+
+
+# Llama-3.1-8B's config.json as transformers 4 wrote it (rope_theta and rope_scaling at the top level)
+_LLAMA31_8B = dict(model_type="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+                   num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, rms_norm_eps=1e-5,
+                   rope_theta=500000.0, max_position_embeddings=131072, tie_word_embeddings=False,
+                   rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                                     original_max_position_embeddings=8192))
+
+
+def test_llama31_config_and_rope_frequencies_match_transformers():
+    cfg = llama_config_from_hf(_LLAMA31_8B, "bfloat16")
+    assert cfg == PRESETS["llama3-8b"].replace(rope_scaling=Llama3RopeScaling(8.0, 1.0, 4.0, 8192))
+    hf_config = transformers.LlamaConfig(**{k: v for k, v in _LLAMA31_8B.items() if k != "model_type"})
+    expected, _ = ROPE_INIT_FUNCTIONS["llama3"](hf_config, "cpu")
+    np.testing.assert_allclose(rope_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling), expected.numpy(),
+                               rtol=1e-6)
