@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import math
 import numbers
@@ -15,6 +16,7 @@ from jaxattn.backends import AttentionParams
 from jaxattn.backends.trtllm import MAX_SPEC_Q_LEN, SPEC_TILE_ROWS
 from jaxattn.kv_cache import KVCache
 from jaxattn.metadata import AttentionMetadata
+from jaxattn.sharding import shard_by_heads
 
 logger = logging.getLogger("jaxattn")
 _Q_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
@@ -53,6 +55,13 @@ def paged_attention(
                          softcap=softcap, sinks=sinks, backend=backend)
     if sinks is not None:
         sinks = sinks.astype(jnp.float32)
+    # Under head sharding this runs once per shard, on its local heads (jaxattn.sharding).
+    return shard_by_heads(functools.partial(_run_plan, params, backend), q, cache, meta, sinks)
+
+
+def _run_plan(params: AttentionParams, backend: str, q: jax.Array, cache: KVCache, meta: AttentionMetadata,
+              sinks: jax.Array | None) -> jax.Array:
+    """Plans the backends on these (per-shard) shapes and runs them: ``[T, Hq, D]``."""
     plan = plan_backends(q, cache, meta, params, backend)
     if plan.decode is None:
         return backends.get(plan.main).attention(q, cache, meta, params, sinks)
