@@ -218,8 +218,7 @@ def _check_pool_sharding(sharding: NamedSharding, layout: Layout, num_kv_heads: 
     axis = kv_head_axis(layout)
     if len(spec) != 4 or any(entry is not None for i, entry in enumerate(spec) if i != axis):
         raise ValueError(f"KVCache.create: sharding may split only the KV-head axis of {layout} pages "
-                         f"(pool_sharding(mesh, axis, {layout!r}) = {pool_sharding(sharding.mesh, 'axis', layout).spec}), "
-                         f"got {sharding.spec}")
+                         f"(dimension {axis}, as pool_sharding(mesh, axis, {layout!r}) does), got {sharding.spec}")
     shape = (1, num_kv_heads, 1, 1) if axis == 1 else (1, 1, num_kv_heads, 1)
     try:
         sharding.shard_shape(shape)

@@ -67,7 +67,7 @@ def shard_by_heads(attend: Attend, q: jax.Array, cache: KVCache, meta: Attention
     partitioned.def_partition(
         partition=partition,
         infer_sharding_from_operands=_infer_output_sharding,
-        sharding_rule=_sharding_rule(roles, leaves, q.shape[1] // cache.num_kv_heads, cache.layout),
+        sharding_rule=_sharding_rule(roles, leaves, q.shape[1], cache),
     )
     return partitioned(*leaves)
 
@@ -92,21 +92,27 @@ def _roles(cache: KVCache, meta: AttentionMetadata, sinks: jax.Array | None) -> 
     return ("q", *pools, *["meta"] * len(jax.tree.leaves(meta)), *(["sinks"] if sinks is not None else []))
 
 
-def _sharding_rule(roles: tuple[str, ...], leaves: list[jax.Array], group: int, layout: str) -> SdyShardingRule:
+def _sharding_rule(roles: tuple[str, ...], leaves: list[jax.Array], num_q_heads: int,
+                   cache: KVCache) -> SdyShardingRule:
     """Shardy's rule: query heads ``(k g)`` are KV heads ``k`` times the group ``g``, so a sharding
     of q's or the pool's head axis propagates to the other and to the output; every other
     dimension is a factor of its own."""
-    heads = CompoundFactor("k", "g") if group > 1 else "k"
+    group = num_q_heads // cache.num_kv_heads
+    if group == 1 or cache.num_kv_heads == 1:  # Shardy rejects size-1 factors in a compound
+        heads = "k" if group == 1 else "g"
+    else:
+        heads = CompoundFactor("k", "g")
     mappings = {
         "q": ArrayMapping("t", heads, "d"),
-        "pool": ArrayMapping("p", "k", "s", "d") if layout == "HND" else ArrayMapping("p", "s", "k", "d"),
+        "pool": ArrayMapping("p", "k", "s", "d") if cache.layout == "HND" else ArrayMapping("p", "s", "k", "d"),
         "scale": ArrayMapping(),
         "sinks": ArrayMapping(heads),
     }
     operands = tuple(
         ArrayMapping(*(f"m{i}_{dim}" for dim in range(leaf.ndim))) if role == "meta" else mappings[role]
         for i, (role, leaf) in enumerate(zip(roles, leaves)))
-    return SdyShardingRule(operands, (mappings["q"],), **({"g": group} if group > 1 else {}))
+    compound = isinstance(heads, CompoundFactor)
+    return SdyShardingRule(operands, (mappings["q"],), **({"g": group} if compound else {}))
 
 
 def _infer_output_sharding(mesh: Mesh, arg_shapes: tuple, result_shape) -> jax.sharding.Sharding:
@@ -136,6 +142,13 @@ def _head_axes(mesh: Mesh, shapes, roles: tuple[str, ...], cache: KVCache) -> Me
     if q_spec[0] is not None or q_spec[2] is not None:
         raise ValueError(f"paged_attention under sharding: q may be sharded only on its head axis "
                          f"(supported: {_SUPPORTED}), got q {PartitionSpec(*q_spec)}")
+    num_shards = _num_shards(mesh, axes)
+    if cache.num_kv_heads % num_shards:
+        raise ValueError(f"paged_attention under sharding: the cache's num_kv_heads ({cache.num_kv_heads}) "
+                         f"must be a multiple of the head shards ({num_shards} over mesh axes {axes!r}) so "
+                         f"each shard holds whole query groups; with more shards than KV heads, create the "
+                         f"cache with num_kv_heads={num_shards} and write jaxattn.sharding.replicate_kv_heads(k, "
+                         f"{num_shards}) (and v)")
     for role, shape in zip(roles, shapes):
         if role not in ("pool", "sinks"):
             continue
@@ -145,13 +158,6 @@ def _head_axes(mesh: Mesh, shapes, roles: tuple[str, ...], cache: KVCache) -> Me
             raise ValueError(f"paged_attention under sharding: {name} must be sharded like q's heads, "
                              f"{expected} for q {PartitionSpec(*q_spec)} (supported: {_SUPPORTED}), "
                              f"got {PartitionSpec(*spec)}")
-    num_shards = _num_shards(mesh, axes)
-    if cache.num_kv_heads % num_shards:
-        raise ValueError(f"paged_attention under sharding: the cache's num_kv_heads ({cache.num_kv_heads}) "
-                         f"must be a multiple of the head shards ({num_shards} over mesh axes {axes!r}) so "
-                         f"each shard holds whole query groups; with more shards than KV heads, create the "
-                         f"cache with num_kv_heads={num_shards} and write jaxattn.sharding.replicate_kv_heads(k, "
-                         f"{num_shards}) (and v)")
     return axes
 
 
