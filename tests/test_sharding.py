@@ -137,6 +137,41 @@ def check_sharded_cache_writes_in_place() -> None:
                                               np.asarray(getattr(expected, name).astype(jnp.float32)), err_msg=where)
 
 
+def check_serving_step_has_no_collectives() -> None:
+    """README's sharded step (page allocation, KV writes, attention in one donated jit) on Auto
+    and Explicit mesh axes: output sharded like q, the pools stay sharded, no collectives, and
+    the same output as the unsharded step."""
+    num_devices = jax.device_count()
+
+    def step(q, cache, table, k, v, seq_ids, q_lens):
+        table, _ = table.extend(seq_ids, table.seq_lens[jnp.maximum(seq_ids, 0)] + q_lens)
+        cache = cache.write(k, v, table.slot_mapping(seq_ids, q_lens, q.shape[0]))
+        return jaxattn.paged_attention(q, cache, table.metadata(seq_ids, q_lens)), cache, table
+
+    rng = np.random.default_rng(6)
+    q, k, v = (jnp.asarray(rng.normal(size=(8, heads, 16)), jnp.float32)
+               for heads in (2 * num_devices, num_devices, num_devices))
+    seq_ids, q_lens = jnp.asarray([0, 1, -1], jnp.int32), jnp.asarray([1, 5, 0], jnp.int32)
+
+    def fresh(sharding=None):
+        return (jaxattn.KVCache.create(16, 4, num_devices, 16, dtype=jnp.float32, sharding=sharding),
+                jaxattn.PageTable.create(num_pages=16, max_seqs=3, max_pages_per_seq=4, page_size=4))
+
+    expected, _, _ = jax.jit(step)(q, *fresh(), k, v, seq_ids, q_lens)
+    for axis_type in (AxisType.Auto, AxisType.Explicit):
+        mesh = jax.make_mesh((num_devices,), ("tp",), axis_types=(axis_type,))
+        pools = pool_sharding(mesh, "tp")
+        heads = NamedSharding(mesh, P(None, "tp", None))
+        sharded_step = jax.jit(step, donate_argnums=(1, 2))
+        args = (jax.device_put(q, heads), *fresh(pools), jax.device_put(k, heads), jax.device_put(v, heads),
+                seq_ids, q_lens)
+        hlo = sharded_step.lower(*args).compile().as_text()
+        assert not collectives(hlo), (axis_type, collectives(hlo))
+        out, cache, _ = sharded_step(*args)
+        assert out.sharding.is_equivalent_to(heads, 3) and cache.k_pages.sharding.is_equivalent_to(pools, 4)
+        np.testing.assert_allclose(np.asarray(out), np.asarray(expected), rtol=1e-6, atol=1e-6, err_msg=str(axis_type))
+
+
 def check_unsupported_shardings_raise() -> None:
     """Each unsupported sharding raises ValueError naming the argument and the supported
     shardings: at trace time with Explicit mesh axes, when XLA partitions with Auto ones."""
@@ -185,7 +220,8 @@ def check_unsupported_shardings_raise() -> None:
 
 @pytest.mark.parametrize("num_devices", [2, 4])
 @pytest.mark.parametrize("check", ["check_sharded_matches_unsharded", "check_replicated_kv_heads",
-                                   "check_sharded_cache_writes_in_place", "check_unsupported_shardings_raise"])
+                                   "check_sharded_cache_writes_in_place", "check_serving_step_has_no_collectives",
+                                   "check_unsupported_shardings_raise"])
 def test_on_cpu_devices(check, num_devices):
     run_on_cpu_devices(num_devices, f"from tests.test_sharding import {check}; {check}()")
 
