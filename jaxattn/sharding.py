@@ -47,29 +47,39 @@ def shard_by_heads(attend: Attend, q: jax.Array, cache: KVCache, meta: Attention
     """
     if jax.device_count() == 1:
         return attend(q, cache, meta, sinks)
-    args = (q, cache, meta, sinks)
-    leaves, treedef = jax.tree.flatten(args)
-    roles = _roles(cache, meta, sinks)
+    leaves, treedef = jax.tree.flatten((q, cache, meta, sinks))
     typed_mesh = jax.typeof(q).sharding.mesh
     if not typed_mesh.empty and all(axis_type == AxisType.Explicit for axis_type in typed_mesh.axis_types):
-        _head_axes(typed_mesh, [_typed_shape(leaf) for leaf in leaves], roles, cache)
+        _head_axes(typed_mesh, [_typed_shape(leaf) for leaf in leaves], _roles(cache, meta, sinks, 0), cache)
 
     def attend_leaves(*leaves: jax.Array) -> jax.Array:
         return attend(*jax.tree.unflatten(treedef, leaves))
 
+    # custom_partitioning traces its function once more and refuses constants captured there
+    # (arrays a backend builds from NumPy): they become operands of the call, replicated.
+    traced = jax.make_jaxpr(attend_leaves)(*leaves)
+    consts = list(traced.consts)
+    roles = _roles(cache, meta, sinks, len(consts))
+
+    def attend_operands(*operands: jax.Array) -> jax.Array:
+        return jax.core.eval_jaxpr(traced.jaxpr, operands[len(leaves):], *operands[:len(leaves)])[0]
+
+    def per_shard(*operands: jax.Array) -> jax.Array:
+        return attend_leaves(*operands[:len(leaves)])
+
     def partition(mesh: Mesh, arg_shapes: tuple, result_shape):
         del result_shape
         axes = _head_axes(mesh, arg_shapes, roles, cache)
-        return mesh, attend_leaves, _head_sharding(mesh, "q", axes, cache), tuple(
+        return mesh, per_shard, _head_sharding(mesh, "q", axes, cache), tuple(
             _head_sharding(mesh, role, axes, cache) for role in roles)
 
-    partitioned = custom_partitioning(attend_leaves)
+    partitioned = custom_partitioning(attend_operands)
     partitioned.def_partition(
         partition=partition,
         infer_sharding_from_operands=_infer_output_sharding,
-        sharding_rule=_sharding_rule(roles, leaves, q.shape[1], cache),
+        sharding_rule=_sharding_rule(roles, leaves + consts, q.shape[1], cache),
     )
-    return partitioned(*leaves)
+    return partitioned(*leaves, *consts)
 
 
 def replicate_kv_heads(kv: jax.Array, num_shards: int) -> jax.Array:
@@ -85,18 +95,19 @@ def replicate_kv_heads(kv: jax.Array, num_shards: int) -> jax.Array:
     return jnp.repeat(kv, num_shards // num_kv_heads, axis=1)
 
 
-def _roles(cache: KVCache, meta: AttentionMetadata, sinks: jax.Array | None) -> tuple[str, ...]:
-    """What each leaf of ``(q, cache, meta, sinks)`` is: "q", "pool" (K or V pages), "scale"
-    (FP8 scales), "meta" (metadata arrays) or "sinks"."""
+def _roles(cache: KVCache, meta: AttentionMetadata, sinks: jax.Array | None, num_consts: int) -> tuple[str, ...]:
+    """What each operand ``(q, cache, meta, sinks)`` leaves, then constants, is: "q", "pool" (K or
+    V pages), "scale" (FP8 scales), "meta" (metadata arrays), "sinks" or "const"."""
     pools = ["pool" if leaf.ndim == 4 else "scale" for leaf in jax.tree.leaves(cache)]
-    return ("q", *pools, *["meta"] * len(jax.tree.leaves(meta)), *(["sinks"] if sinks is not None else []))
+    return ("q", *pools, *["meta"] * len(jax.tree.leaves(meta)), *(["sinks"] if sinks is not None else []),
+            *["const"] * num_consts)
 
 
 def _sharding_rule(roles: tuple[str, ...], leaves: list[jax.Array], num_q_heads: int,
                    cache: KVCache) -> SdyShardingRule:
     """Shardy's rule: query heads ``(k g)`` are KV heads ``k`` times the group ``g``, so a sharding
     of q's or the pool's head axis propagates to the other and to the output; every other
-    dimension is a factor of its own."""
+    dimension (tokens, head_dim, pages, metadata, constants) is a factor of its own."""
     group = num_q_heads // cache.num_kv_heads
     if group == 1 or cache.num_kv_heads == 1:  # Shardy rejects size-1 factors in a compound
         heads = "k" if group == 1 else "g"
@@ -109,7 +120,7 @@ def _sharding_rule(roles: tuple[str, ...], leaves: list[jax.Array], num_q_heads:
         "sinks": ArrayMapping(heads),
     }
     operands = tuple(
-        ArrayMapping(*(f"m{i}_{dim}" for dim in range(leaf.ndim))) if role == "meta" else mappings[role]
+        ArrayMapping(*(f"m{i}_{dim}" for dim in range(leaf.ndim))) if role in ("meta", "const") else mappings[role]
         for i, (role, leaf) in enumerate(zip(roles, leaves)))
     compound = isinstance(heads, CompoundFactor)
     return SdyShardingRule(operands, (mappings["q"],), **({"g": group} if compound else {}))
@@ -123,8 +134,8 @@ def _infer_output_sharding(mesh: Mesh, arg_shapes: tuple, result_shape) -> jax.s
 
 
 def _head_sharding(mesh: Mesh, role: str, axes: MeshAxes, cache: KVCache) -> NamedSharding:
-    """The per-shard layout of a leaf: q (and the output) and sinks split on heads over ``axes``,
-    the pools on KV heads, scales and metadata replicated."""
+    """The per-shard layout of an operand: q (and the output) and sinks split on heads over
+    ``axes``, the pools on KV heads, scales, metadata and constants replicated."""
     if role == "q":
         return NamedSharding(mesh, PartitionSpec(None, axes, None))
     if role == "pool":

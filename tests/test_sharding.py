@@ -9,6 +9,7 @@ backend sharded over 2 GPUs with the same call on one GPU.
 
 from __future__ import annotations
 
+import functools
 import os
 import subprocess
 import sys
@@ -22,7 +23,7 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import jaxattn
 from jaxattn.kv_cache import pool_sharding
-from jaxattn.sharding import replicate_kv_heads
+from jaxattn.sharding import replicate_kv_heads, shard_by_heads
 from tests.paged_inputs import TOLERANCE, make_problem, rel_error
 from tests.xla_dump import REPO
 
@@ -102,6 +103,25 @@ def check_replicated_kv_heads() -> None:
     problem.cache = jaxattn.KVCache(*pages, layout="NHD")
     q, cache, _ = head_sharded(mesh, problem, jnp.zeros(2 * num_devices))
     out = jax.jit(jaxattn.paged_attention)(q, cache, problem.meta)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(expected), rtol=1e-6, atol=1e-6)
+
+
+def check_backend_constants() -> None:
+    """A backend that builds arrays from NumPy (constants of its trace, as trtllm's scales are)
+    runs per shard too: shard_by_heads passes them to the partitioned call as operands."""
+    num_devices = jax.device_count()
+    mesh = jax.make_mesh((num_devices,), ("tp",), axis_types=(AxisType.Auto,))
+    problem = make_problem(np.random.default_rng(2), q_lens=[1, 6], kv_lens=[20, 11], num_q_heads=2 * num_devices,
+                           num_kv_heads=num_devices, head_dim=16, page_size=4)
+
+    def attend(q, cache, meta, sinks):
+        out = jaxattn.paged_attention(q, cache, meta, sinks=sinks, backend="xla")
+        return out * jnp.asarray(np.full(q.shape[1:], 2.0, np.float32))
+
+    sinks = jnp.linspace(-1.0, 1.0, 2 * num_devices, dtype=jnp.float32)
+    expected = attend(problem.q, problem.cache, problem.meta, sinks)
+    q, cache, sinks_sharded = head_sharded(mesh, problem, sinks)
+    out = jax.jit(functools.partial(shard_by_heads, attend))(q, cache, problem.meta, sinks_sharded)
     np.testing.assert_allclose(np.asarray(out), np.asarray(expected), rtol=1e-6, atol=1e-6)
 
 
@@ -219,7 +239,7 @@ def check_unsupported_shardings_raise() -> None:
 # --------------------------------------------------------------------------------------------- CPU
 
 @pytest.mark.parametrize("num_devices", [2, 4])
-@pytest.mark.parametrize("check", ["check_sharded_matches_unsharded", "check_replicated_kv_heads",
+@pytest.mark.parametrize("check", ["check_sharded_matches_unsharded", "check_replicated_kv_heads", "check_backend_constants",
                                    "check_sharded_cache_writes_in_place", "check_serving_step_has_no_collectives",
                                    "check_unsupported_shardings_raise"])
 def test_on_cpu_devices(check, num_devices):
