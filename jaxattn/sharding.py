@@ -103,7 +103,7 @@ def _roles(cache: KVCache, meta: AttentionMetadata, sinks: jax.Array | None, num
             *["const"] * num_consts)
 
 
-def _sharding_rule(roles: tuple[str, ...], leaves: list[jax.Array], num_q_heads: int,
+def _sharding_rule(roles: tuple[str, ...], operands: list[jax.Array], num_q_heads: int,
                    cache: KVCache) -> SdyShardingRule:
     """Shardy's rule: query heads ``(k g)`` are KV heads ``k`` times the group ``g``, so a sharding
     of q's or the pool's head axis propagates to the other and to the output; every other
@@ -119,11 +119,11 @@ def _sharding_rule(roles: tuple[str, ...], leaves: list[jax.Array], num_q_heads:
         "scale": ArrayMapping(),
         "sinks": ArrayMapping(heads),
     }
-    operands = tuple(
-        ArrayMapping(*(f"m{i}_{dim}" for dim in range(leaf.ndim))) if role in ("meta", "const") else mappings[role]
-        for i, (role, leaf) in enumerate(zip(roles, leaves)))
+    operand_mappings = tuple(
+        ArrayMapping(*(f"m{i}_{dim}" for dim in range(x.ndim))) if role in ("meta", "const") else mappings[role]
+        for i, (role, x) in enumerate(zip(roles, operands)))
     compound = isinstance(heads, CompoundFactor)
-    return SdyShardingRule(operands, (mappings["q"],), **({"g": group} if compound else {}))
+    return SdyShardingRule(operand_mappings, (mappings["q"],), **({"g": group} if compound else {}))
 
 
 def _infer_output_sharding(mesh: Mesh, arg_shapes: tuple, result_shape) -> jax.sharding.Sharding:
