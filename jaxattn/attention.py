@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import math
 
@@ -15,6 +16,7 @@ from jaxattn.backends.trtllm import MAX_SPEC_Q_LEN, SPEC_TILE_ROWS
 from jaxattn.checks import is_int, is_real
 from jaxattn.kv_cache import KVCache
 from jaxattn.metadata import AttentionMetadata
+from jaxattn.sharding import shard_by_heads
 
 logger = logging.getLogger("jaxattn")
 _Q_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
@@ -62,7 +64,8 @@ def paged_attention(
     if sinks is not None:
         sinks = sinks.astype(jnp.float32)
     meta, valid = sanitize(q, cache, meta)
-    out = _dispatch(q, cache, meta, params, sinks, plan_backends(q, cache, meta, params, backend))
+    # Under head sharding this runs once per shard, on its local heads (jaxattn.sharding).
+    out = shard_by_heads(functools.partial(_run_plan, params, backend), q, cache, meta, sinks)
     return (out, valid) if return_status else out
 
 
@@ -77,9 +80,11 @@ def sanitize(q: jax.Array, cache: KVCache, meta: AttentionMetadata) -> tuple[Att
     return meta, valid
 
 
-def _dispatch(q: jax.Array, cache: KVCache, meta: AttentionMetadata, params: AttentionParams,
-              sinks: jax.Array | None, plan: Plan) -> jax.Array:
-    """Runs ``plan`` on sanitized metadata."""
+def _run_plan(params: AttentionParams, backend: str, q: jax.Array, cache: KVCache, meta: AttentionMetadata,
+              sinks: jax.Array | None) -> jax.Array:
+    """Plans the backends on these (per-shard) shapes and runs them on sanitized metadata:
+    ``[T, Hq, D]``."""
+    plan = plan_backends(q, cache, meta, params, backend)
     if plan.decode is None:
         return backends.get(plan.main).attention(q, cache, meta, params, sinks)
     q_dec, meta_dec, meta_rest, num_decodes = split_decodes(q, meta)

@@ -9,6 +9,7 @@ from typing import Literal
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxattn.checks import int_array, is_positive_int, is_real
 
@@ -21,6 +22,21 @@ CACHE_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16, FP8_DTYPE)
 
 def is_fp8(dtype) -> bool:
     return jnp.dtype(dtype) == jnp.dtype(FP8_DTYPE)
+
+
+def kv_head_axis(layout: Layout) -> int:
+    """The KV-head axis of a page pool: 1 in HND ``[N, Hkv, page, D]``, 2 in NHD ``[N, page, Hkv, D]``."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    return 1 if layout == "HND" else 2
+
+
+def pool_sharding(mesh: Mesh, axis: str | tuple[str, ...], layout: Layout = "HND") -> NamedSharding:
+    """The sharding of page pools split by KV heads over mesh ``axis`` (tensor parallelism):
+    ``P(None, axis, None, None)`` for HND, ``P(None, None, axis, None)`` for NHD."""
+    spec = [None] * 4
+    spec[kv_head_axis(layout)] = axis
+    return NamedSharding(mesh, PartitionSpec(*spec))
 
 
 @jax.tree_util.register_dataclass
@@ -55,9 +71,15 @@ class KVCache:
         layout: Layout = "HND",
         k_scale: float | None = None,
         v_scale: float | None = None,
+        sharding: NamedSharding | None = None,
     ) -> "KVCache":
         """A zeroed cache. FP8 caches get scales (default 1.0, positive and finite); other
-        dtypes take none."""
+        dtypes take none.
+
+        ``sharding``: where the pools live, ``pool_sharding(mesh, axis, layout)`` to split them by
+        KV heads over a mesh axis (each device allocates only its heads; the scales are replicated
+        on the same mesh); None: JAX's default device.
+        """
         for name, value in (("num_pages", num_pages), ("page_size", page_size),
                             ("num_kv_heads", num_kv_heads), ("head_dim", head_dim)):
             if not is_positive_int(value):
@@ -70,15 +92,20 @@ class KVCache:
             shape = (num_pages, num_kv_heads, page_size, head_dim)
         else:
             shape = (num_pages, page_size, num_kv_heads, head_dim)
+        scale_device = None
+        if sharding is not None:
+            _check_pool_sharding(sharding, layout, num_kv_heads)
+            scale_device = NamedSharding(sharding.mesh, PartitionSpec())
         if is_fp8(dtype):
             k_scale = jnp.asarray(1.0 if k_scale is None else _checked_scale("KVCache.create", "k_scale", k_scale),
-                                  jnp.float32)
+                                  jnp.float32, device=scale_device)
             v_scale = jnp.asarray(1.0 if v_scale is None else _checked_scale("KVCache.create", "v_scale", v_scale),
-                                  jnp.float32)
+                                  jnp.float32, device=scale_device)
         elif k_scale is not None or v_scale is not None:
             raise ValueError(f"KVCache.create: k_scale/v_scale are only for {jnp.dtype(FP8_DTYPE).name} "
                              f"pages, got dtype={jnp.dtype(dtype).name}")
-        return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), k_scale, v_scale, layout)
+        return cls(jnp.zeros(shape, dtype, device=sharding), jnp.zeros(shape, dtype, device=sharding),
+                   k_scale, v_scale, layout)
 
     @property
     def num_pages(self) -> int:
@@ -154,10 +181,11 @@ class KVCache:
         )
 
     def _scatter(self, pages: jax.Array, page: jax.Array, offset: jax.Array, values: jax.Array) -> jax.Array:
+        # The KV-head axis stays a whole (sliced) dimension of the scatter, so a pool sharded by
+        # KV heads is written per shard without gathering it.
         if self.layout == "NHD":
             return pages.at[page, offset].set(values, mode="drop")
-        heads = jnp.arange(self.num_kv_heads)[None, :]
-        return pages.at[page[:, None], heads, offset[:, None]].set(values, mode="drop")
+        return pages.at[page, :, offset].set(values, mode="drop")
 
     def _quantize(self, x: jax.Array, scale: jax.Array | None) -> jax.Array:
         if not self.is_fp8:
@@ -205,6 +233,24 @@ def _checked_scale(where: str, name: str, scale):
     if not (is_real(value) and math.isfinite(value) and value > 0):
         raise ValueError(f"{where}: {name} must be a positive finite float, got {scale!r}")
     return scale
+
+
+def _check_pool_sharding(sharding: NamedSharding, layout: Layout, num_kv_heads: int) -> None:
+    if not isinstance(sharding, NamedSharding):
+        raise ValueError(f"KVCache.create: sharding must be a jax.sharding.NamedSharding "
+                         f"(jaxattn.kv_cache.pool_sharding(mesh, axis, layout)), got {type(sharding).__name__}")
+    spec = tuple(sharding.spec) + (None,) * (4 - len(sharding.spec))
+    axis = kv_head_axis(layout)
+    if len(spec) != 4 or any(entry is not None for i, entry in enumerate(spec) if i != axis):
+        raise ValueError(f"KVCache.create: sharding may split only the KV-head axis of {layout} pages "
+                         f"(dimension {axis}, as pool_sharding(mesh, axis, {layout!r}) does), got {sharding.spec}")
+    shape = (1, num_kv_heads, 1, 1) if axis == 1 else (1, 1, num_kv_heads, 1)
+    try:
+        sharding.shard_shape(shape)
+    except ValueError as err:
+        raise ValueError(f"KVCache.create: num_kv_heads ({num_kv_heads}) must be a multiple of the number of "
+                         f"shards of {sharding.spec}; with more shards than KV heads, create the cache with "
+                         f"num_kv_heads = the number of shards (jaxattn.sharding.replicate_kv_heads)") from err
 
 
 def _check_tokens(where: str, cache: KVCache, k: jax.Array, v: jax.Array) -> int:

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxattn import KVCache
+from jaxattn import KVCache, kv_cache
 
 
 def _read_slots(cache: KVCache, slots: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -150,3 +150,11 @@ def test_gpu_write_is_in_place_when_donated():
     before = cache.k_pages.unsafe_buffer_pointer()
     out = write(cache, k, k, jax.device_put(jnp.arange(7, dtype=jnp.int32) * 50, gpu))
     assert out.k_pages.unsafe_buffer_pointer() == before
+
+
+def test_create_rejects_shardings_of_other_axes():
+    mesh = jax.make_mesh((1,), ("tp",))
+    with pytest.raises(ValueError, match="sharding may split only the KV-head axis of NHD pages"):
+        KVCache.create(6, 4, 2, 8, layout="NHD", sharding=kv_cache.pool_sharding(mesh, "tp", "HND"))
+    with pytest.raises(ValueError, match="sharding must be a jax.sharding.NamedSharding"):
+        KVCache.create(6, 4, 2, 8, sharding=jax.devices()[0])
