@@ -164,7 +164,8 @@ def check_serving_step_has_no_collectives() -> None:
     num_devices = jax.device_count()
 
     def step(q, cache, table, k, v, seq_ids, q_lens):
-        table, _ = table.extend(seq_ids, table.seq_lens[jnp.maximum(seq_ids, 0)] + q_lens)
+        table, ok = table.extend(seq_ids, table.seq_lens[jnp.maximum(seq_ids, 0)] + q_lens)
+        seq_ids = jnp.where(ok, seq_ids, -1)
         cache = cache.write(k, v, table.slot_mapping(seq_ids, q_lens, q.shape[0]))
         return jaxattn.paged_attention(q, cache, table.metadata(seq_ids, q_lens)), cache, table
 
