@@ -15,11 +15,29 @@ from hypothesis import strategies as st
 
 import jaxattn
 from jaxattn import backends
-from tests.paged_inputs import Problem, reference
+from tests.paged_inputs import Problem, reference, rel_error
 
-BATCH, TOKENS, PAGES_PER_SEQ, PAGE, HKV, HQ, D = 4, 20, 4, 4, 2, 4, 16
-NUM_PAGES = 1 + BATCH * PAGES_PER_SEQ + 3
-BAD_PAGE_IDS = (-1, 0, NUM_PAGES, 2**30)
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    batch: int = 4
+    tokens: int = 20
+    pages_per_seq: int = 4
+    page: int = 4
+    num_kv_heads: int = 2
+    num_q_heads: int = 4
+    head_dim: int = 16
+    dtype: str = "float32"
+
+    @property
+    def num_pages(self) -> int:
+        return 1 + self.batch * self.pages_per_seq + 3
+
+    @property
+    def bad_page_ids(self) -> tuple[int, ...]:
+        return (-1, 0, self.num_pages, 2**30)
+
+
+CPU = Shape()
 FAULTS = ("none", "page", "short", "long")
 
 
@@ -61,35 +79,69 @@ def test_non_finite_fp8_scales_flag_every_sequence():
     assert np.asarray(valid).tolist() == [False, False] and not np.asarray(out).any()
 
 
-def _problem(rng: np.random.Generator, q_lens: list[int], kv_lens: list[int]) -> tuple[Problem, np.ndarray]:
-    """A float32 problem of fixed shapes (one compilation for all examples); every page no
-    sequence owns, page 0 included, holds NaN. Returns it and the pools (float64)."""
-    perm = rng.permutation(np.arange(1, NUM_PAGES))
-    tables = np.zeros((BATCH, PAGES_PER_SEQ), np.int32)
+def _problem(rng: np.random.Generator, q_lens: list[int], kv_lens: list[int], shape: Shape = CPU) -> tuple[Problem, np.ndarray]:
+    """A problem of fixed shapes (one compilation for all examples), HND pages; every page no
+    sequence owns, page 0 included, holds NaN. Returns it and its block tables (numpy)."""
+    perm = rng.permutation(np.arange(1, shape.num_pages))
+    tables = np.zeros((shape.batch, shape.pages_per_seq), np.int32)
     start = 0
     for b, n in enumerate(kv_lens):
-        need = -(-n // PAGE)
+        need = -(-n // shape.page)
         tables[b, :need] = perm[start:start + need]
         start += need
-    owned = np.zeros(NUM_PAGES, bool)
+    owned = np.zeros(shape.num_pages, bool)
     owned[tables[tables > 0]] = True
-    pools = [rng.normal(size=(NUM_PAGES, HKV, PAGE, D)) for _ in range(2)]
+    pools = [rng.normal(size=(shape.num_pages, shape.num_kv_heads, shape.page, shape.head_dim)) for _ in range(2)]
+    pools = [np.asarray(jnp.asarray(pool, shape.dtype).astype(jnp.float32), np.float64) for pool in pools]
     for pool in pools:
         pool[~owned] = np.nan
-    dense = [[np.swapaxes(pool[tables[b, :-(-n // PAGE)]], 1, 2).reshape(-1, HKV, D)[:n]
+    dense = [[np.swapaxes(pool[tables[b, :-(-n // shape.page)]], 1, 2).reshape(-1, shape.num_kv_heads, shape.head_dim)[:n]
               for b, n in enumerate(kv_lens)] for pool in pools]
-    cache = jaxattn.KVCache(jnp.asarray(pools[0], jnp.float32), jnp.asarray(pools[1], jnp.float32))
-    q = jnp.asarray(rng.normal(size=(TOKENS, HQ, D)), jnp.float32)
+    cache = jaxattn.KVCache(jnp.asarray(pools[0], shape.dtype), jnp.asarray(pools[1], shape.dtype))
+    q = jnp.asarray(rng.normal(size=(shape.tokens, shape.num_q_heads, shape.head_dim)), shape.dtype)
     cu = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
     meta = _meta(cu, kv_lens, tables)
     return Problem(q, cache, meta, dense[0], dense[1], list(q_lens), list(kv_lens), owned), tables
 
 
+def _break(rng: np.random.Generator, problem: Problem, tables: np.ndarray, faults: list[str], max_q_len: int | None,
+           shape: Shape = CPU) -> tuple[jaxattn.AttentionMetadata, np.ndarray]:
+    """The problem's metadata with ``faults[b]`` applied to sequence b, and which sequences
+    then break the contract (the faults, and queries longer than ``max_q_len``)."""
+    q_lens, kv_lens = problem.q_lens, problem.kv_lens
+    kv_in, broken = np.array(kv_lens), np.zeros(shape.batch, bool)
+    tables = tables.copy()
+    for b, fault in enumerate(faults):
+        used = -(-kv_lens[b] // shape.page)
+        if fault == "page" and used:
+            tables[b, rng.integers(used)] = rng.choice(shape.bad_page_ids)
+        elif fault == "short" and q_lens[b]:
+            kv_in[b] = q_lens[b] - 1
+        elif fault == "long":
+            kv_in[b] = shape.pages_per_seq * shape.page + 1 + rng.integers(5)
+        else:
+            continue
+        broken[b] = True
+    if max_q_len is not None:
+        broken |= np.array(q_lens) > max_q_len
+    meta = dataclasses.replace(problem.meta, kv_lens=jnp.asarray(kv_in, jnp.int32), block_tables=jnp.asarray(tables),
+                               max_q_len=max_q_len)
+    return meta, broken
+
+
+def _expected(problem: Problem, broken: np.ndarray) -> np.ndarray:
+    """The float64 reference with the broken sequences' keys removed (their rows are zeros)."""
+    keep = [slice(0 if bad else None) for bad in broken]
+    return reference(dataclasses.replace(
+        problem, kv_lens=[0 if bad else n for bad, n in zip(broken, problem.kv_lens)],
+        k_dense=[k[s] for k, s in zip(problem.k_dense, keep)], v_dense=[v[s] for v, s in zip(problem.v_dense, keep)]))
+
+
 @st.composite
 def _batches(draw):
-    q_lens = [draw(st.integers(0, TOKENS // BATCH)) for _ in range(BATCH)]
-    kv_lens = [draw(st.integers(q, PAGES_PER_SEQ * PAGE)) for q in q_lens]
-    faults = [draw(st.sampled_from(FAULTS)) for _ in range(BATCH)]
+    q_lens = [draw(st.integers(0, CPU.tokens // CPU.batch)) for _ in range(CPU.batch)]
+    kv_lens = [draw(st.integers(q, CPU.pages_per_seq * CPU.page)) for q in q_lens]
+    faults = [draw(st.sampled_from(FAULTS)) for _ in range(CPU.batch)]
     return q_lens, kv_lens, faults, draw(st.sampled_from((None, 3))), draw(st.integers(0, 2**32 - 1))
 
 
@@ -109,29 +161,46 @@ def test_broken_sequences_are_zero_and_flagged_and_unowned_pages_never_leak(back
     q_lens, kv_lens, faults, max_q_len, seed = batch
     rng = np.random.default_rng(seed)
     problem, tables = _problem(rng, q_lens, kv_lens)
-    kv_in, broken = np.array(kv_lens), np.zeros(BATCH, bool)
-    for b, fault in enumerate(faults):
-        used = -(-kv_lens[b] // PAGE)
-        if fault == "page" and used:
-            tables[b, rng.integers(used)] = rng.choice(BAD_PAGE_IDS)
-        elif fault == "short" and q_lens[b]:
-            kv_in[b] = q_lens[b] - 1
-        elif fault == "long":
-            kv_in[b] = PAGES_PER_SEQ * PAGE + 1 + rng.integers(5)
-        else:
-            continue
-        broken[b] = True
-    if max_q_len is not None:
-        broken |= np.array(q_lens) > max_q_len
-    meta = dataclasses.replace(problem.meta, kv_lens=jnp.asarray(kv_in, jnp.int32),
-                               block_tables=jnp.asarray(tables), max_q_len=max_q_len)
+    meta, broken = _break(rng, problem, tables, faults, max_q_len)
     run = jax.jit(lambda q, c, m: jaxattn.paged_attention(q, c, m, return_status=True, backend=backend))
     out, valid = run(problem.q, problem.cache, meta)
     np.testing.assert_array_equal(valid, ~broken)
-    keep = [slice(0 if bad else None) for bad in broken]         # broken sequences: no keys
-    expected = reference(dataclasses.replace(
-        problem, kv_lens=[0 if bad else n for bad, n in zip(broken, kv_lens)],
-        k_dense=[k[s] for k, s in zip(problem.k_dense, keep)], v_dense=[v[s] for v, s in zip(problem.v_dense, keep)]))
     out = np.asarray(out, np.float64)
     assert not np.isnan(out).any(), "a page the sequence does not own reached its output"
-    np.testing.assert_allclose(out, expected, rtol=2e-4, atol=2e-4)
+    np.testing.assert_allclose(out, _expected(problem, broken), rtol=2e-4, atol=2e-4)
+
+
+GPU = Shape(batch=8, tokens=40, pages_per_seq=8, page=16, num_kv_heads=2, num_q_heads=8, head_dim=128,
+            dtype="bfloat16")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("max_q_len", [1, 4, None])
+@pytest.mark.parametrize("name", ["xla", "cudnn", "trtllm", "triton", "auto"])
+def test_gpu_broken_sequences_are_zero_and_flagged(name, max_q_len):
+    """Every fault at once (bad page ids incl. 0, -1, num_pages and 2**30; kv_lens too short and
+    too long; queries past max_q_len), NaN in every page the batch does not own, page 0 too."""
+    if name != "auto" and backends.unavailable_reason(name) is not None:
+        pytest.skip(backends.unavailable_reason(name))
+    seed = int(np.random.SeedSequence().entropy % 2**32)
+    rng = np.random.default_rng(seed)
+    q_lens = [1] * 8 if max_q_len == 1 else [1, 1, 4, 2, 7, 3, 0, 5]
+    kv_lens = [int(rng.integers(q, GPU.pages_per_seq * GPU.page + 1)) for q in q_lens]
+    kv_lens[6] = 0                                                 # a padding sequence
+    faults = ["page", "none", "short", "long", "none", "page", "none", "none"]
+    problem, tables = _problem(rng, q_lens, kv_lens, GPU)
+    meta, broken = _break(rng, problem, tables, faults, max_q_len, GPU)
+    assert broken.any() and not broken.all()
+    if name == "trtllm" and max_q_len is None:
+        pytest.skip("trtllm takes decode and speculative-decode steps only")
+    run = jax.jit(lambda q, c, m: jaxattn.paged_attention(q, c, m, return_status=True, backend=name))
+    out, valid = run(problem.q, problem.cache, meta)
+    np.testing.assert_array_equal(valid, ~broken, err_msg=f"seed {seed}")
+    out = np.asarray(out.astype(jnp.float32), np.float64)
+    assert not np.isnan(out).any(), f"a page the sequence does not own reached its output (seed {seed})"
+    expected = _expected(problem, broken)
+    for b, bad in enumerate(broken):
+        rows = slice(int(meta.cu_q_lens[b]), int(meta.cu_q_lens[b + 1]))
+        if bad:
+            assert not out[rows].any(), f"sequence {b} broke the contract but has non-zero rows (seed {seed})"
+    assert rel_error(out, expected) < 2e-2, f"seed {seed}"
