@@ -184,9 +184,9 @@ def test_gpu_broken_sequences_are_zero_and_flagged(name, max_q_len):
         pytest.skip(backends.unavailable_reason(name))
     seed = int(np.random.SeedSequence().entropy % 2**32)
     rng = np.random.default_rng(seed)
-    q_lens = [1] * 8 if max_q_len == 1 else [1, 1, 4, 2, 7, 3, 0, 5]
+    q_lens = [1, 1, 1, 1, 1, 1, 0, 1] if max_q_len == 1 else [1, 1, 4, 2, 7, 3, 0, 5]
     kv_lens = [int(rng.integers(q, GPU.pages_per_seq * GPU.page + 1)) for q in q_lens]
-    kv_lens[6] = 0                                                 # a padding sequence
+    kv_lens[6] = 0                                                 # a padding sequence (no tokens, no keys)
     faults = ["page", "none", "short", "long", "none", "page", "none", "none"]
     problem, tables = _problem(rng, q_lens, kv_lens, GPU)
     meta, broken = _break(rng, problem, tables, faults, max_q_len, GPU)
