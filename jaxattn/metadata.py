@@ -69,8 +69,9 @@ class AttentionMetadata:
         keep it. Returns ``(meta, valid)``: ``valid`` bool[B]; in ``meta`` the offsets are made
         non-decreasing within ``[0, T]`` (tokens keep their owner where it is unambiguous), a
         sequence that breaks the contract has ``kv_lens == 0`` (so every backend gives its rows
-        zeros), and block-table entries past each sequence's keys are the null page, so no
-        kernel reads a page because of a bad id or a stale entry.
+        zeros), and block-table entries past each sequence's keys repeat its first page (the
+        null page for sequences without keys), so no kernel reads a page the sequence does not
+        own because of a bad id or a stale entry.
         """
         cu_in = self.cu_q_lens
         cu = jnp.clip(jax.lax.cummax(cu_in), 0, num_tokens)
@@ -84,11 +85,15 @@ class AttentionMetadata:
         used = jnp.arange(self.max_pages_per_seq, dtype=jnp.int32)[None, :] < pages_used[:, None]
         tables = self.block_tables
         valid &= jnp.all(~used | ((tables >= 1) & (tables < num_pages)), axis=1)
+        # Entries past a sequence's keys repeat its first page: a kernel whose key tile spans
+        # several pages (cuDNN) still reads only the sequence's own pages, where the masked
+        # keys' values are finite (0 * NaN from any other page would be NaN).
+        own = jnp.where(valid & (pages_used > 0), tables[:, 0], 0)
         meta = dataclasses.replace(
             self,
             cu_q_lens=cu,
             kv_lens=jnp.where(valid, self.kv_lens, 0),
-            block_tables=jnp.where(used & valid[:, None], tables, 0),
+            block_tables=jnp.where(used & valid[:, None], tables, own[:, None]),
         )
         return meta, valid
 

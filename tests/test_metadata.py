@@ -62,7 +62,7 @@ def test_lengths_pages_and_max_q_len_are_flagged():
     meta = _meta([0, 1, 4, 4, 6], [5, 2, 0, 4], tables, max_q_len=2)
     # 0 ok (pages 1, 2); 1: q_len 3 > max_q_len and > kv_len; 2: empty padding; 3: page 5 covers all 4 keys.
     np.testing.assert_array_equal(meta.validate(6, 8, 4), [True, False, True, True])
-    np.testing.assert_array_equal(meta.sanitize(6, 8, 4)[0].block_tables, [[1, 2], [0, 0], [0, 0], [5, 0]])
+    np.testing.assert_array_equal(meta.sanitize(6, 8, 4)[0].block_tables, [[1, 2], [0, 0], [0, 0], [5, 5]])
     np.testing.assert_array_equal(_meta([0, 1, 2, 3, 4], [9, 1, 1, 1], tables).validate(4, 8, 4),
                                   [False, True, False, True])          # 9 keys > 2 pages of 4; page 0 in use
     np.testing.assert_array_equal(_meta([0, 1, 2, 3, 4], [-1, 1, 5, 1], tables).validate(4, 8, 4),
