@@ -62,6 +62,7 @@ BAD_CALLS = [
     (dict(softcap=0.0), "softcap must be None or a positive float"),
     (dict(sinks=jnp.zeros((3,), jnp.float32)), "sinks must be float32\\[4\\]"),
     (dict(sinks=jnp.zeros((4,), jnp.int32)), "sinks must be float32\\[4\\]"),
+    (dict(return_status=1), "return_status must be a bool"),
     (dict(backend="flash"), "backend must be one of \\('auto', 'xla', 'cudnn', 'trtllm', 'triton'\\)"),
 ]
 
