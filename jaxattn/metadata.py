@@ -81,7 +81,7 @@ class AttentionMetadata:
         valid &= (self.kv_lens >= q_lens) & (self.kv_lens <= capacity)
         if self.max_q_len is not None:
             valid &= q_lens <= self.max_q_len
-        pages_used = (jnp.clip(self.kv_lens, 0, capacity) + page_size - 1) // page_size
+        pages_used = pages_for(jnp.minimum(self.kv_lens, capacity), page_size)
         used = jnp.arange(self.max_pages_per_seq, dtype=jnp.int32)[None, :] < pages_used[:, None]
         tables = self.block_tables
         valid &= jnp.all(~used | ((tables >= 1) & (tables < num_pages)), axis=1)
@@ -123,3 +123,8 @@ def token_sequences(ends: jax.Array, num_tokens: int) -> jax.Array:
 def count_leading_decodes(q_lens: jax.Array) -> jax.Array:
     """int32[]: how many sequences at the front of the batch have exactly one query token."""
     return jnp.sum(jnp.cumprod((q_lens == 1).astype(jnp.int32)), dtype=jnp.int32)
+
+
+def pages_for(lens: jax.Array, page_size: int) -> jax.Array:
+    """int32[...]: pages that hold ``lens`` tokens (negative lengths hold none)."""
+    return (jnp.maximum(lens, 0) + page_size - 1) // page_size

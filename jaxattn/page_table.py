@@ -22,7 +22,7 @@ import numpy as np
 
 from jaxattn.checks import is_positive_int
 from jaxattn.kv_cache import KVCache
-from jaxattn.metadata import AttentionMetadata, count_leading_decodes, token_sequences
+from jaxattn.metadata import AttentionMetadata, count_leading_decodes, pages_for, token_sequences
 
 
 @jax.tree_util.register_dataclass
@@ -81,7 +81,7 @@ class PageTable:
     @property
     def num_pages_held(self) -> jax.Array:
         """int32[max_seqs]: pages each sequence holds."""
-        return _pages_for(self.seq_lens, self.page_size)
+        return pages_for(self.seq_lens, self.page_size)
 
     # -- allocation -------------------------------------------------------------------------
 
@@ -105,8 +105,8 @@ class PageTable:
         valid = self._valid_ids(seq_ids)
         row = jnp.where(valid, seq_ids, 0)
         old_lens = self.seq_lens[row]
-        have = _pages_for(old_lens, self.page_size)
-        want = _pages_for(new_lens, self.page_size)
+        have = pages_for(old_lens, self.page_size)
+        want = pages_for(new_lens, self.page_size)
         valid &= (new_lens >= old_lens) & (want <= self.max_pages_per_seq)
         ok = valid & _grant_in_order(jnp.where(valid, want - have, 0), self.num_free)
         need = jnp.where(ok, want - have, 0)
@@ -305,6 +305,3 @@ def _grant_in_order(need: jax.Array, num_free: jax.Array) -> jax.Array:
 
     return jax.lax.scan(grant, num_free, need, unroll=True)[1]
 
-
-def _pages_for(lens: jax.Array, page_size: int) -> jax.Array:
-    return (jnp.maximum(lens, 0) + page_size - 1) // page_size
