@@ -5,6 +5,11 @@ A backend module defines:
   unavailable_reason() -> str | None       # None when it can run here
   check_supported(q, cache, meta, params)  # raises ValueError naming the unsupported parameter
   attention(q, cache, meta, params, sinks) -> [T, Hq, D]
+
+``paged_attention`` hands ``attention`` sanitized metadata (``AttentionMetadata.sanitize``): offsets
+non-decreasing within ``[0, T]``, ``kv_lens`` within the block tables' width and 0 for sequences
+that broke the contract, and every block-table entry a page id in ``[0, num_pages)``. Backends
+rely on this rather than clamping page ids themselves.
 """
 
 from __future__ import annotations

@@ -97,8 +97,6 @@ def _paged_prefill(q: jax.Array, cache: KVCache, meta: AttentionMetadata, params
     seq_len_kv = jnp.clip(meta.kv_lens, 0, seq_width)
     seq_len_q = jnp.where(seq_len_kv > 0, jnp.clip(jnp.minimum(meta.q_lens, num_tokens - q_start), 0, max_q), 0)
     ragged_offsets = jnp.clip(meta.cu_q_lens, 0, num_tokens) * (num_q_heads * head_dim)
-    tables = meta.block_tables
-    tables = jnp.where((tables >= 0) & (tables < cache.num_pages), tables, 0)
 
     config = dict(
         dtype=_DTYPE_CODES[jnp.dtype(q.dtype)],
@@ -122,7 +120,7 @@ def _paged_prefill(q: jax.Array, cache: KVCache, meta: AttentionMetadata, params
     result_types = [jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((workspace,), jnp.uint8)]
     if return_lse:
         result_types.append(jax.ShapeDtypeStruct((batch, num_q_heads, max_q), jnp.float32))
-    args = [q, cache.k_pages, cache.v_pages, seq_len_q, seq_len_kv, ragged_offsets, tables]
+    args = [q, cache.k_pages, cache.v_pages, seq_len_q, seq_len_kv, ragged_offsets, meta.block_tables]
     if sinks is not None:
         args.append(sinks.astype(jnp.float32))
     results = jax.ffi.ffi_call(_ffi_cudnn.TARGET, result_types)(*args, **config)

@@ -138,7 +138,6 @@ def attention(q: jax.Array, cache: KVCache, meta: AttentionMetadata, params: Att
     first = (seq < batch) & (token == meta.cu_q_lens[seq_c])
     seq_lens = jnp.where(first, jnp.clip(meta.kv_lens[seq_c], 0, max_pages * cache.page_size), 0)
     tables = meta.block_tables[seq_c]
-    tables = jnp.where((tables >= 0) & (tables < cache.num_pages), tables, 0)
 
     semaphores, scratch = kernel.workspace(_sm_count(), num_tokens, cache.num_kv_heads, max_pages)
     stride_page, stride_token, stride_head = _strides(cache)
@@ -169,7 +168,6 @@ def _spec_attention(q: jax.Array, cache: KVCache, meta: AttentionMetadata, param
     max_q = min(meta.max_q_len, num_tokens)
     causal = params.causal or params.sliding_window is not None     # a window also bounds keys by position
     seq_lens, cu, mask, row_valid = spec_inputs(meta, num_tokens, max_q, max_pages * cache.page_size, causal)
-    tables = jnp.where((meta.block_tables >= 0) & (meta.block_tables < cache.num_pages), meta.block_tables, 0)
 
     semaphores, scratch = kernel.workspace(_sm_count(), batch, cache.num_kv_heads, max_pages, max_q)
     stride_page, stride_token, stride_head = _strides(cache)
@@ -178,7 +176,7 @@ def _spec_attention(q: jax.Array, cache: KVCache, meta: AttentionMetadata, param
         (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((max(scratch, 1),), jnp.uint8)),
     )
     out, _ = call(
-        q, cache.k_pages, cache.v_pages, tables, seq_lens, _scales(cache, params, q.shape[2]),
+        q, cache.k_pages, cache.v_pages, meta.block_tables, seq_lens, _scales(cache, params, q.shape[2]),
         jnp.zeros((0,), jnp.float32) if sinks is None else sinks.astype(jnp.float32),
         cu, mask, row_valid,
         num_kv_heads=np.int64(cache.num_kv_heads),

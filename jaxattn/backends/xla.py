@@ -75,9 +75,8 @@ def _compute_dtype(dtype: jnp.dtype) -> jnp.dtype:
 
 
 def _gather_kv(cache: KVCache, meta: AttentionMetadata, dtype: jnp.dtype) -> tuple[jax.Array, jax.Array]:
-    """K, V of every sequence as ``[B, P * page_size, Hkv, D]``; bad page ids read the null page."""
+    """K, V of every sequence as ``[B, P * page_size, Hkv, D]``."""
     tables = meta.block_tables
-    tables = jnp.where((tables >= 0) & (tables < cache.num_pages), tables, 0)
 
     def gather(pages: jax.Array, scale: jax.Array | None) -> jax.Array:
         x = pages[tables]                                                  # [B, P, ...]
