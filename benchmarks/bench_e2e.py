@@ -58,6 +58,7 @@ def bookkeeping_step(caches, table, seq_ids, q_lens, k):
     """The page table work and KV writes of a step, without the model: [T, Hkv, D] tokens per layer."""
     table = table.release(jnp.full_like(seq_ids, -1))
     table, ok = table.extend(seq_ids, table.seq_lens[seq_ids] + q_lens)
+    seq_ids = jnp.where(ok, seq_ids, -1)        # as the engine does: a refused sequence writes nothing
     meta = table.metadata(seq_ids, q_lens, max_q_len=1)
     slots = table.slot_mapping(seq_ids, q_lens, k.shape[0])
     caches = [c.write(k, k, slots) for c in caches]
