@@ -1,0 +1,244 @@
+"""Paged attention in JAX, side by side on one GPU: jaxattn ``auto`` against the JAX libraries a
+user would pick instead, on the same data, in the same run.
+
+    python -m benchmarks.bench_jax_peers [--quick] [--budget-s 420] [--rounds 3]
+
+Peers, installed on the device as wheels with ``--no-deps`` (``.whl_peers/``, see RESULTS.md):
+  * flash-attn3-jax 0.2.3 ``flash_mha_with_kvcache`` (FlashAttention-3 through XLA FFI, SM90): NHD
+    pages, one query length for the whole batch (decode, speculative decode, prefill; a mixed
+    batch is not expressible); its ``num_splits`` is a static argument with no heuristic (default
+    1), so each workload reports the best of 1, 4 and 16;
+  * ejkernel 0.0.80.3 ``ragged_page_attention_v2`` (Triton; packed ragged queries, every
+    workload): K and V interleaved per KV head in one pool ``[pages, page, 2 * Hkv, D]``; both its
+    default and its ``optimized=True`` kernel;
+  * ejkernel ``page_attention`` (Triton, decode only): head-major pools ``[Hkv, pages, page, D]``;
+  * JAX's deprecated ``jax.experimental.pallas.ops.gpu.paged_attention`` (decode only):
+    head-major pools; it applies no softmax scale, so q is pre-scaled by 1/sqrt(D).
+Each peer gets its layout converted outside the timed region; a peer that cannot express a
+workload, or fails on it, is listed with the reason instead of a time.
+
+Workloads (bf16, Hq=32, Hkv=8, D=128, page 64, causal, HND pages in a randomly permuted pool):
+decodes (the B=64 kv U[2048,4096] target point first, the low-batch long-context frontier points
+against the copy rate), speculative decode (4 tokens per sequence), prefill B=8 x 4096, and a
+mixed batch of 63 decodes and an 8192-token prefill.
+
+Time: GPU busy time per call (the summed durations of the kernels each call launches, from the
+profiler: ``benchmarks.common.device_busy_seconds``), median of ``--rounds`` rounds of 10 calls,
+after a warm-up call; compilation excluded. Every jitted call includes what it needs per step
+(jaxattn's metadata preparation, FA3's split combine). "vs auto" is peer time / jaxattn auto time
+(above 1: jaxattn is faster). The error column is each peer's relative error against jaxattn
+auto's output (jaxattn's own row: against the xla backend, where it fits). Writes the jax_peers
+section of benchmarks/RESULTS.md (and a copy under $OUT when set).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import math
+import os
+import statistics
+import sys
+import time
+import traceback
+from typing import Callable
+
+os.environ.setdefault("TF_GPU_ALLOCATOR", "bfc")  # ejkernel's import would switch XLA to cuda_malloc_async
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+import jaxattn  # noqa: E402
+from benchmarks.bench_e2e import copy_bandwidth  # noqa: E402
+from benchmarks.bench_triton import D, DTYPE, HKV, HQ, Workload, make_inputs  # noqa: E402
+from benchmarks.common import device_busy_seconds, device_name, rel_error, write_section  # noqa: E402
+
+SCALE = 1 / math.sqrt(D)
+FA3_SPLITS = (1, 4, 16)
+
+
+def _ragged(batch: int, kv_len: int) -> tuple[int, ...]:
+    return tuple(int(n) for n in np.random.default_rng(1).integers(kv_len // 2, kv_len + 1, batch))
+
+
+def decode(batch: int, kv_len: int, ragged: bool = False) -> Workload:
+    kv = _ragged(batch, kv_len) if ragged else (kv_len,) * batch
+    label = f"U[{kv_len // 2},{kv_len}]" if ragged else str(kv_len)
+    return Workload(f"decode B={batch} kv={label}", (1,) * batch, kv, decode_only=True, repeats=1)
+
+
+WORKLOADS = [
+    decode(64, 4096, ragged=True),
+    decode(64, 4096),
+    Workload("prefill B=8 x 4096", (4096,) * 8, (4096,) * 8, repeats=1),
+    Workload("mixed 63 decodes + 8192 prefill", (1,) * 63 + (8192,), (4096,) * 63 + (8192,), repeats=1),
+    Workload("spec decode B=64 x 4 kv=4096", (4,) * 64, (4096,) * 64, repeats=1),
+    decode(1, 32768), decode(4, 32768), decode(1, 131072), decode(4, 131072), decode(2, 16384),
+    decode(1, 4096), decode(256, 4096),
+]
+QUICK = WORKLOADS[:3]
+
+Call = Callable[[], jax.Array]
+
+
+@dataclasses.dataclass
+class Problem:
+    """One workload's data in jaxattn's layout, and the views the peers take."""
+    w: Workload
+    q: jax.Array                          # [T, Hq, D]
+    cache: jaxattn.KVCache                # HND
+    meta: jaxattn.AttentionMetadata
+
+    @property
+    def uniform_q_len(self) -> int | None:
+        return self.w.q_lens[0] if len(set(self.w.q_lens)) == 1 else None
+
+    def nhd(self) -> tuple[jax.Array, jax.Array]:
+        return jnp.swapaxes(self.cache.k_pages, 1, 2), jnp.swapaxes(self.cache.v_pages, 1, 2)
+
+    def head_major(self) -> tuple[jax.Array, jax.Array]:
+        return (jnp.transpose(self.cache.k_pages, (1, 0, 2, 3)),
+                jnp.transpose(self.cache.v_pages, (1, 0, 2, 3)))
+
+
+def jaxattn_auto(p: Problem) -> Call:
+    fn = jax.jit(lambda q, c, m: jaxattn.paged_attention(q, c, m, backend="auto"))
+    return lambda: fn(p.q, p.cache, p.meta)
+
+
+def fa3(p: Problem, num_splits: int) -> Call:
+    from flash_attn3_jax import flash_mha_with_kvcache
+    q_len = p.uniform_q_len
+    if q_len is None:
+        raise NotImplementedError("one query length per batch only (no mixed batches)")
+    k, v = p.nhd()
+    q = p.q.reshape(len(p.w.q_lens), q_len, HQ, D)
+    fn = jax.jit(lambda q, k, v, lens, tables: flash_mha_with_kvcache(
+        q, k, v, cache_seqlens=lens, page_table=tables, softmax_scale=SCALE, is_causal=True,
+        num_splits=num_splits).reshape(-1, HQ, D))
+    return lambda: fn(q, k, v, p.meta.kv_lens, p.meta.block_tables)
+
+
+def ejkernel_ragged_v2(p: Problem, optimized: bool) -> Call:
+    from ejkernel.kernels._triton.ragged_page_attention_v2 import ragged_page_attention_v2
+    k, v = p.nhd()
+    pages = jnp.stack([k, v], axis=3).reshape(k.shape[0], k.shape[1], 2 * HKV, D)
+    del k, v
+    batch = len(p.w.q_lens)
+    fn = jax.jit(lambda q, pages, lens, tables, cu: ragged_page_attention_v2(
+        q, pages, lens, tables, cu, batch, softmax_scale=SCALE, optimized=optimized))
+    return lambda: fn(p.q, pages, p.meta.kv_lens, p.meta.block_tables, p.meta.cu_q_lens)
+
+
+def ejkernel_page_attention(p: Problem) -> Call:
+    from ejkernel.kernels._triton.page_attention import page_attention
+    if not p.w.decode_only:
+        raise NotImplementedError("decode only")
+    k, v = p.head_major()
+    fn = jax.jit(lambda q, k, v, lens, tables: page_attention(
+        q, k, v, lens, tables, attn_scale=SCALE, max_context_len=max(p.w.kv_lens)))
+    return lambda: fn(p.q, k, v, p.meta.kv_lens, p.meta.block_tables)
+
+
+def pallas_gpu(p: Problem) -> Call:
+    from jax.experimental.pallas.ops.gpu import paged_attention as pallas_paged
+    if not p.w.decode_only:
+        raise NotImplementedError("decode only")
+    k, v = p.head_major()
+    q = p.q * jnp.asarray(SCALE, p.q.dtype)      # it applies no 1/sqrt(D)
+    # Its defaults (16 splits of 8-page blocks) need 128 | P; take the most splits that fit.
+    pages = p.meta.block_tables.shape[1]
+    splits = next(s for s in (16, 8, 4, 2, 1) if pages % (8 * s) == 0 or s == 1)
+    fn = jax.jit(lambda q, k, v, tables, lens: pallas_paged.paged_attention(
+        q, k, v, tables, lens, k_splits=splits, pages_per_compute_block=min(8, pages // splits)))
+    return lambda: fn(q, k, v, p.meta.block_tables, p.meta.kv_lens)
+
+
+PEERS: dict[str, Callable[[Problem], Call]] = {
+    **{f"flash-attn3-jax splits={s}": (lambda p, s=s: fa3(p, s)) for s in FA3_SPLITS},
+    "ejkernel ragged_page_attention_v2": lambda p: ejkernel_ragged_v2(p, optimized=False),
+    "ejkernel ragged_page_attention_v2 optimized": lambda p: ejkernel_ragged_v2(p, optimized=True),
+    "ejkernel page_attention": ejkernel_page_attention,
+    "jax pallas gpu paged_attention": pallas_gpu,
+}
+
+
+def busy_ms(call: Call, rounds: int, calls: int = 10) -> float:
+    jax.block_until_ready(call())
+    return 1e3 * statistics.median(device_busy_seconds(call, calls) for _ in range(rounds))
+
+
+def short(err: BaseException) -> str:
+    text = " ".join(f"{type(err).__name__}: {err}".split())
+    return text[:160] + ("..." if len(text) > 160 else "")
+
+
+def bench_workload(w: Workload, rounds: int, copy_rate: float) -> list[dict]:
+    qs, cache, meta = make_inputs(w, 1)
+    p = Problem(w, qs[0], cache, meta)
+    rows = []
+    ours = jaxattn_auto(p)
+    ref = ours()
+    base = busy_ms(ours, rounds)
+    check = ""
+    if w.kv_bytes < 8e9 and sum(w.q_lens) * max(w.kv_lens) <= 64 * 131072:
+        xla = jax.jit(lambda q, c, m: jaxattn.paged_attention(q, c, m, backend="xla"))
+        check = f"{rel_error(ref, xla(p.q, p.cache, p.meta)):.1e} (vs xla)"
+    rows.append(dict(workload=w.name, peer="jaxattn auto", ms=base, err=check))
+    for name, make in PEERS.items():
+        try:
+            call = make(p)
+            out = call()
+            rows.append(dict(workload=w.name, peer=name, ms=busy_ms(call, rounds), err=f"{rel_error(out, ref):.1e}"))
+        except Exception as err:  # noqa: BLE001 - a peer's failure is a result of the comparison
+            rows.append(dict(workload=w.name, peer=name, ms=None, err=short(err)))
+            traceback.print_exc(file=sys.stderr)
+        finally:
+            jax.clear_caches()
+    for row in rows:
+        row["tb_s"] = w.kv_bytes / (row["ms"] * 1e-3) / 1e12 if row["ms"] else None
+        row["of_copy"] = row["tb_s"] * 1e12 / copy_rate if row["ms"] else None
+        row["vs_auto"] = row["ms"] / base if row["ms"] else None
+    return rows
+
+
+def table(rows: list[dict]) -> str:
+    lines = ["| workload | implementation | GPU time / call | KV TB/s | of copy rate | vs auto | rel. err vs auto |",
+             "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if r["ms"] is None:
+            lines.append(f"| {r['workload']} | {r['peer']} | n/a | | | | {r['err']} |")
+        else:
+            lines.append(f"| {r['workload']} | {r['peer']} | {r['ms']:.3f} ms | {r['tb_s']:.2f} | "
+                         f"{r['of_copy']:.0%} | {r['vs_auto']:.2f}x | {r['err']} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.bench_jax_peers", description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="the first three workloads only")
+    parser.add_argument("--budget-s", type=float, default=420.0, help="start no new workload after this")
+    parser.add_argument("--rounds", type=int, default=3, help="timing rounds (10 calls each) per row")
+    args = parser.parse_args()
+    start = time.perf_counter()
+    copy_rate = copy_bandwidth()
+    print(f"device copy rate {copy_rate / 1e12:.2f} TB/s", flush=True)
+    rows, skipped = [], []
+    for w in QUICK if args.quick else WORKLOADS:
+        if time.perf_counter() - start > args.budget_s:
+            skipped.append(w.name)
+            continue
+        rows += bench_workload(w, args.rounds, copy_rate)
+        print(table([r for r in rows if r["workload"] == w.name]), flush=True)
+    command = "python -m benchmarks.bench_jax_peers " + " ".join(sys.argv[1:])
+    text = (f"Device: {device_name()}; jax {jax.__version__}; {datetime.date.today()}; `{command.strip()}`; "
+            f"device copy rate {copy_rate / 1e12:.2f} TB/s (read + write).\n\n" + table(rows))
+    if skipped:
+        text += "\n\nNot run (time budget): " + ", ".join(skipped) + "."
+    print(write_section("jax_peers", text, heading="JAX peers (benchmarks/bench_jax_peers.py)"))
+
+
+if __name__ == "__main__":
+    main()
