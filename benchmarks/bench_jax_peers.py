@@ -157,11 +157,11 @@ def pallas_gpu(p: Problem) -> Call:
 
 
 PEERS: dict[str, Callable[[Problem], Call]] = {
-    **{f"flash-attn3-jax splits={s}": (lambda p, s=s: fa3(p, s)) for s in FA3_SPLITS},
     "ejkernel ragged_page_attention_v2": lambda p: ejkernel_ragged_v2(p, optimized=False),
     "ejkernel ragged_page_attention_v2 optimized": lambda p: ejkernel_ragged_v2(p, optimized=True),
     "ejkernel page_attention": ejkernel_page_attention,
     "jax pallas gpu paged_attention": pallas_gpu,
+    **{f"flash-attn3-jax splits={s}": (lambda p, s=s: fa3(p, s)) for s in FA3_SPLITS},
 }
 
 
@@ -175,7 +175,8 @@ def short(err: BaseException) -> str:
     return text[:160] + ("..." if len(text) > 160 else "")
 
 
-def bench_workload(w: Workload, rounds: int, copy_rate: float) -> list[dict]:
+def bench_workload(w: Workload, rounds: int, copy_rate: float, peers: dict[str, Callable[[Problem], Call]]) -> list[dict]:
+    """The workload's rows, each printed (to stderr) as soon as it is measured."""
     qs, cache, meta = make_inputs(w, 1)
     p = Problem(w, qs[0], cache, meta)
     rows = []
@@ -187,11 +188,14 @@ def bench_workload(w: Workload, rounds: int, copy_rate: float) -> list[dict]:
         xla = jax.jit(lambda q, c, m: jaxattn.paged_attention(q, c, m, backend="xla"))
         check = f"{rel_error(ref, xla(p.q, p.cache, p.meta)):.1e} (vs xla)"
     rows.append(dict(workload=w.name, peer="jaxattn auto", ms=base, err=check))
-    for name, make in PEERS.items():
+    print(f"{w.name} | jaxattn auto | {base:.3f} ms | {check}", file=sys.stderr, flush=True)
+    for name, make in peers.items():
+        print(f"{w.name} | {name} ...", file=sys.stderr, flush=True)
         try:
             call = make(p)
             out = call()
             rows.append(dict(workload=w.name, peer=name, ms=busy_ms(call, rounds), err=f"{rel_error(out, ref):.1e}"))
+            print(f"{w.name} | {name} | {rows[-1]['ms']:.3f} ms | {rows[-1]['err']}", file=sys.stderr, flush=True)
         except Exception as err:  # noqa: BLE001 - a peer's failure is a result of the comparison
             rows.append(dict(workload=w.name, peer=name, ms=None, err=short(err)))
             traceback.print_exc(file=sys.stderr)
@@ -221,7 +225,10 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="the first three workloads only")
     parser.add_argument("--budget-s", type=float, default=420.0, help="start no new workload after this")
     parser.add_argument("--rounds", type=int, default=3, help="timing rounds (10 calls each) per row")
+    parser.add_argument("--peers", default="", help="comma-separated substrings: only the peers whose name has one")
     args = parser.parse_args()
+    wanted = [x for x in args.peers.split(",") if x]
+    peers = {name: make for name, make in PEERS.items() if not wanted or any(x in name for x in wanted)}
     start = time.perf_counter()
     copy_rate = copy_bandwidth()
     print(f"device copy rate {copy_rate / 1e12:.2f} TB/s", flush=True)
@@ -230,7 +237,7 @@ def main() -> None:
         if time.perf_counter() - start > args.budget_s:
             skipped.append(w.name)
             continue
-        rows += bench_workload(w, args.rounds, copy_rate)
+        rows += bench_workload(w, args.rounds, copy_rate, peers)
         print(table([r for r in rows if r["workload"] == w.name]), flush=True)
     command = "python -m benchmarks.bench_jax_peers " + " ".join(sys.argv[1:])
     text = (f"Device: {device_name()}; jax {jax.__version__}; {datetime.date.today()}; `{command.strip()}`; "
