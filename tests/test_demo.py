@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from jaxattn import demo
@@ -22,3 +24,66 @@ def test_bad_flags_exit_with_a_usage_error(capsys, flag, value):
         demo.main([flag, value])
     assert exit_info.value.code == 2
     assert f"argument {flag}: must be an int >= 1, got '{value}'" in capsys.readouterr().err
+
+
+def test_help_names_the_module_and_every_option(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        demo.main(["--help"])
+    assert exit_info.value.code == 0
+    assert capsys.readouterr().out.startswith("usage: python -m jaxattn.demo")
+    assert all(action.help for action in demo.build_parser(on_gpu=False)._actions)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """(directory of a tiny transformers checkpoint with a word-level tokenizer.json, the
+    transformers model)."""
+    pytest.importorskip("transformers")
+    from tests.models.hf_checkpoints import save_checkpoint, save_tokenizer
+
+    path = tmp_path_factory.mktemp("qwen2-tied")
+    reference = save_checkpoint("qwen2-tied", path)
+    save_tokenizer(path)
+    return path, reference
+
+
+def _generate(reference, prompt: list[int], new_tokens: int) -> list[int]:
+    import torch
+
+    prompt = torch.tensor([prompt])
+    reference.generation_config.eos_token_id = None
+    with torch.no_grad():
+        out = reference.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=False,
+                                 max_new_tokens=new_tokens, pad_token_id=0)
+    return out[0, prompt.shape[1]:].tolist()
+
+
+def test_demo_serves_a_checkpoint(checkpoint, tmp_path, capsys):
+    """Prompts from a file of token ids and as text; outputs decoded, equal to transformers' greedy ones."""
+    from tests.models.hf_checkpoints import WORDS
+
+    path, reference = checkpoint
+    prompts = [[1, 2, 3, 4, 5], list(range(100, 120)), [7], [5, 6, 7]]
+    (tmp_path / "prompts.txt").write_text("1 2 3 4 5\n\n" + " ".join(map(str, prompts[1])) + "\n 7 \n")
+    demo.main(["--model", str(path), "--prompt-ids", str(tmp_path / "prompts.txt"), "--prompt", "w5 w6 w7",
+               "--dtype", "float32", "--backend", "xla", "--new-tokens", "5", "--max-seqs", "2", "--chunk-size", "8",
+               "--page-size", "8"])
+    out = capsys.readouterr().out
+    assert f"checkpoint {path}" in out and "4 requests" in out
+    for i, prompt in enumerate(prompts):
+        text, generated = " ".join(WORDS[t] for t in prompt), " ".join(WORDS[t] for t in _generate(reference, prompt, 5))
+        assert f"request {i}: {text!r} -> {generated!r}\n" in out
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--prompt", "hello"], "--prompt needs --model DIR with a DIR/tokenizer.json"),
+    (["--model", "{path}", "--layers", "2"], "--preset and --layers choose a random-weight model"),
+    (["--model", "{path}", "--prompt-ids", "{tmp}/bad.txt"], r"bad.txt, line 2: expected token ids \(ints in \[0, 128\)"),
+    (["--model", "{tmp}"], "is not a local checkpoint directory with a config.json"),
+])
+def test_bad_model_or_prompts_exit_with_a_usage_error(checkpoint, tmp_path, capsys, args, message):
+    (tmp_path / "bad.txt").write_text("1 2\n3 128\n")
+    with pytest.raises(SystemExit) as exit_info:
+        demo.main([a.format(path=checkpoint[0], tmp=tmp_path) for a in args])
+    assert exit_info.value.code == 2
+    assert re.search(message, capsys.readouterr().err)

@@ -21,23 +21,10 @@ from jaxattn.engine import Engine  # noqa: E402
 from jaxattn.models import from_pretrained  # noqa: E402
 from jaxattn.models.hf import llama_config_from_hf  # noqa: E402
 from jaxattn.models.llama import PRESETS, Llama, Llama3RopeScaling, rope_frequencies  # noqa: E402
+from tests.models.hf_checkpoints import CHECKPOINTS, VOCAB, save_checkpoint  # noqa: E402
 from tests.models.test_llama import dense_hidden  # noqa: E402
 from tests.paged_inputs import rel_error  # noqa: E402
 
-VOCAB = 128
-_SHAPES = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-               num_key_value_heads=2, max_position_embeddings=256)
-_LLAMA3_ROPE = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
-                    original_max_position_embeddings=16)  # short, so that the scaled band covers test positions
-# name: (transformers config class, its arguments beyond _SHAPES, save_pretrained arguments)
-CHECKPOINTS = {
-    "llama": ("LlamaConfig", {}, {}),
-    "llama3-rope-sharded": ("LlamaConfig", dict(rope_scaling=_LLAMA3_ROPE, rope_theta=500000.0),
-                            dict(max_shard_size="50KB")),
-    "mistral-sliding-window": ("MistralConfig", dict(sliding_window=8, head_dim=32), {}),
-    "qwen2-tied": ("Qwen2Config", dict(tie_word_embeddings=True), {}),
-    "qwen3": ("Qwen3Config", dict(head_dim=16, num_hidden_layers=3), {}),
-}
 PROMPT_LENS = (5, 23, 12, 40)
 NEW_TOKENS = 32
 
@@ -45,13 +32,8 @@ NEW_TOKENS = 32
 @pytest.fixture(scope="module", params=list(CHECKPOINTS))
 def checkpoint(request, tmp_path_factory) -> tuple[torch.nn.Module, Llama]:
     """(transformers model, the same checkpoint loaded with from_pretrained) in float32."""
-    config_class, changes, save = CHECKPOINTS[request.param]
-    config = getattr(transformers, config_class)(**{**_SHAPES, **changes})
-    torch.manual_seed(0)
-    reference = transformers.AutoModelForCausalLM.from_config(config).to(torch.float32).eval()
     path = tmp_path_factory.mktemp(request.param)
-    reference.save_pretrained(path, safe_serialization=True, **save)
-    return reference, from_pretrained(str(path), dtype="float32")
+    return save_checkpoint(request.param, path), from_pretrained(str(path), dtype="float32")
 
 
 def _prompts() -> list[np.ndarray]:
