@@ -158,7 +158,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.model is not None:
         try:
             model = from_pretrained(args.model, dtype=args.dtype)
-        except (ValueError, OSError) as err:
+        except (ValueError, OSError, ImportError) as err:
             parser.error(f"--model {args.model}: {err}")
         cfg = model.cfg
         name = f"checkpoint {args.model}"

@@ -5,6 +5,7 @@ prefill + decodes) as transformers' own model; unsupported configs are refused b
 from __future__ import annotations
 
 import json
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -90,6 +91,12 @@ def test_attention_bias_outside_qwen2_is_refused():
 def test_mesh_is_refused(tmp_path):
     with pytest.raises(ValueError, match="mesh is not supported yet"):
         from_pretrained(str(tmp_path), mesh=jax.make_mesh((1,), ("tp",)))
+
+
+def test_without_safetensors_the_error_says_what_to_install(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "safetensors", None)  # import safetensors raises ImportError
+    with pytest.raises(ImportError, match=r"pip install 'jaxattn\[hf\]'"):
+        from_pretrained(str(tmp_path))
 
 
 def test_missing_config_fields_are_named():
