@@ -78,17 +78,17 @@ def read_prompt_ids(path: str, vocab_size: int) -> list[np.ndarray]:
     return prompts
 
 
-def load_tokenizer(model_dir: str | None):
-    """``tokenizers.Tokenizer`` of ``model_dir/tokenizer.json``, or None when there is no such
-    file or the optional ``tokenizers`` package is not installed."""
+def load_tokenizer(model_dir: str | None) -> tuple[object | None, str | None]:
+    """``(tokenizers.Tokenizer of model_dir/tokenizer.json, None)``, or ``(None, why not)``: no
+    such file, or the optional ``tokenizers`` package is not installed."""
     path = os.path.join(model_dir, "tokenizer.json") if model_dir else None
     if path is None or not os.path.isfile(path):
-        return None
+        return None, "needs --model DIR with a DIR/tokenizer.json"
     try:
         from tokenizers import Tokenizer
     except ImportError:
-        return None
-    return Tokenizer.from_file(path)
+        return None, f"needs the tokenizers package to read {path} (pip install tokenizers)"
+    return Tokenizer.from_file(path), None
 
 
 def read_prompts(args: argparse.Namespace, vocab_size: int, tokenizer) -> list[np.ndarray]:
@@ -151,10 +151,9 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.model is not None and (args.preset is not None or args.layers is not None):
         parser.error("--preset and --layers choose a random-weight model: not with --model")
-    tokenizer = load_tokenizer(args.model)
+    tokenizer, no_tokenizer = load_tokenizer(args.model)
     if args.prompt and tokenizer is None:
-        parser.error("--prompt needs --model DIR with a DIR/tokenizer.json and the tokenizers package "
-                     "(pip install tokenizers); or give token ids with --prompt-ids")
+        parser.error(f"--prompt {no_tokenizer}; or give token ids with --prompt-ids")
     if args.model is not None:
         try:
             model = from_pretrained(args.model, dtype=args.dtype)

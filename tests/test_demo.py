@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import sys
 
 import pytest
 
@@ -76,7 +77,7 @@ def test_demo_serves_a_checkpoint(checkpoint, tmp_path, capsys):
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--prompt", "hello"], "--prompt needs --model DIR with a DIR/tokenizer.json"),
+    (["--prompt", "hello"], "--prompt needs --model DIR with a DIR/tokenizer.json; or give token ids"),
     (["--model", "{path}", "--layers", "2"], "--preset and --layers choose a random-weight model"),
     (["--model", "{path}", "--prompt-ids", "{tmp}/bad.txt"], r"bad.txt, line 2: expected token ids \(ints in \[0, 128\)"),
     (["--model", "{tmp}"], "is not a local checkpoint directory with a config.json"),
@@ -87,3 +88,10 @@ def test_bad_model_or_prompts_exit_with_a_usage_error(checkpoint, tmp_path, caps
         demo.main([a.format(path=checkpoint[0], tmp=tmp_path) for a in args])
     assert exit_info.value.code == 2
     assert re.search(message, capsys.readouterr().err)
+
+
+def test_text_prompts_without_the_tokenizers_package_say_what_to_install(checkpoint, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "tokenizers", None)  # import tokenizers raises ImportError
+    with pytest.raises(SystemExit):
+        demo.main(["--model", str(checkpoint[0]), "--prompt", "w1"])
+    assert "--prompt needs the tokenizers package to read" in capsys.readouterr().err
