@@ -70,8 +70,8 @@ def read_prompt_ids(path: str, vocab_size: int) -> list[np.ndarray]:
             except ValueError:
                 ids = np.array([-1])
             if ids.min() < 0 or ids.max() >= vocab_size:
-                raise ValueError(f"--prompt-ids {path}, line {number}: expected token ids (ints in [0, {vocab_size}) separated "
-                                 f"by spaces), got {line.strip()[:80]!r}")
+                raise ValueError(f"--prompt-ids {path}, line {number}: expected token ids (ints in "
+                                 f"[0, {vocab_size}) separated by spaces), got {line.strip()[:80]!r}")
             prompts.append(ids.astype(np.int32))
     if not prompts:
         raise ValueError(f"--prompt-ids {path} has no prompt (one line of token ids per prompt)")
@@ -117,7 +117,8 @@ def build_parser(on_gpu: bool) -> argparse.ArgumentParser:
                        "*.safetensors) to serve instead of a random-weight preset")
     model.add_argument("--preset", choices=sorted(PRESETS), default=None,
                        help="random-weight model shapes without --model (default: small on GPU, tiny on CPU)")
-    model.add_argument("--layers", type=positive_int, metavar="N", default=None, help="override the preset's number of layers")
+    model.add_argument("--layers", type=positive_int, metavar="N", default=None,
+                       help="override the preset's number of layers")
     model.add_argument("--dtype", choices=DTYPES, default=None,
                        help="weights and activations (default: the checkpoint's, or the preset's)")
     model.add_argument("--backend", default="auto", choices=("auto",) + jaxattn.backends.BACKENDS,

@@ -38,6 +38,16 @@ def save_checkpoint(name: str, path: pathlib.Path) -> torch.nn.Module:
     return model
 
 
+def generate(reference: torch.nn.Module, prompt, new_tokens: int) -> list[int]:
+    """transformers' greedy continuation of ``prompt`` (ints): exactly ``new_tokens`` tokens."""
+    prompt = torch.as_tensor(prompt, dtype=torch.int64)[None]
+    reference.generation_config.eos_token_id = None  # no early stop, as the engine
+    with torch.no_grad():
+        out = reference.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=False,
+                                 max_new_tokens=new_tokens, pad_token_id=0)
+    return out[0, prompt.shape[1]:].tolist()
+
+
 def save_tokenizer(path: pathlib.Path) -> None:
     """Writes ``path/tokenizer.json``: a word-level tokenizer over WORDS, split at whitespace."""
     from tokenizers import Tokenizer, models, pre_tokenizers

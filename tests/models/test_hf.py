@@ -22,7 +22,7 @@ from jaxattn.engine import Engine  # noqa: E402
 from jaxattn.models import from_pretrained  # noqa: E402
 from jaxattn.models.hf import llama_config_from_hf  # noqa: E402
 from jaxattn.models.llama import PRESETS, Llama, Llama3RopeScaling, rope_frequencies  # noqa: E402
-from tests.models.hf_checkpoints import CHECKPOINTS, VOCAB, save_checkpoint  # noqa: E402
+from tests.models.hf_checkpoints import CHECKPOINTS, VOCAB, generate, save_checkpoint  # noqa: E402
 from tests.models.test_llama import dense_hidden  # noqa: E402
 from tests.paged_inputs import rel_error  # noqa: E402
 
@@ -53,18 +53,13 @@ def test_dense_logits_match_transformers(checkpoint):
 
 def test_engine_greedy_tokens_match_generate(checkpoint):
     reference, model = checkpoint
-    reference.generation_config.eos_token_id = None  # generate exactly NEW_TOKENS, as the engine does
     # fewer slots than requests, prompts longer than a chunk: chunked prefill beside decodes
     engine = Engine(model, max_seqs=3, max_seq_len=max(PROMPT_LENS) + NEW_TOKENS, page_size=8, chunk_size=16,
                     backend="xla")
     requests = [engine.add_request(prompt, NEW_TOKENS) for prompt in _prompts()]
     engine.run()
     for request in requests:
-        prompt = torch.from_numpy(request.prompt.astype(np.int64))[None]
-        with torch.no_grad():
-            expected = reference.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=False,
-                                          max_new_tokens=NEW_TOKENS, pad_token_id=0)[0, prompt.shape[1]:]
-        assert request.output == expected.tolist(), request.id
+        assert request.output == generate(reference, request.prompt, NEW_TOKENS), request.id
 
 
 _QWEN2 = dict(model_type="qwen2", vocab_size=8, hidden_size=8, num_hidden_layers=1, num_attention_heads=2,
