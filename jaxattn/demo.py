@@ -189,7 +189,11 @@ def main(argv: list[str] | None = None) -> None:
           f"{args.new_tokens} new tokens each, {args.max_seqs} sequences in flight, prefill chunk "
           f"{args.chunk_size}, page {args.page_size}")
     engine = make_engine()
-    for phase, plan in attention_plans(cfg, engine).items():
+    try:
+        plans = attention_plans(cfg, engine)
+    except ValueError as err:                    # a backend that cannot run here, or not these shapes
+        parser.error(f"--backend {args.backend}: {err}")
+    for phase, plan in plans.items():
         print(f"  attention backend, {phase}: {plan}")
 
     warmup = make_engine()                       # compiles both step shapes

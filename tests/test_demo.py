@@ -8,6 +8,7 @@ import sys
 import pytest
 
 from jaxattn import demo
+from tests.conftest import HAS_GPU
 
 
 def test_demo_runs(capsys):
@@ -33,6 +34,15 @@ def test_help_names_the_module_and_every_option(capsys):
     assert exit_info.value.code == 0
     assert capsys.readouterr().out.startswith("usage: python -m jaxattn.demo")
     assert all(action.help for action in demo.build_parser(on_gpu=False)._actions)
+
+
+def test_a_backend_that_cannot_run_here_is_a_usage_error(capsys):
+    if HAS_GPU:
+        pytest.skip("a GPU is visible")
+    with pytest.raises(SystemExit) as exit_info:
+        demo.main(["--backend", "cudnn", "--layers", "1", "--requests", "1"])
+    assert exit_info.value.code == 2
+    assert "--backend cudnn: paged_attention: backend 'cudnn' is not available: no NVIDIA GPU" in capsys.readouterr().err
 
 
 @pytest.fixture(scope="module")
