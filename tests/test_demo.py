@@ -96,3 +96,17 @@ def test_text_prompts_without_the_tokenizers_package_say_what_to_install(checkpo
     with pytest.raises(SystemExit):
         demo.main(["--model", str(checkpoint[0]), "--prompt", "w1"])
     assert "--prompt needs the tokenizers package to read" in capsys.readouterr().err
+
+
+@pytest.mark.gpu
+def test_demo_serves_a_checkpoint_on_the_gpu(tmp_path, capsys):
+    """A checkpoint with head_dim 128 in bfloat16, so that auto picks the GPU backends."""
+    pytest.importorskip("transformers")
+    from tests.models.hf_checkpoints import save_checkpoint
+
+    save_checkpoint("llama", tmp_path, head_dim=128)
+    demo.main(["--model", str(tmp_path), "--dtype", "bfloat16", "--requests", "6", "--prompt-len", "100",
+               "--new-tokens", "8", "--max-seqs", "4", "--chunk-size", "64"])
+    out = capsys.readouterr().out
+    assert "attention backend, decode step: xla" not in out, out
+    assert "6 requests" in out and "request 0 generated: [" in out

@@ -27,11 +27,11 @@ CHECKPOINTS = {
 WORDS = [f"w{i}" for i in range(VOCAB)]
 
 
-def save_checkpoint(name: str, path: pathlib.Path) -> torch.nn.Module:
-    """Writes checkpoint ``name`` of CHECKPOINTS (float32, seeded) into ``path``; returns the
-    transformers model it holds (eval mode)."""
+def save_checkpoint(name: str, path: pathlib.Path, **overrides) -> torch.nn.Module:
+    """Writes checkpoint ``name`` of CHECKPOINTS (float32, seeded; ``overrides``: config arguments)
+    into ``path``; returns the transformers model it holds (eval mode)."""
     config_class, changes, save = CHECKPOINTS[name]
-    config = getattr(transformers, config_class)(**{**_SHAPES, **changes})
+    config = getattr(transformers, config_class)(**{**_SHAPES, **changes, **overrides})
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config).to(torch.float32).eval()
     model.save_pretrained(path, safe_serialization=True, **save)
