@@ -69,11 +69,11 @@ def import_library() -> tuple[ModuleType | None, str | None]:
 @functools.cache
 def _load() -> tuple[ModuleType | None, str | None]:
     """(library, None) when the backend can run here, else (None, the reason it cannot)."""
+    if not base.gpu_devices():   # first: without a GPU, how the library was built does not matter
+        return None, base.NO_GPU
     lib, reason = import_library()
     if lib is None:
         return None, reason
-    if not base.gpu_devices():
-        return None, base.NO_GPU
     version = lib.backend_version()
     if version < MIN_CUDNN_VERSION or version in (91000, 91001):
         return None, (f"cuDNN {format_version(version)} is too old: paged prefill with packed ragged "

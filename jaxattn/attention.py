@@ -12,6 +12,7 @@ import jax.numpy as jnp
 
 from jaxattn import backends
 from jaxattn.backends import AttentionParams
+from jaxattn.backends.base import NO_GPU, gpu_devices
 from jaxattn.backends.trtllm import MAX_SPEC_Q_LEN, SPEC_TILE_ROWS
 from jaxattn.checks import is_int, is_real
 from jaxattn.kv_cache import KVCache
@@ -198,8 +199,10 @@ def _first_of(order: tuple[str, ...], q: jax.Array, cache: KVCache, meta: Attent
     for name in order:
         reason = _unsupported_reason(name, q, cache, meta, params)
         if reason is None:
-            if skipped:
-                _log_once(f"jaxattn auto: using {name!r}; " + "; ".join(skipped))
+            if skipped and name == "xla" and not gpu_devices():   # nothing to fix: only xla runs on CPU
+                _log_once(f"jaxattn auto: running the xla backend: {NO_GPU}", logging.INFO)
+            elif skipped:
+                _log_once(f"jaxattn auto: using {name!r}; " + "; ".join(skipped), logging.WARNING)
             return name
         skipped.append(f"{name} skipped{role} ({reason})")
     return None
@@ -214,10 +217,10 @@ def _first_supported(order: tuple[str, ...], q: jax.Array, cache: KVCache, meta:
     return name
 
 
-def _log_once(message: str) -> None:
+def _log_once(message: str, level: int) -> None:
     if message not in _logged:
         _logged.add(message)
-        logger.warning(message)
+        logger.log(level, message)
 
 
 def _check_args(q, cache, meta, *, scale=None, causal=True, sliding_window=None, softcap=None, sinks=None,

@@ -1,13 +1,19 @@
-"""``python -m jaxattn.demo``: continuous-batching greedy generation with a random-weight
-Llama-style model whose every step (page allocation, KV writes, attention in all layers) is one
-jitted function over donated KV caches and page table.
+"""``python -m jaxattn.demo``: continuous-batching greedy generation whose every step (page
+allocation, KV writes, attention in all layers) is one jitted function over donated KV caches and
+page table.
 
-CPU: the tiny preset with the ``xla`` backend. GPU: a larger preset with whatever ``auto`` picks.
+The model is a random-weight Llama-style preset (CPU: ``tiny`` on the ``xla`` backend; GPU:
+``small`` on whatever ``auto`` picks), or with ``--model DIR`` a local Hugging Face checkpoint
+directory (``jaxattn.models.from_pretrained``). Prompts are random token ids, or read from
+``--prompt-ids FILE`` (one prompt per line, token ids separated by spaces), or given as text with
+``--prompt`` when the ``tokenizers`` package is installed and DIR has a ``tokenizer.json`` (which
+then also decodes the outputs).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import time
 
 import jax
@@ -18,7 +24,10 @@ from flax import nnx
 import jaxattn
 from jaxattn.attention import backend_for
 from jaxattn.engine import Engine, progress_bar
+from jaxattn.models import from_pretrained
 from jaxattn.models.llama import PRESETS, Llama, LlamaConfig
+
+DTYPES = ("float32", "bfloat16", "float16")
 
 
 def attention_plans(cfg: LlamaConfig, engine: Engine) -> dict[str, str]:
@@ -47,50 +56,155 @@ def positive_int(text: str) -> int:
     return value
 
 
+def read_prompt_ids(path: str, vocab_size: int) -> list[np.ndarray]:
+    """The prompts of a file with one prompt per line, token ids separated by whitespace (blank
+    lines are skipped); ValueError naming the line of a token that is not an int in
+    ``[0, vocab_size)``, or when the file has no prompt."""
+    prompts = []
+    with open(path) as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                ids = np.array([int(word) for word in line.split()], np.int64)
+            except ValueError:
+                ids = np.array([-1])
+            if ids.min() < 0 or ids.max() >= vocab_size:
+                raise ValueError(f"--prompt-ids {path}, line {number}: expected token ids (ints in "
+                                 f"[0, {vocab_size}) separated by spaces), got {line.strip()[:80]!r}")
+            prompts.append(ids.astype(np.int32))
+    if not prompts:
+        raise ValueError(f"--prompt-ids {path} has no prompt (one line of token ids per prompt)")
+    return prompts
+
+
+def load_tokenizer(model_dir: str | None) -> tuple[object | None, str | None]:
+    """``(tokenizers.Tokenizer of model_dir/tokenizer.json, None)``, or ``(None, why not)``: no
+    such file, or the optional ``tokenizers`` package is not installed."""
+    path = os.path.join(model_dir, "tokenizer.json") if model_dir else None
+    if path is None or not os.path.isfile(path):
+        return None, "needs --model DIR with a DIR/tokenizer.json"
+    try:
+        from tokenizers import Tokenizer
+    except ImportError:
+        return None, f"needs the tokenizers package to read {path} (pip install tokenizers)"
+    return Tokenizer.from_file(path), None
+
+
+def read_prompts(args: argparse.Namespace, vocab_size: int, tokenizer) -> list[np.ndarray]:
+    """The prompts of ``--prompt-ids`` and ``--prompt``, else ``--requests`` random ones."""
+    prompts = []
+    if args.prompt_ids is not None:
+        prompts += read_prompt_ids(args.prompt_ids, vocab_size)
+    for text in args.prompt or ():
+        prompts.append(np.asarray(tokenizer.encode(text).ids, np.int32))
+        if not prompts[-1].size:
+            raise ValueError(f"--prompt {text!r} encodes to no tokens")
+    if prompts:
+        return prompts
+    rng = np.random.default_rng(0)
+    return [rng.integers(0, vocab_size, size=int(rng.integers(max(1, args.prompt_len // 4), args.prompt_len + 1)))
+            for _ in range(args.requests)]
+
+
+def build_parser(on_gpu: bool) -> argparse.ArgumentParser:
+    """The demo's options; defaults depend on whether a GPU runs it."""
+    summary, *details = __doc__.replace("``", "").split("\n\n")
+    parser = argparse.ArgumentParser(prog="python -m jaxattn.demo", description=summary.split(": ", 1)[1],
+                                     epilog="\n\n".join(details))
+    model = parser.add_argument_group("model")
+    model.add_argument("--model", metavar="DIR", help="local Hugging Face checkpoint directory (config.json, "
+                       "*.safetensors) to serve instead of a random-weight preset")
+    model.add_argument("--preset", choices=sorted(PRESETS), default=None,
+                       help="random-weight model shapes without --model (default: small on GPU, tiny on CPU)")
+    model.add_argument("--layers", type=positive_int, metavar="N", default=None,
+                       help="override the preset's number of layers")
+    model.add_argument("--dtype", choices=DTYPES, default=None,
+                       help="weights and activations (default: the checkpoint's, or the preset's)")
+    model.add_argument("--backend", default="auto", choices=("auto",) + jaxattn.backends.BACKENDS,
+                       help="paged_attention backend (default: auto)")
+    prompts = parser.add_argument_group("requests")
+    prompts.add_argument("--prompt-ids", metavar="FILE",
+                         help="prompts as token ids: one prompt per line, ids separated by spaces")
+    prompts.add_argument("--prompt", action="append", metavar="TEXT",
+                         help="a text prompt (repeat for more); needs --model DIR with a tokenizer.json and "
+                              "the tokenizers package")
+    prompts.add_argument("--requests", type=positive_int, metavar="N", default=64 if on_gpu else 12,
+                         help="number of random prompts, when no --prompt-ids or --prompt is given "
+                              "(default: %(default)s)")
+    prompts.add_argument("--prompt-len", type=positive_int, metavar="N", default=512 if on_gpu else 48,
+                         help="longest random prompt, in tokens (default: %(default)s)")
+    prompts.add_argument("--new-tokens", type=positive_int, metavar="N", default=128 if on_gpu else 24,
+                         help="tokens to generate per request (default: %(default)s)")
+    engine = parser.add_argument_group("engine")
+    engine.add_argument("--max-seqs", type=positive_int, metavar="N", default=32 if on_gpu else 4,
+                        help="sequences in flight (default: %(default)s)")
+    engine.add_argument("--chunk-size", type=positive_int, metavar="N", default=512 if on_gpu else 32,
+                        help="prompt tokens prefilled per step (default: %(default)s)")
+    engine.add_argument("--page-size", type=positive_int, metavar="N", default=64 if on_gpu else 16,
+                        help="tokens per KV cache page (default: %(default)s)")
+    return parser
+
+
 def main(argv: list[str] | None = None) -> None:
     on_gpu = jax.default_backend() == "gpu"
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--preset", choices=sorted(PRESETS), default="small" if on_gpu else "tiny")
-    parser.add_argument("--layers", type=positive_int, default=None, help="override the preset's number of layers")
-    parser.add_argument("--backend", default="auto", choices=("auto",) + jaxattn.backends.BACKENDS)
-    parser.add_argument("--requests", type=positive_int, default=64 if on_gpu else 12)
-    parser.add_argument("--max-seqs", type=positive_int, default=32 if on_gpu else 4)
-    parser.add_argument("--prompt-len", type=positive_int, default=512 if on_gpu else 48, help="longest prompt")
-    parser.add_argument("--new-tokens", type=positive_int, default=128 if on_gpu else 24)
-    parser.add_argument("--chunk-size", type=positive_int, default=512 if on_gpu else 32)
-    parser.add_argument("--page-size", type=positive_int, default=64 if on_gpu else 16)
+    parser = build_parser(on_gpu)
     args = parser.parse_args(argv)
+    if args.model is not None and (args.preset is not None or args.layers is not None):
+        parser.error("--preset and --layers choose a random-weight model: not with --model")
+    tokenizer, no_tokenizer = load_tokenizer(args.model)
+    if args.prompt and tokenizer is None:
+        parser.error(f"--prompt {no_tokenizer}; or give token ids with --prompt-ids")
+    if args.model is not None:
+        try:
+            model = from_pretrained(args.model, dtype=args.dtype)
+        except (ValueError, OSError, ImportError) as err:
+            parser.error(f"--model {args.model}: {err}")
+        cfg = model.cfg
+        name = f"checkpoint {args.model}"
+    else:
+        preset = args.preset or ("small" if on_gpu else "tiny")
+        cfg = PRESETS[preset]
+        if args.layers is not None:
+            cfg = cfg.replace(num_layers=args.layers)
+        if args.dtype is not None:
+            cfg = cfg.replace(dtype=args.dtype)
+        model = Llama(cfg, nnx.Rngs(0))
+        name = f"{preset} preset (random weights)"
 
-    cfg = PRESETS[args.preset]
-    if args.layers is not None:
-        cfg = cfg.replace(num_layers=args.layers)
-    model = Llama(cfg, nnx.Rngs(0))
-    rng = np.random.default_rng(0)
+    given = args.prompt_ids is not None or bool(args.prompt)
+    try:
+        prompts = read_prompts(args, cfg.vocab_size, tokenizer)
+    except (ValueError, OSError) as err:
+        parser.error(str(err))
+    max_seq_len = max(p.size for p in prompts) + args.new_tokens
 
     def make_engine() -> Engine:
-        return Engine(model, max_seqs=args.max_seqs, max_seq_len=args.prompt_len + args.new_tokens,
-                      page_size=args.page_size, chunk_size=args.chunk_size, backend=args.backend)
+        return Engine(model, max_seqs=args.max_seqs, max_seq_len=max_seq_len, page_size=args.page_size,
+                      chunk_size=args.chunk_size, backend=args.backend)
 
-    def add_requests(engine: Engine, count: int) -> None:
-        for _ in range(count):
-            length = int(rng.integers(max(1, args.prompt_len // 4), args.prompt_len + 1))
-            engine.add_request(rng.integers(0, cfg.vocab_size, size=length), args.new_tokens)
-
-    print(f"jaxattn demo on {jax.devices()[0].device_kind} ({jax.default_backend()}): {args.preset} preset, "
+    print(f"jaxattn demo on {jax.devices()[0].device_kind} ({jax.default_backend()}): {name}, "
           f"{cfg.num_layers} layers, dim {cfg.dim}, heads {cfg.num_q_heads}/{cfg.num_kv_heads} x {cfg.head_dim}, "
-          f"{cfg.dtype}; {args.requests} requests, prompts <= {args.prompt_len}, {args.new_tokens} new tokens each, "
-          f"{args.max_seqs} sequences in flight, prefill chunk {args.chunk_size}, page {args.page_size}")
+          f"{cfg.dtype}; {len(prompts)} requests, prompts <= {max_seq_len - args.new_tokens} tokens, "
+          f"{args.new_tokens} new tokens each, {args.max_seqs} sequences in flight, prefill chunk "
+          f"{args.chunk_size}, page {args.page_size}")
     engine = make_engine()
-    for phase, plan in attention_plans(cfg, engine).items():
+    try:
+        plans = attention_plans(cfg, engine)
+    except ValueError as err:                    # a backend that cannot run here, or not these shapes
+        parser.error(f"--backend {args.backend}: {err}")
+    for phase, plan in plans.items():
         print(f"  attention backend, {phase}: {plan}")
 
     warmup = make_engine()                       # compiles both step shapes
-    add_requests(warmup, 2)
+    for prompt in prompts[:2]:
+        warmup.add_request(prompt, args.new_tokens)
     warmup.run()
     del warmup
 
-    add_requests(engine, args.requests)
-    prompt_tokens = sum(r.prompt.size for r in engine.waiting)
+    for prompt in prompts:
+        engine.add_request(prompt, args.new_tokens)
+    prompt_tokens = sum(p.size for p in prompts)
     start = time.perf_counter()
     steps = 0
 
@@ -106,7 +220,12 @@ def main(argv: list[str] | None = None) -> None:
           f"{steps} steps ({elapsed / steps * 1e3:.2f} ms/step)")
     print(f"  throughput: {generated / elapsed:,.0f} generated tokens/s, "
           f"{(prompt_tokens + generated) / elapsed:,.0f} total tokens/s")
-    print(f"  request 0 generated: {done[0].output[:12]} ...")
+    for request in done if given else done[:1]:
+        if tokenizer is not None:
+            print(f"  request {request.id}: {tokenizer.decode(request.prompt.tolist())!r} -> "
+                  f"{tokenizer.decode(request.output)!r}")
+        else:
+            print(f"  request {request.id} generated: {request.output if given else request.output[:12]}")
 
 
 if __name__ == "__main__":

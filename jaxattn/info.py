@@ -11,7 +11,7 @@ import sys
 
 import jax
 
-from jaxattn import __version__, backends
+from jaxattn import __version__, _ffi_cudnn, backends
 from jaxattn.backends.base import gpu_devices
 
 # (label, distribution names tried in order)
@@ -23,7 +23,6 @@ _PACKAGES = (
     ("cudnn-frontend", ("nvidia-cudnn-frontend",)),
     ("flashinfer", ("flashinfer-python",)),
     ("triton", ("triton",)),
-    ("jax-triton", ("jax-triton",)),
     ("flax", ("flax",)),
     ("torch", ("torch",)),
 )
@@ -73,6 +72,8 @@ def report() -> str:
         lines.append(f"  {label:<16} {package_version(names) or 'not installed'}")
     for label, version in cuda_library_versions().items():
         lines.append(f"  {label:<16} {version}")
+    _, not_built = _ffi_cudnn.import_library()
+    lines.append(f"  {'cuDNN handler':<16} {not_built or 'built'}")
     lines += ["", f"JAX default backend: {jax.default_backend()}", "GPUs:"]
     lines += [f"  {g}" for g in gpus()] or ["  none"]
     lines += ["", "jaxattn backends:"]

@@ -80,7 +80,7 @@ def make_problem(rng: np.random.Generator, *, q_lens, kv_lens, num_q_heads, num_
 
 def reference(problem: Problem, *, scale=None, causal=True, sliding_window=None, softcap=None,
               sinks=None) -> np.ndarray:
-    """Dense float64 attention per sequence, DESIGN.md semantics; [T_pad, Hq, D]."""
+    """Dense float64 attention per sequence, docs/design.md semantics; [T_pad, Hq, D]."""
     q = np.asarray(problem.q.astype(jnp.float32), np.float64)
     out = np.zeros_like(q)
     num_q_heads, head_dim = q.shape[1:]

@@ -13,6 +13,7 @@ import jaxattn
 from jaxattn import AttentionMetadata, KVCache
 from jaxattn import attention as attention_module
 from jaxattn import backends
+from tests.conftest import HAS_GPU
 
 
 def _inputs(num_q_heads=4, head_dim=64, dtype=jnp.bfloat16, batch=2, tokens=5, pages=3):
@@ -89,7 +90,13 @@ def test_unavailable_backend_names_itself_and_the_reason(name):
         jaxattn.paged_attention(q0, cache0, meta0, backend=name)
 
 
-def test_auto_falls_back_with_one_log_line(caplog, monkeypatch):
+def _as_if_on_a_gpu(monkeypatch):
+    """The fallback logs of a GPU machine: a GPU is visible (backends are faked by each test)."""
+    monkeypatch.setattr(attention_module, "gpu_devices", lambda: ["a GPU"])
+
+
+def test_auto_falls_back_with_one_warning_line(caplog, monkeypatch):
+    _as_if_on_a_gpu(monkeypatch)
     monkeypatch.setattr(backends, "unavailable_reason",
                         lambda name: None if name == "xla" else f"{name} is switched off for this test")
     monkeypatch.setattr(attention_module, "_logged", set())
@@ -100,6 +107,18 @@ def test_auto_falls_back_with_one_log_line(caplog, monkeypatch):
     assert len(lines) == len(set(lines)) == 2, lines          # prefill and decode choice, once each
     assert "cudnn skipped (cudnn is switched off for this test)" in lines[0]
     assert "trtllm skipped (trtllm is switched off for this test)" in lines[1]
+
+
+def test_auto_without_a_gpu_logs_one_info_line(caplog, monkeypatch):
+    if HAS_GPU:
+        pytest.skip("a GPU is visible")
+    monkeypatch.setattr(attention_module, "_logged", set())
+    with caplog.at_level(logging.DEBUG, logger="jaxattn"):
+        for max_q_len in (None, 1, 4, None):
+            assert attention_module.backend_for(q0, cache0, _with(meta0, max_q_len=max_q_len)).main == "xla"
+    assert [(r.levelno, r.getMessage()) for r in caplog.records] == [
+        (logging.INFO, "jaxattn auto: running the xla backend: no NVIDIA GPU is visible to JAX "
+                       "(jax.devices('gpu') is empty)")]
 
 
 def test_auto_matches_xla():
@@ -156,6 +175,7 @@ def test_auto_plans_a_split_when_decode_and_prefill_backends_differ(monkeypatch)
 def test_auto_sends_speculative_decode_steps_to_trtllm_whole(monkeypatch, caplog):
     """2 <= max_q_len <= 16: one trtllm call when it takes the step; otherwise the prefill plan,
     with the reason logged. Longer steps never ask trtllm for the whole batch."""
+    _as_if_on_a_gpu(monkeypatch)
     monkeypatch.setattr(backends, "unavailable_reason", lambda name: None if name in ("xla", "trtllm") else "off")
     monkeypatch.setattr(attention_module, "_logged", set())
     asked = []

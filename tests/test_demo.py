@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import re
+import sys
+
 import pytest
 
 from jaxattn import demo
+from tests.conftest import HAS_GPU
 
 
 def test_demo_runs(capsys):
@@ -22,3 +26,87 @@ def test_bad_flags_exit_with_a_usage_error(capsys, flag, value):
         demo.main([flag, value])
     assert exit_info.value.code == 2
     assert f"argument {flag}: must be an int >= 1, got '{value}'" in capsys.readouterr().err
+
+
+def test_help_names_the_module_and_every_option(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        demo.main(["--help"])
+    assert exit_info.value.code == 0
+    assert capsys.readouterr().out.startswith("usage: python -m jaxattn.demo")
+    assert all(action.help for action in demo.build_parser(on_gpu=False)._actions)
+
+
+def test_a_backend_that_cannot_run_here_is_a_usage_error(capsys):
+    if HAS_GPU:
+        pytest.skip("a GPU is visible")
+    with pytest.raises(SystemExit) as exit_info:
+        demo.main(["--backend", "cudnn", "--layers", "1", "--requests", "1"])
+    assert exit_info.value.code == 2
+    assert "--backend cudnn: paged_attention: backend 'cudnn' is not available: no NVIDIA GPU" in capsys.readouterr().err
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """(directory of a tiny transformers checkpoint with a word-level tokenizer.json, the
+    transformers model)."""
+    pytest.importorskip("transformers")
+    from tests.models.hf_checkpoints import save_checkpoint, save_tokenizer
+
+    path = tmp_path_factory.mktemp("qwen2-tied")
+    reference = save_checkpoint("qwen2-tied", path)
+    save_tokenizer(path)
+    return path, reference
+
+
+def test_demo_serves_a_checkpoint(checkpoint, tmp_path, capsys):
+    """Prompts from a file of token ids and as text; outputs decoded, equal to transformers' greedy ones."""
+    from tests.models.hf_checkpoints import WORDS, generate
+
+    path, reference = checkpoint
+    prompts = [[1, 2, 3, 4, 5], list(range(100, 120)), [7], [5, 6, 7]]
+    (tmp_path / "prompts.txt").write_text("1 2 3 4 5\n\n" + " ".join(map(str, prompts[1])) + "\n 7 \n")
+    demo.main(["--model", str(path), "--prompt-ids", str(tmp_path / "prompts.txt"), "--prompt", "w5 w6 w7",
+               "--dtype", "float32", "--backend", "xla", "--new-tokens", "5", "--max-seqs", "2", "--chunk-size", "8",
+               "--page-size", "8"])
+    out = capsys.readouterr().out
+    assert f"checkpoint {path}" in out and "4 requests" in out
+    def text(ids: list[int]) -> str:
+        return " ".join(WORDS[t] for t in ids)
+
+    for i, prompt in enumerate(prompts):
+        assert f"request {i}: {text(prompt)!r} -> {text(generate(reference, prompt, 5))!r}\n" in out
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--prompt", "hello"], "--prompt needs --model DIR with a DIR/tokenizer.json; or give token ids"),
+    (["--model", "{path}", "--layers", "2"], "--preset and --layers choose a random-weight model"),
+    (["--model", "{path}", "--prompt-ids", "{tmp}/bad.txt"], r"bad.txt, line 2: expected .* in \[0, 128\)"),
+    (["--model", "{tmp}"], "is not a local checkpoint directory with a config.json"),
+])
+def test_bad_model_or_prompts_exit_with_a_usage_error(checkpoint, tmp_path, capsys, args, message):
+    (tmp_path / "bad.txt").write_text("1 2\n3 128\n")
+    with pytest.raises(SystemExit) as exit_info:
+        demo.main([a.format(path=checkpoint[0], tmp=tmp_path) for a in args])
+    assert exit_info.value.code == 2
+    assert re.search(message, capsys.readouterr().err)
+
+
+def test_text_prompts_without_the_tokenizers_package_say_what_to_install(checkpoint, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "tokenizers", None)  # import tokenizers raises ImportError
+    with pytest.raises(SystemExit):
+        demo.main(["--model", str(checkpoint[0]), "--prompt", "w1"])
+    assert "--prompt needs the tokenizers package to read" in capsys.readouterr().err
+
+
+@pytest.mark.gpu
+def test_demo_serves_a_checkpoint_on_the_gpu(tmp_path, capsys):
+    """A checkpoint with head_dim 128 in bfloat16, so that auto picks the GPU backends."""
+    pytest.importorskip("transformers")
+    from tests.models.hf_checkpoints import save_checkpoint
+
+    save_checkpoint("llama", tmp_path, head_dim=128)
+    demo.main(["--model", str(tmp_path), "--dtype", "bfloat16", "--requests", "6", "--prompt-len", "100",
+               "--new-tokens", "8", "--max-seqs", "4", "--chunk-size", "64"])
+    out = capsys.readouterr().out
+    assert "attention backend, decode step: xla" not in out, out
+    assert "6 requests" in out and "request 0 generated: [" in out

@@ -5,7 +5,11 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 from jaxattn import backends, info
+from jaxattn.backends.base import NO_GPU
+from tests.conftest import HAS_GPU
 
 
 def test_report_lists_every_backend_with_a_reason():
@@ -16,6 +20,15 @@ def test_report_lists_every_backend_with_a_reason():
         reason = backends.unavailable_reason(name)
         assert ("available" in line) if reason is None else (reason in line)
     assert "jax " in text and "xla     available" in text
+
+
+def test_without_a_gpu_every_gpu_backend_says_so():
+    if HAS_GPU:
+        pytest.skip("a GPU is visible")
+    text = info.report()
+    for name in backends.BACKENDS[1:]:
+        assert f"  {name:<7} unavailable: {NO_GPU}" in text
+    assert "  cuDNN handler  " in text
 
 
 def test_runs_as_a_module():

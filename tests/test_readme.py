@@ -1,33 +1,62 @@
-"""The README's ``step`` snippet, run as written, keeps the out-of-pages contract: a refused
-request writes nothing, its rows are zero and flagged, and the other sequences are unaffected."""
+"""Every python block of the README runs as written, each with the minimal setup it needs defined
+here (inputs it uses, a 2-device CPU mesh, a tiny local checkpoint for a placeholder path); a
+block that cannot run on CPU would be listed in CANNOT_RUN with the reason. The ``step`` block,
+run as written, also keeps the out-of-pages contract: a refused request writes nothing, its rows
+are zero and flagged, and the other sequences are unaffected."""
 
 from __future__ import annotations
 
 import pathlib
 import re
+import textwrap
 
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 import jaxattn
 
 README = pathlib.Path(__file__).resolve().parents[1] / "README.md"
 
+# The marker (a string only that block contains) of every README python block, and the test that runs it.
+RUN_BY = {
+    "def step(": "test_readme_step_out_of_pages",
+    "pool_sharding(mesh": "test_readme_sharding_on_two_cpu_devices",
+    'PRESETS["tiny"]': "test_readme_engine",
+    "from_pretrained(path": "test_readme_hugging_face_checkpoint",
+}
+# marker: why the block cannot run on a CPU machine (none so far).
+CANNOT_RUN: dict[str, str] = {}
 
-def _snippet(marker: str) -> str:
-    """The README's python code block that contains ``marker``."""
-    blocks = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
-    (block,) = [b for b in blocks if marker in b]
+
+def python_blocks() -> list[str]:
+    """The README's ```python blocks, dedented."""
+    return [textwrap.dedent(b) for b in re.findall(r"^ *```python\n(.*?)^ *```", README.read_text(), flags=re.S | re.M)]
+
+
+def snippet(marker: str) -> str:
+    """The README's python block that contains ``marker``."""
+    (block,) = [b for b in python_blocks() if marker in b]
     return block
 
 
-def _packed(rng, lens, heads, head_dim):
-    return jnp.asarray(rng.normal(size=(sum(lens), heads, head_dim)), jnp.float32)
+def test_every_block_is_run_or_listed():
+    blocks = python_blocks()
+    for block in blocks:
+        markers = [m for m in (*RUN_BY, *CANNOT_RUN) if m in block]
+        assert len(markers) == 1, f"a README python block needs one marker in RUN_BY or CANNOT_RUN:\n{block}"
+    for marker in (*RUN_BY, *CANNOT_RUN):
+        assert any(marker in block for block in blocks), f"no README python block contains {marker!r}"
+    assert set(RUN_BY.values()) <= set(globals()), "RUN_BY names a test that does not exist"
+
+
+def _packed(rng, lens, heads, head_dim, dtype=jnp.float32):
+    return jnp.asarray(rng.normal(size=(sum(lens), heads, head_dim)), dtype)
 
 
 def test_readme_step_out_of_pages():
     namespace: dict = {}
-    exec(_snippet("def step("), namespace)
+    exec(snippet("def step("), namespace)
     step = namespace["step"]
     rng = np.random.default_rng()
     cache = jaxattn.KVCache.create(num_pages=4, page_size=16, num_kv_heads=2, head_dim=16, dtype=jnp.float32)
@@ -62,3 +91,52 @@ def test_readme_step_out_of_pages():
     alone = step(q[jnp.asarray([0, 6])], kv[jnp.asarray([0, 6])], -kv[jnp.asarray([0, 6])], cache, table,
                  jnp.asarray([0, 1], jnp.int32), jnp.asarray([1, 1], jnp.int32))[0]
     np.testing.assert_allclose(out[jnp.asarray([0, 6])], alone, rtol=1e-6, atol=1e-6)
+
+
+def check_sharding_block() -> None:
+    """In a process with 2 CPU devices: the Sharding block, after the step block and with the q, k,
+    v, seq_ids and q_lens it uses, gives the unsharded step's output, sharded like q."""
+    from jax.sharding import PartitionSpec as P
+
+    namespace: dict = {}
+    exec(snippet("def step("), namespace)
+    rng = np.random.default_rng(0)
+    lens = [5, 12]
+    namespace.update(q=_packed(rng, lens, 32, 128, jnp.bfloat16), k=_packed(rng, lens, 8, 128, jnp.bfloat16),
+                     v=_packed(rng, lens, 8, 128, jnp.bfloat16), seq_ids=jnp.asarray([0, 1], jnp.int32),
+                     q_lens=jnp.asarray(lens, jnp.int32))
+    expected = namespace["step"](*(namespace[name] for name in ("q", "k", "v", "cache", "table", "seq_ids", "q_lens")))
+    exec(snippet("pool_sharding(mesh"), namespace)
+    out = namespace["out"]
+    assert out.sharding.spec == P(None, "tp", None), out.sharding
+    assert np.asarray(namespace["valid"]).all()
+    np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(expected[0], np.float32), rtol=2e-2, atol=2e-2)
+
+
+def test_readme_sharding_on_two_cpu_devices():
+    from tests.test_sharding import run_on_cpu_devices
+
+    run_on_cpu_devices(2, "from tests.test_readme import check_sharding_block; check_sharding_block()")
+
+
+def test_readme_engine():
+    namespace: dict = {}
+    exec(snippet('PRESETS["tiny"]'), namespace)
+    assert len(namespace["request"].output) == 32
+
+
+def test_readme_hugging_face_checkpoint(tmp_path, capsys):
+    """The block with its placeholder path replaced by a tiny checkpoint (with a tokenizer.json)."""
+    pytest.importorskip("transformers")
+    from tests.models.hf_checkpoints import save_checkpoint, save_tokenizer
+
+    save_checkpoint("llama", tmp_path)
+    save_tokenizer(tmp_path)
+    block = snippet("from_pretrained(path")
+    placeholder = '"/path/to/Llama-3.1-8B-Instruct"'
+    assert block.count(placeholder) == 1
+    namespace: dict = {}
+    exec(block.replace(placeholder, repr(str(tmp_path))), namespace)
+    request, tokenizer = namespace["request"], namespace["tokenizer"]
+    assert len(request.output) == 64
+    assert capsys.readouterr().out == tokenizer.decode(request.output) + "\n"

@@ -137,6 +137,10 @@ def from_pretrained(path: str, dtype: str | jnp.dtype | None = None, mesh: jax.s
     missing, unexpected or of the wrong shape."""
     if mesh is not None:
         raise ValueError("from_pretrained: mesh is not supported yet; pass mesh=None (one device)")
+    try:
+        from safetensors import safe_open  # the one runtime use of safetensors, an optional dependency
+    except ImportError:
+        raise ImportError("from_pretrained needs the safetensors package: pip install 'jaxattn[hf]'") from None
     config_path = os.path.join(path, "config.json")
     if not os.path.isfile(config_path):
         raise ValueError(f"from_pretrained: path={path!r} is not a local checkpoint directory with a config.json")
@@ -146,7 +150,6 @@ def from_pretrained(path: str, dtype: str | jnp.dtype | None = None, mesh: jax.s
     cfg = llama_config_from_hf(hf, dtype)
     model = nnx.eval_shape(lambda: Llama(cfg, nnx.Rngs(0)))
     expected = _hf_parameters(model)
-    from safetensors import safe_open  # the one runtime use of safetensors
 
     for file in _checkpoint_files(path):
         with safe_open(file, framework="numpy") as tensors:

@@ -5,6 +5,7 @@ prefill + decodes) as transformers' own model; unsupported configs are refused b
 from __future__ import annotations
 
 import json
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -21,23 +22,10 @@ from jaxattn.engine import Engine  # noqa: E402
 from jaxattn.models import from_pretrained  # noqa: E402
 from jaxattn.models.hf import llama_config_from_hf  # noqa: E402
 from jaxattn.models.llama import PRESETS, Llama, Llama3RopeScaling, rope_frequencies  # noqa: E402
+from tests.models.hf_checkpoints import CHECKPOINTS, VOCAB, generate, save_checkpoint  # noqa: E402
 from tests.models.test_llama import dense_hidden  # noqa: E402
 from tests.paged_inputs import rel_error  # noqa: E402
 
-VOCAB = 128
-_SHAPES = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-               num_key_value_heads=2, max_position_embeddings=256)
-_LLAMA3_ROPE = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
-                    original_max_position_embeddings=16)  # short, so that the scaled band covers test positions
-# name: (transformers config class, its arguments beyond _SHAPES, save_pretrained arguments)
-CHECKPOINTS = {
-    "llama": ("LlamaConfig", {}, {}),
-    "llama3-rope-sharded": ("LlamaConfig", dict(rope_scaling=_LLAMA3_ROPE, rope_theta=500000.0),
-                            dict(max_shard_size="50KB")),
-    "mistral-sliding-window": ("MistralConfig", dict(sliding_window=8, head_dim=32), {}),
-    "qwen2-tied": ("Qwen2Config", dict(tie_word_embeddings=True), {}),
-    "qwen3": ("Qwen3Config", dict(head_dim=16, num_hidden_layers=3), {}),
-}
 PROMPT_LENS = (5, 23, 12, 40)
 NEW_TOKENS = 32
 
@@ -45,13 +33,8 @@ NEW_TOKENS = 32
 @pytest.fixture(scope="module", params=list(CHECKPOINTS))
 def checkpoint(request, tmp_path_factory) -> tuple[torch.nn.Module, Llama]:
     """(transformers model, the same checkpoint loaded with from_pretrained) in float32."""
-    config_class, changes, save = CHECKPOINTS[request.param]
-    config = getattr(transformers, config_class)(**{**_SHAPES, **changes})
-    torch.manual_seed(0)
-    reference = transformers.AutoModelForCausalLM.from_config(config).to(torch.float32).eval()
     path = tmp_path_factory.mktemp(request.param)
-    reference.save_pretrained(path, safe_serialization=True, **save)
-    return reference, from_pretrained(str(path), dtype="float32")
+    return save_checkpoint(request.param, path), from_pretrained(str(path), dtype="float32")
 
 
 def _prompts() -> list[np.ndarray]:
@@ -70,18 +53,13 @@ def test_dense_logits_match_transformers(checkpoint):
 
 def test_engine_greedy_tokens_match_generate(checkpoint):
     reference, model = checkpoint
-    reference.generation_config.eos_token_id = None  # generate exactly NEW_TOKENS, as the engine does
     # fewer slots than requests, prompts longer than a chunk: chunked prefill beside decodes
     engine = Engine(model, max_seqs=3, max_seq_len=max(PROMPT_LENS) + NEW_TOKENS, page_size=8, chunk_size=16,
                     backend="xla")
     requests = [engine.add_request(prompt, NEW_TOKENS) for prompt in _prompts()]
     engine.run()
     for request in requests:
-        prompt = torch.from_numpy(request.prompt.astype(np.int64))[None]
-        with torch.no_grad():
-            expected = reference.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=False,
-                                          max_new_tokens=NEW_TOKENS, pad_token_id=0)[0, prompt.shape[1]:]
-        assert request.output == expected.tolist(), request.id
+        assert request.output == generate(reference, request.prompt, NEW_TOKENS), request.id
 
 
 _QWEN2 = dict(model_type="qwen2", vocab_size=8, hidden_size=8, num_hidden_layers=1, num_attention_heads=2,
@@ -108,6 +86,12 @@ def test_attention_bias_outside_qwen2_is_refused():
 def test_mesh_is_refused(tmp_path):
     with pytest.raises(ValueError, match="mesh is not supported yet"):
         from_pretrained(str(tmp_path), mesh=jax.make_mesh((1,), ("tp",)))
+
+
+def test_without_safetensors_the_error_says_what_to_install(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "safetensors", None)  # import safetensors raises ImportError
+    with pytest.raises(ImportError, match=r"pip install 'jaxattn\[hf\]'"):
+        from_pretrained(str(tmp_path))
 
 
 def test_missing_config_fields_are_named():
