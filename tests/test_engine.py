@@ -14,6 +14,7 @@ from jaxattn.engine import Engine
 from jaxattn.models.llama import PRESETS, Llama, forward_paged
 from tests.models.test_llama import dense_greedy
 from tests.paged_inputs import rel_error
+from tests.test_sharding import run_on_cpu_devices
 from tests.xla_dump import run_with_dump, thunk_sequences, top_level_thunks
 
 
@@ -54,6 +55,61 @@ def test_step_has_no_loops():
             jnp.zeros((num_tokens,), jnp.int32), jnp.arange(4, dtype=jnp.int32), jnp.ones((4,), jnp.int32),
             max_q_len=max_q_len, backend="xla").compile().as_text()
         assert " while(" not in hlo and " sort(" not in hlo, max_q_len
+
+
+def _greedy_outputs(engine: Engine, prompts: list[np.ndarray], new_tokens: int) -> list[list[int]]:
+    for prompt in prompts:
+        engine.add_request(prompt, new_tokens)
+    return [r.output for r in engine.run()]
+
+
+def _communicated(hlo: str) -> dict[str, list[int]]:
+    """Collective kind -> the element count of each such op's result in compiled ``hlo``."""
+    found: dict[str, list[int]] = {}
+    for line in hlo.splitlines():
+        for kind in ("all-reduce", "all-gather", "all-to-all", "collective-permute", "reduce-scatter"):
+            if f" {kind}(" in line or f" {kind}-start(" in line:
+                shape = line.split("=", 1)[1].split("{", 1)[0].split("[", 1)[1].split("]", 1)[0]
+                found.setdefault(kind, []).append(int(np.prod([int(d) for d in shape.split(",") if d])))
+    return found
+
+
+def check_engine_on_mesh() -> None:
+    """(On several CPU devices.) The engine on a mesh of all devices gives the one-device engine's
+    greedy tokens (tiny model: Hkv 2, so 4 devices replicate KV heads); its caches stay split by
+    KV heads and its table replicated; each step shape communicates with all-reduces (embedding,
+    o and down projections) and only small gathers (the argmax over the vocabulary shards),
+    nothing the size of a pool shard, and no all-to-all."""
+    num_devices = jax.device_count()
+    model = Llama(PRESETS["tiny"], nnx.Rngs(0))
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, 512, size=n) for n in (5, 33, 1, 20, 17)]
+
+    def engine(mesh=None) -> Engine:
+        return Engine(model, max_seqs=3, max_seq_len=48, page_size=8, chunk_size=16, backend="xla", mesh=mesh)
+
+    expected = _greedy_outputs(engine(), prompts, 5)
+    sharded = engine(jax.make_mesh((num_devices,), ("tp",)))
+    assert _greedy_outputs(sharded, prompts, 5) == expected
+    pools = jaxattn.kv_cache.pool_sharding(sharded.caches[0].k_pages.sharding.mesh, "tp")
+    assert all(c.k_pages.sharding.is_equivalent_to(pools, 4) for c in sharded.caches)
+    assert sharded.caches[0].num_kv_heads == max(2, num_devices)
+    assert all(x.sharding.is_fully_replicated for x in jax.tree.leaves(sharded.table))
+    pool_shard = sharded.caches[0].k_pages.addressable_shards[0].data.size
+    for max_q_len, num_tokens in ((1, 3), (16, 19)):
+        hlo = sharded._step.lower(
+            sharded._weights, sharded.caches, sharded.table, jnp.full((3,), -1, jnp.int32),
+            jnp.zeros((num_tokens,), jnp.int32), jnp.arange(3, dtype=jnp.int32), jnp.ones((3,), jnp.int32),
+            max_q_len=max_q_len, backend="xla").compile().as_text()
+        sizes = _communicated(hlo)
+        assert len(sizes.pop("all-reduce", [])) >= 1 + 2 * model.cfg.num_layers, (max_q_len, sizes)
+        assert set(sizes) <= {"all-gather"}, (max_q_len, sizes)
+        assert max(sizes.get("all-gather", [0])) <= 3 * num_devices < pool_shard, (max_q_len, sizes)
+
+
+@pytest.mark.parametrize("num_devices", [2, 4])
+def test_engine_on_cpu_devices(num_devices):
+    run_on_cpu_devices(num_devices, "from tests.test_engine import check_engine_on_mesh; check_engine_on_mesh()")
 
 
 _DECODE_STEP_SCRIPT = """
