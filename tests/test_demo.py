@@ -40,12 +40,15 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(num_processes: int, args: list[str], env: dict[str, str], timeout: float = 600) -> list[str]:
+def launch(num_processes: int, args: list[str], env: dict[str, str], one_device_each: bool = False,
+           timeout: float = 600) -> list[str]:
     """Runs ``python -m jaxattn.demo *args`` as each process of a ``jax.distributed`` job with a
-    coordinator on localhost; returns their outputs, failing with them if any process fails."""
+    coordinator on localhost (process i on local device i with ``one_device_each``); returns their
+    outputs, failing with them if any process fails."""
     coordinator = f"localhost:{_free_port()}"
     processes = [subprocess.Popen([sys.executable, "-m", "jaxattn.demo", *args, "--coordinator", coordinator,
-                                   "--num-processes", str(num_processes), "--process-id", str(i)],
+                                   "--num-processes", str(num_processes), "--process-id", str(i),
+                                   *(["--local-devices", str(i)] if one_device_each else [])],
                                   cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
                  for i in range(num_processes)]
     try:
@@ -68,3 +71,22 @@ def test_two_processes_generate_the_one_device_tokens(tmp_path, devices_per_proc
     assert f"tensor parallel over {2 * devices_per_process} devices, 2 processes" in outputs[0], outputs[0]
     assert "requests" not in outputs[1], outputs[1]           # only process 0 prints
     assert json.loads((tmp_path / "two.json").read_text()) == json.loads((tmp_path / "one.json").read_text())
+
+
+@pytest.mark.gpu
+@pytest.mark.multigpu
+def test_gpu_two_processes_one_gpu_each(tmp_path):
+    """The README's launch on a 2-GPU host: one process per GPU (bf16 small preset, 2 layers, auto
+    backend) against one process on one GPU. Greedy tokens start the same for every request (bf16
+    sums in another order may part them later, after a near tie)."""
+    args = ["--layers", "2", "--requests", "8", "--new-tokens", "16", "--prompt-len", "300"]
+    env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false")
+    subprocess.run([sys.executable, "-m", "jaxattn.demo", *args, "--output", str(tmp_path / "one.json")],
+                   cwd=REPO, env=env, check=True, timeout=600)
+    outputs = launch(2, args + ["--output", str(tmp_path / "two.json")], env, one_device_each=True)
+    print(outputs[0])
+    assert "tensor parallel over 2 devices, 2 processes" in outputs[0]
+    one, two = (json.loads((tmp_path / name).read_text()) for name in ("one.json", "two.json"))
+    agree = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), len(x)) for x, y in zip(one, two)]
+    print("tokens agreeing with one GPU before the first difference, per request:", agree)
+    assert min(agree) >= 1, agree
