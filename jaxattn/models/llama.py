@@ -70,6 +70,8 @@ PRESETS: dict[str, LlamaConfig] = {
     # Llama-3-8B layer shapes; use .replace(num_layers=...) to fit a time or memory budget.
     "llama3-8b": LlamaConfig(vocab_size=128256, dim=4096, num_layers=32, num_q_heads=32, num_kv_heads=8,
                              head_dim=128, hidden_dim=14336),
+    "llama3-70b": LlamaConfig(vocab_size=128256, dim=8192, num_layers=80, num_q_heads=64, num_kv_heads=8,
+                              head_dim=128, hidden_dim=28672),
 }
 
 # attend(layer, q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, D]) -> [T, Hq, D]
