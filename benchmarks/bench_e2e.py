@@ -34,6 +34,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 import jaxattn
 from benchmarks.common import device_busy_seconds, write_section
@@ -65,16 +66,19 @@ def bookkeeping_step(caches, table, seq_ids, q_lens, k):
     return meta.kv_lens, caches, table
 
 
-def fill(model: Llama, batch: int, context: int, steps: int, seed: int):
-    """Caches with random KV, and a table where every sequence holds ``context - 1`` tokens."""
+def fill(model: Llama, batch: int, context: int, steps: int, seed: int, mesh: Mesh | None = None):
+    """Caches with random KV, and a table where every sequence holds ``context - 1`` tokens; with
+    a ``mesh``, the pools split by KV heads and the table replicated (as ``Engine(mesh=)``)."""
     pages_per_seq = -(-(context + steps) // PAGE)
     num_pages = 1 + batch * pages_per_seq
-    caches = model.init_caches(num_pages, PAGE, "HND")
+    caches = model.init_caches(num_pages, PAGE, "HND", mesh=mesh)
     key = jax.random.key(seed)
-    caches = [jaxattn.KVCache(jax.random.normal(k1, c.k_pages.shape, c.dtype),
-                              jax.random.normal(k2, c.v_pages.shape, c.dtype), layout=c.layout)
-              for c, (k1, k2) in zip(caches, jax.random.split(key, (len(caches), 2)))]
+    caches = [jaxattn.KVCache(*(jax.device_put(jax.random.normal(k, c.k_pages.shape, c.dtype), c.k_pages.sharding)
+                                for k in keys), layout=c.layout)
+              for c, keys in zip(caches, jax.random.split(key, (len(caches), 2)))]
     table = jaxattn.PageTable.create(num_pages, batch, pages_per_seq, PAGE)
+    if mesh is not None:
+        table = jax.device_put(table, NamedSharding(caches[0].k_pages.sharding.mesh, PartitionSpec()))
     ids = jnp.arange(batch, dtype=jnp.int32)
     table, ok = jax.jit(jaxattn.PageTable.extend)(table, ids, jnp.full((batch,), context - 1, jnp.int32))
     assert bool(ok.all())
@@ -96,22 +100,28 @@ def time_steps(fn, state, steps: int, runs: int = 3) -> tuple[float, float, obje
     return statistics.median(per_step), statistics.median(host_times), state
 
 
-def profiled(fn, state, steps: int) -> tuple[object, float]:
-    """(final state, GPU seconds per step) over ``steps`` chained calls of ``fn``."""
+def profiled(fn, state, steps: int, measure=device_busy_seconds):
+    """(final state, ``measure(call, steps)``: by default GPU seconds per step) over ``steps``
+    chained calls of ``fn``."""
     box = [state]
 
     def call():
         box[0] = fn(box[0])
         return box[0]
 
-    busy_s = device_busy_seconds(call, steps)
-    return box[0], busy_s
+    measured = measure(call, steps)
+    return box[0], measured
 
 
-def run_case(model: Llama, backend: str, batch: int, context: int, steps: int, bandwidth: float) -> dict:
+def decode_step(model: Llama, backend: str, batch: int, context: int, steps: int, mesh: Mesh | None = None):
+    """``(model_step, state, weights, plan)``: one greedy decode step of the engine as a function
+    of its state (next tokens, caches, table), chained calls of which decode ``batch`` sequences
+    from ``context - 1`` tokens on (room for ``7 * steps + 8`` steps); the first state; the
+    model's weights; what ``paged_attention`` runs. With a ``mesh`` (a model placed by
+    ``shard_model``), the caches and table are placed as ``Engine(mesh=)`` places them."""
     cfg = model.cfg
     step, weights = make_engine_step(model)
-    caches, table = fill(model, batch, context, 7 * steps + 8, seed=batch + context)
+    caches, table = fill(model, batch, context, 7 * steps + 8, seed=batch + context, mesh=mesh)
     ids = jnp.arange(batch, dtype=jnp.int32)
     ones = jnp.ones((batch,), jnp.int32)
     no_release = jnp.full((batch,), -1, jnp.int32)
@@ -126,7 +136,23 @@ def run_case(model: Llama, backend: str, batch: int, context: int, steps: int, b
                                       backend=backend)
         return tok, caches, table
 
-    state = (tokens, caches, table)
+    return model_step, (tokens, caches, table), weights, plan
+
+
+def step_bytes(cfg, weights: list[jax.Array], batch: int, context: int) -> tuple[float, float]:
+    """(weight bytes, KV bytes) a decode step must read: every weight once (embedding: only the
+    ``batch`` rows read) and the K/V of every layer once."""
+    weight_bytes = sum(x.size * x.dtype.itemsize for x in weights) \
+        - cfg.vocab_size * cfg.dim * jnp.dtype(cfg.dtype).itemsize + batch * cfg.dim * 2   # embed: B rows
+    kv_bytes = 2 * cfg.num_layers * batch * context * cfg.num_kv_heads * cfg.head_dim * jnp.dtype(cfg.dtype).itemsize
+    return weight_bytes, kv_bytes
+
+
+def run_case(model: Llama, backend: str, batch: int, context: int, steps: int, bandwidth: float) -> dict:
+    cfg = model.cfg
+    model_step, state, weights, plan = decode_step(model, backend, batch, context, steps)
+    ids = jnp.arange(batch, dtype=jnp.int32)
+    ones = jnp.ones((batch,), jnp.int32)
     for _ in range(3):
         state = jax.block_until_ready(model_step(state))
     step_s, host_s, state = time_steps(model_step, state, steps)
@@ -143,9 +169,7 @@ def run_case(model: Llama, backend: str, batch: int, context: int, steps: int, b
     state, book_busy_s = profiled(book_step, state, steps)
     del state
 
-    weight_bytes = sum(x.size * x.dtype.itemsize for x in weights) \
-        - cfg.vocab_size * cfg.dim * jnp.dtype(cfg.dtype).itemsize + batch * cfg.dim * 2   # embed: B rows
-    kv_bytes = 2 * cfg.num_layers * batch * context * cfg.num_kv_heads * cfg.head_dim * jnp.dtype(cfg.dtype).itemsize
+    weight_bytes, kv_bytes = step_bytes(cfg, weights, batch, context)
     roofline_s = (weight_bytes + kv_bytes) / bandwidth
     return dict(backend=backend, plan=plan, batch=batch, context=context, step_ms=step_s * 1e3, host_ms=host_s * 1e3,
                 tokens_per_s=batch / step_s, busy_ms=step_busy_s * 1e3, bookkeeping_ms=book_busy_s * 1e3,

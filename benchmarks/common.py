@@ -64,13 +64,10 @@ def device_name() -> str:
         return jax.devices()[0].device_kind
 
 
-def device_busy_seconds(fn: Callable[[], object], calls: int) -> float:
-    """GPU time per call of ``fn``: the summed durations of the kernels and copies it runs on the
-    device's streams (from ``jax.profiler``), over ``calls`` calls, divided by ``calls``.
-
-    Unlike wall time, this does not include the host's launch time or idle gaps, so it measures
-    small steps whose host dispatch would otherwise dominate. XLA traces the kernels of a command
-    buffer one by one while profiling."""
+def device_event_seconds(fn: Callable[[], object], calls: int) -> dict[str, float]:
+    """GPU time per call of ``fn`` by event (kernel or copy) name: the summed durations of the
+    events of that name on every GPU's streams (from ``jax.profiler``), over ``calls`` calls,
+    divided by ``calls``. XLA traces the kernels of a command buffer one by one while profiling."""
     with tempfile.TemporaryDirectory() as trace_dir:
         with jax.profiler.trace(trace_dir):
             for _ in range(calls):
@@ -78,13 +75,25 @@ def device_busy_seconds(fn: Callable[[], object], calls: int) -> float:
             jax.block_until_ready(out)
         (path,) = glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True)
         profile = jax.profiler.ProfileData.from_file(path)
-    busy_ns = sum(event.duration_ns
-                  for plane in profile.planes if plane.name.startswith("/device:GPU")
-                  for line in plane.lines if "Stream" in line.name
-                  for event in line.events)
-    if not busy_ns:
-        raise RuntimeError("device_busy_seconds: the profile holds no GPU stream events")
-    return busy_ns * 1e-9 / calls
+    seconds: dict[str, float] = {}
+    for plane in profile.planes:
+        if plane.name.startswith("/device:GPU"):
+            for line in plane.lines:
+                if "Stream" in line.name:
+                    for event in line.events:
+                        seconds[event.name] = seconds.get(event.name, 0.0) + event.duration_ns * 1e-9 / calls
+    if not seconds:
+        raise RuntimeError("device_event_seconds: the profile holds no GPU stream events")
+    return seconds
+
+
+def device_busy_seconds(fn: Callable[[], object], calls: int) -> float:
+    """GPU time per call of ``fn`` (summed over the GPUs it runs on): the durations of the kernels
+    and copies it runs on the device's streams (``device_event_seconds``).
+
+    Unlike wall time, this does not include the host's launch time or idle gaps, so it measures
+    small steps whose host dispatch would otherwise dominate."""
+    return sum(device_event_seconds(fn, calls).values())
 
 
 def write_section(name: str, text: str, *, heading: str, update_results: bool = True) -> str:

@@ -8,11 +8,21 @@ directory (``jaxattn.models.from_pretrained``). Prompts are random token ids, or
 ``--prompt-ids FILE`` (one prompt per line, token ids separated by spaces), or given as text with
 ``--prompt`` when the ``tokenizers`` package is installed and DIR has a ``tokenizer.json`` (which
 then also decodes the outputs).
+
+Tensor parallelism: ``--tp N`` splits the model over N devices of this process; with
+``--coordinator HOST:PORT --num-processes N --process-id I`` each process joins a
+``jax.distributed`` job and the model is split over every process's devices (one process per
+GPU: add ``--local-devices I``). Every process runs the same engine on the same requests; process
+0 prints. On a 2-GPU host::
+
+    python -m jaxattn.demo --coordinator localhost:12355 --num-processes 2 --process-id 0 --local-devices 0 &
+    python -m jaxattn.demo --coordinator localhost:12355 --num-processes 2 --process-id 1 --local-devices 1
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import time
 
@@ -20,12 +30,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import AxisType
 
 import jaxattn
 from jaxattn.attention import backend_for
 from jaxattn.engine import Engine, progress_bar
 from jaxattn.models import from_pretrained
-from jaxattn.models.llama import PRESETS, Llama, LlamaConfig
+from jaxattn.models.llama import PRESETS, Llama, LlamaConfig, shard_model
 
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -143,13 +154,49 @@ def build_parser(on_gpu: bool) -> argparse.ArgumentParser:
                         help="prompt tokens prefilled per step (default: %(default)s)")
     engine.add_argument("--page-size", type=positive_int, metavar="N", default=64 if on_gpu else 16,
                         help="tokens per KV cache page (default: %(default)s)")
+    parallel = parser.add_argument_group("tensor parallelism")
+    parallel.add_argument("--tp", type=positive_int, metavar="N", default=None,
+                          help="split the model over this many devices (default: all of them with --coordinator, else 1)")
+    add_distributed_arguments(parallel)
+    parser.add_argument("--output", metavar="FILE",
+                        help="write every request's generated tokens to this JSON file (process 0)")
     return parser
 
 
+def add_distributed_arguments(parser) -> None:
+    parser.add_argument("--coordinator", metavar="HOST:PORT", help="address of process 0: join a jax.distributed job")
+    parser.add_argument("--num-processes", type=positive_int, metavar="N", help="processes in the job (with --coordinator)")
+    parser.add_argument("--process-id", type=int, metavar="I", help="this process's index, 0 .. num-processes - 1")
+    parser.add_argument("--local-devices", metavar="IDS",
+                        help="comma-separated local device ids this process uses (one GPU each)")
+
+
+def join_distributed(argv: list[str] | None) -> None:
+    """With ``--coordinator``, joins the ``jax.distributed`` job: before anything asks JAX for its
+    devices (the full parser's defaults depend on the platform)."""
+    early = argparse.ArgumentParser(add_help=False)
+    add_distributed_arguments(early)
+    args, _ = early.parse_known_args(argv)
+    if not args.coordinator:
+        return
+    if args.num_processes is None or args.process_id is None:
+        early.error("--coordinator needs --num-processes and --process-id")
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")   # CPU collectives across processes
+    local = None if args.local_devices is None else [int(i) for i in args.local_devices.split(",")]
+    jax.distributed.initialize(args.coordinator, args.num_processes, args.process_id, local_device_ids=local)
+
+
 def main(argv: list[str] | None = None) -> None:
+    join_distributed(argv)
     on_gpu = jax.default_backend() == "gpu"
     parser = build_parser(on_gpu)
     args = parser.parse_args(argv)
+    tp = args.tp or (jax.device_count() if args.coordinator else 1)
+    if tp > jax.device_count():
+        parser.error(f"--tp {tp}: there are only {jax.device_count()} devices")
+    mesh = None if tp == 1 else jax.make_mesh((tp,), ("tp",), axis_types=(AxisType.Auto,), devices=jax.devices()[:tp])
+    leader = jax.process_index() == 0
+    say = print if leader else lambda *_: None
     if args.model is not None and (args.preset is not None or args.layers is not None):
         parser.error("--preset and --layers choose a random-weight model: not with --model")
     tokenizer, no_tokenizer = load_tokenizer(args.model)
@@ -157,7 +204,7 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"--prompt {no_tokenizer}; or give token ids with --prompt-ids")
     if args.model is not None:
         try:
-            model = from_pretrained(args.model, dtype=args.dtype)
+            model = from_pretrained(args.model, dtype=args.dtype, mesh=mesh)
         except (ValueError, OSError, ImportError) as err:
             parser.error(f"--model {args.model}: {err}")
         cfg = model.cfg
@@ -170,6 +217,8 @@ def main(argv: list[str] | None = None) -> None:
         if args.dtype is not None:
             cfg = cfg.replace(dtype=args.dtype)
         model = Llama(cfg, nnx.Rngs(0))
+        if mesh is not None:
+            shard_model(model, mesh)
         name = f"{preset} preset (random weights)"
 
     given = args.prompt_ids is not None or bool(args.prompt)
@@ -181,20 +230,21 @@ def main(argv: list[str] | None = None) -> None:
 
     def make_engine() -> Engine:
         return Engine(model, max_seqs=args.max_seqs, max_seq_len=max_seq_len, page_size=args.page_size,
-                      chunk_size=args.chunk_size, backend=args.backend)
+                      chunk_size=args.chunk_size, backend=args.backend, mesh=mesh)
 
-    print(f"jaxattn demo on {jax.devices()[0].device_kind} ({jax.default_backend()}): {name}, "
+    say(f"jaxattn demo on {jax.devices()[0].device_kind} ({jax.default_backend()}): {name}, "
           f"{cfg.num_layers} layers, dim {cfg.dim}, heads {cfg.num_q_heads}/{cfg.num_kv_heads} x {cfg.head_dim}, "
           f"{cfg.dtype}; {len(prompts)} requests, prompts <= {max_seq_len - args.new_tokens} tokens, "
           f"{args.new_tokens} new tokens each, {args.max_seqs} sequences in flight, prefill chunk "
-          f"{args.chunk_size}, page {args.page_size}")
+          f"{args.chunk_size}, page {args.page_size}; tensor parallel over {tp} devices, "
+          f"{jax.process_count()} processes")
     engine = make_engine()
     try:
         plans = attention_plans(cfg, engine)
     except ValueError as err:                    # a backend that cannot run here, or not these shapes
         parser.error(f"--backend {args.backend}: {err}")
     for phase, plan in plans.items():
-        print(f"  attention backend, {phase}: {plan}")
+        say(f"  attention backend, {phase}: {plan}")
 
     warmup = make_engine()                       # compiles both step shapes
     for prompt in prompts[:2]:
@@ -211,21 +261,26 @@ def main(argv: list[str] | None = None) -> None:
     def on_step(done: int, total: int, bar=progress_bar()) -> None:
         nonlocal steps
         steps += 1
-        bar(done, total)
+        if leader:
+            bar(done, total)
 
     done = engine.run(on_step)
     elapsed = time.perf_counter() - start
     generated = sum(len(r.output) for r in done)
-    print(f"  {len(done)} requests, {prompt_tokens} prompt + {generated} generated tokens in {elapsed:.2f} s, "
+    say(f"  {len(done)} requests, {prompt_tokens} prompt + {generated} generated tokens in {elapsed:.2f} s, "
           f"{steps} steps ({elapsed / steps * 1e3:.2f} ms/step)")
-    print(f"  throughput: {generated / elapsed:,.0f} generated tokens/s, "
+    say(f"  throughput: {generated / elapsed:,.0f} generated tokens/s, "
           f"{(prompt_tokens + generated) / elapsed:,.0f} total tokens/s")
     for request in done if given else done[:1]:
         if tokenizer is not None:
-            print(f"  request {request.id}: {tokenizer.decode(request.prompt.tolist())!r} -> "
+            say(f"  request {request.id}: {tokenizer.decode(request.prompt.tolist())!r} -> "
                   f"{tokenizer.decode(request.output)!r}")
         else:
-            print(f"  request {request.id} generated: {request.output if given else request.output[:12]}")
+            say(f"  request {request.id} generated: {request.output if given else request.output[:12]}")
+
+    if args.output and leader:
+        with open(args.output, "w") as f:
+            json.dump([r.output for r in done], f)
 
 
 if __name__ == "__main__":

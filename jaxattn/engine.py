@@ -20,9 +20,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 import jaxattn
-from jaxattn.models.llama import Llama, forward_paged
+from jaxattn.models.llama import Llama, forward_paged, param_shardings
+from jaxattn.sharding import tensor_parallel_mesh
 
 
 @dataclasses.dataclass
@@ -88,11 +90,16 @@ class Engine:
         ``max_seqs`` sequences of ``max_seq_len``.
       chunk_size: prompt tokens per step (the mixed step has ``max_seqs + chunk_size`` tokens).
       backend: ``paged_attention`` backend.
+      mesh: tensor parallelism over all the mesh's devices (``jaxattn.models.llama``'s docstring):
+        the weights split by heads, MLP columns and vocabulary, the KV pools by KV heads, the page
+        table replicated; the same jitted step then runs on every device, with XLA's all-reduces
+        inside. Under ``jax.distributed`` (one process per GPU) every process runs the same engine
+        with the same requests.
     """
 
     def __init__(self, model: Llama, *, max_seqs: int, max_seq_len: int, page_size: int = 16,
                  num_pages: int | None = None, chunk_size: int = 256, backend: str = "auto",
-                 layout: str = "HND", kv_dtype=None):
+                 layout: str = "HND", kv_dtype=None, mesh: Mesh | None = None):
         if chunk_size < 1 or max_seqs < 1 or max_seq_len < 1:
             raise ValueError("Engine: chunk_size, max_seqs and max_seq_len must be >= 1")
         self.model = model
@@ -101,8 +108,11 @@ class Engine:
         self.page_size = page_size
         pages_per_seq = -(-max_seq_len // page_size)
         num_pages = num_pages or 1 + max_seqs * pages_per_seq
-        self.caches = model.init_caches(num_pages, page_size, layout, kv_dtype)
+        self.caches = model.init_caches(num_pages, page_size, layout, kv_dtype, mesh=mesh)
         self.table = jaxattn.PageTable.create(num_pages, max_seqs, pages_per_seq, page_size)
+        if mesh is not None:
+            self._weights = jax.device_put(self._weights, jax.tree.leaves(param_shardings(model, mesh)))
+            self.table = jax.device_put(self.table, NamedSharding(tensor_parallel_mesh(mesh)[0], PartitionSpec()))
         self._unreserved_pages = num_pages - 1     # host view: pages not promised to a running request
         self._free_slots = list(range(max_seqs - 1, -1, -1))
         self._to_release: list[int] = []

@@ -95,6 +95,20 @@ def replicate_kv_heads(kv: jax.Array, num_shards: int) -> jax.Array:
     return jnp.repeat(kv, num_shards // num_kv_heads, axis=1)
 
 
+def tensor_parallel_mesh(mesh: Mesh, axes: MeshAxes = None) -> tuple[Mesh, str | tuple[str, ...]]:
+    """(``mesh`` with Auto axis types, the mesh axes to split heads over: ``axes``, or all of the
+    mesh's). A model is sharded on Auto axes: XLA propagates the weights' shardings and inserts
+    the all-reduces of row-parallel layers itself (on Explicit axes, each such matmul would need
+    an ``out_sharding``)."""
+    if axes is None:
+        axes = mesh.axis_names[0] if len(mesh.axis_names) == 1 else tuple(mesh.axis_names)
+    names = (axes,) if isinstance(axes, str) else axes
+    unknown = [name for name in names if name not in mesh.axis_names]
+    if unknown or not names:
+        raise ValueError(f"axes must name axes of the mesh {mesh.axis_names}, got {axes!r}")
+    return mesh.update(axis_types=(AxisType.Auto,) * len(mesh.axis_names)), axes
+
+
 def _roles(cache: KVCache, meta: AttentionMetadata, sinks: jax.Array | None, num_consts: int) -> tuple[str, ...]:
     """What each operand ``(q, cache, meta, sinks)`` leaves, then constants, is: "q", "pool" (K or
     V pages), "scale" (FP8 scales), "meta" (metadata arrays), "sinks" or "const"."""
@@ -153,7 +167,7 @@ def _head_axes(mesh: Mesh, shapes, roles: tuple[str, ...], cache: KVCache) -> Me
     if q_spec[0] is not None or q_spec[2] is not None:
         raise ValueError(f"paged_attention under sharding: q may be sharded only on its head axis "
                          f"(supported: {_SUPPORTED}), got q {PartitionSpec(*q_spec)}")
-    num_shards = _num_shards(mesh, axes)
+    num_shards = num_head_shards(mesh, axes)
     if cache.num_kv_heads % num_shards:
         raise ValueError(f"paged_attention under sharding: the cache's num_kv_heads ({cache.num_kv_heads}) "
                          f"must be a multiple of the head shards ({num_shards} over mesh axes {axes!r}) so "
@@ -194,6 +208,7 @@ def _spec_entries(spec: PartitionSpec, ndim: int) -> tuple:
                  for entry in entries)
 
 
-def _num_shards(mesh: Mesh, axes: MeshAxes) -> int:
+def num_head_shards(mesh: Mesh, axes: MeshAxes) -> int:
+    """How many pieces the heads are split into over mesh ``axes`` (None: 1)."""
     names = () if axes is None else (axes,) if isinstance(axes, str) else axes
     return math.prod(mesh.shape[name] for name in names)

@@ -14,6 +14,7 @@ from jaxattn.engine import Engine
 from jaxattn.models.llama import PRESETS, Llama, forward_paged
 from tests.models.test_llama import dense_greedy
 from tests.paged_inputs import rel_error
+from tests.test_sharding import run_on_cpu_devices
 from tests.xla_dump import run_with_dump, thunk_sequences, top_level_thunks
 
 
@@ -56,6 +57,61 @@ def test_step_has_no_loops():
         assert " while(" not in hlo and " sort(" not in hlo, max_q_len
 
 
+def _greedy_outputs(engine: Engine, prompts: list[np.ndarray], new_tokens: int) -> list[list[int]]:
+    for prompt in prompts:
+        engine.add_request(prompt, new_tokens)
+    return [r.output for r in engine.run()]
+
+
+def _communicated(hlo: str) -> dict[str, list[int]]:
+    """Collective kind -> the element count of each such op's result in compiled ``hlo``."""
+    found: dict[str, list[int]] = {}
+    for line in hlo.splitlines():
+        for kind in ("all-reduce", "all-gather", "all-to-all", "collective-permute", "reduce-scatter"):
+            if f" {kind}(" in line or f" {kind}-start(" in line:
+                shape = line.split("=", 1)[1].split("{", 1)[0].split("[", 1)[1].split("]", 1)[0]
+                found.setdefault(kind, []).append(int(np.prod([int(d) for d in shape.split(",") if d])))
+    return found
+
+
+def check_engine_on_mesh() -> None:
+    """(On several CPU devices.) The engine on a mesh of all devices gives the one-device engine's
+    greedy tokens (tiny model: Hkv 2, so 4 devices replicate KV heads); its caches stay split by
+    KV heads and its table replicated; each step shape communicates with all-reduces (embedding,
+    o and down projections) and only small gathers (the argmax over the vocabulary shards),
+    nothing the size of a pool shard, and no all-to-all."""
+    num_devices = jax.device_count()
+    model = Llama(PRESETS["tiny"], nnx.Rngs(0))
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, 512, size=n) for n in (5, 33, 1, 20, 17)]
+
+    def engine(mesh=None) -> Engine:
+        return Engine(model, max_seqs=3, max_seq_len=48, page_size=8, chunk_size=16, backend="xla", mesh=mesh)
+
+    expected = _greedy_outputs(engine(), prompts, 5)
+    sharded = engine(jax.make_mesh((num_devices,), ("tp",)))
+    assert _greedy_outputs(sharded, prompts, 5) == expected
+    pools = jaxattn.kv_cache.pool_sharding(sharded.caches[0].k_pages.sharding.mesh, "tp")
+    assert all(c.k_pages.sharding.is_equivalent_to(pools, 4) for c in sharded.caches)
+    assert sharded.caches[0].num_kv_heads == max(2, num_devices)
+    assert all(x.sharding.is_fully_replicated for x in jax.tree.leaves(sharded.table))
+    pool_shard = sharded.caches[0].k_pages.addressable_shards[0].data.size
+    for max_q_len, num_tokens in ((1, 3), (16, 19)):
+        hlo = sharded._step.lower(
+            sharded._weights, sharded.caches, sharded.table, jnp.full((3,), -1, jnp.int32),
+            jnp.zeros((num_tokens,), jnp.int32), jnp.arange(3, dtype=jnp.int32), jnp.ones((3,), jnp.int32),
+            max_q_len=max_q_len, backend="xla").compile().as_text()
+        sizes = _communicated(hlo)
+        assert len(sizes.pop("all-reduce", [])) >= 1 + 2 * model.cfg.num_layers, (max_q_len, sizes)
+        assert set(sizes) <= {"all-gather"}, (max_q_len, sizes)
+        assert max(sizes.get("all-gather", [0])) <= 3 * num_devices < pool_shard, (max_q_len, sizes)
+
+
+@pytest.mark.parametrize("num_devices", [2, 4])
+def test_engine_on_cpu_devices(num_devices):
+    run_on_cpu_devices(num_devices, "from tests.test_engine import check_engine_on_mesh; check_engine_on_mesh()")
+
+
 _DECODE_STEP_SCRIPT = """
 import sys
 import jax, jax.numpy as jnp, numpy as np
@@ -63,9 +119,11 @@ from flax import nnx
 from jaxattn.engine import Engine
 from jaxattn.models.llama import PRESETS, Llama
 
+tp = int(sys.argv[2]) if len(sys.argv) > 2 else 1
+mesh = jax.make_mesh((tp,), ("tp",), devices=jax.devices()[:tp]) if tp > 1 else None
 cfg = PRESETS["small"].replace(vocab_size=1024, dim=512, num_layers=2, num_q_heads=8, num_kv_heads=2,
                                hidden_dim=1024)
-engine = Engine(Llama(cfg, nnx.Rngs(0)), max_seqs=8, max_seq_len=256, page_size=64, chunk_size=64)
+engine = Engine(Llama(cfg, nnx.Rngs(0)), max_seqs=8, max_seq_len=256, page_size=64, chunk_size=64, mesh=mesh)
 for n in (40, 100, 7):
     engine.add_request(np.arange(n) % 1000, 12)
 engine.run()
@@ -73,10 +131,12 @@ engine.run()
 
 
 @pytest.mark.gpu
-def test_gpu_decode_step_runs_in_command_buffers(tmp_path):
+@pytest.mark.parametrize("tp", [1, pytest.param(2, marks=pytest.mark.multigpu)])
+def test_gpu_decode_step_runs_in_command_buffers(tmp_path, tp):
     """Every custom call of the jitted decode step (attention in every layer) runs inside an XLA
-    command buffer: none is left to run thunk by thunk."""
-    run_with_dump(_DECODE_STEP_SCRIPT, tmp_path)
+    command buffer: none is left to run thunk by thunk; split over 2 GPUs too (the all-reduces
+    between the command buffers or inside them)."""
+    run_with_dump(_DECODE_STEP_SCRIPT, tmp_path, str(tp))
     steps = thunk_sequences(tmp_path, "jit_step")
     assert len(steps) == 2, list(steps)            # the decode-only and the mixed step
     for name, thunks in steps.items():
@@ -164,3 +224,32 @@ def test_gpu_short_prefill_chunks_run_whole_on_one_fast_backend():
             engine.add_request(np.arange(n) * 7 % 1000, 6)
         outputs[backend] = [r.output for r in engine.run()]
     assert all(a[0] == b[0] for a, b in zip(outputs["auto"], outputs["xla"])), outputs
+
+
+@pytest.mark.gpu
+@pytest.mark.multigpu
+@pytest.mark.parametrize("backend", ["xla", "auto", "cudnn", "triton"])
+def test_gpu_engine_on_two_gpus(backend):
+    """The bf16 engine split over 2 GPUs against one GPU, same backend: greedy tokens start the
+    same for every request (a bf16 all-reduce sums in another order, so later tokens may part
+    after a near tie); the caches stay split and the step gathers nothing the size of a pool."""
+    model = _small_model()
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, 1024, size=n) for n in (70, 5, 130, 33)]
+
+    def engine(mesh=None) -> Engine:
+        return Engine(model, max_seqs=4, max_seq_len=256, page_size=64, chunk_size=64, backend=backend, mesh=mesh)
+
+    one_gpu = _greedy_outputs(engine(), prompts, 8)
+    sharded = engine(jax.make_mesh((2,), ("tp",), devices=jax.devices("gpu")[:2]))
+    two_gpus = _greedy_outputs(sharded, prompts, 8)
+    agree = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), len(x)) for x, y in zip(one_gpu, two_gpus)]
+    print(f"{backend}: tokens agreeing with one GPU before the first difference, per request:", agree)
+    assert min(agree) >= 1, agree
+    assert sharded.caches[0].k_pages.addressable_shards[0].data.shape[1] == model.cfg.num_kv_heads // 2
+    hlo = sharded._step.lower(
+        sharded._weights, sharded.caches, sharded.table, jnp.full((4,), -1, jnp.int32), jnp.zeros((4,), jnp.int32),
+        jnp.arange(4, dtype=jnp.int32), jnp.ones((4,), jnp.int32), max_q_len=1, backend=backend).compile().as_text()
+    sizes = _communicated(hlo)
+    assert sizes.get("all-reduce") and set(sizes) <= {"all-reduce", "all-gather"}, sizes
+    assert max(sizes.get("all-gather", [0])) < sharded.caches[0].k_pages.addressable_shards[0].data.size, sizes

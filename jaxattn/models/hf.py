@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxattn.models.llama import Llama, Llama3RopeScaling, LlamaConfig
+from jaxattn.models.llama import Llama, Llama3RopeScaling, LlamaConfig, param_shardings
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 _REQUIRED_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size")
@@ -131,12 +131,12 @@ def from_pretrained(path: str, dtype: str | jnp.dtype | None = None, mesh: jax.s
     """Loads a local Hugging Face checkpoint directory (``config.json`` and ``*.safetensors``,
     sharded with ``model.safetensors.index.json`` or not) of model_type llama, mistral, qwen2 or
     qwen3 into a ``Llama``. Tensors are read one at a time and converted to ``dtype`` (default:
-    the checkpoint's ``torch_dtype``/``dtype``, else bfloat16) on the default device.
+    the checkpoint's ``torch_dtype``/``dtype``, else bfloat16) on the default device, or with a
+    ``mesh``, each placed for tensor parallelism over all the mesh's devices as
+    ``jaxattn.models.llama.shard_model`` places them (one tensor on the default device at a time).
 
     Raises ValueError naming the config field of an unsupported model, or the tensor that is
     missing, unexpected or of the wrong shape."""
-    if mesh is not None:
-        raise ValueError("from_pretrained: mesh is not supported yet; pass mesh=None (one device)")
     try:
         from safetensors import safe_open  # the one runtime use of safetensors, an optional dependency
     except ImportError:
@@ -150,6 +150,10 @@ def from_pretrained(path: str, dtype: str | jnp.dtype | None = None, mesh: jax.s
     cfg = llama_config_from_hf(hf, dtype)
     model = nnx.eval_shape(lambda: Llama(cfg, nnx.Rngs(0)))
     expected = _hf_parameters(model)
+    placement = {}
+    if mesh is not None:
+        variables = jax.tree.leaves(nnx.state(model), is_leaf=lambda x: isinstance(x, nnx.Variable))
+        placement = {id(v): s for v, s in zip(variables, jax.tree.leaves(param_shardings(model, mesh)))}
 
     for file in _checkpoint_files(path):
         with safe_open(file, framework="numpy") as tensors:
@@ -165,7 +169,8 @@ def from_pretrained(path: str, dtype: str | jnp.dtype | None = None, mesh: jax.s
                     raise ValueError(f"from_pretrained: tensor {name!r} in {file} has shape {array.shape}, "
                                      f"expected {hf_shape}")
                 value = jnp.asarray(array, dtype=dtype)
-                variable.set_value(value.T if transposed else value)
+                value = value.T if transposed else value
+                variable.set_value(jax.device_put(value, placement[id(variable)]) if placement else value)
     if expected:
         raise ValueError(f"from_pretrained: tensors missing from {path}: {sorted(expected)}")
     return model

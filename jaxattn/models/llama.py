@@ -2,7 +2,16 @@
 tokens, with attention supplied by the caller: paged through ``jaxattn.paged_attention`` in
 serving (``forward_paged``), or dense in tests. The config covers Llama 2/3/3.1, Mistral, Qwen2
 (q/k/v biases) and Qwen3 (per-head q/k norms); weights are random unless loaded with
-``jaxattn.models.from_pretrained``."""
+``jaxattn.models.from_pretrained``.
+
+Tensor parallelism (as in vLLM/Megatron): the weights carry Flax partitioning metadata in logical
+axis names, "heads" (q projection columns, o projection rows), "kv_heads" (k/v projection
+columns), "mlp" (gate/up columns, down rows) and "vocab" (embedding rows, LM head columns), and
+``shard_model`` places them over a mesh axis: column-parallel q/k/v/gate/up, row-parallel o/down
+(XLA adds one all-reduce after each), vocab-parallel embedding and LM head. Each device then
+holds ``Hq / tp`` query heads and ``Hkv / tp`` KV heads. With more shards than KV heads, the k/v
+projections stay replicated and the caches hold ``tp`` KV heads, each original head repeated
+``tp / Hkv`` times (``jaxattn.sharding.replicate_kv_heads``, as vLLM does)."""
 
 from __future__ import annotations
 
@@ -13,8 +22,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import Mesh
 
 import jaxattn
+from jaxattn.kv_cache import pool_sharding
+from jaxattn.sharding import MeshAxes, num_head_shards, replicate_kv_heads, tensor_parallel_mesh
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,6 +70,8 @@ PRESETS: dict[str, LlamaConfig] = {
     # Llama-3-8B layer shapes; use .replace(num_layers=...) to fit a time or memory budget.
     "llama3-8b": LlamaConfig(vocab_size=128256, dim=4096, num_layers=32, num_q_heads=32, num_kv_heads=8,
                              head_dim=128, hidden_dim=14336),
+    "llama3-70b": LlamaConfig(vocab_size=128256, dim=8192, num_layers=80, num_q_heads=64, num_kv_heads=8,
+                              head_dim=128, hidden_dim=28672),
 }
 
 # attend(layer, q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, D]) -> [T, Hq, D]
@@ -88,9 +102,19 @@ def rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.Array:
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1).astype(x.dtype)
 
 
-def _linear(cfg: LlamaConfig, fan_in: int, fan_out: int, rngs: nnx.Rngs, bias: bool = False) -> nnx.Linear:
+def _partitioned(init: Callable, axes: tuple[str | None, ...]) -> Callable:
+    """``init`` annotated with logical ``axes``; placed by ``shard_model``, not at creation (Flax's
+    eager sharding would need a mesh here)."""
+    return nnx.with_partitioning(init, axes, eager_sharding=False)
+
+
+def _linear(cfg: LlamaConfig, fan_in: int, fan_out: int, rngs: nnx.Rngs, axes: tuple[str | None, str | None],
+            bias: bool = False) -> nnx.Linear:
+    """A linear layer whose kernel ``[fan_in, fan_out]`` is split on the logical ``axes`` (and its
+    bias like the output columns)."""
     return nnx.Linear(fan_in, fan_out, use_bias=bias, dtype=cfg.dtype, param_dtype=cfg.dtype, rngs=rngs,
-                      kernel_init=nnx.initializers.normal(fan_in ** -0.5))
+                      kernel_init=_partitioned(nnx.initializers.normal(fan_in ** -0.5), axes),
+                      bias_init=_partitioned(nnx.initializers.zeros_init(), axes[1:]))
 
 
 def _rms_norm(cfg: LlamaConfig, size: int, rngs: nnx.Rngs) -> nnx.RMSNorm:
@@ -100,10 +124,10 @@ def _rms_norm(cfg: LlamaConfig, size: int, rngs: nnx.Rngs) -> nnx.RMSNorm:
 class Attention(nnx.Module):
     def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs):
         self.cfg = cfg
-        self.q_proj = _linear(cfg, cfg.dim, cfg.num_q_heads * cfg.head_dim, rngs, cfg.qkv_bias)
-        self.k_proj = _linear(cfg, cfg.dim, cfg.num_kv_heads * cfg.head_dim, rngs, cfg.qkv_bias)
-        self.v_proj = _linear(cfg, cfg.dim, cfg.num_kv_heads * cfg.head_dim, rngs, cfg.qkv_bias)
-        self.o_proj = _linear(cfg, cfg.num_q_heads * cfg.head_dim, cfg.dim, rngs)
+        self.q_proj = _linear(cfg, cfg.dim, cfg.num_q_heads * cfg.head_dim, rngs, (None, "heads"), cfg.qkv_bias)
+        self.k_proj = _linear(cfg, cfg.dim, cfg.num_kv_heads * cfg.head_dim, rngs, (None, "kv_heads"), cfg.qkv_bias)
+        self.v_proj = _linear(cfg, cfg.dim, cfg.num_kv_heads * cfg.head_dim, rngs, (None, "kv_heads"), cfg.qkv_bias)
+        self.o_proj = _linear(cfg, cfg.num_q_heads * cfg.head_dim, cfg.dim, rngs, ("heads", None))
         if cfg.qk_norm:
             self.q_norm = _rms_norm(cfg, cfg.head_dim, rngs)
             self.k_norm = _rms_norm(cfg, cfg.head_dim, rngs)
@@ -123,9 +147,9 @@ class Attention(nnx.Module):
 
 class MLP(nnx.Module):
     def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs):
-        self.gate_proj = _linear(cfg, cfg.dim, cfg.hidden_dim, rngs)
-        self.up_proj = _linear(cfg, cfg.dim, cfg.hidden_dim, rngs)
-        self.down_proj = _linear(cfg, cfg.hidden_dim, cfg.dim, rngs)
+        self.gate_proj = _linear(cfg, cfg.dim, cfg.hidden_dim, rngs, (None, "mlp"))
+        self.up_proj = _linear(cfg, cfg.dim, cfg.hidden_dim, rngs, (None, "mlp"))
+        self.down_proj = _linear(cfg, cfg.hidden_dim, cfg.dim, rngs, ("mlp", None))
 
     def __call__(self, x: jax.Array) -> jax.Array:
         return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -148,11 +172,13 @@ class Llama(nnx.Module):
 
     def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs):
         self.cfg = cfg
-        self.embed = nnx.Embed(cfg.vocab_size, cfg.dim, dtype=cfg.dtype, param_dtype=cfg.dtype, rngs=rngs)
+        self.embed = nnx.Embed(cfg.vocab_size, cfg.dim, dtype=cfg.dtype, param_dtype=cfg.dtype, rngs=rngs,
+                               embedding_init=_partitioned(nnx.initializers.variance_scaling(
+                                   1.0, "fan_in", "normal", out_axis=0), ("vocab", None)))
         self.layers = nnx.List([Block(cfg, rngs) for _ in range(cfg.num_layers)])
         self.norm = _rms_norm(cfg, cfg.dim, rngs)
         if not cfg.tie_embeddings:
-            self.lm_head = _linear(cfg, cfg.dim, cfg.vocab_size, rngs)
+            self.lm_head = _linear(cfg, cfg.dim, cfg.vocab_size, rngs, (None, "vocab"))
 
     def hidden(self, tokens: jax.Array, positions: jax.Array, attend: AttendFn) -> jax.Array:
         """Final normalized hidden states ``[T, dim]``."""
@@ -166,11 +192,55 @@ class Llama(nnx.Module):
         head = self.embed.attend if self.cfg.tie_embeddings else self.lm_head
         return head(hidden).astype(jnp.float32)
 
-    def init_caches(self, num_pages: int, page_size: int, layout: str = "HND", dtype=None) -> list[jaxattn.KVCache]:
-        """One zeroed KV cache per layer (``dtype`` defaults to the model's)."""
+    def init_caches(self, num_pages: int, page_size: int, layout: str = "HND", dtype=None, mesh: Mesh | None = None,
+                    axes: MeshAxes = None) -> list[jaxattn.KVCache]:
+        """One zeroed KV cache per layer (``dtype`` defaults to the model's). With a ``mesh``, the
+        pools are split by KV heads over ``axes`` (default: all the mesh's) as ``shard_model``
+        splits the weights, with ``max(Hkv, tp)`` KV heads (module docstring)."""
         cfg = self.cfg
-        return [jaxattn.KVCache.create(num_pages, page_size, cfg.num_kv_heads, cfg.head_dim,
-                                       dtype=dtype or cfg.dtype, layout=layout) for _ in range(cfg.num_layers)]
+        num_kv_heads, sharding = cfg.num_kv_heads, None
+        if mesh is not None:
+            mesh, axes = tensor_parallel_mesh(mesh, axes)
+            tensor_parallel_rules(cfg, mesh, axes)          # shard_model's checks
+            num_kv_heads = max(num_kv_heads, num_head_shards(mesh, axes))
+            sharding = pool_sharding(mesh, axes, layout)
+        return [jaxattn.KVCache.create(num_pages, page_size, num_kv_heads, cfg.head_dim, dtype=dtype or cfg.dtype,
+                                       layout=layout, sharding=sharding) for _ in range(cfg.num_layers)]
+
+
+def tensor_parallel_rules(cfg: LlamaConfig, mesh: Mesh,
+                          axes: str | tuple[str, ...]) -> tuple[tuple[str, MeshAxes], ...]:
+    """Flax logical-axis rules that split the model over mesh ``axes`` (module docstring): query
+    heads, MLP columns and the vocabulary always, KV heads when the shards divide them. ValueError
+    naming the config field that the number of shards does not divide."""
+    num_shards = num_head_shards(mesh, axes)
+    for field in ("num_q_heads", "hidden_dim", "vocab_size"):
+        if getattr(cfg, field) % num_shards:
+            raise ValueError(f"tensor parallelism over {num_shards} shards (mesh axes {axes!r}): the model's "
+                             f"{field} ({getattr(cfg, field)}) must be a multiple of {num_shards}")
+    if cfg.num_kv_heads % num_shards and num_shards % cfg.num_kv_heads:
+        raise ValueError(f"tensor parallelism over {num_shards} shards (mesh axes {axes!r}): the model's "
+                         f"num_kv_heads ({cfg.num_kv_heads}) and {num_shards} must divide one another (fewer "
+                         f"shards split the KV heads, more replicate them)")
+    kv_heads = axes if cfg.num_kv_heads % num_shards == 0 else None
+    return ("heads", axes), ("kv_heads", kv_heads), ("mlp", axes), ("vocab", axes)
+
+
+def param_shardings(model: Llama, mesh: Mesh, axes: MeshAxes = None) -> nnx.State:
+    """The ``NamedSharding`` of each of ``nnx.state(model)``'s weights for tensor parallelism over
+    mesh ``axes`` (default: all the mesh's; on the mesh with Auto axis types)."""
+    mesh, axes = tensor_parallel_mesh(mesh, axes)
+    with nnx.logical_axis_rules(tensor_parallel_rules(model.cfg, mesh, axes)):
+        return nnx.get_named_sharding(nnx.state(model), mesh)
+
+
+def shard_model(model: Llama, mesh: Mesh, axes: MeshAxes = None) -> Llama:
+    """Places ``model``'s weights (in place) for tensor parallelism over mesh ``axes`` (default:
+    all the mesh's); returns the model. Run it under ``jax.jit`` as usual: XLA keeps each weight
+    where it is and all-reduces the outputs of the row-parallel layers. Create the KV caches with
+    ``model.init_caches(..., mesh=mesh, axes=axes)``."""
+    nnx.update(model, jax.device_put(nnx.state(model), param_shardings(model, mesh, axes)))
+    return model
 
 
 def forward_paged(model: Llama, tokens: jax.Array, caches: list[jaxattn.KVCache], meta: jaxattn.AttentionMetadata,
@@ -180,7 +250,9 @@ def forward_paged(model: Llama, tokens: jax.Array, caches: list[jaxattn.KVCache]
     new_caches = list(caches)
 
     def attend(layer: int, q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
-        new_caches[layer] = new_caches[layer].write(k, v, slots)
+        num_kv_heads = new_caches[layer].num_kv_heads     # more than the model's: KV heads replicated
+        new_caches[layer] = new_caches[layer].write(replicate_kv_heads(k, num_kv_heads),
+                                                    replicate_kv_heads(v, num_kv_heads), slots)
         return jaxattn.paged_attention(q, new_caches[layer], meta, sliding_window=model.cfg.sliding_window,
                                        backend=backend)
 

@@ -5,6 +5,7 @@ prefill + decodes) as transformers' own model; unsupported configs are refused b
 from __future__ import annotations
 
 import json
+import pathlib
 import sys
 
 import jax
@@ -12,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -20,11 +22,13 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS  # noqa: E402
 
 from jaxattn.engine import Engine  # noqa: E402
 from jaxattn.models import from_pretrained  # noqa: E402
-from jaxattn.models.hf import llama_config_from_hf  # noqa: E402
-from jaxattn.models.llama import PRESETS, Llama, Llama3RopeScaling, rope_frequencies  # noqa: E402
+from jaxattn.models.hf import _hf_parameters, llama_config_from_hf  # noqa: E402
+from jaxattn.models.llama import (PRESETS, Llama, Llama3RopeScaling, param_shardings,  # noqa: E402
+                                  rope_frequencies)
 from tests.models.hf_checkpoints import CHECKPOINTS, VOCAB, generate, save_checkpoint  # noqa: E402
 from tests.models.test_llama import dense_hidden  # noqa: E402
 from tests.paged_inputs import rel_error  # noqa: E402
+from tests.test_sharding import run_on_cpu_devices  # noqa: E402
 
 PROMPT_LENS = (5, 23, 12, 40)
 NEW_TOKENS = 32
@@ -83,9 +87,28 @@ def test_attention_bias_outside_qwen2_is_refused():
         llama_config_from_hf({**_QWEN2, "model_type": "llama", "attention_bias": True}, "float32")
 
 
-def test_mesh_is_refused(tmp_path):
-    with pytest.raises(ValueError, match="mesh is not supported yet"):
-        from_pretrained(str(tmp_path), mesh=jax.make_mesh((1,), ("tp",)))
+def check_from_pretrained_on_mesh(path: str) -> None:
+    """(On 2 CPU devices.) A checkpoint loaded onto a mesh holds the one-device load's values, each
+    tensor placed as ``shard_model`` places it."""
+    cfg = llama_config_from_hf(_QWEN2, "float32")
+    rng = np.random.default_rng(0)
+    abstract = nnx.eval_shape(lambda: Llama(cfg, nnx.Rngs(0)))
+    tensors = {name: rng.normal(size=variable.shape[::-1] if transposed else variable.shape).astype(np.float32)
+               for name, (variable, transposed) in _hf_parameters(abstract).items()}
+    path = _write_checkpoint(pathlib.Path(path), tensors)
+    mesh = jax.make_mesh((jax.device_count(),), ("tp",))
+    expected, sharded = from_pretrained(path), from_pretrained(path, mesh=mesh)
+    for (name, sharding), (_, weight), (_, value) in zip(nnx.to_flat_state(param_shardings(sharded, mesh)),
+                                                         nnx.to_flat_state(nnx.state(sharded)),
+                                                         nnx.to_flat_state(nnx.state(expected))):
+        assert weight.get_value().sharding == sharding.get_value(), name
+        np.testing.assert_array_equal(weight.get_value(), value.get_value(), err_msg=str(name))
+    assert sharded.layers[0].attn.q_proj.bias.get_value().sharding.spec == P("tp")
+
+
+def test_from_pretrained_on_a_mesh(tmp_path):
+    run_on_cpu_devices(2, f"from tests.models.test_hf import check_from_pretrained_on_mesh; "
+                          f"check_from_pretrained_on_mesh({str(tmp_path)!r})")
 
 
 def test_without_safetensors_the_error_says_what_to_install(tmp_path, monkeypatch):

@@ -7,10 +7,14 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from flax import nnx
+from jax.sharding import AbstractMesh, AxisType
 
 import jaxattn
-from jaxattn.models.llama import PRESETS, AttendFn, Llama, forward_paged
+from jaxattn.kv_cache import pool_sharding
+from jaxattn.models.llama import (PRESETS, AttendFn, Llama, forward_paged, param_shardings, shard_model,
+                                  tensor_parallel_rules)
 
 
 def dense_attend(sliding_window: int | None = None) -> AttendFn:
@@ -69,3 +73,89 @@ def test_paged_step_matches_dense_forward():
         dense = dense_hidden(*nnx.split(model), jnp.asarray(tokens[start:start + n]))
         np.testing.assert_allclose(hidden[start:start + n], dense, rtol=2e-5, atol=2e-5)
         start += n
+
+
+# ------------------------------------------------------------------------------- tensor parallelism
+
+def _flat_specs(model: Llama, mesh) -> dict[str, tuple]:
+    """``"layers.0.attn.q_proj.kernel" -> PartitionSpec`` of each weight under ``param_shardings``."""
+    return {".".join(map(str, path)): tuple(v.get_value().spec)
+            for path, v in nnx.to_flat_state(param_shardings(model, mesh))}
+
+
+def test_tensor_parallel_shardings():
+    """Column-parallel q/k/v (with their biases), gate and up; row-parallel o and down;
+    vocab-parallel embedding and LM head; norms replicated."""
+    model = Llama(PRESETS["tiny"].replace(qkv_bias=True, qk_norm=True, num_layers=1), nnx.Rngs(0))
+    specs = _flat_specs(model, jax.make_mesh((1,), ("tp",)))
+    columns, rows = (None, "tp"), ("tp", None)
+    expected = {"embed.embedding": rows, "lm_head.kernel": columns, "norm.scale": ()}
+    for name in ("attn.q_proj", "attn.k_proj", "attn.v_proj", "mlp.gate_proj", "mlp.up_proj"):
+        expected[f"layers.0.{name}.kernel"] = columns
+    for name in ("attn.q_proj", "attn.k_proj", "attn.v_proj"):
+        expected[f"layers.0.{name}.bias"] = ("tp",)
+    for name in ("attn.o_proj", "mlp.down_proj"):
+        expected[f"layers.0.{name}.kernel"] = rows
+    for name in ("attn_norm", "mlp_norm", "attn.q_norm", "attn.k_norm"):
+        expected[f"layers.0.{name}.scale"] = ()
+    assert specs == expected
+
+
+def test_tensor_parallel_rules():
+    """KV heads split while the shards divide them, replicated beyond; anything else refused."""
+    cfg = PRESETS["tiny"]                                      # Hq 4, Hkv 2, hidden 256, vocab 512
+    assert dict(tensor_parallel_rules(cfg, AbstractMesh((2,), ("tp",)), "tp"))["kv_heads"] == "tp"
+    assert dict(tensor_parallel_rules(cfg, AbstractMesh((4,), ("tp",)), "tp"))["kv_heads"] is None
+    with pytest.raises(ValueError, match="num_q_heads \\(4\\) must be a multiple of 3"):
+        tensor_parallel_rules(cfg, AbstractMesh((3,), ("tp",)), "tp")
+    with pytest.raises(ValueError, match="num_kv_heads \\(3\\) and 2 must divide one another"):
+        tensor_parallel_rules(cfg.replace(num_q_heads=6, num_kv_heads=3), AbstractMesh((2,), ("tp",)), "tp")
+    with pytest.raises(ValueError, match="hidden_dim \\(255\\)"):
+        tensor_parallel_rules(cfg.replace(hidden_dim=255), AbstractMesh((2,), ("tp",)), "tp")
+    with pytest.raises(ValueError, match="axes must name axes of the mesh"):
+        param_shardings(Llama(cfg, nnx.Rngs(0)), jax.make_mesh((1,), ("tp",)), "model")
+
+
+def check_sharded_forward() -> None:
+    """(On several CPU devices.) ``shard_model`` on an Explicit mesh places the weights on its
+    devices with Auto axes, ``init_caches(mesh=)`` splits the pools by KV heads (replicating them
+    with more shards than KV heads), and a jitted paged step of the sharded model gives the
+    one-device hidden states and logits; tied embeddings and q/k/v biases included."""
+    num_devices = jax.device_count()
+    model = Llama(PRESETS["tiny"].replace(qkv_bias=True, tie_embeddings=True), nnx.Rngs(3))
+    rng = np.random.default_rng(0)
+    lens = [13, 1, 30]
+    tokens = jnp.asarray(rng.integers(0, 512, size=sum(lens)), jnp.int32)
+    ids, q_lens = jnp.asarray([1, 0, 2]), jnp.asarray(lens)
+    table, _ = jaxattn.PageTable.create(16, 3, 4, 16).extend(ids, q_lens)
+    meta, slots = table.metadata(ids, q_lens, max_q_len=30), table.slot_mapping(ids, q_lens, sum(lens))
+
+    @functools.partial(jax.jit, static_argnums=0)
+    def step(graphdef, state, caches):
+        model = nnx.merge(graphdef, state)
+        hidden, caches = forward_paged(model, tokens, caches, meta, slots, backend="xla")
+        return hidden, model.logits(hidden), caches
+
+    expected = step(*nnx.split(model), model.init_caches(16, 16))
+    mesh = jax.make_mesh((num_devices,), ("tp",))            # Explicit axes: the model uses them as Auto
+    shard_model(model, mesh)
+    for (path, sharding), (_, weight) in zip(nnx.to_flat_state(param_shardings(model, mesh)),
+                                             nnx.to_flat_state(nnx.state(model))):
+        placed = weight.get_value().sharding
+        assert placed == sharding.get_value() and placed.mesh.axis_types == (AxisType.Auto,), (path, placed)
+    caches = model.init_caches(16, 16, mesh=mesh)
+    assert caches[0].num_kv_heads == max(2, num_devices)
+    pools = pool_sharding(mesh.update(axis_types=(AxisType.Auto,)), "tp")
+    assert caches[0].k_pages.sharding == pools
+    hidden, logits, caches = step(*nnx.split(model), caches)
+    np.testing.assert_allclose(hidden, expected[0], rtol=2e-5, atol=2e-5)
+    np.testing.assert_allclose(logits, expected[1], rtol=2e-5, atol=2e-5)
+    assert caches[0].k_pages.sharding.is_equivalent_to(pools, 4), caches[0].k_pages.sharding
+
+
+@pytest.mark.parametrize("num_devices", [2, 4])
+def test_sharded_forward_on_cpu_devices(num_devices):
+    from tests.test_sharding import run_on_cpu_devices
+
+    run_on_cpu_devices(num_devices, "from tests.models.test_llama import check_sharded_forward; "
+                                    "check_sharded_forward()")
