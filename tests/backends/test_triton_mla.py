@@ -1,0 +1,156 @@
+"""The triton backend's MLA kernels (``mla_attention``) against the float64 absorbed reference and
+the xla backend.
+
+Without a GPU the kernels run under Triton's interpreter on small shapes (R 32, Dr 16); the GPU
+tests take DeepSeek's shapes (R 512, Dr 64, page 64) in bfloat16.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxattn
+from jaxattn import backends
+from jaxattn.backends import xla
+from jaxattn.backends.base import AttentionParams
+from tests.mla_inputs import break_metadata, make_mla_problem
+from tests.paged_inputs import TOLERANCE, rel_error
+
+pytest.importorskip("triton", reason="the triton backend's tests need the triton package")
+from jaxattn.backends import triton as tb  # noqa: E402
+
+SMALL = dict(kv_lora_rank=32, rope_dim=16, nope_dim=16, v_dim=16, page_size=8)
+DEEPSEEK = dict(kv_lora_rank=512, rope_dim=64, nope_dim=128, v_dim=128, page_size=64)
+
+
+def _params(problem, causal=True) -> AttentionParams:
+    return AttentionParams(scale=problem.scale, causal=causal, sliding_window=None, softcap=None, has_sinks=False)
+
+
+def _run(problem, config=None, causal=True):
+    params = _params(problem, causal)
+    fn = jax.jit(lambda ql, qr, c, m: tb.mla_attention(ql, qr, c, m, params, config=config))
+    return fn(problem.q_latent, problem.q_rope, problem.cache, problem.meta)
+
+
+def _xla(problem, causal=True):
+    return xla.mla_attention(problem.q_latent, problem.q_rope, problem.cache, problem.meta, _params(problem, causal))
+
+
+@pytest.fixture
+def triton_runs_here(monkeypatch):
+    """On CPU the triton kernels run under Triton's interpreter (tests only)."""
+    real = backends.unavailable_reason
+    monkeypatch.setattr(backends, "unavailable_reason", lambda name: None if name == "triton" else real(name))
+
+
+# --- kernel numerics (interpreter on CPU, the GPU kernels on a GPU) ------------------------------
+
+@pytest.mark.parametrize("segments", [1, 2])
+def test_decode_split_kv(segments):
+    """Decodes, 20 heads over two head blocks of 16, one segment (direct) or two plus the reduction."""
+    problem = make_mla_problem(np.random.default_rng(0), q_lens=[1, 1, 1], kv_lens=[3, 40, 17], num_q_heads=20,
+                               max_q_len=1, **SMALL)
+    config = tb.MLAConfig(block_h=16, block_n=16, num_segments=segments, num_warps=4, num_stages=1)
+    out = _run(problem, config)
+    assert rel_error(out, problem.absorbed_reference(problem.q_latent)) < 1e-5
+    assert rel_error(out, _xla(problem)) < 1e-5
+    assert not np.asarray(out[3:]).any(), "padding tokens are zeros"
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_any_query_length(causal):
+    """Speculative decode and chunked prefill queries: one program per token, bottom-right causal."""
+    problem = make_mla_problem(np.random.default_rng(1), q_lens=[1, 4, 3, 0], kv_lens=[9, 30, 3, 5], num_q_heads=4,
+                               **SMALL)
+    out = _run(problem, causal=causal)
+    assert rel_error(out, problem.absorbed_reference(problem.q_latent, causal=causal)) < 1e-5
+
+
+def test_bfloat16():
+    problem = make_mla_problem(np.random.default_rng(2), q_lens=[1, 1, 2], kv_lens=[20, 33, 7], num_q_heads=4,
+                               dtype=jnp.bfloat16, **SMALL)
+    out = _run(problem)
+    assert out.dtype == jnp.bfloat16
+    assert rel_error(out, problem.absorbed_reference(problem.q_latent)) < TOLERANCE[jnp.dtype(jnp.bfloat16)]
+
+
+@pytest.mark.parametrize("max_q_len", [1, 2])
+def test_broken_sequences_are_zero_and_flagged(triton_runs_here, max_q_len):
+    """Bad page ids, kv_lens too short and too long, and (max_q_len 2) a query past max_q_len;
+    every page no sequence owns, page 0 included, holds NaN."""
+    rng = np.random.default_rng(3)
+    q_lens = [1, 1, 1, 1, 1] if max_q_len == 1 else [1, 2, 3, 1, 2]
+    problem = make_mla_problem(rng, q_lens=q_lens, kv_lens=[9, 20, 17, 4, 30], num_q_heads=4, max_q_len=max_q_len,
+                               **SMALL)
+    meta, broken = break_metadata(rng, problem, ["page", "none", "short", "long", "none"])
+    run = jax.jit(lambda ql, qr, c, m: jaxattn.mla_paged_attention(ql, qr, c, m, scale=problem.scale,
+                                                                   backend="triton", return_status=True))
+    out, valid = run(problem.q_latent, problem.q_rope, problem.cache, meta)
+    np.testing.assert_array_equal(valid, ~broken)
+    out = np.asarray(out, np.float64)
+    assert not np.isnan(out).any(), "a page the sequence does not own reached its output"
+    np.testing.assert_allclose(out, problem.without(broken).absorbed_reference(problem.q_latent), rtol=2e-4,
+                               atol=2e-4)
+
+
+def test_check_supported():
+    problem = make_mla_problem(np.random.default_rng(4), q_lens=[1], kv_lens=[4], num_q_heads=4,
+                               **dict(SMALL, kv_lora_rank=24))
+    with pytest.raises(ValueError, match="kv_lora_rank must be a power of 2 >= 16, got 24"):
+        tb.mla_check_supported(problem.q_latent, problem.q_rope, problem.cache, problem.meta, _params(problem))
+
+
+def test_auto_falls_back_to_xla_without_a_gpu_and_for_long_queries(monkeypatch):
+    calls = []
+    for name in ("xla", "triton"):
+        module = backends.get(name) if name == "xla" else tb
+        real = module.mla_attention
+        monkeypatch.setattr(module, "mla_attention", lambda *a, _n=name, _r=real, **k: calls.append(_n) or _r(*a, **k))
+    problem = make_mla_problem(np.random.default_rng(5), q_lens=[1, 1], kv_lens=[4, 9], num_q_heads=4, max_q_len=1,
+                               **SMALL)
+    jax.jit(lambda *a: jaxattn.mla_paged_attention(*a, scale=problem.scale))(
+        problem.q_latent, problem.q_rope, problem.cache, problem.meta)
+    assert calls == ["xla" if backends.unavailable_reason("triton") else "triton"]
+
+
+# --- GPU: DeepSeek shapes in bfloat16 ------------------------------------------------------------
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kv_len", [1024, 4096, 16384])
+@pytest.mark.parametrize("num_q_heads", [16, 128])
+def test_gpu_deepseek_decode(num_q_heads, kv_len):
+    rng = np.random.default_rng(kv_len + num_q_heads)
+    batch = max(1, 32768 // kv_len)
+    kv_lens = [int(x) for x in rng.integers(kv_len // 2, kv_len + 1, batch)]
+    problem = make_mla_problem(rng, q_lens=[1] * batch, kv_lens=kv_lens, num_q_heads=num_q_heads, max_q_len=1,
+                               dtype=jnp.bfloat16, **DEEPSEEK)
+    run = jax.jit(lambda ql, qr, c, m: jaxattn.mla_paged_attention(ql, qr, c, m, scale=problem.scale))
+    out = run(problem.q_latent, problem.q_rope, problem.cache, problem.meta)
+    assert rel_error(out, _xla(problem)) < 2e-2
+    assert rel_error(out, problem.absorbed_reference(problem.q_latent)) < 2e-2
+    assert not np.asarray(out[batch:].astype(jnp.float32)).any()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_q_heads", [16, 128])
+def test_gpu_deepseek_spec_decode_and_broken_sequences(num_q_heads):
+    """Queries of up to 4 tokens, every fault, NaN in every unowned page, auto (triton)."""
+    seed = int(np.random.SeedSequence().entropy % 2**32)
+    rng = np.random.default_rng(seed)
+    q_lens = [1, 4, 2, 3, 1, 4, 1, 2]
+    kv_lens = [int(rng.integers(q, 2049)) for q in q_lens]
+    problem = make_mla_problem(rng, q_lens=q_lens, kv_lens=kv_lens, num_q_heads=num_q_heads, max_q_len=4,
+                               dtype=jnp.bfloat16, **DEEPSEEK)
+    meta, broken = break_metadata(rng, problem, ["page", "none", "short", "long", "none", "page", "none", "none"])
+    run = jax.jit(lambda ql, qr, c, m: jaxattn.mla_paged_attention(ql, qr, c, m, scale=problem.scale,
+                                                                   return_status=True))
+    out, valid = run(problem.q_latent, problem.q_rope, problem.cache, meta)
+    np.testing.assert_array_equal(valid, ~broken, err_msg=f"seed {seed}")
+    out = np.asarray(out.astype(jnp.float32), np.float64)
+    assert not np.isnan(out).any(), f"a page the sequence does not own reached its output (seed {seed})"
+    expected = problem.without(broken).absorbed_reference(problem.q_latent)
+    assert rel_error(out, expected) < 2e-2, f"seed {seed}"
