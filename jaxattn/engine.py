@@ -22,7 +22,10 @@ import numpy as np
 from flax import nnx
 
 import jaxattn
-from jaxattn.models.llama import Llama, forward_paged
+from jaxattn.models.deepseek import DeepSeek
+from jaxattn.models.llama import Llama
+
+Model = Llama | DeepSeek
 
 
 @dataclasses.dataclass
@@ -39,10 +42,11 @@ class Request:
         return len(self.output) >= self.max_new_tokens
 
 
-StepFn = Callable[..., tuple[jax.Array, jax.Array, list[jaxattn.KVCache], jaxattn.PageTable]]
+Caches = list[jaxattn.KVCache] | list[jaxattn.MLACache]
+StepFn = Callable[..., tuple[jax.Array, jax.Array, Caches, jaxattn.PageTable]]
 
 
-def make_engine_step(model: Llama) -> tuple[StepFn, list[jax.Array]]:
+def make_engine_step(model: Model) -> tuple[StepFn, list[jax.Array]]:
     """The jitted engine step for ``model``, and the model's weights as the flat list it takes.
 
     ``step(weights, caches, table, release_ids, tokens, seq_ids, q_lens, *, max_q_len, backend)``
@@ -69,7 +73,7 @@ def _jitted_step(graphdef: nnx.GraphDef, treedef) -> StepFn:
         seq_ids = jnp.where(ok, seq_ids, -1)        # refused: its tokens stay in place as padding
         meta = table.metadata(seq_ids, q_lens, max_q_len=max_q_len)
         slots = table.slot_mapping(seq_ids, q_lens, tokens.shape[0])
-        hidden, caches = forward_paged(model, tokens, caches, meta, slots, backend)
+        hidden, caches = model.forward_paged(tokens, caches, meta, slots, backend)
         last = jnp.maximum(meta.cu_q_lens[1:] - 1, 0)
         next_tokens = jnp.argmax(model.logits(hidden[last]), axis=-1).astype(jnp.int32)
         return next_tokens, ok, caches, table
@@ -81,16 +85,16 @@ class Engine:
     """Greedy generation for many requests with a fixed number of sequence slots.
 
     Args:
-      model: the decoder.
+      model: the decoder: ``Llama`` (KV caches) or ``DeepSeek`` (MLA latent pools).
       max_seqs: sequences in flight (the static batch B).
       max_seq_len: longest prompt + generation a request may have.
       page_size, layout, kv_dtype: KV cache shape; ``num_pages`` defaults to enough for
         ``max_seqs`` sequences of ``max_seq_len``.
       chunk_size: prompt tokens per step (the mixed step has ``max_seqs + chunk_size`` tokens).
-      backend: ``paged_attention`` backend.
+      backend: ``paged_attention`` backend (for DeepSeek, ``mla_paged_attention``'s).
     """
 
-    def __init__(self, model: Llama, *, max_seqs: int, max_seq_len: int, page_size: int = 16,
+    def __init__(self, model: Model, *, max_seqs: int, max_seq_len: int, page_size: int = 16,
                  num_pages: int | None = None, chunk_size: int = 256, backend: str = "auto",
                  layout: str = "HND", kv_dtype=None):
         if chunk_size < 1 or max_seqs < 1 or max_seq_len < 1:

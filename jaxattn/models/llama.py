@@ -166,6 +166,11 @@ class Llama(nnx.Module):
         head = self.embed.attend if self.cfg.tie_embeddings else self.lm_head
         return head(hidden).astype(jnp.float32)
 
+    def forward_paged(self, tokens: jax.Array, caches: list[jaxattn.KVCache], meta: jaxattn.AttentionMetadata,
+                      slots: jax.Array, backend: str = "auto") -> tuple[jax.Array, list[jaxattn.KVCache]]:
+        """``forward_paged(self, ...)``, the step the engine runs."""
+        return forward_paged(self, tokens, caches, meta, slots, backend)
+
     def init_caches(self, num_pages: int, page_size: int, layout: str = "HND", dtype=None) -> list[jaxattn.KVCache]:
         """One zeroed KV cache per layer (``dtype`` defaults to the model's)."""
         cfg = self.cfg
