@@ -22,10 +22,7 @@ import numpy as np
 from flax import nnx
 
 import jaxattn
-from jaxattn.models.deepseek import DeepSeek
 from jaxattn.models.llama import Llama
-
-Model = Llama | DeepSeek
 
 
 @dataclasses.dataclass
@@ -46,7 +43,7 @@ Caches = list[jaxattn.KVCache] | list[jaxattn.MLACache]
 StepFn = Callable[..., tuple[jax.Array, jax.Array, Caches, jaxattn.PageTable]]
 
 
-def make_engine_step(model: Model) -> tuple[StepFn, list[jax.Array]]:
+def make_engine_step(model: Llama) -> tuple[StepFn, list[jax.Array]]:
     """The jitted engine step for ``model``, and the model's weights as the flat list it takes.
 
     ``step(weights, caches, table, release_ids, tokens, seq_ids, q_lens, *, max_q_len, backend)``
@@ -85,7 +82,7 @@ class Engine:
     """Greedy generation for many requests with a fixed number of sequence slots.
 
     Args:
-      model: the decoder: ``Llama`` (KV caches) or ``DeepSeek`` (MLA latent pools).
+      model: the decoder: a ``Llama``, or a ``jaxattn.models.deepseek.DeepSeek`` (MLA latent pools).
       max_seqs: sequences in flight (the static batch B).
       max_seq_len: longest prompt + generation a request may have.
       page_size, layout, kv_dtype: KV cache shape; ``num_pages`` defaults to enough for
@@ -94,7 +91,7 @@ class Engine:
       backend: ``paged_attention`` backend (for DeepSeek, ``mla_paged_attention``'s).
     """
 
-    def __init__(self, model: Model, *, max_seqs: int, max_seq_len: int, page_size: int = 16,
+    def __init__(self, model: Llama, *, max_seqs: int, max_seq_len: int, page_size: int = 16,
                  num_pages: int | None = None, chunk_size: int = 256, backend: str = "auto",
                  layout: str = "HND", kv_dtype=None):
         if chunk_size < 1 or max_seqs < 1 or max_seq_len < 1:

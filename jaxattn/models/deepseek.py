@@ -20,7 +20,7 @@ from flax import nnx
 import jaxattn
 from jaxattn.kv_cache import LAYOUTS
 from jaxattn.mla import MAX_DECODE_Q_LEN, absorb_query, project_values
-from jaxattn.models.llama import MLP, _linear, _rms_norm, rope, rope_frequencies
+from jaxattn.models.llama import Llama, _linear, _rms_norm, rope, rope_frequencies
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,6 +37,7 @@ class DeepSeekConfig:
     rope_theta: float = 10000.0
     norm_eps: float = 1e-6
     dtype: str = "bfloat16"
+    tie_embeddings: bool = False
 
     @property
     def scale(self) -> float:
@@ -88,38 +89,11 @@ class Attention(nnx.Module):
         return self.o_proj(out.reshape(x.shape[0], -1))
 
 
-class Block(nnx.Module):
-    def __init__(self, cfg: DeepSeekConfig, rngs: nnx.Rngs):
-        self.attn_norm = _rms_norm(cfg, cfg.dim, rngs)
-        self.attn = Attention(cfg, rngs)
-        self.mlp_norm = _rms_norm(cfg, cfg.dim, rngs)
-        self.mlp = MLP(cfg, rngs)
+class DeepSeek(Llama):
+    """Decoder over packed tokens: ``tokens int32[T]`` -> logits ``[T, vocab]`` (float32); Llama's
+    structure with MLA blocks (``hidden`` takes an ``AttendFn`` of this module)."""
 
-    def __call__(self, x: jax.Array, positions: jax.Array, attend: Callable) -> jax.Array:
-        x = x + self.attn(self.attn_norm(x), positions, attend)
-        return x + self.mlp(self.mlp_norm(x))
-
-
-class DeepSeek(nnx.Module):
-    """Decoder over packed tokens: ``tokens int32[T]`` -> logits ``[T, vocab]`` (float32)."""
-
-    def __init__(self, cfg: DeepSeekConfig, rngs: nnx.Rngs):
-        self.cfg = cfg
-        self.embed = nnx.Embed(cfg.vocab_size, cfg.dim, dtype=cfg.dtype, param_dtype=cfg.dtype, rngs=rngs)
-        self.layers = nnx.List([Block(cfg, rngs) for _ in range(cfg.num_layers)])
-        self.norm = _rms_norm(cfg, cfg.dim, rngs)
-        self.lm_head = _linear(cfg, cfg.dim, cfg.vocab_size, rngs)
-
-    def hidden(self, tokens: jax.Array, positions: jax.Array, attend: AttendFn) -> jax.Array:
-        """Final normalized hidden states ``[T, dim]``."""
-        x = self.embed(tokens)
-        for i, block in enumerate(self.layers):
-            x = block(x, positions, lambda *args, i=i: attend(i, *args))
-        return self.norm(x)
-
-    def logits(self, hidden: jax.Array) -> jax.Array:
-        """``[T, dim]`` -> float32 ``[T, vocab]``."""
-        return self.lm_head(hidden).astype(jnp.float32)
+    attention = Attention
 
     def forward_paged(self, tokens: jax.Array, caches: list[jaxattn.MLACache], meta: jaxattn.AttentionMetadata,
                       slots: jax.Array, backend: str = "auto") -> tuple[jax.Array, list[jaxattn.MLACache]]:

@@ -132,9 +132,9 @@ class MLP(nnx.Module):
 
 
 class Block(nnx.Module):
-    def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs):
+    def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs, attention: type[nnx.Module] = Attention):
         self.attn_norm = _rms_norm(cfg, cfg.dim, rngs)
-        self.attn = Attention(cfg, rngs)
+        self.attn = attention(cfg, rngs)
         self.mlp_norm = _rms_norm(cfg, cfg.dim, rngs)
         self.mlp = MLP(cfg, rngs)
 
@@ -146,10 +146,12 @@ class Block(nnx.Module):
 class Llama(nnx.Module):
     """Decoder over packed tokens: ``tokens int32[T]`` -> logits ``[T, vocab]`` (float32)."""
 
+    attention: type[nnx.Module] = Attention   # each block's attention module, built from (cfg, rngs)
+
     def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs):
         self.cfg = cfg
         self.embed = nnx.Embed(cfg.vocab_size, cfg.dim, dtype=cfg.dtype, param_dtype=cfg.dtype, rngs=rngs)
-        self.layers = nnx.List([Block(cfg, rngs) for _ in range(cfg.num_layers)])
+        self.layers = nnx.List([Block(cfg, rngs, self.attention) for _ in range(cfg.num_layers)])
         self.norm = _rms_norm(cfg, cfg.dim, rngs)
         if not cfg.tie_embeddings:
             self.lm_head = _linear(cfg, cfg.dim, cfg.vocab_size, rngs)
@@ -158,7 +160,7 @@ class Llama(nnx.Module):
         """Final normalized hidden states ``[T, dim]``."""
         x = self.embed(tokens)
         for i, block in enumerate(self.layers):
-            x = block(x, positions, lambda q, k, v, i=i: attend(i, q, k, v))
+            x = block(x, positions, lambda *args, i=i: attend(i, *args))
         return self.norm(x)
 
     def logits(self, hidden: jax.Array) -> jax.Array:
