@@ -7,6 +7,9 @@ tests take DeepSeek's shapes (R 512, Dr 64, page 64) in bfloat16.
 
 from __future__ import annotations
 
+import json
+import textwrap
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -18,6 +21,7 @@ from jaxattn.backends import xla
 from jaxattn.backends.base import AttentionParams
 from tests.mla_inputs import break_metadata, make_mla_problem
 from tests.paged_inputs import TOLERANCE, rel_error
+from tests.xla_dump import run_with_dump, thunk_sequences, top_level_thunks
 
 pytest.importorskip("triton", reason="the triton backend's tests need the triton package")
 from jaxattn.backends import triton as tb  # noqa: E402
@@ -154,3 +158,36 @@ def test_gpu_deepseek_spec_decode_and_broken_sequences(num_q_heads):
     assert not np.isnan(out).any(), f"a page the sequence does not own reached its output (seed {seed})"
     expected = problem.without(broken).absorbed_reference(problem.q_latent)
     assert rel_error(out, expected) < 2e-2, f"seed {seed}"
+
+
+_CAPTURE_SCRIPT = textwrap.dedent("""
+    import json
+    import jax, jax.numpy as jnp, numpy as np
+    import jaxattn
+    from jaxattn.backends import triton as tb
+    from tests.mla_inputs import make_mla_problem
+    from tests.paged_inputs import rel_error
+
+    problem = make_mla_problem(np.random.default_rng(0), q_lens=[1] * 8, kv_lens=[3000] * 8, num_q_heads=16,
+                               max_q_len=1, dtype=jnp.bfloat16, kv_lora_rank=512, rope_dim=64, nope_dim=128,
+                               v_dim=128, page_size=64)
+    assert tb.mla_config(problem.q_latent.shape[0], 16, 512, problem.meta.max_pages_per_seq * 64).num_segments > 1
+    step = jax.jit(lambda ql, qr, c, m: jaxattn.mla_paged_attention(ql, qr, c, m, scale=problem.scale,
+                                                                    backend="triton") * 2)
+    args = (problem.q_latent, problem.q_rope, problem.cache, problem.meta)
+    outs = [step(*args).block_until_ready() for _ in range(3)]
+    errors = [rel_error(o, problem.absorbed_reference(problem.q_latent) * 2) for o in outs]
+    print(json.dumps(dict(errors=errors)))
+""")
+
+
+@pytest.mark.gpu
+def test_gpu_launches_captured_in_command_buffer(tmp_path):
+    """The MLA kernel and its reduction run inside one kCommandBuffer."""
+    run = run_with_dump(_CAPTURE_SCRIPT, tmp_path, timeout=300)
+    errors = json.loads(run.stdout.strip().splitlines()[-1])["errors"]
+    assert max(errors) < TOLERANCE[jnp.dtype(jnp.bfloat16)], errors
+    for name, thunks in thunk_sequences(tmp_path, "jit__lambda").items():
+        top = top_level_thunks(thunks)
+        assert "kCommandBuffer" in top and "kCustomCall" not in top, (name, thunks[-3000:])
+        assert thunks.split("\n\n")[0].count(": kCustomCall") >= 2, (name, thunks[-3000:])
