@@ -267,19 +267,20 @@ def mla_check_supported(q_latent: jax.Array, q_rope: jax.Array, cache: MLACache,
 
 
 def mla_config(num_tokens: int, num_q_heads: int, kv_lora_rank: int, max_kv_len: int) -> MLAConfig:
-    """Tiles for this shape (static). Not tuned on a GPU yet: ``block_h`` 16 (4 warps, 64-key
-    tiles) up to 64 heads (8 warps, 32-key tiles, so the ``[64, R]`` accumulator and two stages of
-    ``[32, R + Dr]`` keys fit), and enough KV segments for about ``_MLA_PROGRAMS`` programs."""
+    """Tiles for this shape (static), 8 warps, 2 stages; not timed on a GPU yet. Checked by
+    compiling for sm_90 (``tests/backends/test_triton_mla.py``, R 512, Dr 64): up to 16 heads,
+    ``[16, R]`` accumulators with 64-key tiles (mma.sync, 165 registers, 94 KB shared memory; 4
+    warps spill); more heads, 64-head tiles with 32-key tiles (wgmma, 221 registers, 147 KB; 64-key
+    tiles use 255 registers and 221 KB). KV segments give about ``_MLA_PROGRAMS`` programs."""
     if _interpreting():
         return MLAConfig(block_h=16, block_n=16, num_segments=1 if max_kv_len <= 32 else 2, num_warps=4,
                          num_stages=1)
-    block_h = min(64, max(16, _pow2_ceil(num_q_heads)))
-    block_n = 64 if block_h <= 16 and kv_lora_rank <= 512 else 32
+    block_h = 16 if num_q_heads <= 16 else 64
+    block_n = 64 if block_h == 16 and kv_lora_rank <= 512 else 32
     programs = num_tokens * -(-num_q_heads // block_h)
     most = max(1, -(-max_kv_len // (_MIN_TILES_PER_SEGMENT * block_n)))
     segments = max(1, min(_pow2_floor(max(1, _MLA_PROGRAMS // programs)), 32, _pow2_floor(most)))
-    return MLAConfig(block_h=block_h, block_n=block_n, num_segments=segments, num_warps=4 if block_h <= 16 else 8,
-                     num_stages=2)
+    return MLAConfig(block_h=block_h, block_n=block_n, num_segments=segments, num_warps=8, num_stages=2)
 
 
 def mla_attention(q_latent: jax.Array, q_rope: jax.Array, cache: MLACache, meta: AttentionMetadata,

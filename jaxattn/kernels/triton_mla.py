@@ -109,7 +109,7 @@ def mla_reduce_kernel(acc_ptr, ml_ptr, out_ptr, HQ: tl.constexpr, R: tl.constexp
     m = tl.max(tl.load(ml_ptr + rows * 2, mask=h_ok[:, None], other=NEG_INIT), 1)
     l_sum = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, R], tl.float32)
-    for s in tl.static_range(NSEG):
+    for s in range(NSEG):
         row = q_row * NSEG + s
         w = tl.exp2(tl.load(ml_ptr + row * 2, mask=h_ok, other=NEG_INIT) - m)
         l_sum += w * tl.load(ml_ptr + row * 2 + 1, mask=h_ok, other=0.0)

@@ -8,6 +8,9 @@ tests take DeepSeek's shapes (R 512, Dr 64, page 64) in bfloat16.
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import tempfile
 import textwrap
 
 import jax
@@ -23,8 +26,9 @@ from tests.mla_inputs import break_metadata, make_mla_problem
 from tests.paged_inputs import TOLERANCE, rel_error
 from tests.xla_dump import run_with_dump, thunk_sequences, top_level_thunks
 
-pytest.importorskip("triton", reason="the triton backend's tests need the triton package")
+triton = pytest.importorskip("triton", reason="the triton backend's tests need the triton package")
 from jaxattn.backends import triton as tb  # noqa: E402
+from jaxattn.kernels.triton_call import _compile  # noqa: E402
 
 SMALL = dict(kv_lora_rank=32, rope_dim=16, nope_dim=16, v_dim=16, page_size=8)
 DEEPSEEK = dict(kv_lora_rank=512, rope_dim=64, nope_dim=128, v_dim=128, page_size=64)
@@ -119,6 +123,32 @@ def test_auto_falls_back_to_xla_without_a_gpu_and_for_long_queries(monkeypatch):
     jax.jit(lambda *a: jaxattn.mla_paged_attention(*a, scale=problem.scale))(
         problem.q_latent, problem.q_rope, problem.cache, problem.meta)
     assert calls == ["xla" if backends.unavailable_reason("triton") else "triton"]
+
+
+@pytest.mark.parametrize("num_q_heads", [16, 128])
+def test_gpu_configs_compile_for_sm90_without_spills(monkeypatch, num_q_heads):
+    """No GPU needed: the launches ``mla_attention`` makes on a GPU at DeepSeek shapes compile for
+    sm_90 with Triton's own ptxas, without register spills (``cuobjdump`` resource usage)."""
+    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    if not os.path.exists(cuobjdump):
+        pytest.skip(f"no {cuobjdump}")
+    monkeypatch.setattr(tb, "_interpreting", lambda: False)
+    problem = make_mla_problem(np.random.default_rng(6), q_lens=[1] * 8, kv_lens=[3000] * 8, num_q_heads=num_q_heads,
+                               max_q_len=1, dtype=jnp.bfloat16, **DEEPSEEK)
+    jaxpr = jax.make_jaxpr(lambda ql, qr, c, m: tb.mla_attention(ql, qr, c, m, _params(problem)))(
+        problem.q_latent, problem.q_rope, problem.cache, problem.meta)
+    launches = [e for e in jaxpr.eqns if e.primitive.name == "jaxattn_triton_call"]
+    assert [e.params["kernel"].fn.__name__ for e in launches] == ["mla_decode_kernel", "mla_reduce_kernel"]
+    for eqn in launches:
+        dtypes = tuple(np.dtype(v.aval.dtype) for v in [*eqn.invars, *eqn.outvars])
+        compiled = _compile(eqn.params["kernel"], dtypes, eqn.params["metaparams"], eqn.params["num_warps"],
+                            eqn.params["num_stages"], 90)
+        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+            f.write(compiled.asm["cubin"])
+            f.flush()
+            usage = subprocess.run([cuobjdump, "--dump-resource-usage", f.name], capture_output=True, text=True,
+                                   check=True).stdout
+        assert "STACK:0 " in usage, usage
 
 
 # --- GPU: DeepSeek shapes in bfloat16 ------------------------------------------------------------
