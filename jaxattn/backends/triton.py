@@ -244,9 +244,11 @@ def attention(q: jax.Array, cache: KVCache, meta: AttentionMetadata, params: Att
 
 @dataclasses.dataclass(frozen=True)
 class MLAConfig:
-    """MLA kernel tiles: ``block_h`` query heads (the M tile), ``block_n`` keys, the KV split into
+    """MLA kernel tiles: ``block_h`` query heads of ``tokens`` consecutive query tokens of one
+    sequence (the M tile, ``tokens * block_h`` rows), ``block_n`` keys, the KV split into
     ``num_segments`` (a power of 2; 1 writes the output directly, without the reduction)."""
 
+    tokens: int
     block_h: int
     block_n: int
     num_segments: int
@@ -266,33 +268,39 @@ def mla_check_supported(q_latent: jax.Array, q_rope: jax.Array, cache: MLACache,
             raise ValueError(f"{where}: the cache's {name} must be a power of 2 >= {MIN_HEAD_DIM}, got {dim}")
 
 
-def mla_config(num_tokens: int, num_q_heads: int, kv_lora_rank: int, max_kv_len: int) -> MLAConfig:
-    """Tiles for this shape (static), 8 warps, 2 stages; not timed on a GPU yet. Checked by
-    compiling for sm_90 (``tests/backends/test_triton_mla.py``, R 512, Dr 64): up to 16 heads,
-    ``[16, R]`` accumulators with 64-key tiles (mma.sync, 165 registers, 94 KB shared memory; 4
-    warps spill); more heads, 64-head tiles with 32-key tiles (wgmma, 221 registers, 147 KB; 64-key
-    tiles use 255 registers and 221 KB). KV segments give about ``_MLA_PROGRAMS`` programs."""
+def mla_config(num_tokens: int, num_q_heads: int, kv_lora_rank: int, max_kv_len: int,
+               max_q_len: int | None) -> MLAConfig:
+    """Tiles for this shape (static), 8 warps, 2 stages; not timed on a GPU yet. Up to 16 heads,
+    a tile holds 16 heads of up to 4 tokens of a sequence (speculative decode; decodes: 1); more
+    heads, 64 heads of one token. KV segments give about ``_MLA_PROGRAMS`` programs. Checked by
+    compiling for sm_90 (``tests/backends/test_triton_mla.py``, R 512, Dr 64), none spilling:
+    16 x 1 rows with 64-key tiles (mma.sync, 165 registers, 94 KB shared memory; 4 warps spill);
+    64 x 1 rows with 32-key tiles (wgmma, 222 registers, 147 KB; 64 keys: 255 registers, 221 KB);
+    16 x 4 rows with 16-key tiles (wgmma, 255 registers, 131 KB; 32 keys spill)."""
     if _interpreting():
-        return MLAConfig(block_h=16, block_n=16, num_segments=1 if max_kv_len <= 32 else 2, num_warps=4,
+        return MLAConfig(tokens=1, block_h=16, block_n=16, num_segments=1 if max_kv_len <= 32 else 2, num_warps=4,
                          num_stages=1)
     block_h = 16 if num_q_heads <= 16 else 64
-    block_n = 64 if block_h == 16 and kv_lora_rank <= 512 else 32
-    programs = num_tokens * -(-num_q_heads // block_h)
+    tokens = 1 if block_h == 64 else min(4, _pow2_ceil(min(max_q_len or num_tokens, num_tokens)))
+    block_n = 64 if block_h * tokens == 16 and kv_lora_rank <= 512 else 32 if tokens == 1 else 16
+    programs = -(-num_tokens // tokens) * -(-num_q_heads // block_h)
     most = max(1, -(-max_kv_len // (_MIN_TILES_PER_SEGMENT * block_n)))
     segments = max(1, min(_pow2_floor(max(1, _MLA_PROGRAMS // programs)), 32, _pow2_floor(most)))
-    return MLAConfig(block_h=block_h, block_n=block_n, num_segments=segments, num_warps=8, num_stages=2)
+    return MLAConfig(tokens=tokens, block_h=block_h, block_n=block_n, num_segments=segments, num_warps=8,
+                     num_stages=2)
 
 
 def mla_attention(q_latent: jax.Array, q_rope: jax.Array, cache: MLACache, meta: AttentionMetadata,
                   params: AttentionParams, *, config: MLAConfig | None = None) -> jax.Array:
     """Absorbed MLA: ``q_latent: [T, Hq, R]``, ``q_rope: [T, Hq, Dr]`` -> ``[T, Hq, R]`` in
-    ``q_latent.dtype``; one program per (query token, head block, KV segment), any query lengths."""
+    ``q_latent.dtype``; one program per (group of a sequence's query tokens, head block, KV
+    segment), any query lengths."""
     from jaxattn.kernels import triton_mla as kernels
     from jaxattn.kernels.triton_call import triton_call
 
     num_tokens, num_q_heads, rank = q_latent.shape
     batch, width = meta.batch_size, meta.max_pages_per_seq
-    cfg = config or mla_config(num_tokens, num_q_heads, rank, width * cache.page_size)
+    cfg = config or mla_config(num_tokens, num_q_heads, rank, width * cache.page_size, meta.max_q_len)
     nseg = cfg.num_segments
     head_blocks = -(-num_q_heads // cfg.block_h)
     kv_lens = jnp.clip(meta.kv_lens, 0, width * cache.page_size).astype(jnp.int32)
@@ -306,8 +314,8 @@ def mla_attention(q_latent: jax.Array, q_rope: jax.Array, cache: MLACache, meta:
         out_shape=[acc_type, jax.ShapeDtypeStruct((num_tokens, num_q_heads, nseg, 2), jnp.float32)],
         grid=(num_tokens, head_blocks, nseg), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         T=num_tokens, B=batch, LOG_B=batch.bit_length() + 1, P=width, HQ=num_q_heads, R=rank, DR=cache.rope_dim,
-        PAGE=cache.page_size, NUM_PAGES=cache.num_pages, BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, NSEG=nseg,
-        SCALE=float(params.scale), CAUSAL=params.causal, DIRECT=direct, DOT_F32=dot_f32,
+        PAGE=cache.page_size, NUM_PAGES=cache.num_pages, QT=cfg.tokens, BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n,
+        NSEG=nseg, SCALE=float(params.scale), CAUSAL=params.causal, DIRECT=direct, DOT_F32=dot_f32,
         PRECISION="ieee" if dot_f32 else "tf32")
     if direct:
         return acc

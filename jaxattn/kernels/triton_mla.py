@@ -1,12 +1,12 @@
-"""Triton kernels of absorbed multi-head latent attention (``jaxattn.mla``): a split-KV kernel with
-query heads as the M tile, one program per (query token, head block, KV segment), and the
-segment reduction.
+"""Triton kernels of absorbed multi-head latent attention (``jaxattn.mla``): a split-KV kernel whose
+M tile is query heads (of up to QT consecutive query tokens of one sequence: speculative decode),
+one program per (token group, head block, KV segment), and the segment reduction.
 
 Conventions: ``q_latent: [T, HQ, R]``, ``q_rope: [T, HQ, DR]``; the latent pool ``[NUM_PAGES, PAGE,
 W]`` with ``W = R + DR`` (``c_kv`` then ``k_rope``); tables int32 ``[B, P]``; kv_lens int32 ``[B]``
 (already clipped to ``P * PAGE``; 0 for sequences that break the contract); cu int32 ``[B + 1]``
 (sanitized: non-decreasing in ``[0, T]``). Every key is shared by all heads (one latent "KV head"),
-so a program's heads form the rows of both dots: ``s = q_latent c^T + q_rope k_rope^T`` and
+so a program's (token, head) rows form the M dimension of both dots: ``s = q_latent c^T + q_rope k_rope^T`` and
 ``acc += p c``. Logits are in base 2, as in ``triton_attention``.
 """
 
@@ -22,18 +22,21 @@ from jaxattn.kernels.triton_attention import LOG2E, NEG_INIT, _find_seq
 def mla_decode_kernel(
         ql_ptr, qr_ptr, pages_ptr, tables_ptr, kv_lens_ptr, cu_ptr, acc_ptr, ml_ptr,
         T: tl.constexpr, B: tl.constexpr, LOG_B: tl.constexpr, P: tl.constexpr, HQ: tl.constexpr,
-        R: tl.constexpr, DR: tl.constexpr, PAGE: tl.constexpr, NUM_PAGES: tl.constexpr, BLOCK_H: tl.constexpr,
-        BLOCK_N: tl.constexpr, NSEG: tl.constexpr, SCALE: tl.constexpr, CAUSAL: tl.constexpr,
-        DIRECT: tl.constexpr, DOT_F32: tl.constexpr, PRECISION: tl.constexpr):
-    """Grid ``(T, cdiv(HQ, BLOCK_H), NSEG)``: program (t, hb, s) attends query token t (heads
-    ``hb * BLOCK_H ...``) over the s-th of NSEG equal runs of the KV tiles it sees. Tokens of no
-    sequence, or of one without keys, see none.
+        R: tl.constexpr, DR: tl.constexpr, PAGE: tl.constexpr, NUM_PAGES: tl.constexpr, QT: tl.constexpr,
+        BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, NSEG: tl.constexpr, SCALE: tl.constexpr,
+        CAUSAL: tl.constexpr, DIRECT: tl.constexpr, DOT_F32: tl.constexpr, PRECISION: tl.constexpr):
+    """Grid ``(T, cdiv(HQ, BLOCK_H), NSEG)``. Program (t, hb, s) serves the query tokens ``t ..
+    t + QT - 1`` of t's sequence when t is the first of such a group (``QT * BLOCK_H`` rows: each
+    token's heads ``hb * BLOCK_H ...``), over the s-th of NSEG equal runs of the KV tiles they see;
+    programs of other tokens of a sequence exit at once, and a token of no sequence (or of one
+    without keys) gets rows that saw no key.
 
     ``DIRECT`` (NSEG == 1): ``acc_ptr`` is the output ``[T, HQ, R]`` (normalized, q's dtype).
     Otherwise ``acc_ptr`` is float32 ``[T, HQ, NSEG, R]``, unnormalized. ``ml_ptr``: float32
     ``[T, HQ, NSEG, 2]``, each segment's running max (base 2) and sum.
     """
     W: tl.constexpr = R + DR
+    BLOCK_M: tl.constexpr = QT * BLOCK_H
     t = tl.program_id(0)
     hb = tl.program_id(1)
     seg = tl.program_id(2)
@@ -42,28 +45,35 @@ def mla_decode_kernel(
     q_end = tl.load(cu_ptr + b + 1)
     kv_len = tl.load(kv_lens_ptr + b)
     active = (t >= q_start) & (t < q_end)
-    hi_key = tl.where(active, kv_len, 0)
+    if active & ((t - q_start) % QT != 0):
+        return
+    tok_end = tl.where(active, tl.minimum(t + QT, q_end), t + 1)
+
+    offs_m = tl.arange(0, BLOCK_M)
+    tok = t + offs_m // BLOCK_H
+    head = hb * BLOCK_H + offs_m % BLOCK_H
+    row_ok = (tok < tok_end) & (head < HQ)
+    hi_row = tl.where(active & row_ok, kv_len, 0)                        # keys each row sees
     if CAUSAL:
-        hi_key = tl.minimum(hi_key, kv_len - (q_end - q_start) + (t - q_start) + 1)
+        hi_row = tl.minimum(hi_row, kv_len - (q_end - q_start) + (tok - q_start) + 1)
+    hi_key = tl.max(hi_row, 0)
     tiles = (tl.maximum(hi_key, 0) + BLOCK_N - 1) // BLOCK_N
     per_seg = (tiles + NSEG - 1) // NSEG
     seg_lo = seg * per_seg
     seg_hi = tl.minimum(seg_lo + per_seg, tiles)
 
-    offs_h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
     offs_r = tl.arange(0, R)
     offs_dr = tl.arange(0, DR)
-    h_ok = offs_h < HQ
-    q_row = t.to(tl.int64) * HQ + offs_h
-    q_lat = tl.load(ql_ptr + q_row[:, None] * R + offs_r[None, :], mask=h_ok[:, None], other=0.0)
-    q_rope = tl.load(qr_ptr + q_row[:, None] * DR + offs_dr[None, :], mask=h_ok[:, None], other=0.0)
+    q_row = tok.to(tl.int64) * HQ + head
+    q_lat = tl.load(ql_ptr + q_row[:, None] * R + offs_r[None, :], mask=row_ok[:, None], other=0.0)
+    q_rope = tl.load(qr_ptr + q_row[:, None] * DR + offs_dr[None, :], mask=row_ok[:, None], other=0.0)
     if DOT_F32:
         q_lat = q_lat.to(tl.float32)
         q_rope = q_rope.to(tl.float32)
 
-    m_i = tl.full([BLOCK_H], NEG_INIT, tl.float32)
-    l_i = tl.zeros([BLOCK_H], tl.float32)
-    acc = tl.zeros([BLOCK_H, R], tl.float32)
+    m_i = tl.full([BLOCK_M], NEG_INIT, tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, R], tl.float32)
     table_row = tables_ptr + b.to(tl.int64) * P
     for tile in range(seg_lo, seg_hi):
         offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -76,7 +86,8 @@ def mla_decode_kernel(
                          other=0.0).to(q_lat.dtype)
         s = tl.dot(q_lat, tl.trans(c), input_precision=PRECISION)
         s = tl.dot(q_rope, tl.trans(k_rope), s, input_precision=PRECISION)
-        s = tl.where(n_ok[None, :], s * (SCALE * LOG2E), float("-inf"))
+        s = tl.where(offs_n[None, :] < hi_row[:, None], s * (SCALE * LOG2E), float("-inf"))
+        # A row may see no key of a tile (causal, its token earlier): NEG_INIT keeps it finite.
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
@@ -87,11 +98,12 @@ def mla_decode_kernel(
     row = q_row * NSEG + seg
     if DIRECT:
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-        tl.store(acc_ptr + row[:, None] * R + offs_r[None, :], out.to(acc_ptr.dtype.element_ty), mask=h_ok[:, None])
+        tl.store(acc_ptr + row[:, None] * R + offs_r[None, :], out.to(acc_ptr.dtype.element_ty),
+                 mask=row_ok[:, None])
     else:
-        tl.store(acc_ptr + row[:, None] * R + offs_r[None, :], acc, mask=h_ok[:, None])
-    tl.store(ml_ptr + row * 2, m_i, mask=h_ok)
-    tl.store(ml_ptr + row * 2 + 1, l_i, mask=h_ok)
+        tl.store(acc_ptr + row[:, None] * R + offs_r[None, :], acc, mask=row_ok[:, None])
+    tl.store(ml_ptr + row * 2, m_i, mask=row_ok)
+    tl.store(ml_ptr + row * 2 + 1, l_i, mask=row_ok)
 
 
 @triton.jit

@@ -62,20 +62,23 @@ def test_decode_split_kv(segments):
     """Decodes, 20 heads over two head blocks of 16, one segment (direct) or two plus the reduction."""
     problem = make_mla_problem(np.random.default_rng(0), q_lens=[1, 1, 1], kv_lens=[3, 40, 17], num_q_heads=20,
                                max_q_len=1, **SMALL)
-    config = tb.MLAConfig(block_h=16, block_n=16, num_segments=segments, num_warps=4, num_stages=1)
+    config = tb.MLAConfig(tokens=1, block_h=16, block_n=16, num_segments=segments, num_warps=4, num_stages=1)
     out = _run(problem, config)
     assert rel_error(out, problem.absorbed_reference(problem.q_latent)) < 1e-5
     assert rel_error(out, _xla(problem)) < 1e-5
     assert not np.asarray(out[3:]).any(), "padding tokens are zeros"
 
 
-@pytest.mark.parametrize("causal", [True, False])
-def test_any_query_length(causal):
-    """Speculative decode and chunked prefill queries: one program per token, bottom-right causal."""
-    problem = make_mla_problem(np.random.default_rng(1), q_lens=[1, 4, 3, 0], kv_lens=[9, 30, 3, 5], num_q_heads=4,
-                               **SMALL)
-    out = _run(problem, causal=causal)
+@pytest.mark.parametrize("tokens, segments, causal", [(1, 2, True), (4, 2, True), (4, 1, False), (2, 2, False)])
+def test_any_query_length(tokens, segments, causal):
+    """Speculative decode and chunked prefill queries, bottom-right causal: one program per token,
+    or per group of up to ``tokens`` tokens of a sequence (a group's rows see different keys)."""
+    problem = make_mla_problem(np.random.default_rng(1), q_lens=[1, 4, 3, 0, 6], kv_lens=[9, 30, 3, 5, 20],
+                               num_q_heads=4, **SMALL)
+    config = tb.MLAConfig(tokens=tokens, block_h=16 // tokens, block_n=16, num_segments=segments, num_warps=4, num_stages=1)
+    out = _run(problem, config, causal=causal)
     assert rel_error(out, problem.absorbed_reference(problem.q_latent, causal=causal)) < 1e-5
+    assert not np.asarray(out[sum(problem.q_lens):]).any(), "padding tokens are zeros"
 
 
 def test_bfloat16():
@@ -125,16 +128,17 @@ def test_auto_falls_back_to_xla_without_a_gpu_and_for_long_queries(monkeypatch):
     assert calls == ["xla" if backends.unavailable_reason("triton") else "triton"]
 
 
-@pytest.mark.parametrize("num_q_heads", [16, 128])
-def test_gpu_configs_compile_for_sm90_without_spills(monkeypatch, num_q_heads):
-    """No GPU needed: the launches ``mla_attention`` makes on a GPU at DeepSeek shapes compile for
-    sm_90 with Triton's own ptxas, without register spills (``cuobjdump`` resource usage)."""
+@pytest.mark.parametrize("num_q_heads, max_q_len", [(16, 1), (16, 4), (128, 1)])
+def test_gpu_configs_compile_for_sm90_without_spills(monkeypatch, num_q_heads, max_q_len):
+    """No GPU needed: the launches ``mla_attention`` makes on a GPU at DeepSeek shapes (decode, and
+    speculative decode packing 4 tokens x 16 heads) compile for sm_90 with Triton's own ptxas,
+    without register spills (``cuobjdump`` resource usage)."""
     cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     if not os.path.exists(cuobjdump):
         pytest.skip(f"no {cuobjdump}")
     monkeypatch.setattr(tb, "_interpreting", lambda: False)
-    problem = make_mla_problem(np.random.default_rng(6), q_lens=[1] * 8, kv_lens=[3000] * 8, num_q_heads=num_q_heads,
-                               max_q_len=1, dtype=jnp.bfloat16, **DEEPSEEK)
+    problem = make_mla_problem(np.random.default_rng(6), q_lens=[max_q_len] * 8, kv_lens=[3000] * 8,
+                               num_q_heads=num_q_heads, max_q_len=max_q_len, dtype=jnp.bfloat16, **DEEPSEEK)
     jaxpr = jax.make_jaxpr(lambda ql, qr, c, m: tb.mla_attention(ql, qr, c, m, _params(problem)))(
         problem.q_latent, problem.q_rope, problem.cache, problem.meta)
     launches = [e for e in jaxpr.eqns if e.primitive.name == "jaxattn_triton_call"]
@@ -201,7 +205,7 @@ _CAPTURE_SCRIPT = textwrap.dedent("""
     problem = make_mla_problem(np.random.default_rng(0), q_lens=[1] * 8, kv_lens=[3000] * 8, num_q_heads=16,
                                max_q_len=1, dtype=jnp.bfloat16, kv_lora_rank=512, rope_dim=64, nope_dim=128,
                                v_dim=128, page_size=64)
-    assert tb.mla_config(problem.q_latent.shape[0], 16, 512, problem.meta.max_pages_per_seq * 64).num_segments > 1
+    assert tb.mla_config(problem.q_latent.shape[0], 16, 512, problem.meta.max_pages_per_seq * 64, 1).num_segments > 1
     step = jax.jit(lambda ql, qr, c, m: jaxattn.mla_paged_attention(ql, qr, c, m, scale=problem.scale,
                                                                     backend="triton") * 2)
     args = (problem.q_latent, problem.q_rope, problem.cache, problem.meta)
