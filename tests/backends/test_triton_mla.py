@@ -75,7 +75,8 @@ def test_any_query_length(tokens, segments, causal):
     or per group of up to ``tokens`` tokens of a sequence (a group's rows see different keys)."""
     problem = make_mla_problem(np.random.default_rng(1), q_lens=[1, 4, 3, 0, 6], kv_lens=[9, 30, 3, 5, 20],
                                num_q_heads=4, **SMALL)
-    config = tb.MLAConfig(tokens=tokens, block_h=16 // tokens, block_n=16, num_segments=segments, num_warps=4, num_stages=1)
+    config = tb.MLAConfig(tokens=tokens, block_h=16 // tokens, block_n=16, num_segments=segments, num_warps=4,
+                          num_stages=1)
     out = _run(problem, config, causal=causal)
     assert rel_error(out, problem.absorbed_reference(problem.q_latent, causal=causal)) < 1e-5
     assert not np.asarray(out[sum(problem.q_lens):]).any(), "padding tokens are zeros"
