@@ -199,7 +199,7 @@ def _first_of(order: tuple[str, ...], q: jax.Array, cache: KVCache, meta: Attent
         reason = _unsupported_reason(name, q, cache, meta, params)
         if reason is None:
             if skipped:
-                _log_once(f"jaxattn auto: using {name!r}; " + "; ".join(skipped))
+                log_once(f"jaxattn auto: using {name!r}; " + "; ".join(skipped))
             return name
         skipped.append(f"{name} skipped{role} ({reason})")
     return None
@@ -214,7 +214,8 @@ def _first_supported(order: tuple[str, ...], q: jax.Array, cache: KVCache, meta:
     return name
 
 
-def _log_once(message: str) -> None:
+def log_once(message: str) -> None:
+    """A warning on the ``jaxattn`` logger, the first time this message comes."""
     if message not in _logged:
         _logged.add(message)
         logger.warning(message)

@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxattn import backends
-from jaxattn.attention import check_metadata
+from jaxattn.attention import check_metadata, log_once
 from jaxattn.backends import AttentionParams
 from jaxattn.checks import is_real
 from jaxattn.kv_cache import MLACache
@@ -168,14 +168,17 @@ def _check_common(where: str, queries: tuple[tuple[str, jax.Array, str | None], 
 
 def _choose(where: str, backend: str, names: tuple[str, ...], check, prefer_triton: bool) -> str:
     """The backend to run: ``backend`` itself (checked), or for auto triton when preferred and
-    it runs here and takes the call, else xla."""
+    it runs here and takes the call, else xla (logged once with the reason when triton was preferred)."""
     if backend == "auto":
-        if prefer_triton and "triton" in names and backends.unavailable_reason("triton") is None:
-            try:
-                check("triton")
-                return "triton"
-            except ValueError:
-                pass
+        if prefer_triton and "triton" in names:
+            reason = backends.unavailable_reason("triton")
+            if reason is None:
+                try:
+                    check("triton")
+                    return "triton"
+                except ValueError as err:
+                    reason = str(err)
+            log_once(f"jaxattn auto ({where}): using 'xla'; triton skipped ({reason})")
         return "xla"
     if backend not in names:
         raise ValueError(f"{where}: backend must be one of {('auto',) + names}, got {backend!r}")

@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 import jaxattn
+from jaxattn import attention as attention_module
 from jaxattn import backends
 from jaxattn.backends import xla
 from jaxattn.backends.base import AttentionParams
@@ -116,7 +117,7 @@ def test_check_supported():
         tb.mla_check_supported(problem.q_latent, problem.q_rope, problem.cache, problem.meta, _params(problem))
 
 
-def test_auto_falls_back_to_xla_without_a_gpu_and_for_long_queries(monkeypatch):
+def test_auto_uses_triton_where_it_runs_else_xla_with_a_log_line(monkeypatch, caplog):
     calls = []
     for name in ("xla", "triton"):
         module = backends.get(name) if name == "xla" else tb
@@ -124,9 +125,12 @@ def test_auto_falls_back_to_xla_without_a_gpu_and_for_long_queries(monkeypatch):
         monkeypatch.setattr(module, "mla_attention", lambda *a, _n=name, _r=real, **k: calls.append(_n) or _r(*a, **k))
     problem = make_mla_problem(np.random.default_rng(5), q_lens=[1, 1], kv_lens=[4, 9], num_q_heads=4, max_q_len=1,
                                **SMALL)
+    monkeypatch.setattr(attention_module, "_logged", set())
     jax.jit(lambda *a: jaxattn.mla_paged_attention(*a, scale=problem.scale))(
         problem.q_latent, problem.q_rope, problem.cache, problem.meta)
-    assert calls == ["xla" if backends.unavailable_reason("triton") else "triton"]
+    reason = backends.unavailable_reason("triton")
+    assert calls == ["xla" if reason else "triton"]
+    assert (f"using 'xla'; triton skipped ({reason})" in caplog.text) == bool(reason)
 
 
 @pytest.mark.parametrize("num_q_heads, max_q_len", [(16, 1), (16, 4), (128, 1)])
