@@ -9,6 +9,7 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from flax import nnx
 
 import jaxattn
@@ -40,17 +41,24 @@ def _dense_hidden(graphdef: nnx.GraphDef, state: nnx.State, tokens: jax.Array) -
     return model.hidden(tokens, jnp.arange(tokens.shape[0], dtype=jnp.int32), _dense_attend(model.cfg.scale))
 
 
-@functools.partial(jax.jit, static_argnums=(0, 7))
-def _paged_step(graphdef, state, caches, table, tokens, seq_ids, q_lens, max_q_len):
+@functools.partial(jax.jit, static_argnums=(0, 7, 8))
+def _paged_step(graphdef, state, caches, table, tokens, seq_ids, q_lens, max_q_len, backend):
     model = nnx.merge(graphdef, state)
     table, ok = table.extend(seq_ids, table.seq_lens[seq_ids] + q_lens)
     meta = table.metadata(seq_ids, q_lens, max_q_len=max_q_len)
     slots = table.slot_mapping(seq_ids, q_lens, tokens.shape[0])
-    hidden, caches = forward_paged(model, tokens, caches, meta, slots, backend="xla")
+    hidden, caches = forward_paged(model, tokens, caches, meta, slots, backend=backend)
     return hidden, caches, table, ok
 
 
-def test_paged_chunked_prefill_and_decodes_match_dense_forward():
+@pytest.mark.parametrize("backend", ["xla", pytest.param("auto", marks=pytest.mark.gpu)])
+def test_paged_chunked_prefill_and_decodes_match_dense_forward(backend):
+    """On a GPU, auto runs the absorbed steps on the triton kernels (float32 matmuls everywhere)."""
+    with jax.default_matmul_precision("float32"):
+        _paged_matches_dense(backend)
+
+
+def _paged_matches_dense(backend: str):
     model = DeepSeek(PRESETS["tiny"], nnx.Rngs(0))
     graphdef, state = nnx.split(model)
     rng = np.random.default_rng(0)
@@ -67,7 +75,7 @@ def test_paged_chunked_prefill_and_decodes_match_dense_forward():
         tokens[:a1 - a0 + b1 - b0] = np.concatenate([seqs[0][a0:a1], seqs[1][b0:b1]])
         q_lens = jnp.asarray([a1 - a0, b1 - b0], jnp.int32)
         hidden, caches, table, ok = _paged_step(graphdef, state, caches, table, jnp.asarray(tokens),
-                                                jnp.asarray([0, 1], jnp.int32), q_lens, max_q_len)
+                                                jnp.asarray([0, 1], jnp.int32), q_lens, max_q_len, backend)
         assert np.asarray(ok).all()
         for expected, (lo, hi), start in ((dense[0], (a0, a1), 0), (dense[1], (b0, b1), a1 - a0)):
             np.testing.assert_allclose(hidden[start:start + hi - lo], expected[lo:hi], rtol=1e-4, atol=1e-4)
