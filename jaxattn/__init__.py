@@ -1,10 +1,12 @@
 """jaxattn: paged attention for JAX on NVIDIA GPUs, usable inside ``jax.jit``."""
 
 from jaxattn.attention import paged_attention
-from jaxattn.kv_cache import KVCache
+from jaxattn.kv_cache import KVCache, MLACache
 from jaxattn.metadata import AttentionMetadata
+from jaxattn.mla import mla_paged_attention, mla_prefill
 from jaxattn.page_table import PageTable
 
 __version__ = "0.1.0"
 
-__all__ = ["AttentionMetadata", "KVCache", "PageTable", "paged_attention", "__version__"]
+__all__ = ["AttentionMetadata", "KVCache", "MLACache", "PageTable", "mla_paged_attention", "mla_prefill",
+           "paged_attention", "__version__"]

@@ -200,9 +200,9 @@ def _first_of(order: tuple[str, ...], q: jax.Array, cache: KVCache, meta: Attent
         reason = _unsupported_reason(name, q, cache, meta, params)
         if reason is None:
             if skipped and name == "xla" and not gpu_devices():   # nothing to fix: only xla runs on CPU
-                _log_once(f"jaxattn auto: running the xla backend: {NO_GPU}", logging.INFO)
+                log_once(f"jaxattn auto: running the xla backend: {NO_GPU}", logging.INFO)
             elif skipped:
-                _log_once(f"jaxattn auto: using {name!r}; " + "; ".join(skipped), logging.WARNING)
+                log_once(f"jaxattn auto: using {name!r}; " + "; ".join(skipped))
             return name
         skipped.append(f"{name} skipped{role} ({reason})")
     return None
@@ -217,7 +217,8 @@ def _first_supported(order: tuple[str, ...], q: jax.Array, cache: KVCache, meta:
     return name
 
 
-def _log_once(message: str, level: int) -> None:
+def log_once(message: str, level: int = logging.WARNING) -> None:
+    """A record on the ``jaxattn`` logger (a warning by default), the first time this message comes."""
     if message not in _logged:
         _logged.add(message)
         logger.log(level, message)
@@ -230,8 +231,6 @@ def _check_args(q, cache, meta, *, scale=None, causal=True, sliding_window=None,
         raise ValueError(f"{where}: backend must be one of {('auto',) + backends.BACKENDS}, got {backend!r}")
     if not isinstance(cache, KVCache):
         raise ValueError(f"{where}: cache must be a jaxattn.KVCache, got {type(cache).__name__}")
-    if not isinstance(meta, AttentionMetadata):
-        raise ValueError(f"{where}: meta must be a jaxattn.AttentionMetadata, got {type(meta).__name__}")
     if getattr(q, "ndim", None) != 3 or q.shape[0] < 1:
         raise ValueError(f"{where}: q must be [T, Hq, D] with T >= 1, got shape {getattr(q, 'shape', None)}")
     if not any(q.dtype == jnp.dtype(d) for d in _Q_DTYPES):
@@ -245,9 +244,7 @@ def _check_args(q, cache, meta, *, scale=None, causal=True, sliding_window=None,
     if not cache.is_fp8 and cache.dtype != q.dtype:
         raise ValueError(f"{where}: cache pages are {cache.dtype} but q is {q.dtype}; "
                          f"pages must match q.dtype or be float8_e4m3fn")
-    _check_metadata(where, meta)
-    if meta.max_q_len is not None and not (is_int(meta.max_q_len) and meta.max_q_len >= 1):
-        raise ValueError(f"{where}: meta.max_q_len must be None or an int >= 1, got {meta.max_q_len!r}")
+    check_metadata(where, meta)
 
     if scale is None:
         scale = 1.0 / math.sqrt(head_dim)
@@ -272,7 +269,11 @@ def _check_args(q, cache, meta, *, scale=None, causal=True, sliding_window=None,
     )
 
 
-def _check_metadata(where: str, meta: AttentionMetadata) -> None:
+def check_metadata(where: str, meta: AttentionMetadata) -> None:
+    """ValueError (prefixed by ``where``) unless ``meta`` has consistent shapes, int32 arrays and
+    a valid ``max_q_len``."""
+    if not isinstance(meta, AttentionMetadata):
+        raise ValueError(f"{where}: meta must be a jaxattn.AttentionMetadata, got {type(meta).__name__}")
     if meta.kv_lens.ndim != 1 or meta.kv_lens.shape[0] < 1:
         raise ValueError(f"{where}: meta.kv_lens must have shape [B] with B >= 1, got {list(meta.kv_lens.shape)}")
     batch = meta.kv_lens.shape[0]
@@ -286,3 +287,5 @@ def _check_metadata(where: str, meta: AttentionMetadata) -> None:
         dtype = getattr(meta, field).dtype
         if dtype != jnp.int32:
             raise ValueError(f"{where}: meta.{field} must be int32, got {dtype}")
+    if meta.max_q_len is not None and not (is_int(meta.max_q_len) and meta.max_q_len >= 1):
+        raise ValueError(f"{where}: meta.max_q_len must be None or an int >= 1, got {meta.max_q_len!r}")

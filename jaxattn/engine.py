@@ -23,7 +23,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 import jaxattn
-from jaxattn.models.llama import Llama, forward_paged, param_shardings
+from jaxattn.models.llama import Llama, param_shardings
 from jaxattn.sharding import tensor_parallel_mesh
 
 
@@ -41,7 +41,8 @@ class Request:
         return len(self.output) >= self.max_new_tokens
 
 
-StepFn = Callable[..., tuple[jax.Array, jax.Array, list[jaxattn.KVCache], jaxattn.PageTable]]
+Caches = list[jaxattn.KVCache] | list[jaxattn.MLACache]
+StepFn = Callable[..., tuple[jax.Array, jax.Array, Caches, jaxattn.PageTable]]
 
 
 def make_engine_step(model: Llama) -> tuple[StepFn, list[jax.Array]]:
@@ -71,7 +72,7 @@ def _jitted_step(graphdef: nnx.GraphDef, treedef) -> StepFn:
         seq_ids = jnp.where(ok, seq_ids, -1)        # refused: its tokens stay in place as padding
         meta = table.metadata(seq_ids, q_lens, max_q_len=max_q_len)
         slots = table.slot_mapping(seq_ids, q_lens, tokens.shape[0])
-        hidden, caches = forward_paged(model, tokens, caches, meta, slots, backend)
+        hidden, caches = model.forward_paged(tokens, caches, meta, slots, backend)
         last = jnp.maximum(meta.cu_q_lens[1:] - 1, 0)
         next_tokens = jnp.argmax(model.logits(hidden[last]), axis=-1).astype(jnp.int32)
         return next_tokens, ok, caches, table
@@ -83,13 +84,13 @@ class Engine:
     """Greedy generation for many requests with a fixed number of sequence slots.
 
     Args:
-      model: the decoder.
+      model: the decoder: a ``Llama``, or a ``jaxattn.models.deepseek.DeepSeek`` (MLA latent pools).
       max_seqs: sequences in flight (the static batch B).
       max_seq_len: longest prompt + generation a request may have.
       page_size, layout, kv_dtype: KV cache shape; ``num_pages`` defaults to enough for
         ``max_seqs`` sequences of ``max_seq_len``.
       chunk_size: prompt tokens per step (the mixed step has ``max_seqs + chunk_size`` tokens).
-      backend: ``paged_attention`` backend.
+      backend: ``paged_attention`` backend (for DeepSeek, ``mla_paged_attention``'s).
       mesh: tensor parallelism over all the mesh's devices (``jaxattn.models.llama``'s docstring):
         the weights split by heads, MLP columns and vocabulary, the KV pools by KV heads, the page
         table replicated; the same jitted step then runs on every device, with XLA's all-reduces

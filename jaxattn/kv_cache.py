@@ -1,4 +1,5 @@
-"""Paged KV cache: two page pools (K and V) plus optional FP8 scales."""
+"""Paged KV caches: K and V page pools plus optional FP8 scales (``KVCache``), and the latent
+pool of multi-head latent attention (``MLACache``)."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ LAYOUTS: tuple[str, ...] = ("HND", "NHD")
 FP8_DTYPE = jnp.float8_e4m3fn
 _FP8_MAX = float(jnp.finfo(FP8_DTYPE).max)
 CACHE_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16, FP8_DTYPE)
+MLA_CACHE_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 
 
 def is_fp8(dtype) -> bool:
@@ -139,11 +141,7 @@ class KVCache:
         caller's jit donates the cache.
         """
         t = _check_tokens("KVCache.write", self, k, v)
-        slot_mapping = int_array("KVCache.write", "slot_mapping", slot_mapping, f"int[{t}]", (t,))
-        in_pool = (slot_mapping >= self.page_size) & (slot_mapping < self.num_pages * self.page_size)
-        # Out-of-range pages become index num_pages, which mode="drop" discards.
-        page = jnp.where(in_pool, slot_mapping // self.page_size, self.num_pages)
-        offset = jnp.where(in_pool, slot_mapping % self.page_size, 0)
+        page, offset = _slots("KVCache.write", slot_mapping, t, self.num_pages, self.page_size)
         return dataclasses.replace(
             self,
             k_pages=self._scatter(self.k_pages, page, offset, self._quantize(k, self.k_scale)),
@@ -154,13 +152,7 @@ class KVCache:
         """Copies whole pages: ``copies`` is int[N, 2] of (src, dst) rows; rows with an id
         outside ``[1, num_pages)`` are skipped (e.g. the ``-1`` padding of ``PageTable.fork``):
         the null page 0 is never read or written."""
-        copies = int_array("KVCache.copy_pages", "copies", copies, "int[N, 2]")
-        if copies.ndim != 2 or copies.shape[1] != 2:
-            raise ValueError(f"KVCache.copy_pages: copies must be int[N, 2], got {copies.dtype}{list(copies.shape)}")
-        src, dst = copies[:, 0], copies[:, 1]
-        valid = (src >= 1) & (src < self.num_pages) & (dst >= 1) & (dst < self.num_pages)
-        src = jnp.where(valid, src, 0)
-        dst = jnp.where(valid, dst, self.num_pages)
+        src, dst = _copy_rows("KVCache.copy_pages", copies, self.num_pages)
         return dataclasses.replace(
             self,
             k_pages=self.k_pages.at[dst].set(self.k_pages[src], mode="drop"),
@@ -170,10 +162,7 @@ class KVCache:
     def zero_pages(self, pages: jax.Array) -> "KVCache":
         """Zeroes the listed pages (int[N]); ids outside ``[1, num_pages)`` are skipped (the
         null page 0 is never written)."""
-        pages = int_array("KVCache.zero_pages", "pages", pages, "int[N]")
-        if pages.ndim != 1:
-            raise ValueError(f"KVCache.zero_pages: pages must be int[N], got {pages.dtype}{list(pages.shape)}")
-        pages = jnp.where((pages >= 1) & (pages < self.num_pages), pages, self.num_pages)
+        pages = _zeroed_pages("KVCache.zero_pages", pages, self.num_pages)
         return dataclasses.replace(
             self,
             k_pages=self.k_pages.at[pages].set(0, mode="drop"),
@@ -193,6 +182,117 @@ class KVCache:
         # e4m3fn has no infinity: saturate instead of producing NaN.
         x = jnp.clip(x.astype(jnp.float32) / scale, -_FP8_MAX, _FP8_MAX)
         return x.astype(self.dtype)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class MLACache:
+    """The latent page pool of one multi-head latent attention (MLA) layer (DeepSeek-V2/V3).
+
+    A token stores one latent of ``kv_lora_rank + rope_dim`` values (512 + 64 = 576 in DeepSeek):
+    its compressed KV ``c_kv`` (after the RMSNorm) followed by its RoPE'd key part ``k_rope``,
+    shared by every query head. With a single "KV head", HND and NHD are the same layout.
+
+    Attributes:
+      pages: ``[num_pages, page_size, kv_lora_rank + rope_dim]``.
+      kv_lora_rank: width of the ``c_kv`` part (static); the remaining ``rope_dim`` values are ``k_rope``.
+    """
+
+    pages: jax.Array
+    kv_lora_rank: int = dataclasses.field(default=512, metadata=dict(static=True))
+
+    def __post_init__(self):
+        if not isinstance(self.pages, (jax.Array, np.ndarray)):
+            return  # placeholder leaves while JAX rebuilds the pytree
+        if not is_positive_int(self.kv_lora_rank):
+            raise ValueError(f"MLACache: kv_lora_rank must be a positive int, got {self.kv_lora_rank!r}")
+        if self.pages.ndim != 3 or self.pages.shape[2] <= self.kv_lora_rank:
+            raise ValueError(f"MLACache: pages must be [num_pages, page_size, kv_lora_rank + rope_dim] with "
+                             f"rope_dim >= 1 (kv_lora_rank={self.kv_lora_rank}), got {list(self.pages.shape)}")
+        if not any(self.pages.dtype == jnp.dtype(d) for d in MLA_CACHE_DTYPES):
+            raise ValueError(f"MLACache: page dtype must be one of "
+                             f"{[jnp.dtype(d).name for d in MLA_CACHE_DTYPES]}, got {self.pages.dtype}")
+
+    @classmethod
+    def create(cls, num_pages: int, page_size: int, kv_lora_rank: int = 512, rope_dim: int = 64,
+               dtype=jnp.bfloat16) -> "MLACache":
+        """A zeroed pool of ``num_pages`` pages (page 0 is the null page)."""
+        for name, value in (("num_pages", num_pages), ("page_size", page_size),
+                            ("kv_lora_rank", kv_lora_rank), ("rope_dim", rope_dim)):
+            if not is_positive_int(value):
+                raise ValueError(f"MLACache.create: {name} must be a positive int, got {value!r}")
+        if num_pages < 2:
+            raise ValueError(f"MLACache.create: num_pages must be >= 2 (page 0 is the null page), got {num_pages}")
+        return cls(jnp.zeros((num_pages, page_size, kv_lora_rank + rope_dim), dtype), kv_lora_rank)
+
+    @property
+    def num_pages(self) -> int:
+        return self.pages.shape[0]
+
+    @property
+    def page_size(self) -> int:
+        return self.pages.shape[1]
+
+    @property
+    def head_dim(self) -> int:
+        """Latent width, ``kv_lora_rank + rope_dim``."""
+        return self.pages.shape[2]
+
+    @property
+    def rope_dim(self) -> int:
+        return self.head_dim - self.kv_lora_rank
+
+    @property
+    def dtype(self) -> jnp.dtype:
+        return self.pages.dtype
+
+    def write(self, latents: jax.Array, slot_mapping: jax.Array) -> "MLACache":
+        """Scatters ``latents: [T, kv_lora_rank + rope_dim]`` (``c_kv`` then ``k_rope``) to
+        ``slot = page * page_size + offset``; slots are skipped as in ``KVCache.write``."""
+        if getattr(latents, "ndim", None) != 2 or latents.shape[1] != self.head_dim:
+            raise ValueError(f"MLACache.write: latents must be [T, {self.head_dim}] (kv_lora_rank + rope_dim), "
+                             f"got {list(getattr(latents, 'shape', []))}")
+        page, offset = _slots("MLACache.write", slot_mapping, latents.shape[0], self.num_pages, self.page_size)
+        return dataclasses.replace(self, pages=self.pages.at[page, offset].set(latents.astype(self.dtype), mode="drop"))
+
+    def copy_pages(self, copies: jax.Array) -> "MLACache":
+        """Copies whole pages, as ``KVCache.copy_pages``."""
+        src, dst = _copy_rows("MLACache.copy_pages", copies, self.num_pages)
+        return dataclasses.replace(self, pages=self.pages.at[dst].set(self.pages[src], mode="drop"))
+
+    def zero_pages(self, pages: jax.Array) -> "MLACache":
+        """Zeroes the listed pages, as ``KVCache.zero_pages``."""
+        pages = _zeroed_pages("MLACache.zero_pages", pages, self.num_pages)
+        return dataclasses.replace(self, pages=self.pages.at[pages].set(0, mode="drop"))
+
+
+def _slots(where: str, slot_mapping, num_tokens: int, num_pages: int, page_size: int) -> tuple[jax.Array, jax.Array]:
+    """(page, offset) of each token's slot; slots outside ``[page_size, num_pages * page_size)``
+    (padding, the null page, outside the pool) get page ``num_pages``, which ``mode="drop"`` discards."""
+    slot_mapping = int_array(where, "slot_mapping", slot_mapping, f"int[{num_tokens}]", (num_tokens,))
+    in_pool = (slot_mapping >= page_size) & (slot_mapping < num_pages * page_size)
+    page = jnp.where(in_pool, slot_mapping // page_size, num_pages)
+    offset = jnp.where(in_pool, slot_mapping % page_size, 0)
+    return page, offset
+
+
+def _copy_rows(where: str, copies, num_pages: int) -> tuple[jax.Array, jax.Array]:
+    """(src, dst) of ``copies`` int[N, 2]; rows with an id outside ``[1, num_pages)`` read page 0
+    and write page ``num_pages`` (dropped)."""
+    copies = int_array(where, "copies", copies, "int[N, 2]")
+    if copies.ndim != 2 or copies.shape[1] != 2:
+        raise ValueError(f"{where}: copies must be int[N, 2], got {copies.dtype}{list(copies.shape)}")
+    src, dst = copies[:, 0], copies[:, 1]
+    valid = (src >= 1) & (src < num_pages) & (dst >= 1) & (dst < num_pages)
+    return jnp.where(valid, src, 0), jnp.where(valid, dst, num_pages)
+
+
+def _zeroed_pages(where: str, pages, num_pages: int) -> jax.Array:
+    """``pages`` int[N] with ids outside ``[1, num_pages)`` made ``num_pages`` (dropped)."""
+    pages = int_array(where, "pages", pages, "int[N]")
+    if pages.ndim != 1:
+        raise ValueError(f"{where}: pages must be int[N], got {pages.dtype}{list(pages.shape)}")
+    return jnp.where((pages >= 1) & (pages < num_pages), pages, num_pages)
 
 
 def _check_cache(cache: KVCache) -> None:

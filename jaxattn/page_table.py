@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxattn.checks import is_positive_int
-from jaxattn.kv_cache import KVCache
+from jaxattn.kv_cache import KVCache, MLACache
 from jaxattn.metadata import AttentionMetadata, count_leading_decodes, pages_for, token_sequences
 
 
@@ -124,7 +124,7 @@ class PageTable:
 
         Args:
           seq_ids: int32[N]; ids < 0 (padding), invalid ids and repeats are ignored.
-          scrub: optional KVCache, or pytree of them (e.g. one per layer): pages freed by this
+          scrub: optional KVCache or MLACache, or pytree of them (e.g. one per layer): pages freed by this
             call are zeroed in each, so the next tenant of a page cannot read old contents.
 
         Returns:
@@ -155,7 +155,7 @@ class PageTable:
             return table
         freed_pages = jnp.where(freed, pages, -1)
         scrubbed = jax.tree.map(lambda c: c.zero_pages(freed_pages), scrub,
-                                is_leaf=lambda x: isinstance(x, KVCache))
+                                is_leaf=lambda x: isinstance(x, (KVCache, MLACache)))
         return table, scrubbed
 
     def fork(self, src_ids: jax.Array, dst_ids: jax.Array) -> tuple["PageTable", jax.Array, jax.Array]:

@@ -30,16 +30,7 @@ def make_problem(rng: np.random.Generator, *, q_lens, kv_lens, num_q_heads, num_
     """Sequences in the given order (decodes first is the caller's choice); pages are a random
     permutation of the pool; unowned pages and slots past kv_len hold random garbage."""
     kv_dtype = dtype if kv_dtype is None else kv_dtype
-    need = [-(-n // page_size) for n in kv_lens]
-    pages_per_seq = pages_per_seq or max(max(need), 1) + 1
-    num_pages = 1 + sum(need) + extra_pages
-    perm = rng.permutation(np.arange(1, num_pages))
-    batch = len(q_lens) + pad_seqs
-    tables = np.zeros((batch, pages_per_seq), np.int32)
-    start = 0
-    for b, n in enumerate(need):
-        tables[b, :n] = perm[start:start + n]
-        start += n
+    tables, need, num_pages = random_tables(rng, kv_lens, page_size, pages_per_seq, extra_pages, pad_seqs)
     fp8 = jnp.dtype(kv_dtype) == jnp.float8_e4m3fn
     shape = ((num_pages, num_kv_heads, page_size, head_dim) if layout == "HND"
              else (num_pages, page_size, num_kv_heads, head_dim))
@@ -78,12 +69,29 @@ def make_problem(rng: np.random.Generator, *, q_lens, kv_lens, num_q_heads, num_
     return Problem(q, cache, meta, dense[0], dense[1], list(q_lens), list(kv_lens), owned)
 
 
+def random_tables(rng: np.random.Generator, kv_lens, page_size: int, pages_per_seq: int | None, extra_pages: int,
+                  pad_seqs: int) -> tuple[np.ndarray, list[int], int]:
+    """Block tables of the sequences (then ``pad_seqs`` empty rows) over a random permutation of a
+    pool with ``extra_pages`` unowned pages: ``(tables int32[B, P], pages each uses, num_pages)``."""
+    need = [-(-n // page_size) for n in kv_lens]
+    pages_per_seq = pages_per_seq or max(max(need), 1) + 1
+    num_pages = 1 + sum(need) + extra_pages
+    perm = rng.permutation(np.arange(1, num_pages))
+    tables = np.zeros((len(kv_lens) + pad_seqs, pages_per_seq), np.int32)
+    start = 0
+    for b, n in enumerate(need):
+        tables[b, :n] = perm[start:start + n]
+        start += n
+    return tables, need, num_pages
+
+
 def reference(problem: Problem, *, scale=None, causal=True, sliding_window=None, softcap=None,
               sinks=None) -> np.ndarray:
-    """Dense float64 attention per sequence, docs/design.md semantics; [T_pad, Hq, D]."""
+    """Dense float64 attention per sequence, docs/design.md semantics; [T_pad, Hq, Dv]."""
     q = np.asarray(problem.q.astype(jnp.float32), np.float64)
-    out = np.zeros_like(q)
     num_q_heads, head_dim = q.shape[1:]
+    value_dim = problem.v_dense[0].shape[-1] if problem.v_dense else head_dim
+    out = np.zeros(q.shape[:2] + (value_dim,))
     scale = 1 / np.sqrt(head_dim) if scale is None else scale
     start = 0
     for b, (ql, kl) in enumerate(zip(problem.q_lens, problem.kv_lens)):

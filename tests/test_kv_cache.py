@@ -1,4 +1,4 @@
-"""KVCache: creation, scatter writes (round trips, skipped slots, donation), page copies."""
+"""KVCache and MLACache: creation, scatter writes (round trips, skipped slots, donation), page copies."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxattn import KVCache, kv_cache
+from jaxattn import KVCache, MLACache, kv_cache
 
 
 def _read_slots(cache: KVCache, slots: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -158,3 +158,33 @@ def test_create_rejects_shardings_of_other_axes():
         KVCache.create(6, 4, 2, 8, layout="NHD", sharding=kv_cache.pool_sharding(mesh, "tp", "HND"))
     with pytest.raises(ValueError, match="sharding must be a jax.sharding.NamedSharding"):
         KVCache.create(6, 4, 2, 8, sharding=jax.devices()[0])
+
+
+def test_mla_cache_write_copy_zero():
+    cache = MLACache.create(num_pages=4, page_size=4, kv_lora_rank=8, rope_dim=4, dtype=jnp.float32)
+    assert (cache.num_pages, cache.page_size, cache.head_dim, cache.rope_dim) == (4, 4, 12, 4)
+    latents = jnp.arange(5 * 12, dtype=jnp.float32).reshape(5, 12) + 1
+    # Padding (-1), the null page (slot 2) and a slot past the pool (16) are skipped.
+    cache = jax.jit(MLACache.write)(cache, latents, jnp.asarray([4, -1, 2, 13, 16]))
+    pages = np.asarray(cache.pages)
+    np.testing.assert_array_equal(pages[1, 0], latents[0])
+    np.testing.assert_array_equal(pages[3, 1], latents[3])
+    assert np.count_nonzero(pages.any(-1)) == 2
+    cache = cache.copy_pages([[1, 2], [3, 0], [-1, 2]])
+    np.testing.assert_array_equal(cache.pages[2], pages[1])
+    assert not np.asarray(cache.pages[0]).any()
+    cache = cache.zero_pages([1, 0, 9])
+    assert not np.asarray(cache.pages[1]).any() and np.asarray(cache.pages[2]).any()
+
+
+@pytest.mark.parametrize("make, match", [
+    (lambda: MLACache.create(1, 4), "num_pages must be >= 2"),
+    (lambda: MLACache.create(4, 4, rope_dim=0), "rope_dim must be a positive int"),
+    (lambda: MLACache(jnp.zeros((4, 4, 8)), kv_lora_rank=8), "rope_dim >= 1"),
+    (lambda: MLACache(jnp.zeros((4, 4, 16), jnp.float8_e4m3fn), kv_lora_rank=8), "page dtype must be one of"),
+    (lambda: MLACache.create(4, 4, 8, 4).write(jnp.zeros((2, 11)), [4, 5]), "latents must be \\[T, 12\\]"),
+    (lambda: MLACache.create(4, 4, 8, 4).write(jnp.zeros((2, 12)), [4]), "slot_mapping must be int\\[2\\]"),
+])
+def test_mla_cache_errors(make, match):
+    with pytest.raises(ValueError, match=match):
+        make()

@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import jaxattn
-from jaxattn import KVCache, PageTable
+from jaxattn import KVCache, MLACache, PageTable
 
 NUM_PAGES, MAX_SEQS, MAX_PAGES, PAGE = 24, 6, 5, 4
 N = 3          # requests per call (static)
@@ -152,10 +152,10 @@ def test_release_with_scrub_zeroes_only_freed_pages():
     table = PageTable.create(8, 3, 2, 2)
     table, _ = table.extend(jnp.asarray([0, 1]), jnp.asarray([4, 2]))
     table, _, copies = table.fork(jnp.asarray([0]), jnp.asarray([2]))   # shares pages 1, 2
-    caches = [KVCache(jnp.ones((8, 1, 2, 4)), jnp.ones((8, 1, 2, 4))) for _ in range(2)]
+    caches = [KVCache(jnp.ones((8, 1, 2, 4)), jnp.ones((8, 1, 2, 4))), MLACache(jnp.ones((8, 2, 6)), kv_lora_rank=4)]
     table, caches = table.release(jnp.asarray([0, 1]), scrub=caches)
-    for cache in caches:
-        zeroed = ~np.asarray(cache.k_pages).any(axis=(1, 2, 3))
+    for pages in (caches[0].k_pages, caches[0].v_pages, caches[1].pages):
+        zeroed = ~np.asarray(pages).reshape(8, -1).any(axis=1)
         np.testing.assert_array_equal(zeroed, [False, False, False, True, False, False, False, False])
 
 

@@ -23,6 +23,8 @@ RUN_BY = {
     "def step(": "test_readme_step_out_of_pages",
     "pool_sharding(mesh": "test_readme_sharding_on_two_cpu_devices",
     'PRESETS["tiny"]': "test_readme_engine",
+    'PRESETS["llama3-8b"]': "test_readme_model_on_a_mesh",
+    "jaxattn.MLACache.create(": "test_readme_mla",
     "from_pretrained(path": "test_readme_hugging_face_checkpoint",
 }
 # marker: why the block cannot run on a CPU machine (none so far).
@@ -117,6 +119,42 @@ def test_readme_sharding_on_two_cpu_devices():
     from tests.test_sharding import run_on_cpu_devices
 
     run_on_cpu_devices(2, "from tests.test_readme import check_sharding_block; check_sharding_block()")
+
+
+def check_model_on_a_mesh_block() -> None:
+    """(On 2 CPU devices.) The block with the tiny preset for the 8B one, which CPU RAM would not hold twice over."""
+    namespace: dict = {}
+    block = snippet('PRESETS["llama3-8b"]')
+    exec(block.replace('PRESETS["llama3-8b"]', 'PRESETS["tiny"]'), namespace)
+    engine = namespace["engine"]
+    request = engine.add_request([1, 2, 3], max_new_tokens=4)
+    engine.run()
+    assert len(request.output) == 4
+
+
+def test_readme_model_on_a_mesh():
+    from tests.test_sharding import run_on_cpu_devices
+
+    run_on_cpu_devices(2, "from tests.test_readme import check_model_on_a_mesh_block; check_model_on_a_mesh_block()")
+
+
+def test_readme_mla():
+    """The MLA block on a 2-sequence step (a 5-token prefill and a 3-token chunk over 61 cached tokens)."""
+    rng = np.random.default_rng(0)
+    heads, q_lens, kv_lens = 4, [5, 3], [5, 64]
+    table = jaxattn.PageTable.create(num_pages=1024, max_seqs=2, max_pages_per_seq=4, page_size=64)
+    ids = jnp.arange(2, dtype=jnp.int32)
+    table, ok = table.extend(ids, jnp.asarray(kv_lens, jnp.int32))
+    assert bool(ok.all())
+    q_lens = jnp.asarray(q_lens, jnp.int32)
+    tokens = int(q_lens.sum())
+    normal = lambda *shape: jnp.asarray(rng.normal(size=shape) / np.sqrt(shape[-1]), jnp.bfloat16)  # noqa: E731
+    namespace = dict(meta=table.metadata(ids, q_lens, max_q_len=None), slots=table.slot_mapping(ids, q_lens, tokens),
+                     c_kv=normal(tokens, 512), k_rope=normal(tokens, 64), q_nope=normal(tokens, heads, 128),
+                     q_rope=normal(tokens, heads, 64), w_uk=normal(512, heads, 128), w_uv=normal(512, heads, 128))
+    exec(snippet("jaxattn.MLACache.create("), namespace)
+    assert namespace["out"].shape == (tokens, heads, 128)
+    assert np.isfinite(np.asarray(namespace["out"], np.float32)).all()
 
 
 def test_readme_engine():

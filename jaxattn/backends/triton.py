@@ -8,6 +8,10 @@ metadata's device arrays):
   kernel for the rest, writing in place into the same output buffer (aliased).
 * ``launch="single"``: the 2D kernel alone serves every sequence (one launch), for comparison.
 
+``mla_attention`` runs absorbed multi-head latent attention (``jaxattn.mla``) with
+``jaxattn.kernels.triton_mla``: split-KV over the latent pages, query heads as the M tile, and a
+segment reduction (skipped when one segment suffices).
+
 Block sizes come from ``decode_config`` / ``short_query_config`` / ``prefill_config`` (measured on
 an H200, see ``benchmarks/RESULTS.md``), or are passed explicitly. On CPU the kernels run under Triton's
 interpreter (tests only; the registry reports the backend unavailable there).
@@ -22,7 +26,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxattn.backends.base import NO_GPU, AttentionParams, gpu_devices
-from jaxattn.kv_cache import KVCache
+from jaxattn.kv_cache import KVCache, MLACache
 from jaxattn.metadata import AttentionMetadata
 
 NAME = "triton"
@@ -42,6 +46,9 @@ _MIN_TILES_PER_SEGMENT = 8
 # KV head) up to this many rows, and longer key tiles below this many (sequence, KV head) pairs.
 _SHORT_QUERY_ROWS = 64
 _FEW_PAIRS = 256
+# MLA: KV segments are chosen to give about this many programs (query tokens x head blocks x
+# segments; 2 per SM of a 132-SM H100/H200: each program streams [block_n, 576] latent tiles).
+_MLA_PROGRAMS = 264
 
 
 @dataclasses.dataclass(frozen=True)
@@ -232,6 +239,90 @@ def attention(q: jax.Array, cache: KVCache, meta: AttentionMetadata, params: Att
         LOG_B=log_b, G_P=_pow2_ceil(group), BLOCK_M=block_m, BLOCK_N=cfg.block_n, HAS_SINKS=sinks is not None,
         **_subset(shared, "T B P HQ G D D_P PAGE NUM_PAGES SK_P SK_H SK_T SCALE SOFTCAP WINDOW CAUSAL FP8 "
                           "DOT_F32 PRECISION"))
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class MLAConfig:
+    """MLA kernel tiles: ``block_h`` query heads of ``tokens`` consecutive query tokens of one
+    sequence (the M tile, ``tokens * block_h`` rows), ``block_n`` keys, the KV split into
+    ``num_segments`` (a power of 2; 1 writes the output directly, without the reduction)."""
+
+    tokens: int
+    block_h: int
+    block_n: int
+    num_segments: int
+    num_warps: int
+    num_stages: int
+
+
+def mla_check_supported(q_latent: jax.Array, q_rope: jax.Array, cache: MLACache, meta: AttentionMetadata,
+                        params: AttentionParams) -> None:
+    """ValueError naming the first parameter the MLA kernels cannot take."""
+    del q_rope, meta, params
+    where = "mla_paged_attention: backend 'triton'"
+    if q_latent.dtype.name not in DTYPES:
+        raise ValueError(f"{where}: q_latent.dtype must be one of {DTYPES}, got {q_latent.dtype}")
+    for name, dim in (("kv_lora_rank", cache.kv_lora_rank), ("rope_dim", cache.rope_dim)):
+        if dim < MIN_HEAD_DIM or dim & (dim - 1):
+            raise ValueError(f"{where}: the cache's {name} must be a power of 2 >= {MIN_HEAD_DIM}, got {dim}")
+
+
+def mla_config(num_tokens: int, num_q_heads: int, kv_lora_rank: int, max_kv_len: int,
+               max_q_len: int | None) -> MLAConfig:
+    """Tiles for this shape (static), 8 warps, 2 stages; not timed on a GPU yet. Up to 16 heads,
+    a tile holds 16 heads of up to 4 tokens of a sequence (speculative decode; decodes: 1); more
+    heads, 64 heads of one token. KV segments give about ``_MLA_PROGRAMS`` programs. Checked by
+    compiling for sm_90 (``tests/backends/test_triton_mla.py``, R 512, Dr 64), none spilling:
+    16 x 1 rows with 64-key tiles (mma.sync, 165 registers, 94 KB shared memory; 4 warps spill);
+    64 x 1 rows with 32-key tiles (wgmma, 222 registers, 147 KB; 64 keys: 255 registers, 221 KB);
+    16 x 4 rows with 16-key tiles (wgmma, 255 registers, 131 KB; 32 keys spill)."""
+    if _interpreting():
+        return MLAConfig(tokens=1, block_h=16, block_n=16, num_segments=1 if max_kv_len <= 32 else 2, num_warps=4,
+                         num_stages=1)
+    block_h = 16 if num_q_heads <= 16 else 64
+    tokens = 1 if block_h == 64 else min(4, _pow2_ceil(min(max_q_len or num_tokens, num_tokens)))
+    block_n = 64 if block_h * tokens == 16 and kv_lora_rank <= 512 else 32 if tokens == 1 else 16
+    programs = -(-num_tokens // tokens) * -(-num_q_heads // block_h)
+    most = max(1, -(-max_kv_len // (_MIN_TILES_PER_SEGMENT * block_n)))
+    segments = max(1, min(_pow2_floor(max(1, _MLA_PROGRAMS // programs)), 32, _pow2_floor(most)))
+    return MLAConfig(tokens=tokens, block_h=block_h, block_n=block_n, num_segments=segments, num_warps=8,
+                     num_stages=2)
+
+
+def mla_attention(q_latent: jax.Array, q_rope: jax.Array, cache: MLACache, meta: AttentionMetadata,
+                  params: AttentionParams, *, config: MLAConfig | None = None) -> jax.Array:
+    """Absorbed MLA: ``q_latent: [T, Hq, R]``, ``q_rope: [T, Hq, Dr]`` -> ``[T, Hq, R]`` in
+    ``q_latent.dtype``; one program per (group of a sequence's query tokens, head block, KV
+    segment), any query lengths."""
+    from jaxattn.kernels import triton_mla as kernels
+    from jaxattn.kernels.triton_call import triton_call
+
+    num_tokens, num_q_heads, rank = q_latent.shape
+    batch, width = meta.batch_size, meta.max_pages_per_seq
+    cfg = config or mla_config(num_tokens, num_q_heads, rank, width * cache.page_size, meta.max_q_len)
+    nseg = cfg.num_segments
+    head_blocks = -(-num_q_heads // cfg.block_h)
+    kv_lens = jnp.clip(meta.kv_lens, 0, width * cache.page_size).astype(jnp.int32)
+    dot_f32 = q_latent.dtype == jnp.float32 or _interpreting()
+    direct = nseg == 1
+    acc_type = (jax.ShapeDtypeStruct(q_latent.shape, q_latent.dtype) if direct
+                else jax.ShapeDtypeStruct((num_tokens, num_q_heads, nseg, rank), jnp.float32))
+    acc, ml = triton_call(
+        q_latent, q_rope, cache.pages, meta.block_tables.astype(jnp.int32), kv_lens, meta.cu_q_lens.astype(jnp.int32),
+        kernel=kernels.mla_decode_kernel,
+        out_shape=[acc_type, jax.ShapeDtypeStruct((num_tokens, num_q_heads, nseg, 2), jnp.float32)],
+        grid=(num_tokens, head_blocks, nseg), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        T=num_tokens, B=batch, LOG_B=batch.bit_length() + 1, P=width, HQ=num_q_heads, R=rank, DR=cache.rope_dim,
+        PAGE=cache.page_size, NUM_PAGES=cache.num_pages, QT=cfg.tokens, BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n,
+        NSEG=nseg, SCALE=float(params.scale), CAUSAL=params.causal, DIRECT=direct, DOT_F32=dot_f32,
+        PRECISION="ieee" if dot_f32 else "tf32")
+    if direct:
+        return acc
+    (out,) = triton_call(acc, ml, kernel=kernels.mla_reduce_kernel,
+                         out_shape=[jax.ShapeDtypeStruct(q_latent.shape, q_latent.dtype)],
+                         grid=(num_tokens, -(-num_q_heads // 16)), num_warps=4, num_stages=1,
+                         HQ=num_q_heads, R=rank, NSEG=nseg, BLOCK_H=16)
     return out
 
 

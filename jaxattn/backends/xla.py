@@ -1,4 +1,6 @@
 """The reference backend: gather each sequence's pages, then masked softmax attention in XLA.
+Also the reference for multi-head latent attention (``jaxattn.mla``): absorbed over the latent
+pool, and over K/V expanded from it.
 
 Runs anywhere XLA does. Work per step is ``B x Q x S`` logits per head, where ``Q`` is the
 static bound on query length (``meta.max_q_len`` or T) and ``S = P * page_size`` the block
@@ -11,7 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxattn.backends.base import AttentionParams
-from jaxattn.kv_cache import KVCache
+from jaxattn.kv_cache import KVCache, MLACache
 from jaxattn.metadata import AttentionMetadata
 
 NAME = "xla"
@@ -31,10 +33,49 @@ def check_supported(q: jax.Array, cache: KVCache, meta: AttentionMetadata, param
 def attention(q: jax.Array, cache: KVCache, meta: AttentionMetadata, params: AttentionParams,
               sinks: jax.Array | None) -> jax.Array:
     """``q: [T, Hq, D]`` -> ``[T, Hq, D]`` in ``q.dtype``."""
-    num_tokens, num_q_heads, head_dim = q.shape
+    k, v = _gather_kv(cache, meta, _compute_dtype(q.dtype))
+    return _attention(q, k, v, meta, params, sinks)
+
+
+def mla_check_supported(q_latent: jax.Array, q_rope: jax.Array, cache: MLACache, meta: AttentionMetadata,
+                        params: AttentionParams) -> None:
+    del q_latent, q_rope, cache, meta, params  # the reference takes every call mla_paged_attention accepts
+
+
+def mla_attention(q_latent: jax.Array, q_rope: jax.Array, cache: MLACache, meta: AttentionMetadata,
+                  params: AttentionParams) -> jax.Array:
+    """Absorbed MLA: MQA over the latents, ``[q_latent, q_rope] . latent`` logits and ``c_kv``
+    values. ``q_latent: [T, Hq, R]``, ``q_rope: [T, Hq, Dr]`` -> ``[T, Hq, R]`` in ``q_latent.dtype``."""
+    dtype = _compute_dtype(q_latent.dtype)
+    latents = _gather_latents(cache, meta, dtype)[:, :, None]               # [B, S, 1, R + Dr]
+    q = jnp.concatenate([q_latent, q_rope], axis=-1)
+    return _attention(q, latents, latents[..., :cache.kv_lora_rank], meta, params, None)
+
+
+def mla_prefill(q_nope: jax.Array, q_rope: jax.Array, cache: MLACache, meta: AttentionMetadata, w_uk: jax.Array,
+                w_uv: jax.Array, params: AttentionParams) -> jax.Array:
+    """MLA over per-head K/V expanded from the latents: ``k = [c_kv W_UK[:, h], k_rope]``,
+    ``v = c_kv W_UV[:, h]``. ``q_nope: [T, Hq, Dn]``, ``q_rope: [T, Hq, Dr]``, ``w_uk: [R, Hq, Dn]``,
+    ``w_uv: [R, Hq, Dv]`` -> ``[T, Hq, Dv]`` in ``q_nope.dtype``."""
+    dtype = _compute_dtype(q_nope.dtype)
+    latents = _gather_latents(cache, meta, dtype)                           # [B, S, R + Dr]
+    c_kv, k_rope = latents[..., :cache.kv_lora_rank], latents[..., cache.kv_lora_rank:]
+    k_nope = jnp.einsum("bsr,rhn->bshn", c_kv, w_uk.astype(dtype), preferred_element_type=jnp.float32)
+    k_rope = jnp.broadcast_to(k_rope[:, :, None], (*k_nope.shape[:3], k_rope.shape[-1]))
+    k = jnp.concatenate([k_nope.astype(dtype), k_rope], axis=-1)
+    v = jnp.einsum("bsr,rhv->bshv", c_kv, w_uv.astype(dtype), preferred_element_type=jnp.float32).astype(dtype)
+    q = jnp.concatenate([q_nope, q_rope], axis=-1)
+    return _attention(q, k, v, meta, params, None)
+
+
+def _attention(q: jax.Array, k: jax.Array, v: jax.Array, meta: AttentionMetadata, params: AttentionParams,
+               sinks: jax.Array | None) -> jax.Array:
+    """``q: [T, Hq, Dk]`` against each sequence's gathered ``k: [B, S, Hkv, Dk]``,
+    ``v: [B, S, Hkv, Dv]`` -> ``[T, Hq, Dv]`` in ``q.dtype``."""
+    num_tokens, num_q_heads, _ = q.shape
+    value_dim = v.shape[-1]
     batch = meta.batch_size
     max_q = num_tokens if meta.max_q_len is None else min(meta.max_q_len, num_tokens)
-    k, v = _gather_kv(cache, meta, _compute_dtype(q.dtype))  # [B, S, Hkv, D]
     seq_width = k.shape[1]
     q_start = meta.cu_q_lens[:-1]
     q_lens = jnp.clip(meta.q_lens, 0, max_q)
@@ -49,7 +90,7 @@ def attention(q: jax.Array, cache: KVCache, meta: AttentionMetadata, params: Att
     def attend_chunk(first_row: jax.Array) -> jax.Array:
         rows = first_row + jnp.arange(chunk, dtype=jnp.int32)          # [C]
         token = q_start[:, None] + rows[None, :]                          # [B, C]
-        q_chunk = q[jnp.clip(token, 0, num_tokens - 1)]                   # [B, C, Hq, D]
+        q_chunk = q[jnp.clip(token, 0, num_tokens - 1)]                   # [B, C, Hq, Dk]
         positions = (kv_lens - q_lens)[:, None] + rows[None, :]          # [B, C]
         row_valid = rows[None, :] < q_lens[:, None]
         return _attend(q_chunk, k, v, positions, row_valid, kv_lens, params, sinks)
@@ -58,8 +99,8 @@ def attention(q: jax.Array, cache: KVCache, meta: AttentionMetadata, params: Att
     if num_chunks == 1:
         out = attend_chunk(starts[0])
     else:
-        out = jax.lax.map(attend_chunk, starts)                           # [NC, B, C, Hq, D]
-        out = jnp.moveaxis(out, 0, 1).reshape(batch, num_chunks * chunk, num_q_heads, head_dim)
+        out = jax.lax.map(attend_chunk, starts)                           # [NC, B, C, Hq, Dv]
+        out = jnp.moveaxis(out, 0, 1).reshape(batch, num_chunks * chunk, num_q_heads, value_dim)
 
     # Back to packed tokens: token t is row t - cu_q_lens[b] of sequence b.
     seq = meta.token_to_seq(num_tokens)
@@ -76,10 +117,9 @@ def _compute_dtype(dtype: jnp.dtype) -> jnp.dtype:
 
 def _gather_kv(cache: KVCache, meta: AttentionMetadata, dtype: jnp.dtype) -> tuple[jax.Array, jax.Array]:
     """K, V of every sequence as ``[B, P * page_size, Hkv, D]``."""
-    tables = meta.block_tables
 
     def gather(pages: jax.Array, scale: jax.Array | None) -> jax.Array:
-        x = pages[tables]                                                  # [B, P, ...]
+        x = _gather_pages(pages, meta)                                     # [B, P, ...]
         if cache.layout == "HND":
             x = jnp.swapaxes(x, 2, 3)                                      # [B, P, page, Hkv, D]
         x = x.reshape(x.shape[0], -1, cache.num_kv_heads, cache.head_dim)
@@ -90,9 +130,20 @@ def _gather_kv(cache: KVCache, meta: AttentionMetadata, dtype: jnp.dtype) -> tup
     return gather(cache.k_pages, cache.k_scale), gather(cache.v_pages, cache.v_scale)
 
 
+def _gather_latents(cache: MLACache, meta: AttentionMetadata, dtype: jnp.dtype) -> jax.Array:
+    """The latents of every sequence as ``[B, P * page_size, R + Dr]``."""
+    x = _gather_pages(cache.pages, meta)                                   # [B, P, page, R + Dr]
+    return x.reshape(x.shape[0], -1, cache.head_dim).astype(dtype)
+
+
+def _gather_pages(pages: jax.Array, meta: AttentionMetadata) -> jax.Array:
+    """``pages[block_tables]``: ``[B, P, ...]`` (sanitized tables: every id is in the pool)."""
+    return pages[meta.block_tables]
+
+
 def _attend(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array, row_valid: jax.Array,
             kv_lens: jax.Array, params: AttentionParams, sinks: jax.Array | None) -> jax.Array:
-    """``q: [B, C, Hq, D]`` against ``k, v: [B, S, Hkv, D]`` -> ``[B, C, Hq, D]`` float32.
+    """``q: [B, C, Hq, Dk]`` against ``k: [B, S, Hkv, Dk]``, ``v: [B, S, Hkv, Dv]`` -> ``[B, C, Hq, Dv]`` float32.
 
     ``positions[b, c]`` is the absolute position of query row c; rows with no visible key give 0.
     """
@@ -127,4 +178,4 @@ def _attend(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array, row_
     any_visible = jnp.any(visible, axis=-1, keepdims=True)
     probs = jnp.where(any_visible, probs / jnp.where(denom > 0, denom, 1.0), 0.0)
     out = jnp.einsum("bkgcs,bskd->bckgd", probs.astype(v.dtype), v, preferred_element_type=jnp.float32)
-    return out.reshape(batch, rows, num_q_heads, head_dim)
+    return out.reshape(batch, rows, num_q_heads, v.shape[-1])

@@ -156,9 +156,9 @@ class MLP(nnx.Module):
 
 
 class Block(nnx.Module):
-    def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs):
+    def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs, attention: type[nnx.Module] = Attention):
         self.attn_norm = _rms_norm(cfg, cfg.dim, rngs)
-        self.attn = Attention(cfg, rngs)
+        self.attn = attention(cfg, rngs)
         self.mlp_norm = _rms_norm(cfg, cfg.dim, rngs)
         self.mlp = MLP(cfg, rngs)
 
@@ -170,12 +170,14 @@ class Block(nnx.Module):
 class Llama(nnx.Module):
     """Decoder over packed tokens: ``tokens int32[T]`` -> logits ``[T, vocab]`` (float32)."""
 
+    attention: type[nnx.Module] = Attention   # each block's attention module, built from (cfg, rngs)
+
     def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs):
         self.cfg = cfg
         self.embed = nnx.Embed(cfg.vocab_size, cfg.dim, dtype=cfg.dtype, param_dtype=cfg.dtype, rngs=rngs,
                                embedding_init=_partitioned(nnx.initializers.variance_scaling(
                                    1.0, "fan_in", "normal", out_axis=0), ("vocab", None)))
-        self.layers = nnx.List([Block(cfg, rngs) for _ in range(cfg.num_layers)])
+        self.layers = nnx.List([Block(cfg, rngs, self.attention) for _ in range(cfg.num_layers)])
         self.norm = _rms_norm(cfg, cfg.dim, rngs)
         if not cfg.tie_embeddings:
             self.lm_head = _linear(cfg, cfg.dim, cfg.vocab_size, rngs, (None, "vocab"))
@@ -184,13 +186,18 @@ class Llama(nnx.Module):
         """Final normalized hidden states ``[T, dim]``."""
         x = self.embed(tokens)
         for i, block in enumerate(self.layers):
-            x = block(x, positions, lambda q, k, v, i=i: attend(i, q, k, v))
+            x = block(x, positions, lambda *args, i=i: attend(i, *args))
         return self.norm(x)
 
     def logits(self, hidden: jax.Array) -> jax.Array:
         """``[T, dim]`` -> float32 ``[T, vocab]``."""
         head = self.embed.attend if self.cfg.tie_embeddings else self.lm_head
         return head(hidden).astype(jnp.float32)
+
+    def forward_paged(self, tokens: jax.Array, caches: list[jaxattn.KVCache], meta: jaxattn.AttentionMetadata,
+                      slots: jax.Array, backend: str = "auto") -> tuple[jax.Array, list[jaxattn.KVCache]]:
+        """``forward_paged(self, ...)``, the step the engine runs."""
+        return forward_paged(self, tokens, caches, meta, slots, backend)
 
     def init_caches(self, num_pages: int, page_size: int, layout: str = "HND", dtype=None, mesh: Mesh | None = None,
                     axes: MeshAxes = None) -> list[jaxattn.KVCache]:

@@ -1,0 +1,133 @@
+"""A DeepSeek-V2-shaped decoder in Flax NNX with multi-head latent attention over packed tokens:
+per layer RMSNorm, MLA (no query compression, as in V2-Lite), RMSNorm, and a dense SwiGLU MLP in
+place of the mixture of experts (V2-Lite preset: the size of its active experts, 6 routed + 2
+shared of 1408). RoPE is plain (no YaRN) in the half-split convention; weights are random.
+
+Attention is supplied by the caller, as in ``jaxattn.models.llama``: paged over an ``MLACache``
+per layer in serving (``forward_paged``: absorbed ``mla_paged_attention`` for decode-sized steps,
+``mla_prefill`` for the rest; ``jaxattn.engine.Engine`` serves it), or dense in tests.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+import jaxattn
+from jaxattn.kv_cache import LAYOUTS
+from jaxattn.mla import MAX_DECODE_Q_LEN, absorb_query, project_values
+from jaxattn.models.llama import Llama, _linear, _rms_norm, rope, rope_frequencies
+
+
+@dataclasses.dataclass(frozen=True)
+class DeepSeekConfig:
+    vocab_size: int
+    dim: int
+    num_layers: int
+    num_q_heads: int
+    kv_lora_rank: int
+    qk_nope_dim: int
+    qk_rope_dim: int
+    v_head_dim: int
+    hidden_dim: int
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-6
+    dtype: str = "bfloat16"
+    tie_embeddings: bool = False
+
+    @property
+    def scale(self) -> float:
+        return (self.qk_nope_dim + self.qk_rope_dim) ** -0.5
+
+    def replace(self, **changes) -> "DeepSeekConfig":
+        return dataclasses.replace(self, **changes)
+
+
+PRESETS: dict[str, DeepSeekConfig] = {
+    "tiny": DeepSeekConfig(vocab_size=512, dim=128, num_layers=2, num_q_heads=4, kv_lora_rank=32, qk_nope_dim=16,
+                           qk_rope_dim=16, v_head_dim=16, hidden_dim=256, dtype="float32"),
+    # DeepSeek-V2-Lite's attention shapes; use .replace(num_layers=...) to fit a budget.
+    "v2-lite": DeepSeekConfig(vocab_size=102400, dim=2048, num_layers=27, num_q_heads=16, kv_lora_rank=512,
+                              qk_nope_dim=128, qk_rope_dim=64, v_head_dim=128, hidden_dim=8 * 1408),
+}
+
+# attend(layer, q_nope [T, Hq, Dn], q_rope [T, Hq, Dr], latents [T, R + Dr], w_uk [R, Hq, Dn],
+#        w_uv [R, Hq, Dv]) -> [T, Hq, Dv]
+AttendFn = Callable[[int, jax.Array, jax.Array, jax.Array, jax.Array, jax.Array], jax.Array]
+
+
+class Attention(nnx.Module):
+    def __init__(self, cfg: DeepSeekConfig, rngs: nnx.Rngs):
+        self.cfg = cfg
+        heads = cfg.num_q_heads
+        self.q_proj = _linear(cfg, cfg.dim, heads * (cfg.qk_nope_dim + cfg.qk_rope_dim), rngs)
+        self.kv_a_proj = _linear(cfg, cfg.dim, cfg.kv_lora_rank + cfg.qk_rope_dim, rngs)
+        self.kv_a_norm = _rms_norm(cfg, cfg.kv_lora_rank, rngs)
+        self.kv_b_proj = _linear(cfg, cfg.kv_lora_rank, heads * (cfg.qk_nope_dim + cfg.v_head_dim), rngs)
+        self.o_proj = _linear(cfg, heads * cfg.v_head_dim, cfg.dim, rngs)
+
+    def up_projections(self) -> tuple[jax.Array, jax.Array]:
+        """``w_uk: [R, Hq, Dn]`` and ``w_uv: [R, Hq, Dv]``, the halves of ``kv_b_proj``."""
+        cfg = self.cfg
+        w = self.kv_b_proj.kernel[...].reshape(cfg.kv_lora_rank, cfg.num_q_heads, cfg.qk_nope_dim + cfg.v_head_dim)
+        return w[..., :cfg.qk_nope_dim], w[..., cfg.qk_nope_dim:]
+
+    def __call__(self, x: jax.Array, positions: jax.Array, attend: Callable) -> jax.Array:
+        """x: [T, dim], positions: int32[T] -> [T, dim]."""
+        cfg = self.cfg
+        q = self.q_proj(x).reshape(x.shape[0], cfg.num_q_heads, -1)
+        kv = self.kv_a_proj(x)
+        inv_freq = rope_frequencies(cfg.qk_rope_dim, cfg.rope_theta)
+        q_rope = rope(q[..., cfg.qk_nope_dim:], positions, inv_freq)
+        k_rope = rope(kv[:, None, cfg.kv_lora_rank:], positions, inv_freq)[:, 0]
+        latents = jnp.concatenate([self.kv_a_norm(kv[:, :cfg.kv_lora_rank]), k_rope], axis=-1)
+        out = attend(q[..., :cfg.qk_nope_dim], q_rope, latents, *self.up_projections())
+        return self.o_proj(out.reshape(x.shape[0], -1))
+
+
+class DeepSeek(Llama):
+    """Decoder over packed tokens: ``tokens int32[T]`` -> logits ``[T, vocab]`` (float32); Llama's
+    structure with MLA blocks (``hidden`` takes an ``AttendFn`` of this module)."""
+
+    attention = Attention
+
+    def forward_paged(self, tokens: jax.Array, caches: list[jaxattn.MLACache], meta: jaxattn.AttentionMetadata,
+                      slots: jax.Array, backend: str = "auto") -> tuple[jax.Array, list[jaxattn.MLACache]]:
+        """``forward_paged(self, ...)``, the step the engine runs."""
+        return forward_paged(self, tokens, caches, meta, slots, backend)
+
+    def init_caches(self, num_pages: int, page_size: int, layout: str = "HND", dtype=None) -> list[jaxattn.MLACache]:
+        """One zeroed latent pool per layer (``dtype`` defaults to the model's). ``layout`` is
+        accepted for the engine: with one latent "KV head", HND and NHD are the same pool."""
+        if layout not in LAYOUTS:
+            raise ValueError(f"DeepSeek.init_caches: layout must be one of {LAYOUTS}, got {layout!r}")
+        cfg = self.cfg
+        return [jaxattn.MLACache.create(num_pages, page_size, cfg.kv_lora_rank, cfg.qk_rope_dim,
+                                        dtype=dtype or cfg.dtype) for _ in range(cfg.num_layers)]
+
+
+def forward_paged(model: DeepSeek, tokens: jax.Array, caches: list[jaxattn.MLACache], meta: jaxattn.AttentionMetadata,
+                  slots: jax.Array, backend: str = "auto") -> tuple[jax.Array, list[jaxattn.MLACache]]:
+    """One step over packed tokens with paged latents: writes each layer's latents at ``slots``
+    and attends, absorbed (``mla_paged_attention``) when every query is at most
+    ``MAX_DECODE_Q_LEN`` tokens (``meta.max_q_len``), else over expanded K/V (``mla_prefill``);
+    returns (hidden ``[T, dim]``, updated caches)."""
+    new_caches = list(caches)
+    scale = model.cfg.scale
+    absorbed = meta.max_q_len is not None and meta.max_q_len <= MAX_DECODE_Q_LEN
+
+    def attend(layer: int, q_nope: jax.Array, q_rope: jax.Array, latents: jax.Array, w_uk: jax.Array,
+               w_uv: jax.Array) -> jax.Array:
+        cache = new_caches[layer] = new_caches[layer].write(latents, slots)
+        if absorbed:
+            out = jaxattn.mla_paged_attention(absorb_query(q_nope, w_uk), q_rope, cache, meta, scale=scale,
+                                              backend=backend)
+            return project_values(out, w_uv)
+        prefill_backend = "auto" if backend == "triton" else backend   # mla_prefill has no triton path
+        return jaxattn.mla_prefill(q_nope, q_rope, cache, meta, w_uk, w_uv, scale=scale, backend=prefill_backend)
+
+    return model.hidden(tokens, meta.positions(tokens.shape[0]), attend), new_caches

@@ -1,0 +1,232 @@
+"""The triton backend's MLA kernels (``mla_attention``) against the float64 absorbed reference and
+the xla backend.
+
+Without a GPU the kernels run under Triton's interpreter on small shapes (R 32, Dr 16); the GPU
+tests take DeepSeek's shapes (R 512, Dr 64, page 64) in bfloat16.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import tempfile
+import textwrap
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxattn
+from jaxattn import attention as attention_module
+from jaxattn import backends
+from jaxattn.backends import xla
+from jaxattn.backends.base import AttentionParams
+from tests.mla_inputs import break_metadata, make_mla_problem
+from tests.paged_inputs import TOLERANCE, rel_error
+from tests.xla_dump import run_with_dump, thunk_sequences, top_level_thunks
+
+triton = pytest.importorskip("triton", reason="the triton backend's tests need the triton package")
+from jaxattn.backends import triton as tb  # noqa: E402
+from jaxattn.kernels.triton_call import _compile  # noqa: E402
+
+SMALL = dict(kv_lora_rank=32, rope_dim=16, nope_dim=16, v_dim=16, page_size=8)
+DEEPSEEK = dict(kv_lora_rank=512, rope_dim=64, nope_dim=128, v_dim=128, page_size=64)
+
+
+def _params(problem, causal=True) -> AttentionParams:
+    return AttentionParams(scale=problem.scale, causal=causal, sliding_window=None, softcap=None, has_sinks=False)
+
+
+def _run(problem, config=None, causal=True):
+    params = _params(problem, causal)
+    fn = jax.jit(lambda ql, qr, c, m: tb.mla_attention(ql, qr, c, m, params, config=config))
+    return fn(problem.q_latent, problem.q_rope, problem.cache, problem.meta)
+
+
+def _xla(problem, causal=True):
+    return xla.mla_attention(problem.q_latent, problem.q_rope, problem.cache, problem.meta, _params(problem, causal))
+
+
+@pytest.fixture
+def triton_runs_here(monkeypatch):
+    """On CPU the triton kernels run under Triton's interpreter (tests only)."""
+    real = backends.unavailable_reason
+    monkeypatch.setattr(backends, "unavailable_reason", lambda name: None if name == "triton" else real(name))
+
+
+# --- kernel numerics (interpreter on CPU, the GPU kernels on a GPU) ------------------------------
+
+@pytest.mark.parametrize("segments", [1, 2])
+def test_decode_split_kv(segments):
+    """Decodes, 20 heads over two head blocks of 16, one segment (direct) or two plus the reduction."""
+    problem = make_mla_problem(np.random.default_rng(0), q_lens=[1, 1, 1], kv_lens=[3, 40, 17], num_q_heads=20,
+                               max_q_len=1, **SMALL)
+    config = tb.MLAConfig(tokens=1, block_h=16, block_n=16, num_segments=segments, num_warps=4, num_stages=1)
+    out = _run(problem, config)
+    assert rel_error(out, problem.absorbed_reference(problem.q_latent)) < 1e-5
+    assert rel_error(out, _xla(problem)) < 1e-5
+    assert not np.asarray(out[3:]).any(), "padding tokens are zeros"
+
+
+@pytest.mark.parametrize("tokens, segments, causal", [(1, 2, True), (4, 2, True), (4, 1, False), (2, 2, False)])
+def test_any_query_length(tokens, segments, causal):
+    """Speculative decode and chunked prefill queries, bottom-right causal: one program per token,
+    or per group of up to ``tokens`` tokens of a sequence (a group's rows see different keys)."""
+    problem = make_mla_problem(np.random.default_rng(1), q_lens=[1, 4, 3, 0, 6], kv_lens=[9, 30, 3, 5, 20],
+                               num_q_heads=4, **SMALL)
+    config = tb.MLAConfig(tokens=tokens, block_h=16 // tokens, block_n=16, num_segments=segments, num_warps=4,
+                          num_stages=1)
+    out = _run(problem, config, causal=causal)
+    assert rel_error(out, problem.absorbed_reference(problem.q_latent, causal=causal)) < 1e-5
+    assert not np.asarray(out[sum(problem.q_lens):]).any(), "padding tokens are zeros"
+
+
+def test_bfloat16():
+    problem = make_mla_problem(np.random.default_rng(2), q_lens=[1, 1, 2], kv_lens=[20, 33, 7], num_q_heads=4,
+                               dtype=jnp.bfloat16, **SMALL)
+    out = _run(problem)
+    assert out.dtype == jnp.bfloat16
+    assert rel_error(out, problem.absorbed_reference(problem.q_latent)) < TOLERANCE[jnp.dtype(jnp.bfloat16)]
+
+
+@pytest.mark.parametrize("max_q_len", [1, 2])
+def test_broken_sequences_are_zero_and_flagged(triton_runs_here, max_q_len):
+    """Bad page ids, kv_lens too short and too long, and (max_q_len 2) a query past max_q_len;
+    every page no sequence owns, page 0 included, holds NaN."""
+    rng = np.random.default_rng(3)
+    q_lens = [1, 1, 1, 1, 1] if max_q_len == 1 else [1, 2, 3, 1, 2]
+    problem = make_mla_problem(rng, q_lens=q_lens, kv_lens=[9, 20, 17, 4, 30], num_q_heads=4, max_q_len=max_q_len,
+                               **SMALL)
+    meta, broken = break_metadata(rng, problem, ["page", "none", "short", "long", "none"])
+    run = jax.jit(lambda ql, qr, c, m: jaxattn.mla_paged_attention(ql, qr, c, m, scale=problem.scale,
+                                                                   backend="triton", return_status=True))
+    out, valid = run(problem.q_latent, problem.q_rope, problem.cache, meta)
+    np.testing.assert_array_equal(valid, ~broken)
+    out = np.asarray(out, np.float64)
+    assert not np.isnan(out).any(), "a page the sequence does not own reached its output"
+    np.testing.assert_allclose(out, problem.without(broken).absorbed_reference(problem.q_latent), rtol=2e-4,
+                               atol=2e-4)
+
+
+def test_check_supported():
+    problem = make_mla_problem(np.random.default_rng(4), q_lens=[1], kv_lens=[4], num_q_heads=4,
+                               **dict(SMALL, kv_lora_rank=24))
+    with pytest.raises(ValueError, match="kv_lora_rank must be a power of 2 >= 16, got 24"):
+        tb.mla_check_supported(problem.q_latent, problem.q_rope, problem.cache, problem.meta, _params(problem))
+
+
+def test_auto_uses_triton_where_it_runs_else_xla_with_a_log_line(monkeypatch, caplog):
+    calls = []
+    for name in ("xla", "triton"):
+        module = backends.get(name) if name == "xla" else tb
+        real = module.mla_attention
+        monkeypatch.setattr(module, "mla_attention", lambda *a, _n=name, _r=real, **k: calls.append(_n) or _r(*a, **k))
+    problem = make_mla_problem(np.random.default_rng(5), q_lens=[1, 1], kv_lens=[4, 9], num_q_heads=4, max_q_len=1,
+                               **SMALL)
+    monkeypatch.setattr(attention_module, "_logged", set())
+    jax.jit(lambda *a: jaxattn.mla_paged_attention(*a, scale=problem.scale))(
+        problem.q_latent, problem.q_rope, problem.cache, problem.meta)
+    reason = backends.unavailable_reason("triton")
+    assert calls == ["xla" if reason else "triton"]
+    assert (f"using 'xla'; triton skipped ({reason})" in caplog.text) == bool(reason)
+
+
+@pytest.mark.parametrize("num_q_heads, max_q_len", [(16, 1), (16, 4), (128, 1)])
+def test_gpu_configs_compile_for_sm90_without_spills(monkeypatch, num_q_heads, max_q_len):
+    """No GPU needed: the launches ``mla_attention`` makes on a GPU at DeepSeek shapes (decode, and
+    speculative decode packing 4 tokens x 16 heads) compile for sm_90 with Triton's own ptxas,
+    without register spills (``cuobjdump`` resource usage)."""
+    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    if not os.path.exists(cuobjdump):
+        pytest.skip(f"no {cuobjdump}")
+    monkeypatch.setattr(tb, "_interpreting", lambda: False)
+    problem = make_mla_problem(np.random.default_rng(6), q_lens=[max_q_len] * 8, kv_lens=[3000] * 8,
+                               num_q_heads=num_q_heads, max_q_len=max_q_len, dtype=jnp.bfloat16, **DEEPSEEK)
+    jaxpr = jax.make_jaxpr(lambda ql, qr, c, m: tb.mla_attention(ql, qr, c, m, _params(problem)))(
+        problem.q_latent, problem.q_rope, problem.cache, problem.meta)
+    launches = [e for e in jaxpr.eqns if e.primitive.name == "jaxattn_triton_call"]
+    assert [e.params["kernel"].fn.__name__ for e in launches] == ["mla_decode_kernel", "mla_reduce_kernel"]
+    for eqn in launches:
+        dtypes = tuple(np.dtype(v.aval.dtype) for v in [*eqn.invars, *eqn.outvars])
+        compiled = _compile(eqn.params["kernel"], dtypes, eqn.params["metaparams"], eqn.params["num_warps"],
+                            eqn.params["num_stages"], 90)
+        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+            f.write(compiled.asm["cubin"])
+            f.flush()
+            usage = subprocess.run([cuobjdump, "--dump-resource-usage", f.name], capture_output=True, text=True,
+                                   check=True).stdout
+        assert "STACK:0 " in usage, usage
+
+
+# --- GPU: DeepSeek shapes in bfloat16 ------------------------------------------------------------
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kv_len", [1024, 4096, 16384])
+@pytest.mark.parametrize("num_q_heads", [16, 128])
+def test_gpu_deepseek_decode(num_q_heads, kv_len):
+    rng = np.random.default_rng(kv_len + num_q_heads)
+    batch = max(1, 32768 // kv_len)
+    kv_lens = [int(x) for x in rng.integers(kv_len // 2, kv_len + 1, batch)]
+    problem = make_mla_problem(rng, q_lens=[1] * batch, kv_lens=kv_lens, num_q_heads=num_q_heads, max_q_len=1,
+                               dtype=jnp.bfloat16, **DEEPSEEK)
+    run = jax.jit(lambda ql, qr, c, m: jaxattn.mla_paged_attention(ql, qr, c, m, scale=problem.scale))
+    out = run(problem.q_latent, problem.q_rope, problem.cache, problem.meta)
+    assert rel_error(out, _xla(problem)) < 2e-2
+    assert rel_error(out, problem.absorbed_reference(problem.q_latent)) < 2e-2
+    assert not np.asarray(out[batch:].astype(jnp.float32)).any()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_q_heads", [16, 128])
+def test_gpu_deepseek_spec_decode_and_broken_sequences(num_q_heads):
+    """Queries of up to 4 tokens, every fault, NaN in every unowned page, auto (triton)."""
+    seed = int(np.random.SeedSequence().entropy % 2**32)
+    rng = np.random.default_rng(seed)
+    q_lens = [1, 4, 2, 3, 1, 4, 1, 2]
+    kv_lens = [int(rng.integers(q, 2049)) for q in q_lens]
+    problem = make_mla_problem(rng, q_lens=q_lens, kv_lens=kv_lens, num_q_heads=num_q_heads, max_q_len=4,
+                               dtype=jnp.bfloat16, **DEEPSEEK)
+    meta, broken = break_metadata(rng, problem, ["page", "none", "short", "long", "none", "page", "none", "none"])
+    run = jax.jit(lambda ql, qr, c, m: jaxattn.mla_paged_attention(ql, qr, c, m, scale=problem.scale,
+                                                                   return_status=True))
+    out, valid = run(problem.q_latent, problem.q_rope, problem.cache, meta)
+    np.testing.assert_array_equal(valid, ~broken, err_msg=f"seed {seed}")
+    out = np.asarray(out.astype(jnp.float32), np.float64)
+    assert not np.isnan(out).any(), f"a page the sequence does not own reached its output (seed {seed})"
+    expected = problem.without(broken).absorbed_reference(problem.q_latent)
+    assert rel_error(out, expected) < 2e-2, f"seed {seed}"
+
+
+_CAPTURE_SCRIPT = textwrap.dedent("""
+    import json
+    import jax, jax.numpy as jnp, numpy as np
+    import jaxattn
+    from jaxattn.backends import triton as tb
+    from tests.mla_inputs import make_mla_problem
+    from tests.paged_inputs import rel_error
+
+    problem = make_mla_problem(np.random.default_rng(0), q_lens=[1] * 8, kv_lens=[3000] * 8, num_q_heads=16,
+                               max_q_len=1, dtype=jnp.bfloat16, kv_lora_rank=512, rope_dim=64, nope_dim=128,
+                               v_dim=128, page_size=64)
+    assert tb.mla_config(problem.q_latent.shape[0], 16, 512, problem.meta.max_pages_per_seq * 64, 1).num_segments > 1
+    step = jax.jit(lambda ql, qr, c, m: jaxattn.mla_paged_attention(ql, qr, c, m, scale=problem.scale,
+                                                                    backend="triton") * 2)
+    args = (problem.q_latent, problem.q_rope, problem.cache, problem.meta)
+    outs = [step(*args).block_until_ready() for _ in range(3)]
+    errors = [rel_error(o, problem.absorbed_reference(problem.q_latent) * 2) for o in outs]
+    print(json.dumps(dict(errors=errors)))
+""")
+
+
+@pytest.mark.gpu
+def test_gpu_launches_captured_in_command_buffer(tmp_path):
+    """The MLA kernel and its reduction run inside one kCommandBuffer."""
+    run = run_with_dump(_CAPTURE_SCRIPT, tmp_path, timeout=300)
+    errors = json.loads(run.stdout.strip().splitlines()[-1])["errors"]
+    assert max(errors) < TOLERANCE[jnp.dtype(jnp.bfloat16)], errors
+    for name, thunks in thunk_sequences(tmp_path, "jit__lambda").items():
+        top = top_level_thunks(thunks)
+        assert "kCommandBuffer" in top and "kCustomCall" not in top, (name, thunks[-3000:])
+        assert thunks.split("\n\n")[0].count(": kCustomCall") >= 2, (name, thunks[-3000:])

@@ -1,0 +1,118 @@
+"""Random paged MLA problems, broken metadata for them, and float64 references (expanded and
+absorbed), shared by the MLA tests."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jaxattn
+from jaxattn.mla import absorb_query
+from tests.paged_inputs import Problem, random_tables, reference
+
+BAD_PAGE_IDS = (-1, 0, 2**30)   # and num_pages
+
+
+@dataclasses.dataclass
+class MLAProblem:
+    q_nope: jax.Array            # [T_pad, Hq, Dn]
+    q_rope: jax.Array            # [T_pad, Hq, Dr]
+    w_uk: jax.Array              # [R, Hq, Dn]
+    w_uv: jax.Array              # [R, Hq, Dv]
+    cache: jaxattn.MLACache
+    meta: jaxattn.AttentionMetadata
+    latents: list[np.ndarray]    # per sequence [kv_len, R + Dr] float64, as stored
+    q_lens: list[int]
+    kv_lens: list[int]
+    tables: np.ndarray           # int32 [B, P]
+
+    @property
+    def scale(self) -> float:
+        return float(1 / np.sqrt(self.q_nope.shape[2] + self.q_rope.shape[2]))
+
+    @property
+    def q_latent(self) -> jax.Array:
+        return absorb_query(self.q_nope, self.w_uk)
+
+    def expanded_reference(self) -> np.ndarray:
+        """Float64 attention over per-head K/V expanded from the latents: ``[T_pad, Hq, Dv]``."""
+        rank = self.cache.kv_lora_rank
+        w_uk, w_uv = (np.asarray(w.astype(jnp.float32), np.float64) for w in (self.w_uk, self.w_uv))
+        heads = w_uk.shape[1]
+        k = [np.concatenate([np.einsum("sr,rhn->shn", x[:, :rank], w_uk),
+                             np.repeat(x[:, None, rank:], heads, axis=1)], axis=-1) for x in self.latents]
+        v = [np.einsum("sr,rhv->shv", x[:, :rank], w_uv) for x in self.latents]
+        return self._reference(jnp.concatenate([self.q_nope, self.q_rope], -1), k, v)
+
+    def absorbed_reference(self, q_latent: jax.Array, causal: bool = True) -> np.ndarray:
+        """Float64 MQA of ``[q_latent, q_rope]`` over the latents (values ``c_kv``): ``[T_pad, Hq, R]``."""
+        rank = self.cache.kv_lora_rank
+        return self._reference(jnp.concatenate([q_latent.astype(jnp.float32), self.q_rope.astype(jnp.float32)], -1),
+                               [x[:, None] for x in self.latents], [x[:, None, :rank] for x in self.latents], causal)
+
+    def _reference(self, q, k, v, causal: bool = True) -> np.ndarray:
+        problem = Problem(q, None, self.meta, k, v, self.q_lens, self.kv_lens, None)
+        return reference(problem, scale=self.scale, causal=causal)
+
+    def without(self, broken: np.ndarray) -> "MLAProblem":
+        """The same problem with the broken sequences' keys removed (their rows are zeros)."""
+        return dataclasses.replace(self, kv_lens=[0 if bad else n for bad, n in zip(broken, self.kv_lens)],
+                                   latents=[x[:0] if bad else x for bad, x in zip(broken, self.latents)])
+
+
+def make_mla_problem(rng: np.random.Generator, *, q_lens, kv_lens, num_q_heads, kv_lora_rank, rope_dim, nope_dim,
+                     v_dim, page_size, dtype=jnp.float32, pages_per_seq=None, pad_seqs=1, pad_tokens=2,
+                     extra_pages=3, max_q_len=None) -> MLAProblem:
+    """Sequences in the given order; pages are a random permutation of the pool, and every page no
+    sequence owns (page 0 included) holds NaN."""
+    tables, need, num_pages = random_tables(rng, kv_lens, page_size, pages_per_seq, extra_pages, pad_seqs)
+    width = kv_lora_rank + rope_dim
+    pool = np.asarray(jnp.asarray(rng.normal(size=(num_pages, page_size, width)), dtype).astype(jnp.float32),
+                      np.float64)
+    owned = np.zeros(num_pages, bool)
+    owned[tables[tables > 0]] = True
+    pool[~owned] = np.nan
+    latents = [pool[tables[b, :need[b]]].reshape(-1, width)[:n] for b, n in enumerate(kv_lens)]
+    num_tokens = sum(q_lens) + pad_tokens
+    rand = lambda *shape, scale=1.0: jnp.asarray(rng.normal(size=shape) * scale, dtype)  # noqa: E731
+    cu = np.concatenate([[0], np.cumsum(q_lens), [sum(q_lens)] * pad_seqs]).astype(np.int32)
+    ones = 0
+    while ones < len(q_lens) and q_lens[ones] == 1:
+        ones += 1
+    meta = jaxattn.AttentionMetadata(
+        cu_q_lens=jnp.asarray(cu), kv_lens=jnp.asarray(list(kv_lens) + [0] * pad_seqs, jnp.int32),
+        block_tables=jnp.asarray(tables), num_decodes=jnp.asarray(ones, jnp.int32), max_q_len=max_q_len)
+    return MLAProblem(
+        q_nope=rand(num_tokens, num_q_heads, nope_dim), q_rope=rand(num_tokens, num_q_heads, rope_dim),
+        w_uk=rand(kv_lora_rank, num_q_heads, nope_dim, scale=kv_lora_rank ** -0.5),
+        w_uv=rand(kv_lora_rank, num_q_heads, v_dim, scale=kv_lora_rank ** -0.5),
+        cache=jaxattn.MLACache(jnp.asarray(pool, dtype), kv_lora_rank), meta=meta, latents=latents,
+        q_lens=list(q_lens), kv_lens=list(kv_lens), tables=tables)
+
+
+def break_metadata(rng: np.random.Generator, problem: MLAProblem, faults: list[str]
+                   ) -> tuple[jaxattn.AttentionMetadata, np.ndarray]:
+    """The problem's metadata with ``faults[b]`` ("none", "page": a bad id among its pages,
+    "short": kv_len < q_len, "long": kv_len past its block-table row) applied to sequence b, and
+    which sequences then break the contract (those, and queries longer than ``meta.max_q_len``)."""
+    page_size, num_pages = problem.cache.page_size, problem.cache.num_pages
+    kv_in, tables = np.array(problem.meta.kv_lens), problem.tables.copy()
+    broken = np.zeros(len(kv_in), bool)
+    for b, fault in enumerate(faults):
+        used = -(-problem.kv_lens[b] // page_size)
+        if fault == "page" and used:
+            tables[b, rng.integers(used)] = rng.choice(BAD_PAGE_IDS + (num_pages,))
+        elif fault == "short" and problem.q_lens[b]:
+            kv_in[b] = problem.q_lens[b] - 1
+        elif fault == "long":
+            kv_in[b] = tables.shape[1] * page_size + 1 + rng.integers(5)
+        else:
+            continue
+        broken[b] = True
+    if problem.meta.max_q_len is not None:
+        broken[:len(problem.q_lens)] |= np.array(problem.q_lens) > problem.meta.max_q_len
+    meta = dataclasses.replace(problem.meta, kv_lens=jnp.asarray(kv_in, jnp.int32), block_tables=jnp.asarray(tables))
+    return meta, broken
