@@ -12,6 +12,7 @@ import jaxattn
 from jaxattn import attention as attention_module
 from jaxattn.engine import Engine
 from jaxattn.models.llama import PRESETS, Llama, forward_paged
+from jaxattn.sampling import SamplingBatch, SamplingParams
 from tests.models.test_llama import dense_greedy
 from tests.paged_inputs import rel_error
 from tests.xla_dump import run_with_dump, thunk_sequences, top_level_thunks
@@ -35,6 +36,36 @@ def test_continuous_batching_matches_dense_greedy():
     assert int(engine.table.num_free) == engine.table.num_pages - 1
 
 
+def _outputs(model: Llama, requests: list[tuple[np.ndarray, int, SamplingParams | None]], **engine_args) -> list:
+    engine = Engine(model, **{**dict(max_seqs=3, max_seq_len=48, page_size=8, chunk_size=16, backend="xla"),
+                              **engine_args})
+    handles = [engine.add_request(prompt, n, sampling=sampling) for prompt, n, sampling in requests]
+    engine.run()
+    return [r.output for r in handles]
+
+
+def test_top_k_1_and_a_tiny_temperature_are_greedy():
+    model = Llama(PRESETS["tiny"], nnx.Rngs(0))
+    rng = np.random.default_rng()
+    prompts = [rng.integers(0, 512, size=n) for n in (5, 20, 9)]
+    greedy = _outputs(model, [(p, 6, None) for p in prompts])
+    for sampling in (SamplingParams(temperature=1.5, top_k=1, seed=3), SamplingParams(temperature=1e-6, top_p=0.5)):
+        assert _outputs(model, [(p, 6, sampling) for p in prompts]) == greedy, sampling
+
+
+def test_a_seed_gives_the_same_tokens_whatever_else_is_in_the_batch():
+    model = Llama(PRESETS["tiny"], nnx.Rngs(0))
+    rng = np.random.default_rng()
+    prompt = rng.integers(0, 512, size=13)
+    sampling = SamplingParams(temperature=1.0, top_p=0.95, seed=1234)
+    alone = _outputs(model, [(prompt, 12, sampling)])[0]
+    others = [(rng.integers(0, 512, size=n), 7, s)
+              for n, s in ((30, SamplingParams(temperature=0.8, seed=5)), (4, None), (17, SamplingParams(temperature=2.0)))]
+    crowded = _outputs(model, others[:2] + [(prompt, 12, sampling)] + others[2:], max_seqs=2)
+    assert crowded[2] == alone
+    assert crowded[2] != _outputs(model, [(prompt, 12, None)])[0], "sampled like greedy: is sampling on?"
+
+
 def test_add_request_errors():
     engine = Engine(Llama(PRESETS["tiny"], nnx.Rngs(0)), max_seqs=2, max_seq_len=16, page_size=8, chunk_size=8)
     with pytest.raises(ValueError, match="max_seq_len=16"):
@@ -44,16 +75,18 @@ def test_add_request_errors():
 
 
 def test_step_has_no_loops():
-    """The engine step compiles to straight-line code: a while loop (e.g. jnp.searchsorted's
-    default method) would not be captured into GPU command buffers and would sync the host."""
+    """The engine step lowers to straight-line code for the GPU: a while loop (e.g.
+    jnp.searchsorted's default method) would not be captured into command buffers and would sync
+    the host. (The GPU lowering: on the CPU, jax.random's threefry is a rolled loop.)"""
     model = Llama(PRESETS["tiny"], nnx.Rngs(0))
     engine = Engine(model, max_seqs=4, max_seq_len=64, page_size=8, chunk_size=16, backend="xla")
+    sampling = SamplingBatch.from_params([SamplingParams(temperature=0.7, top_k=5, top_p=0.9)] * 4, [1, 2, 3, 4])
     for max_q_len, num_tokens in ((1, 4), (16, 20)):
-        hlo = engine._step.lower(
+        hlo = engine._step.trace(
             engine._weights, engine.caches, engine.table, jnp.full((4,), -1, jnp.int32),
             jnp.zeros((num_tokens,), jnp.int32), jnp.arange(4, dtype=jnp.int32), jnp.ones((4,), jnp.int32),
-            max_q_len=max_q_len, backend="xla").compile().as_text()
-        assert " while(" not in hlo and " sort(" not in hlo, max_q_len
+            sampling, max_q_len=max_q_len, backend="xla").lower(lowering_platforms=("cuda",)).as_text()
+        assert "stablehlo.while" not in hlo and "stablehlo.sort" not in hlo, max_q_len
 
 
 _DECODE_STEP_SCRIPT = """
