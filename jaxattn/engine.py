@@ -14,7 +14,7 @@ import dataclasses
 import functools
 import sys
 import time
-from typing import Callable
+from typing import Callable, Iterator
 
 import jax
 import jax.numpy as jnp
@@ -34,12 +34,20 @@ class Request:
     sampling: SamplingParams = SamplingParams()
     seed: int = 0                           # sampling.seed, or the one the engine drew
     output: list[int] = dataclasses.field(default_factory=list)
+    finish_reason: str | None = None        # "stop": output ends with a stop token; "length": max_new_tokens
     slot: int = -1                          # sequence id in the page table while running
     prefilled: int = 0                      # prompt tokens already in the cache
 
     @property
     def done(self) -> bool:
-        return len(self.output) >= self.max_new_tokens
+        return self.finish_reason is not None
+
+    def _append(self, token: int) -> None:
+        self.output.append(token)
+        if token in self.sampling.stop_token_ids:
+            self.finish_reason = "stop"
+        elif len(self.output) >= self.max_new_tokens:
+            self.finish_reason = "length"
 
 
 StepFn = Callable[..., tuple[jax.Array, jax.Array, list[jaxattn.KVCache], jaxattn.PageTable]]
@@ -122,8 +130,8 @@ class Engine:
         self._seeds = np.random.default_rng()
 
     def add_request(self, prompt, max_new_tokens: int, *, sampling: SamplingParams | None = None) -> Request:
-        """Queues a request for ``max_new_tokens`` tokens after ``prompt`` (token ids), picked as
-        ``sampling`` says (default: greedy)."""
+        """Queues a request for up to ``max_new_tokens`` tokens after ``prompt`` (token ids), picked
+        as ``sampling`` says (default: greedy; its ``stop_token_ids`` end the request early)."""
         prompt = np.asarray(prompt, np.int32).reshape(-1)
         if not 1 <= prompt.size or prompt.size + max_new_tokens > self.max_seq_len or max_new_tokens < 1:
             raise ValueError(f"Engine.add_request: need a non-empty prompt, max_new_tokens >= 1 and "
@@ -154,6 +162,17 @@ class Engine:
 
     def step(self) -> list[Request]:
         """Runs one engine step; returns the requests that finished in it."""
+        return [r for r, _ in self._step_tokens() if r.done]
+
+    def stream(self) -> Iterator[tuple[Request, list[int]]]:
+        """Steps until every request is done (including requests added meanwhile), yielding
+        ``(request, new_tokens)`` for each request that got tokens, step by step; the last yield of
+        a request has ``request.done`` set."""
+        while self.has_work:
+            yield from self._step_tokens()
+
+    def _step_tokens(self) -> list[tuple[Request, list[int]]]:
+        """One engine step -> the new tokens of each request that got some."""
         self._admit()
         decodes = [r for r in self.running if r.prefilled == r.prompt.size]
         rows = [(r, [r.output[-1]]) for r in decodes]
@@ -186,21 +205,20 @@ class Engine:
         next_tokens, ok = np.asarray(next_tokens), np.asarray(ok)
         if not ok[: len(rows)].all():
             raise RuntimeError("Engine: page allocation failed for a reserved request (allocator bug)")
-        finished = []
+        events = []
         for i, (r, toks) in enumerate(rows):
             if r.prefilled < r.prompt.size:
                 r.prefilled += len(toks)
                 if r.prefilled < r.prompt.size:
                     continue
-            r.output.append(int(next_tokens[i]))
+            r._append(int(next_tokens[i]))
+            events.append((r, r.output[-1:]))
             if r.done:
-                finished.append(r)
-        for r in finished:
-            self.running.remove(r)
-            self._free_slots.append(r.slot)
-            self._to_release.append(r.slot)
-            self._unreserved_pages += self._pages(r)
-        return finished
+                self.running.remove(r)
+                self._free_slots.append(r.slot)
+                self._to_release.append(r.slot)
+                self._unreserved_pages += self._pages(r)
+        return events
 
     def run(self, on_step: Callable[[int, int], None] | None = None) -> list[Request]:
         """Steps until every request is done; ``on_step(done, total)`` after each step."""

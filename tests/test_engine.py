@@ -66,6 +66,43 @@ def test_a_seed_gives_the_same_tokens_whatever_else_is_in_the_batch():
     assert crowded[2] != _outputs(model, [(prompt, 12, None)])[0], "sampled like greedy: is sampling on?"
 
 
+def test_stop_token_ends_a_request_and_is_its_last_token():
+    model = Llama(PRESETS["tiny"], nnx.Rngs(0))
+    rng = np.random.default_rng()
+    prompts = [rng.integers(0, 512, size=n) for n in (5, 20, 9)]
+    greedy = _outputs(model, [(p, 8, None) for p in prompts])
+    stop = greedy[1][3]
+    engine = Engine(model, max_seqs=3, max_seq_len=48, page_size=8, chunk_size=16, backend="xla")
+    requests = [engine.add_request(p, 8, sampling=SamplingParams(stop_token_ids=(stop, 511))) for p in prompts]
+    engine.run()
+    for request, expected in zip(requests, greedy):
+        if stop in expected:
+            assert request.output == expected[:expected.index(stop) + 1] and request.finish_reason == "stop"
+        else:
+            assert request.output == expected and request.finish_reason == "length"
+    engine.step()
+    assert int(engine.table.num_free) == engine.table.num_pages - 1
+
+
+def test_stream_yields_each_token_as_it_comes():
+    model = Llama(PRESETS["tiny"], nnx.Rngs(0))
+    rng = np.random.default_rng()
+    engine = Engine(model, max_seqs=3, max_seq_len=48, page_size=8, chunk_size=16, backend="xla")
+    requests = [engine.add_request(rng.integers(0, 512, size=n), m) for n, m in ((5, 4), (33, 3), (1, 6))]
+    streamed: dict[int, list[int]] = {}
+    finished: set[int] = set()
+    for request, new_tokens in engine.stream():
+        assert request.id not in finished and len(new_tokens) == 1
+        if request.done:
+            finished.add(request.id)
+        streamed.setdefault(request.id, []).extend(new_tokens)
+        assert request.output == streamed[request.id], "streamed tokens are the output so far"
+        if len(requests) == 3:                   # a request added while streaming is served too
+            requests.append(engine.add_request([1, 2, 3], 2))
+    assert all(r.done for r in requests)
+    assert streamed == {r.id: r.output for r in requests}
+
+
 def test_add_request_errors():
     engine = Engine(Llama(PRESETS["tiny"], nnx.Rngs(0)), max_seqs=2, max_seq_len=16, page_size=8, chunk_size=8)
     with pytest.raises(ValueError, match="max_seq_len=16"):
