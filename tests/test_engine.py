@@ -29,11 +29,21 @@ def test_continuous_batching_matches_dense_greedy():
     assert [r.id for r in done] == [r.id for r in requests]
     for r in done:
         assert r.output == dense_greedy(model, r.prompt, r.max_new_tokens), r.id
-    # everything is released once the next step runs: the pool drains back to full
+    # everything is released once the next step runs: the pool drains back to free and cached pages
     engine.add_request([1, 2, 3], 1)
     engine.run()
     engine.step()
-    assert int(engine.table.num_free) == engine.table.num_pages - 1
+    check_drained(engine)
+
+
+def check_drained(engine: Engine) -> None:
+    """After an idle step: no page is held, and the host's view of the pool is the device's."""
+    table = engine.table
+    cached = np.asarray(table.cached)
+    assert not np.asarray(table.refcount).any() and not np.asarray(table.seq_lens).any()
+    assert int(table.num_free) == engine.pool.free
+    assert set(np.nonzero(cached)[0].tolist()) == set(engine.pool.evictable) == set(engine.pool.key_of)
+    assert int(table.num_free) + int(cached.sum()) == table.num_pages - 1
 
 
 def _outputs(model: Llama, requests: list[tuple[np.ndarray, int, SamplingParams | None]], **engine_args) -> list:
@@ -81,7 +91,7 @@ def test_stop_token_ends_a_request_and_is_its_last_token():
         else:
             assert request.output == expected and request.finish_reason == "length"
     engine.step()
-    assert int(engine.table.num_free) == engine.table.num_pages - 1
+    check_drained(engine)
 
 
 def test_stream_yields_each_token_as_it_comes():
@@ -101,6 +111,66 @@ def test_stream_yields_each_token_as_it_comes():
             requests.append(engine.add_request([1, 2, 3], 2))
     assert all(r.done for r in requests)
     assert streamed == {r.id: r.output for r in requests}
+
+
+def _rounds(engine: Engine, rounds: list[list[tuple[np.ndarray, SamplingParams | None]]]) -> list[list[int]]:
+    """Serves each round's requests (6 new tokens each) to the end before the next round starts."""
+    outputs = []
+    for requests in rounds:
+        handles = [engine.add_request(prompt, 6, sampling=sampling) for prompt, sampling in requests]
+        engine.run()
+        outputs += [r.output for r in handles]
+    return outputs
+
+
+def _shared_prefix_rounds(rng: np.random.Generator) -> list[list[tuple[np.ndarray, SamplingParams | None]]]:
+    """Requests on a 20-token system prompt (2.5 pages of 8), in rounds; some sample, one prompt
+    (3 full pages) comes back whole in a later round, and a shorter one comes back as a prefix."""
+    system = rng.integers(0, 512, size=20)
+    rounds = [[(np.concatenate([system, rng.integers(0, 512, size=n)]), None if n % 2 else SamplingParams(
+        temperature=1.0, top_k=50, seed=int(n))) for n in sizes] for sizes in ((4, 11, 0, 7), (2, 9), (5, 12, 3))]
+    rounds[1].append(rounds[0][0])
+    rounds[2].append((rounds[0][1][0][:17], None))
+    return rounds
+
+
+def test_prefix_caching_gives_the_same_tokens():
+    """Rounds of requests sharing a system prompt, with prefix caching on and off: the same tokens.
+    With it on, prompt pages are reused (the prefill computes only the uncached tokens) and, as
+    the pool fills with cached pages, evicted; with it off, this pool preempts requests."""
+    model = Llama(PRESETS["tiny"], nnx.Rngs(0))
+    rounds = _shared_prefix_rounds(np.random.default_rng())
+    engines = {on: Engine(model, max_seqs=3, max_seq_len=48, page_size=8, chunk_size=16, backend="xla",
+                          num_pages=12, enable_prefix_caching=on) for on in (False, True)}
+    outputs = {on: _rounds(engine, rounds) for on, engine in engines.items()}
+    assert outputs[True] == outputs[False]
+    on, off = engines[True].stats, engines[False].stats
+    assert on["cached_tokens"] >= 7 * 16 and off["cached_tokens"] == 0
+    decodes = 5 * sum(len(r) for r in rounds)
+    assert on["computed_tokens"] == on["prompt_tokens"] + decodes - on["cached_tokens"]
+    assert on["evicted_pages"] > 0 and on["preemptions"] == 0 and off["preemptions"] > 0
+    for engine in engines.values():
+        engine.step()
+        check_drained(engine)
+
+
+@pytest.mark.parametrize("prefix_caching", [False, True])
+def test_a_pool_too_small_for_all_requests_preempts_and_recomputes(prefix_caching):
+    """A pool of 8 pages (one request of max_seq_len needs 6) serves requests that together need
+    many more: requests are preempted and recomputed, and every token equals a big pool's."""
+    model = Llama(PRESETS["tiny"], nnx.Rngs(0))
+    rng = np.random.default_rng()
+    requests = [(rng.integers(0, 512, size=n), m, None if n % 2 else SamplingParams(temperature=0.9, seed=n))
+                for n, m in ((20, 14), (33, 10), (5, 20), (17, 16), (26, 12))]
+    big = _outputs(model, requests, enable_prefix_caching=prefix_caching)
+    engine = Engine(model, max_seqs=3, max_seq_len=48, page_size=8, chunk_size=16, backend="xla", num_pages=8,
+                    enable_prefix_caching=prefix_caching)
+    handles = [engine.add_request(prompt, n, sampling=sampling) for prompt, n, sampling in requests]
+    engine.run()
+    assert [r.output for r in handles] == big
+    assert engine.stats["preemptions"] > 0
+    engine.step()
+    check_drained(engine)
 
 
 def test_add_request_errors():
