@@ -2,9 +2,18 @@
 
 The host loop admits requests, schedules chunked prefill and decodes, and releases finished
 sequences. Each step is one jitted function of (model state, donated KV caches, donated page
-table) that frees finished sequences, allocates pages, writes K/V and runs attention in every
-layer. Only two step shapes exist (decode-only, and mixed decode + prefill chunk), so a serving
-loop compiles twice and then replays.
+table) that frees finished sequences, allocates pages, writes K/V, runs attention in every
+layer and samples the next tokens. Only two step shapes exist (decode-only, and mixed decode +
+prefill chunk), so a serving loop compiles twice and then replays.
+
+Scheduling (as vLLM's): a request is a list of tokens (prompt, then output) of which the first
+``computed`` have K/V in the cache; each step computes one token of each request that has one
+left (a decode) and a chunk of the others' (prefill) within ``chunk_size`` tokens. Pages are
+taken as tokens arrive, not reserved: when the pool cannot hold a running request's next tokens,
+the latest admitted request is preempted (its pages freed, itself put first in line to recompute
+its prompt and output so far; its seeds depend on positions, so its tokens stay the same). With
+prefix caching a new request starts on the cached pages of its longest cached prefix
+(``jaxattn.prefix_cache``), and always computes at least its last token, for the logits.
 """
 
 from __future__ import annotations
@@ -27,8 +36,10 @@ from jaxattn.prefix_cache import PagePool, page_keys
 from jaxattn.sampling import SamplingBatch, SamplingParams, sample
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(eq=False)
 class Request:
+    """A request and its state: ``output`` grows as tokens come; ``finish_reason`` is set when it ends."""
+
     id: int
     prompt: np.ndarray                      # int32[L]
     max_new_tokens: int
@@ -162,6 +173,9 @@ class Engine:
       backend: ``paged_attention`` backend.
       enable_prefix_caching: a request starts on the cached pages of its longest cached prompt
         prefix and prefills only the rest (see ``jaxattn.prefix_cache``).
+
+    ``stats`` counts prompt tokens, cached tokens (prompt tokens a request found in the cache),
+    computed tokens (all tokens the steps ran), evicted pages and preemptions.
     """
 
     def __init__(self, model: Llama, *, max_seqs: int, max_seq_len: int, page_size: int = 16,
@@ -234,9 +248,10 @@ class Engine:
 
     def _schedule(self) -> tuple[list[tuple[Request, int]], list[Request], list[int]]:
         """This step's rows ``(request, tokens to compute)`` in order of admission, the requests
-        admitted in it and the cached pages evicted for it. Running requests come first: when the pool cannot hold one's next
-        tokens, the latest admitted request is preempted (it may be this one). New requests are
-        admitted only when no one was preempted, while slots, prefill budget and pages last."""
+        admitted in it and the cached pages evicted for it. Running requests come first: when the
+        pool cannot hold one's next tokens, the latest admitted request is preempted (it may be
+        this one). New requests are admitted only when no one was preempted, while slots, prefill
+        budget and pages last."""
         rows: list[tuple[Request, int]] = []
         budget, need = self.chunk_size, 0
         preempted = False
