@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import jaxattn
 from jaxattn import attention as attention_module
@@ -171,6 +175,44 @@ def test_a_pool_too_small_for_all_requests_preempts_and_recomputes(prefix_cachin
     assert engine.stats["preemptions"] > 0
     engine.step()
     check_drained(engine)
+
+
+request_st = st.tuples(st.sampled_from([None, "a", "b"]), st.integers(1, 10), st.integers(1, 8), st.booleans())
+
+
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(request_st, min_size=2, max_size=7), st.integers(0, 2**32 - 1), st.integers(0, 6))
+def test_random_traces_on_a_small_pool_match_dense_greedy(requests, seed, wave):
+    """Random traces (shared prefixes of 16 and 11 tokens, a second wave arriving mid-run, stop
+    tokens) on a pool of 10 pages of 4 tokens with prefix caching: pages are cached, evicted and
+    requests preempted, and every request's tokens are the dense model's greedy tokens up to its
+    first stop token."""
+    model = _tiny_model()
+    rng = np.random.default_rng(seed)
+    prefixes = {None: np.zeros(0, np.int64), "a": rng.integers(0, 512, size=16), "b": rng.integers(0, 512, size=11)}
+    prompts = [np.concatenate([prefixes[p], rng.integers(0, 512, size=n)]) for p, n, _, _ in requests]
+    engine = Engine(model, max_seqs=3, max_seq_len=40, page_size=4, chunk_size=8, backend="xla", num_pages=11)
+    stop = (55, 189)             # tokens this model likes to repeat
+    params = [SamplingParams(stop_token_ids=stop if use_stop else ()) for *_, use_stop in requests]
+    half = len(prompts) // 2
+    handles = [engine.add_request(p, m, sampling=s) for p, (_, _, m, _), s in zip(prompts[:half], requests, params)]
+    for _ in range(wave):
+        engine.step()
+    handles += [engine.add_request(p, m, sampling=s)
+                for p, (_, _, m, _), s in zip(prompts[half:], requests[half:], params[half:])]
+    engine.run()
+    for handle, prompt, (_, _, m, use_stop) in zip(handles, prompts, requests):
+        expected = dense_greedy(model, prompt, m)
+        if use_stop and set(stop) & set(expected):
+            expected = expected[:min(expected.index(t) for t in stop if t in expected) + 1]
+        assert handle.output == expected, (handle.id, dict(engine.stats))
+    engine.step()
+    check_drained(engine)
+
+
+@functools.cache
+def _tiny_model() -> Llama:
+    return Llama(PRESETS["tiny"], nnx.Rngs(0))
 
 
 def test_add_request_errors():
