@@ -40,6 +40,18 @@ def test_continuous_batching_matches_dense_greedy():
     check_drained(engine)
 
 
+def check_host_view(engine: Engine) -> None:
+    """Between steps: each running request's pages and length are the device table's, and the
+    cached pages are the host's (less those it marks in the next step)."""
+    tables, lens = np.asarray(engine.table.block_tables), np.asarray(engine.table.seq_lens)
+    for r in engine.running:
+        assert lens[r.slot] == r.computed and len(r.blocks) == -(-r.computed // engine.page_size)
+        known = np.asarray(r.blocks) > 0
+        np.testing.assert_array_equal(tables[r.slot, :len(r.blocks)][known], np.asarray(r.blocks)[known])
+    cached = set(np.nonzero(np.asarray(engine.table.cached))[0].tolist())
+    assert cached == set(engine.pool.key_of) - set(engine._to_mark)
+
+
 def check_drained(engine: Engine) -> None:
     """After an idle step: no page is held, and the host's view of the pool is the device's."""
     table = engine.table
@@ -200,7 +212,9 @@ def test_random_traces_on_a_small_pool_match_dense_greedy(requests, seed, wave):
         engine.step()
     handles += [engine.add_request(p, m, sampling=s)
                 for p, (_, _, m, _), s in zip(prompts[half:], requests[half:], params[half:])]
-    engine.run()
+    while engine.has_work:
+        engine.step()
+        check_host_view(engine)
     for handle, prompt, (_, _, m, use_stop) in zip(handles, prompts, requests):
         expected = dense_greedy(model, prompt, m)
         if use_stop and set(stop) & set(expected):
