@@ -258,20 +258,26 @@ import jax, jax.numpy as jnp, numpy as np
 from flax import nnx
 from jaxattn.engine import Engine
 from jaxattn.models.llama import PRESETS, Llama
+from jaxattn.sampling import SamplingParams
 
 cfg = PRESETS["small"].replace(vocab_size=1024, dim=512, num_layers=2, num_q_heads=8, num_kv_heads=2,
                                hidden_dim=1024)
 engine = Engine(Llama(cfg, nnx.Rngs(0)), max_seqs=8, max_seq_len=256, page_size=64, chunk_size=64)
 for n in (40, 100, 7):
-    engine.add_request(np.arange(n) % 1000, 12)
+    engine.add_request(np.arange(n) % 1000, 12, sampling=SamplingParams(temperature=0.8, top_k=20, top_p=0.9)
+                       if n == 100 else None)
 engine.run()
+engine.add_request(np.arange(150) % 1000, 12)   # starts on the cached page of the 100-token prompt
+engine.run()
+assert engine.stats["cached_tokens"] == 64, engine.stats
 """
 
 
 @pytest.mark.gpu
 def test_gpu_decode_step_runs_in_command_buffers(tmp_path):
-    """Every custom call of the jitted decode step (attention in every layer) runs inside an XLA
-    command buffer: none is left to run thunk by thunk."""
+    """Every custom call of the jitted decode step (attention in every layer, sampling, prefix
+    caching's page operations) runs inside an XLA command buffer: none is left to run thunk by
+    thunk."""
     run_with_dump(_DECODE_STEP_SCRIPT, tmp_path)
     steps = thunk_sequences(tmp_path, "jit_step")
     assert len(steps) == 2, list(steps)            # the decode-only and the mixed step
