@@ -5,7 +5,9 @@ requests. Randomness comes from ``fold_in(key(seed), position)``: a request's to
 seed and its own tokens only, never on what else is in the batch (or on being preempted and
 recomputed). Top-k and top-p find their cut-off by a radix search over the bits of the values
 (eight passes of 16 candidate thresholds) rather than a sort over the vocabulary: straight-line
-code that GPU command buffers capture, with no O(V log V) sort per row.
+code that GPU command buffers capture, with no O(V log V) sort per row. On the CPU, where that
+search costs more than the model for a large vocabulary, conditionals skip it (and the sampling
+altogether) when no row of the step needs it.
 """
 
 from __future__ import annotations
@@ -98,29 +100,42 @@ def sample(logits: jax.Array, params: SamplingBatch, positions: jax.Array) -> ja
         it picks the row's random numbers.
     """
     logits = logits.astype(jnp.float32)
-    vocab = logits.shape[-1]
+    greedy = params.temperature < GREEDY_TEMPERATURE
     greedy_tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    temperature = jnp.maximum(params.temperature, GREEDY_TEMPERATURE)
-    scaled = logits / temperature[:, None]
+    sampled = _unless(jnp.all(greedy), lambda: _sample(logits, params, positions), lambda: greedy_tokens)
+    return jnp.where(greedy, greedy_tokens, sampled)
 
-    top_k = jnp.where(params.top_k > 0, jnp.minimum(params.top_k, vocab), vocab)
-    keys = _sortable(scaled)
-    kth = _threshold(keys, jnp.ones_like(scaled), top_k.astype(jnp.float32))
-    scaled = jnp.where(keys >= kth[:, None], scaled, -jnp.inf)
 
-    probs = jax.nn.softmax(scaled, axis=-1)
-    top_p = jnp.clip(params.top_p, 0.0, 1.0)
-    keys = _sortable(probs)
-    cut = _threshold(keys, probs, top_p * jnp.sum(probs, axis=-1))
-    nucleus = (keys >= cut[:, None]) | (top_p[:, None] >= 1.0)
-    scaled = jnp.where(nucleus, scaled, -jnp.inf)
+def _sample(logits: jax.Array, params: SamplingBatch, positions: jax.Array) -> jax.Array:
+    vocab = logits.shape[-1]
+    scaled = logits / jnp.maximum(params.temperature, GREEDY_TEMPERATURE)[:, None]
+
+    def top_k(scaled):
+        k = jnp.where(params.top_k > 0, jnp.minimum(params.top_k, vocab), vocab)
+        keys = _sortable(scaled)
+        return jnp.where(keys >= _threshold(keys, jnp.ones_like(scaled), k.astype(jnp.float32))[:, None],
+                         scaled, -jnp.inf)
+
+    def top_p(scaled):
+        probs = jax.nn.softmax(scaled, axis=-1)
+        keys = _sortable(probs)
+        cut = _threshold(keys, probs, params.top_p * jnp.sum(probs, axis=-1))
+        return jnp.where((keys >= cut[:, None]) | (params.top_p[:, None] >= 1.0), scaled, -jnp.inf)
+
+    scaled = _unless(jnp.all((params.top_k <= 0) | (params.top_k >= vocab)), lambda: top_k(scaled), lambda: scaled)
+    scaled = _unless(jnp.all(params.top_p >= 1.0), lambda: top_p(scaled), lambda: scaled)
 
     def gumbel(seed, position):
         return jax.random.gumbel(jax.random.fold_in(jax.random.key(seed), position), (vocab,), jnp.float32)
 
     noise = jax.vmap(gumbel)(params.seed, positions)
-    sampled = jnp.argmax(scaled + noise, axis=-1).astype(jnp.int32)
-    return jnp.where(params.temperature < GREEDY_TEMPERATURE, greedy_tokens, sampled)
+    return jnp.argmax(scaled + noise, axis=-1).astype(jnp.int32)
+
+
+def _unless(skip: jax.Array, compute, skipped):
+    """``compute()``, which equals ``skipped()`` when ``skip`` holds. On the CPU a conditional skips
+    the work; elsewhere it always runs, as straight-line code that GPU command buffers capture."""
+    return jax.lax.platform_dependent(cpu=lambda: jax.lax.cond(skip, skipped, compute), default=compute)
 
 
 def _sortable(x: jax.Array) -> jax.Array:
@@ -137,8 +152,8 @@ def _threshold(keys: jax.Array, weights: jax.Array, target: jax.Array) -> jax.Ar
     prefix = jnp.zeros(keys.shape[:1], jnp.uint32)
     for shift in range(28, -1, -4):
         candidates = prefix[:, None] + (digits << shift)[None, :]                       # [B, 16]
-        above = keys[:, :, None] >= candidates[:, None, :]                             # [B, V, 16]
-        mass = jnp.sum(jnp.where(above, weights[:, :, None], 0.0), axis=1)             # [B, 16]
+        above = keys[:, None, :] >= candidates[:, :, None]                             # [B, 16, V]
+        mass = jnp.sum(jnp.where(above, weights[:, None, :], 0.0), axis=2)             # [B, 16]: row reductions
         best = jnp.max(jnp.where(mass >= target[:, None], digits[None, :], 0), axis=1)
         prefix = prefix + (best << shift)
     return prefix
