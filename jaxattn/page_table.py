@@ -4,12 +4,22 @@ Every method is a pure function of device arrays with static shapes, so it runs 
 same jitted step as attention. Costs are O(N * max_pages_per_seq) for N requests (plus an N x N
 comparison of the request ids): nothing searches the pool.
 
+Prefix caching splits between the host and this table. The host (``jaxattn.engine.Engine``) keeps
+the hash map from a chain of prompt tokens (page i's key hashes its tokens with page i-1's key) to
+the page holding their K/V, and an LRU order of the cached pages no sequence holds. The table keeps
+a ``cached`` flag per page and three operations: ``mark_cached`` flags full pages once their K/V
+is written, ``attach`` starts an empty sequence on cached pages (refcount + 1: a new request's
+longest cached prefix), and ``evict`` returns cached pages that no sequence holds to the free
+stack. ``release`` keeps a cached page out of the free stack when its refcount drops to 0, so its
+contents wait for the next request with the same prefix until the host evicts it.
+
 Invariants (checked by the property tests):
-  * page 0 is the null page: never handed out, never in the free stack;
-  * every other page is either on the free stack (``free_pages[:num_free]``) or referenced:
-    ``refcount[p]`` is the number of block-table entries holding p;
+  * page 0 is the null page: never handed out, never in the free stack, never cached;
+  * every other page is exactly one of: on the free stack (``free_pages[:num_free]``), referenced
+    (``refcount[p]`` is the number of block-table entries holding p), or cached and unreferenced;
   * sequence s holds ``ceil(seq_lens[s] / page_size)`` pages; the rest of its row is 0;
-  * a page held by several sequences is full for all of them, so it is never written again.
+  * a page held by several sequences, or cached, is full for all of them, so it is never written
+    again.
 """
 
 from __future__ import annotations
@@ -36,6 +46,7 @@ class PageTable:
       refcount: int32[num_pages], number of sequences holding each page.
       free_pages: int32[num_pages], a stack whose first ``num_free`` entries are the free pages.
       num_free: int32[], size of the free stack.
+      cached: bool[num_pages], pages kept for prefix caching (off the free stack while cached).
       page_size: tokens per page (static).
     """
 
@@ -44,6 +55,7 @@ class PageTable:
     refcount: jax.Array
     free_pages: jax.Array
     num_free: jax.Array
+    cached: jax.Array
     page_size: int = dataclasses.field(default=16, metadata=dict(static=True))
 
     @classmethod
@@ -63,6 +75,7 @@ class PageTable:
             refcount=jnp.zeros((num_pages,), jnp.int32),
             free_pages=jnp.asarray(free),
             num_free=jnp.asarray(num_pages - 1, jnp.int32),
+            cached=jnp.zeros((num_pages,), bool),
             page_size=int(page_size),
         )
 
@@ -120,7 +133,8 @@ class PageTable:
         return dataclasses.replace(table, block_tables=block_tables, seq_lens=seq_lens), ok
 
     def release(self, seq_ids: jax.Array, scrub=None):
-        """Frees sequences (their pages return to the free stack when no one else holds them).
+        """Frees sequences (their pages return to the free stack when no one else holds them and
+        they are not cached).
 
         Args:
           seq_ids: int32[N]; ids < 0 (padding), invalid ids and repeats are ignored.
@@ -142,7 +156,7 @@ class PageTable:
         index = jnp.arange(pages.shape[0], dtype=jnp.int32)
         first = jnp.full((self.num_pages,), pages.shape[0], jnp.int32).at[pages].min(index, mode="drop")
         pages_c = jnp.minimum(pages, self.num_pages - 1)
-        freed = (pages < self.num_pages) & (refcount[pages_c] == 0) & (first[pages_c] == index)
+        freed = (pages < self.num_pages) & (refcount[pages_c] == 0) & (first[pages_c] == index) & ~self.cached[pages_c]
         table = self._push(jnp.where(freed, pages, -1))
         rows = jnp.where(valid, row, self.max_seqs)
         table = dataclasses.replace(
@@ -206,6 +220,68 @@ class PageTable:
         copies = jnp.where((need > 0)[:, None], jnp.stack([last, new_page], axis=1), -1)
         return table, ok, copies
 
+    # -- prefix caching ---------------------------------------------------------------------
+
+    def mark_cached(self, pages: jax.Array) -> "PageTable":
+        """Flags pages as cached: when no sequence holds one any more it stays off the free stack,
+        its contents kept for ``attach``, until ``evict``. Mark only full pages whose K/V is
+        written (no sequence writes a full page again).
+
+        Args:
+          pages: int32[M]; entries outside ``[1, num_pages)`` (padding: -1) and pages no sequence
+            holds are ignored.
+        """
+        (pages,) = self._check_requests("mark_cached", pages)
+        ok = self._page_ids(pages) & (self.refcount[jnp.clip(pages, 0, self.num_pages - 1)] > 0)
+        cached = self.cached.at[jnp.where(ok, pages, self.num_pages)].set(True, mode="drop")
+        return dataclasses.replace(self, cached=cached)
+
+    def evict(self, pages: jax.Array) -> "PageTable":
+        """Returns cached pages that no sequence holds to the free stack (their contents are
+        dropped). ``pages``: int32[M]; other entries (padding -1, held or uncached pages, repeats)
+        are ignored."""
+        (pages,) = self._check_requests("evict", pages)
+        page_c = jnp.clip(pages, 0, self.num_pages - 1)
+        ok = self._page_ids(pages) & self.cached[page_c] & (self.refcount[page_c] == 0) & _first_occurrence(pages)
+        table = self._push(jnp.where(ok, pages, -1))
+        cached = table.cached.at[jnp.where(ok, pages, self.num_pages)].set(False, mode="drop")
+        return dataclasses.replace(table, cached=cached)
+
+    def attach(self, seq_ids: jax.Array, pages: jax.Array) -> tuple["PageTable", jax.Array]:
+        """Starts empty sequences on cached pages: sequence ``seq_ids[i]`` holds the nonzero
+        leading entries of ``pages[i]`` (refcount + 1 each) and has ``page_size`` tokens per page.
+
+        Args:
+          seq_ids: int32[N]; ids < 0 are padding.
+          pages: int32[N, max_pages_per_seq], page ids then zeros.
+
+        Returns:
+          (table, ok): ``ok[i]`` is False for padding, an invalid or repeated id, a sequence that
+          is not empty, or pages that are not all cached or not followed only by zeros; such rows
+          change nothing.
+        """
+        (seq_ids,) = self._check_requests("attach", seq_ids)
+        pages = jnp.asarray(pages)
+        if pages.shape != (seq_ids.shape[0], self.max_pages_per_seq) or not jnp.issubdtype(pages.dtype, jnp.integer):
+            raise ValueError(f"PageTable.attach: pages must be int[{seq_ids.shape[0]}, {self.max_pages_per_seq}] "
+                             f"(ids x max_pages_per_seq), got {pages.dtype}{list(pages.shape)}")
+        pages = pages.astype(jnp.int32)
+        valid = self._valid_ids(seq_ids)
+        row = jnp.where(valid, seq_ids, 0)
+        count = jnp.sum(pages != 0, axis=1, dtype=jnp.int32)
+        leading = jnp.arange(self.max_pages_per_seq)[None, :] < count[:, None]
+        page_c = jnp.clip(pages, 0, self.num_pages - 1)
+        proper = jnp.where(leading, self._page_ids(pages) & self.cached[page_c], pages == 0)
+        ok = valid & (self.seq_lens[row] == 0) & jnp.all(proper, axis=1)
+        refcount = self.refcount.at[jnp.where(ok[:, None] & leading, pages, self.num_pages)].add(1, mode="drop")
+        rows = jnp.where(ok, row, self.max_seqs)
+        return dataclasses.replace(
+            self,
+            refcount=refcount,
+            block_tables=self.block_tables.at[rows].set(pages, mode="drop"),
+            seq_lens=self.seq_lens.at[rows].set(count * self.page_size, mode="drop"),
+        ), ok
+
     # -- step inputs ------------------------------------------------------------------------
 
     def metadata(self, seq_ids: jax.Array, q_lens: jax.Array, max_q_len: int | None = None) -> AttentionMetadata:
@@ -266,11 +342,11 @@ class PageTable:
 
     def _valid_ids(self, ids: jax.Array) -> jax.Array:
         """In range and not a repeat of an earlier entry."""
-        in_range = (ids >= 0) & (ids < self.max_seqs)
-        # An N x N comparison rather than a sort: one small fusion on the GPU for step-sized N.
-        earlier = jnp.tril(jnp.ones((ids.shape[0], ids.shape[0]), bool), k=-1)
-        repeat = jnp.any(earlier & (ids[:, None] == ids[None, :]), axis=1)
-        return in_range & ~repeat
+        return (ids >= 0) & (ids < self.max_seqs) & _first_occurrence(ids)
+
+    def _page_ids(self, pages: jax.Array) -> jax.Array:
+        """Pages that may be handed out: in ``[1, num_pages)``."""
+        return (pages >= 1) & (pages < self.num_pages)
 
     def _step_rows(self, seq_ids: jax.Array, q_lens: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
         """(valid id, table row, q_lens >= 0) of each step row; every row keeps its tokens."""
@@ -294,6 +370,13 @@ class PageTable:
         pos = self.num_free + jnp.cumsum(push) - push
         free_pages = self.free_pages.at[jnp.where(push, pos, self.num_pages)].set(pages, mode="drop")
         return dataclasses.replace(self, free_pages=free_pages, num_free=self.num_free + jnp.sum(push, dtype=jnp.int32))
+
+
+def _first_occurrence(ids: jax.Array) -> jax.Array:
+    """bool[N]: entries that do not repeat an earlier one. An N x N comparison rather than a sort:
+    one small fusion on the GPU for step-sized N."""
+    earlier = jnp.tril(jnp.ones((ids.shape[0], ids.shape[0]), bool), k=-1)
+    return ~jnp.any(earlier & (ids[:, None] == ids[None, :]), axis=1)
 
 
 def _grant_in_order(need: jax.Array, num_free: jax.Array) -> jax.Array:

@@ -2,16 +2,21 @@
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import jaxattn
 from jaxattn import attention as attention_module
 from jaxattn.engine import Engine
 from jaxattn.models.llama import PRESETS, Llama, forward_paged
+from jaxattn.sampling import SamplingBatch, SamplingParams
 from tests.models.test_llama import dense_greedy
 from tests.paged_inputs import rel_error
 from tests.test_sharding import run_on_cpu_devices
@@ -29,11 +34,200 @@ def test_continuous_batching_matches_dense_greedy():
     assert [r.id for r in done] == [r.id for r in requests]
     for r in done:
         assert r.output == dense_greedy(model, r.prompt, r.max_new_tokens), r.id
-    # everything is released once the next step runs: the pool drains back to full
+    # everything is released once the next step runs: the pool drains back to free and cached pages
     engine.add_request([1, 2, 3], 1)
     engine.run()
     engine.step()
-    assert int(engine.table.num_free) == engine.table.num_pages - 1
+    check_drained(engine)
+
+
+def check_host_view(engine: Engine) -> None:
+    """Between steps: each running request's pages and length are the device table's, and the
+    cached pages are the host's (less those it marks in the next step)."""
+    tables, lens = np.asarray(engine.table.block_tables), np.asarray(engine.table.seq_lens)
+    for r in engine.running:
+        assert lens[r.slot] == r.computed and len(r.blocks) == -(-r.computed // engine.page_size)
+        known = np.asarray(r.blocks) > 0
+        np.testing.assert_array_equal(tables[r.slot, :len(r.blocks)][known], np.asarray(r.blocks)[known])
+    cached = set(np.nonzero(np.asarray(engine.table.cached))[0].tolist())
+    assert cached == set(engine.pool.key_of) - set(engine._to_mark)
+
+
+def check_drained(engine: Engine) -> None:
+    """After an idle step: no page is held, and the host's view of the pool is the device's."""
+    table = engine.table
+    cached = np.asarray(table.cached)
+    assert not np.asarray(table.refcount).any() and not np.asarray(table.seq_lens).any()
+    assert int(table.num_free) == engine.pool.free
+    assert set(np.nonzero(cached)[0].tolist()) == set(engine.pool.evictable) == set(engine.pool.key_of)
+    assert int(table.num_free) + int(cached.sum()) == table.num_pages - 1
+
+
+def _outputs(model: Llama, requests: list[tuple[np.ndarray, int, SamplingParams | None]], **engine_args) -> list:
+    engine = Engine(model, **{**dict(max_seqs=3, max_seq_len=48, page_size=8, chunk_size=16, backend="xla"),
+                              **engine_args})
+    handles = [engine.add_request(prompt, n, sampling=sampling) for prompt, n, sampling in requests]
+    engine.run()
+    return [r.output for r in handles]
+
+
+def test_top_k_1_and_a_tiny_temperature_are_greedy():
+    model = Llama(PRESETS["tiny"], nnx.Rngs(0))
+    rng = np.random.default_rng()
+    prompts = [rng.integers(0, 512, size=n) for n in (5, 20, 9)]
+    greedy = _outputs(model, [(p, 6, None) for p in prompts])
+    for sampling in (SamplingParams(temperature=1.5, top_k=1, seed=3), SamplingParams(temperature=1e-6, top_p=0.5)):
+        assert _outputs(model, [(p, 6, sampling) for p in prompts]) == greedy, sampling
+
+
+def test_a_seed_gives_the_same_tokens_whatever_else_is_in_the_batch():
+    model = Llama(PRESETS["tiny"], nnx.Rngs(0))
+    rng = np.random.default_rng()
+    prompt = rng.integers(0, 512, size=13)
+    sampling = SamplingParams(temperature=1.0, top_p=0.95, seed=1234)
+    alone = _outputs(model, [(prompt, 12, sampling)])[0]
+    others = [(rng.integers(0, 512, size=n), 7, s)
+              for n, s in ((30, SamplingParams(temperature=0.8, seed=5)), (4, None), (17, SamplingParams(temperature=2.0)))]
+    crowded = _outputs(model, others[:2] + [(prompt, 12, sampling)] + others[2:], max_seqs=2)
+    assert crowded[2] == alone
+    assert crowded[2] != _outputs(model, [(prompt, 12, None)])[0], "sampled like greedy: is sampling on?"
+
+
+def test_stop_token_ends_a_request_and_is_its_last_token():
+    model = Llama(PRESETS["tiny"], nnx.Rngs(0))
+    rng = np.random.default_rng()
+    prompts = [rng.integers(0, 512, size=n) for n in (5, 20, 9)]
+    greedy = _outputs(model, [(p, 8, None) for p in prompts])
+    stop = greedy[1][3]
+    engine = Engine(model, max_seqs=3, max_seq_len=48, page_size=8, chunk_size=16, backend="xla")
+    requests = [engine.add_request(p, 8, sampling=SamplingParams(stop_token_ids=(stop, 511))) for p in prompts]
+    engine.run()
+    for request, expected in zip(requests, greedy):
+        if stop in expected:
+            assert request.output == expected[:expected.index(stop) + 1] and request.finish_reason == "stop"
+        else:
+            assert request.output == expected and request.finish_reason == "length"
+    engine.step()
+    check_drained(engine)
+
+
+def test_stream_yields_each_token_as_it_comes():
+    model = Llama(PRESETS["tiny"], nnx.Rngs(0))
+    rng = np.random.default_rng()
+    engine = Engine(model, max_seqs=3, max_seq_len=48, page_size=8, chunk_size=16, backend="xla")
+    requests = [engine.add_request(rng.integers(0, 512, size=n), m) for n, m in ((5, 4), (33, 3), (1, 6))]
+    streamed: dict[int, list[int]] = {}
+    finished: set[int] = set()
+    for request, new_tokens in engine.stream():
+        assert request.id not in finished and len(new_tokens) == 1
+        if request.done:
+            finished.add(request.id)
+        streamed.setdefault(request.id, []).extend(new_tokens)
+        assert request.output == streamed[request.id], "streamed tokens are the output so far"
+        if len(requests) == 3:                   # a request added while streaming is served too
+            requests.append(engine.add_request([1, 2, 3], 2))
+    assert all(r.done for r in requests)
+    assert streamed == {r.id: r.output for r in requests}
+
+
+def _rounds(engine: Engine, rounds: list[list[tuple[np.ndarray, SamplingParams | None]]]) -> list[list[int]]:
+    """Serves each round's requests (6 new tokens each) to the end before the next round starts."""
+    outputs = []
+    for requests in rounds:
+        handles = [engine.add_request(prompt, 6, sampling=sampling) for prompt, sampling in requests]
+        engine.run()
+        outputs += [r.output for r in handles]
+    return outputs
+
+
+def _shared_prefix_rounds(rng: np.random.Generator) -> list[list[tuple[np.ndarray, SamplingParams | None]]]:
+    """Requests on a 20-token system prompt (2.5 pages of 8), in rounds; some sample, one prompt
+    (3 full pages) comes back whole in a later round, and a shorter one comes back as a prefix."""
+    system = rng.integers(0, 512, size=20)
+    rounds = [[(np.concatenate([system, rng.integers(0, 512, size=n)]), None if n % 2 else SamplingParams(
+        temperature=1.0, top_k=50, seed=int(n))) for n in sizes] for sizes in ((4, 11, 0, 7), (2, 9), (5, 12, 3))]
+    rounds[1].append(rounds[0][0])
+    rounds[2].append((rounds[0][1][0][:17], None))
+    return rounds
+
+
+def test_prefix_caching_gives_the_same_tokens():
+    """Rounds of requests sharing a system prompt, with prefix caching on and off: the same tokens.
+    With it on, prompt pages are reused (the prefill computes only the uncached tokens) and, as
+    the pool fills with cached pages, evicted; with it off, this pool preempts requests."""
+    model = Llama(PRESETS["tiny"], nnx.Rngs(0))
+    rounds = _shared_prefix_rounds(np.random.default_rng())
+    engines = {on: Engine(model, max_seqs=3, max_seq_len=48, page_size=8, chunk_size=16, backend="xla",
+                          num_pages=12, enable_prefix_caching=on) for on in (False, True)}
+    outputs = {on: _rounds(engine, rounds) for on, engine in engines.items()}
+    assert outputs[True] == outputs[False]
+    on, off = engines[True].stats, engines[False].stats
+    assert on["cached_tokens"] >= 7 * 16 and off["cached_tokens"] == 0
+    decodes = 5 * sum(len(r) for r in rounds)
+    assert on["computed_tokens"] == on["prompt_tokens"] + decodes - on["cached_tokens"]
+    assert on["evicted_pages"] > 0 and on["preemptions"] == 0 and off["preemptions"] > 0
+    for engine in engines.values():
+        engine.step()
+        check_drained(engine)
+
+
+@pytest.mark.parametrize("prefix_caching", [False, True])
+def test_a_pool_too_small_for_all_requests_preempts_and_recomputes(prefix_caching):
+    """A pool of 8 pages (one request of max_seq_len needs 6) serves requests that together need
+    many more: requests are preempted and recomputed, and every token equals a big pool's."""
+    model = Llama(PRESETS["tiny"], nnx.Rngs(0))
+    rng = np.random.default_rng()
+    requests = [(rng.integers(0, 512, size=n), m, None if n % 2 else SamplingParams(temperature=0.9, seed=n))
+                for n, m in ((20, 14), (33, 10), (5, 20), (17, 16), (26, 12))]
+    big = _outputs(model, requests, enable_prefix_caching=prefix_caching)
+    engine = Engine(model, max_seqs=3, max_seq_len=48, page_size=8, chunk_size=16, backend="xla", num_pages=8,
+                    enable_prefix_caching=prefix_caching)
+    handles = [engine.add_request(prompt, n, sampling=sampling) for prompt, n, sampling in requests]
+    engine.run()
+    assert [r.output for r in handles] == big
+    assert engine.stats["preemptions"] > 0
+    engine.step()
+    check_drained(engine)
+
+
+request_st = st.tuples(st.sampled_from([None, "a", "b"]), st.integers(1, 10), st.integers(1, 8), st.booleans())
+
+
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(request_st, min_size=2, max_size=7), st.integers(0, 2**32 - 1), st.integers(0, 6))
+def test_random_traces_on_a_small_pool_match_dense_greedy(requests, seed, wave):
+    """Random traces (shared prefixes of 16 and 11 tokens, a second wave arriving mid-run, stop
+    tokens) on a pool of 10 pages of 4 tokens with prefix caching: pages are cached, evicted and
+    requests preempted, and every request's tokens are the dense model's greedy tokens up to its
+    first stop token."""
+    model = _tiny_model()
+    rng = np.random.default_rng(seed)
+    prefixes = {None: np.zeros(0, np.int64), "a": rng.integers(0, 512, size=16), "b": rng.integers(0, 512, size=11)}
+    prompts = [np.concatenate([prefixes[p], rng.integers(0, 512, size=n)]) for p, n, _, _ in requests]
+    engine = Engine(model, max_seqs=3, max_seq_len=40, page_size=4, chunk_size=8, backend="xla", num_pages=11)
+    stop = (55, 189)             # tokens this model likes to repeat
+    params = [SamplingParams(stop_token_ids=stop if use_stop else ()) for *_, use_stop in requests]
+    half = len(prompts) // 2
+    handles = [engine.add_request(p, m, sampling=s) for p, (_, _, m, _), s in zip(prompts[:half], requests, params)]
+    for _ in range(wave):
+        engine.step()
+    handles += [engine.add_request(p, m, sampling=s)
+                for p, (_, _, m, _), s in zip(prompts[half:], requests[half:], params[half:])]
+    while engine.has_work:
+        engine.step()
+        check_host_view(engine)
+    for handle, prompt, (_, _, m, use_stop) in zip(handles, prompts, requests):
+        expected = dense_greedy(model, prompt, m)
+        if use_stop and set(stop) & set(expected):
+            expected = expected[:min(expected.index(t) for t in stop if t in expected) + 1]
+        assert handle.output == expected, (handle.id, dict(engine.stats))
+    engine.step()
+    check_drained(engine)
+
+
+@functools.cache
+def _tiny_model() -> Llama:
+    return Llama(PRESETS["tiny"], nnx.Rngs(0))
 
 
 def test_add_request_errors():
@@ -45,16 +239,18 @@ def test_add_request_errors():
 
 
 def test_step_has_no_loops():
-    """The engine step compiles to straight-line code: a while loop (e.g. jnp.searchsorted's
-    default method) would not be captured into GPU command buffers and would sync the host."""
+    """The engine step lowers to straight-line code for the GPU: a while loop (e.g.
+    jnp.searchsorted's default method) would not be captured into command buffers and would sync
+    the host. (The GPU lowering: on the CPU, jax.random's threefry is a rolled loop.)"""
     model = Llama(PRESETS["tiny"], nnx.Rngs(0))
     engine = Engine(model, max_seqs=4, max_seq_len=64, page_size=8, chunk_size=16, backend="xla")
+    sampling = SamplingBatch.from_params([SamplingParams(temperature=0.7, top_k=5, top_p=0.9)] * 4, [1, 2, 3, 4])
     for max_q_len, num_tokens in ((1, 4), (16, 20)):
-        hlo = engine._step.lower(
+        hlo = engine._step.trace(
             engine._weights, engine.caches, engine.table, jnp.full((4,), -1, jnp.int32),
             jnp.zeros((num_tokens,), jnp.int32), jnp.arange(4, dtype=jnp.int32), jnp.ones((4,), jnp.int32),
-            max_q_len=max_q_len, backend="xla").compile().as_text()
-        assert " while(" not in hlo and " sort(" not in hlo, max_q_len
+            sampling, max_q_len=max_q_len, backend="xla").lower(lowering_platforms=("cuda",)).as_text()
+        assert "stablehlo.while" not in hlo and "stablehlo.sort" not in hlo, max_q_len
 
 
 def _greedy_outputs(engine: Engine, prompts: list[np.ndarray], new_tokens: int) -> list[list[int]]:
@@ -118,6 +314,7 @@ import jax, jax.numpy as jnp, numpy as np
 from flax import nnx
 from jaxattn.engine import Engine
 from jaxattn.models.llama import PRESETS, Llama
+from jaxattn.sampling import SamplingParams
 
 tp = int(sys.argv[2]) if len(sys.argv) > 2 else 1
 mesh = jax.make_mesh((tp,), ("tp",), devices=jax.devices()[:tp]) if tp > 1 else None
@@ -125,17 +322,21 @@ cfg = PRESETS["small"].replace(vocab_size=1024, dim=512, num_layers=2, num_q_hea
                                hidden_dim=1024)
 engine = Engine(Llama(cfg, nnx.Rngs(0)), max_seqs=8, max_seq_len=256, page_size=64, chunk_size=64, mesh=mesh)
 for n in (40, 100, 7):
-    engine.add_request(np.arange(n) % 1000, 12)
+    engine.add_request(np.arange(n) % 1000, 12, sampling=SamplingParams(temperature=0.8, top_k=20, top_p=0.9)
+                       if n == 100 else None)
 engine.run()
+engine.add_request(np.arange(150) % 1000, 12)   # starts on the cached page of the 100-token prompt
+engine.run()
+assert engine.stats["cached_tokens"] == 64, engine.stats
 """
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("tp", [1, pytest.param(2, marks=pytest.mark.multigpu)])
 def test_gpu_decode_step_runs_in_command_buffers(tmp_path, tp):
-    """Every custom call of the jitted decode step (attention in every layer) runs inside an XLA
-    command buffer: none is left to run thunk by thunk; split over 2 GPUs too (the all-reduces
-    between the command buffers or inside them)."""
+    """Every custom call of the jitted decode step (attention in every layer, sampling, prefix
+    caching's page operations) runs inside an XLA command buffer: none is left to run thunk by
+    thunk; split over 2 GPUs too (the all-reduces between the command buffers or inside them)."""
     run_with_dump(_DECODE_STEP_SCRIPT, tmp_path, str(tp))
     steps = thunk_sequences(tmp_path, "jit_step")
     assert len(steps) == 2, list(steps)            # the decode-only and the mixed step

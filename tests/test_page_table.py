@@ -21,23 +21,30 @@ MAX_NEW = 6    # tokens per extend request
 
 
 def check_invariants(table: PageTable) -> None:
+    """Free, held and cached-unheld pages partition pages 1.., refcounts count block-table
+    entries, the null page is never handed out or cached, and a writable page is neither shared
+    nor cached."""
     tables = np.asarray(table.block_tables)
     lens = np.asarray(table.seq_lens)
     refcount = np.asarray(table.refcount)
+    cached = np.asarray(table.cached)
     num_free = int(table.num_free)
     free = np.asarray(table.free_pages)[:num_free]
     assert len(set(free.tolist())) == num_free, "free stack has duplicates"
-    assert 0 not in free and refcount[0] == 0, "the null page was handed out"
+    assert 0 not in free and refcount[0] == 0 and not cached[0], "the null page was handed out"
     counts = np.zeros(NUM_PAGES, np.int64)
     for s in range(MAX_SEQS):
         n = -(-lens[s] // PAGE)
         assert (tables[s, :n] > 0).all() and (tables[s, n:] == 0).all(), f"row {s} does not match its length"
         counts += np.bincount(tables[s, :n], minlength=NUM_PAGES)
         if lens[s] % PAGE:
-            assert refcount[tables[s, n - 1]] == 1, "a partial (writable) page is shared"
+            last = tables[s, n - 1]
+            assert refcount[last] == 1 and not cached[last], "a partial (writable) page is shared or cached"
     np.testing.assert_array_equal(counts, refcount)
     held = set(np.nonzero(refcount)[0].tolist())
-    assert held.isdisjoint(free.tolist()) and held | set(free.tolist()) == set(range(1, NUM_PAGES))
+    parked = set(np.nonzero(cached & (refcount == 0))[0].tolist())
+    assert not cached[free].any(), "a cached page is on the free stack"
+    assert held.isdisjoint(free.tolist()) and held | parked | set(free.tolist()) == set(range(1, NUM_PAGES))
 
 
 @functools.cache
@@ -121,6 +128,105 @@ def test_random_operations_keep_invariants_and_contents(ops):
         for s in range(MAX_SEQS):
             assert int(table.seq_lens[s]) == len(model[s]), (op, s)
             assert _read(table, cache, s) == model[s], (op, s)
+
+
+prefix_op_st = st.one_of(
+    st.tuples(st.just("extend"), ids_st, st.lists(st.integers(0, MAX_NEW), min_size=N, max_size=N)),
+    st.tuples(st.just("release"), ids_st),
+    st.tuples(st.just("mark"), st.integers(0, MAX_SEQS - 1)),
+    st.tuples(st.just("evict"), st.lists(st.integers(-1, NUM_PAGES), min_size=N, max_size=N)),
+    st.tuples(st.just("attach"), st.integers(-1, MAX_SEQS - 1), st.lists(st.integers(0, 30), max_size=MAX_PAGES)),
+)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(prefix_op_st, min_size=1, max_size=16))
+def test_prefix_caching_operations_keep_invariants_and_never_write_a_cached_page(ops):
+    """extend/release with mark_cached (a sequence's full pages), evict and attach (cached pages
+    chosen at random): the invariants hold, sequences read what was written or attached, a
+    cached page's contents never change, and only attach and release bring cached pages into or
+    out of use."""
+    extend, _, release = _jitted()
+    mark, evict, attach = jax.jit(PageTable.mark_cached), jax.jit(PageTable.evict), jax.jit(PageTable.attach)
+    table = PageTable.create(NUM_PAGES, MAX_SEQS, MAX_PAGES, PAGE)
+    cache = KVCache.create(NUM_PAGES, PAGE, 1, 1, dtype=jnp.float32, layout="NHD")
+    model: dict[int, list[float]] = {s: [] for s in range(MAX_SEQS)}
+    snapshot: dict[int, list[float]] = {}           # contents of each cached page when it was marked
+    next_tag = 1.0
+    for op in ops:
+        kind = op[0]
+        pool = np.asarray(cache.k_pages)[:, :, 0, 0]
+        if kind == "extend":
+            ids, deltas = np.asarray(op[1], np.int32), np.asarray(op[2], np.int32)
+            tags = (next_tag + np.arange(N * MAX_NEW, dtype=np.float32)).reshape(-1, 1, 1)
+            next_tag += N * MAX_NEW
+            table, cache, ok = extend(table, cache, jnp.asarray(ids), jnp.asarray(deltas), jnp.asarray(tags))
+            t = 0
+            for i, (s, d) in enumerate(zip(ids.tolist(), deltas.tolist())):
+                if ok[i]:
+                    model[s] += tags[t:t + d, 0, 0].tolist()
+                    t += d
+        elif kind == "release":
+            ids = np.asarray(op[1], np.int32)
+            table = release(table, jnp.asarray(ids))
+            for s in ids.tolist():
+                if 0 <= s < MAX_SEQS:
+                    model[s] = []
+        elif kind == "mark":
+            s = op[1]
+            full = np.asarray(table.block_tables)[s, :len(model[s]) // PAGE]
+            marks = np.full(MAX_PAGES, -1, np.int32)
+            marks[:full.size] = full
+            table = mark(table, jnp.asarray(marks))
+            for p in full.tolist():
+                snapshot.setdefault(p, pool[p].tolist())
+        elif kind == "evict":
+            pages = np.asarray(op[1], np.int32)
+            parked = np.asarray(table.cached) & (np.asarray(table.refcount) == 0)
+            num_free = int(table.num_free)
+            table = evict(table, jnp.asarray(pages))
+            gone = {p for p in pages.tolist() if 0 <= p < NUM_PAGES and parked[p]}
+            assert int(table.num_free) == num_free + len(gone)
+            for p in gone:
+                del snapshot[p]
+        else:
+            dst, picks = op[1], op[2]
+            cached_pages = np.nonzero(np.asarray(table.cached))[0]
+            chosen = [int(cached_pages[i % cached_pages.size]) for i in picks] if cached_pages.size else []
+            row = np.zeros((1, MAX_PAGES), np.int32)
+            row[0, :len(chosen)] = chosen
+            empty = dst >= 0 and not model[dst]
+            table, ok = attach(table, jnp.asarray([dst], jnp.int32), jnp.asarray(row))
+            assert bool(ok[0]) == empty, (op, chosen)
+            if empty:
+                model[dst] = [x for p in chosen for x in snapshot[p]]
+        check_invariants(table)
+        pool = np.asarray(cache.k_pages)[:, :, 0, 0]
+        cached = np.asarray(table.cached)
+        assert set(snapshot) == set(np.nonzero(cached)[0].tolist())
+        for p, contents in snapshot.items():
+            assert pool[p].tolist() == contents, f"cached page {p} was written"
+        for s in range(MAX_SEQS):
+            assert int(table.seq_lens[s]) == len(model[s]), (op, s)
+            assert _read(table, cache, s) == model[s], (op, s)
+
+
+def test_attach_shares_cached_pages_and_release_parks_them_until_evicted():
+    table = PageTable.create(8, 3, 3, 4)
+    table, _ = table.extend(jnp.asarray([0]), jnp.asarray([10]))        # pages 1, 2 full, 3 partial
+    table = table.mark_cached(jnp.asarray([1, 2, 3, -1]))             # 3 is marked too: the caller's promise
+    table, ok = table.attach(jnp.asarray([1, 0, -1]), jnp.asarray([[1, 2, 0], [1, 0, 0], [1, 0, 0]]))
+    np.testing.assert_array_equal(ok, [True, False, False])            # 0 is not empty, -1 is padding
+    np.testing.assert_array_equal(table.refcount[:4], [0, 2, 2, 1])
+    assert int(table.seq_lens[1]) == 8
+    _, ok = table.attach(jnp.asarray([2]), jnp.asarray([[4, 0, 0]]))   # page 4 is free, not cached
+    assert not bool(ok[0])
+    _, ok = table.attach(jnp.asarray([2]), jnp.asarray([[1, 0, 2]]))   # a gap
+    assert not bool(ok[0])
+    table = table.release(jnp.asarray([0, 1]))
+    assert int(table.num_free) == 4                                    # 4..7; 1, 2, 3 stay cached
+    table = table.evict(jnp.asarray([2, 2, 5, -1]))                   # 5 is free: ignored; 2 once
+    assert int(table.num_free) == 5 and np.asarray(table.cached).tolist()[:4] == [False, True, False, True]
 
 
 def test_extend_allocates_lowest_pages_first_and_rejects_what_does_not_fit():

@@ -22,7 +22,8 @@ README = pathlib.Path(__file__).resolve().parents[1] / "README.md"
 RUN_BY = {
     "def step(": "test_readme_step_out_of_pages",
     "pool_sharding(mesh": "test_readme_sharding_on_two_cpu_devices",
-    'PRESETS["tiny"]': "test_readme_engine",
+    "prompt_token_ids = [": "test_readme_engine",
+    "engine.stream()": "test_readme_sampling_and_streaming",
     'PRESETS["llama3-8b"]': "test_readme_model_on_a_mesh",
     "jaxattn.MLACache.create(": "test_readme_mla",
     "from_pretrained(path": "test_readme_hugging_face_checkpoint",
@@ -159,8 +160,16 @@ def test_readme_mla():
 
 def test_readme_engine():
     namespace: dict = {}
-    exec(snippet('PRESETS["tiny"]'), namespace)
+    exec(snippet("prompt_token_ids = ["), namespace)
     assert len(namespace["request"].output) == 32
+
+
+def test_readme_sampling_and_streaming(capsys):
+    namespace: dict = {}
+    exec(snippet("engine.stream()"), namespace)
+    lines = capsys.readouterr().out.splitlines()
+    assert {line.split()[0] for line in lines} == {"0", "1"}
+    assert not namespace["engine"].has_work
 
 
 def test_readme_hugging_face_checkpoint(tmp_path, capsys):

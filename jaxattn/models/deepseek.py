@@ -100,9 +100,13 @@ class DeepSeek(Llama):
         """``forward_paged(self, ...)``, the step the engine runs."""
         return forward_paged(self, tokens, caches, meta, slots, backend)
 
-    def init_caches(self, num_pages: int, page_size: int, layout: str = "HND", dtype=None) -> list[jaxattn.MLACache]:
+    def init_caches(self, num_pages: int, page_size: int, layout: str = "HND", dtype=None,
+                    mesh=None) -> list[jaxattn.MLACache]:
         """One zeroed latent pool per layer (``dtype`` defaults to the model's). ``layout`` is
-        accepted for the engine: with one latent "KV head", HND and NHD are the same pool."""
+        accepted for the engine: with one latent "KV head", HND and NHD are the same pool.
+        ``mesh`` must be None: MLA is not split over devices yet."""
+        if mesh is not None:
+            raise ValueError("DeepSeek.init_caches: mesh must be None (tensor parallelism of MLA is not supported yet)")
         if layout not in LAYOUTS:
             raise ValueError(f"DeepSeek.init_caches: layout must be one of {LAYOUTS}, got {layout!r}")
         cfg = self.cfg

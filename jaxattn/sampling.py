@@ -1,0 +1,159 @@
+"""Next-token sampling inside the jitted engine step: temperature, top-k, top-p, per-request seeds.
+
+Every parameter is a per-row array, so one compiled step serves any mix of greedy and sampled
+requests. Randomness comes from ``fold_in(key(seed), position)``: a request's tokens depend on its
+seed and its own tokens only, never on what else is in the batch (or on being preempted and
+recomputed). Top-k and top-p find their cut-off by a radix search over the bits of the values
+(eight passes of 16 candidate thresholds) rather than a sort over the vocabulary: straight-line
+code that GPU command buffers capture, with no O(V log V) sort per row. On the CPU, where that
+search costs more than the model for a large vocabulary, conditionals skip it (and the sampling
+altogether) when no row of the step needs it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxattn.checks import is_int, is_real
+
+# Temperatures below this are greedy (as vLLM's _SAMPLING_EPS).
+GREEDY_TEMPERATURE = 1e-5
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    """How a request picks its tokens (names as vLLM's ``SamplingParams``).
+
+    Attributes:
+      temperature: 0 (the default, unlike vLLM's 1.0) is greedy: the argmax of the logits.
+      top_k: keep the k most likely tokens (ties with the k-th are kept too); 0 or -1: all.
+      top_p: keep the smallest set of most likely tokens whose probability reaches top_p (after
+        top-k), in (0, 1]; 1: all.
+      seed: the request's random stream, an int in [0, 2**32); None: the engine draws one.
+      stop_token_ids: the request ends when it generates one of these; the stop token is the last
+        token of its output (as in vLLM's ``token_ids``).
+    """
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self):
+        if not is_real(self.temperature) or not self.temperature >= 0:
+            raise ValueError(f"SamplingParams: temperature must be a number >= 0, got {self.temperature!r}")
+        if not is_int(self.top_k) or self.top_k < -1:
+            raise ValueError(f"SamplingParams: top_k must be an int >= -1 (0 or -1: all tokens), got {self.top_k!r}")
+        if not is_real(self.top_p) or not 0 < self.top_p <= 1:
+            raise ValueError(f"SamplingParams: top_p must be a number in (0, 1], got {self.top_p!r}")
+        if self.seed is not None and not (is_int(self.seed) and 0 <= self.seed < 2**32):
+            raise ValueError(f"SamplingParams: seed must be None or an int in [0, 2**32), got {self.seed!r}")
+        stop = tuple(self.stop_token_ids)
+        if not all(is_int(t) and t >= 0 for t in stop):
+            raise ValueError(f"SamplingParams: stop_token_ids must be ints >= 0, got {self.stop_token_ids!r}")
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in stop))
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < GREEDY_TEMPERATURE
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class SamplingBatch:
+    """Per-row sampling parameters of one step (B rows), as device arrays.
+
+    Attributes:
+      temperature: float32[B]; below ``GREEDY_TEMPERATURE``: greedy.
+      top_k: int32[B]; <= 0: all tokens.
+      top_p: float32[B].
+      seed: uint32[B].
+    """
+
+    temperature: jax.Array
+    top_k: jax.Array
+    top_p: jax.Array
+    seed: jax.Array
+
+    @classmethod
+    def from_params(cls, params: list[SamplingParams | None], seeds: list[int]) -> "SamplingBatch":
+        """Host arrays for rows with ``params`` (None: a padding row, greedy) and resolved ``seeds``."""
+        rows = [p or SamplingParams() for p in params]
+        return cls(temperature=np.asarray([p.temperature for p in rows], np.float32),
+                   top_k=np.asarray([p.top_k for p in rows], np.int32),
+                   top_p=np.asarray([p.top_p for p in rows], np.float32),
+                   seed=np.asarray(seeds, np.uint32))
+
+
+def sample(logits: jax.Array, params: SamplingBatch, positions: jax.Array) -> jax.Array:
+    """int32[B]: the next token of each row.
+
+    Args:
+      logits: [B, V] (any float dtype; computed in float32).
+      params: the rows' sampling parameters.
+      positions: int32[B], the position the sampled token takes in its sequence: with the seed,
+        it picks the row's random numbers.
+    """
+    logits = logits.astype(jnp.float32)
+    greedy = params.temperature < GREEDY_TEMPERATURE
+    greedy_tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    sampled = _unless(jnp.all(greedy), lambda: _sample(logits, params, positions), lambda: greedy_tokens)
+    return jnp.where(greedy, greedy_tokens, sampled)
+
+
+def _sample(logits: jax.Array, params: SamplingBatch, positions: jax.Array) -> jax.Array:
+    vocab = logits.shape[-1]
+    scaled = logits / jnp.maximum(params.temperature, GREEDY_TEMPERATURE)[:, None]
+
+    def top_k(scaled):
+        k = jnp.where(params.top_k > 0, jnp.minimum(params.top_k, vocab), vocab)
+        keys = _sortable(scaled)
+        return jnp.where(keys >= _threshold(keys, jnp.ones_like(scaled), k.astype(jnp.float32))[:, None],
+                         scaled, -jnp.inf)
+
+    def top_p(scaled):
+        probs = jax.nn.softmax(scaled, axis=-1)
+        keys = _sortable(probs)
+        cut = _threshold(keys, probs, params.top_p * jnp.sum(probs, axis=-1))
+        return jnp.where((keys >= cut[:, None]) | (params.top_p[:, None] >= 1.0), scaled, -jnp.inf)
+
+    scaled = _unless(jnp.all((params.top_k <= 0) | (params.top_k >= vocab)), lambda: top_k(scaled), lambda: scaled)
+    scaled = _unless(jnp.all(params.top_p >= 1.0), lambda: top_p(scaled), lambda: scaled)
+
+    def gumbel(seed, position):
+        return jax.random.gumbel(jax.random.fold_in(jax.random.key(seed), position), (vocab,), jnp.float32)
+
+    noise = jax.vmap(gumbel)(params.seed, positions)
+    return jnp.argmax(scaled + noise, axis=-1).astype(jnp.int32)
+
+
+def _unless(skip: jax.Array, compute, skipped):
+    """``compute()``, which equals ``skipped()`` when ``skip`` holds. On the CPU a conditional skips
+    the work; elsewhere it always runs, as straight-line code that GPU command buffers capture."""
+    return jax.lax.platform_dependent(cpu=lambda: jax.lax.cond(skip, skipped, compute), default=compute)
+
+
+def _sortable(x: jax.Array) -> jax.Array:
+    """uint32 keys of float32 ``x`` in the same order as the values (-inf lowest)."""
+    bits = jax.lax.bitcast_convert_type(x, jnp.uint32)
+    return jnp.where(bits >> 31 == 1, ~bits, bits | jnp.uint32(0x80000000))
+
+
+def _threshold(keys: jax.Array, weights: jax.Array, target: jax.Array) -> jax.Array:
+    """uint32[B]: per row, the largest t with ``sum(weights[keys >= t]) >= target`` (t = 0 when
+    no t > 0 qualifies), found 4 bits at a time from the top: 8 passes over [B, V], each summing
+    the weights above 16 candidate thresholds."""
+    digits = jnp.arange(16, dtype=jnp.uint32)
+    prefix = jnp.zeros(keys.shape[:1], jnp.uint32)
+    for shift in range(28, -1, -4):
+        candidates = prefix[:, None] + (digits << shift)[None, :]                       # [B, 16]
+        above = keys[:, None, :] >= candidates[:, :, None]                             # [B, 16, V]
+        mass = jnp.sum(jnp.where(above, weights[:, None, :], 0.0), axis=2)             # [B, 16]: row reductions
+        best = jnp.max(jnp.where(mass >= target[:, None], digits[None, :], 0), axis=1)
+        prefix = prefix + (best << shift)
+    return prefix

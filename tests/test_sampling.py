@@ -1,0 +1,101 @@
+"""Sampling: top-k / top-p never emit an excluded token (property test against a sort-based
+reference), sampled frequencies follow the softmax, greedy rows take the argmax, and bad
+parameters are named."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from jaxattn.sampling import SamplingBatch, SamplingParams, _sortable, _threshold, sample
+
+B, V = 4, 12
+
+
+@functools.cache
+def _sample():
+    return jax.jit(sample)
+
+
+def _allowed(logits: np.ndarray, temperature: float, top_k: int, top_p: float) -> np.ndarray:
+    """bool[V]: the tokens a row may emit, from sorting (ties with the cut-off are allowed)."""
+    scaled = logits.astype(np.float64) / temperature
+    order = np.sort(scaled)[::-1]
+    keep = scaled >= (order[top_k - 1] if 0 < top_k < V else -np.inf)
+    probs = np.where(keep, np.exp(scaled - scaled.max()), 0.0)
+    probs /= probs.sum()
+    desc = np.sort(probs)[::-1]
+    before = np.cumsum(desc) - desc                      # mass of the strictly more likely tokens
+    cut = desc[before < top_p - 1e-6].min() if top_p < 1 else 0.0
+    # float32 rounding may shift the cut by a hair: allow tokens within 1e-5 of it
+    return keep & (probs >= cut * (1 - 1e-5))
+
+
+row_st = st.tuples(st.lists(st.floats(-5, 5, width=32), min_size=V, max_size=V),
+                   st.sampled_from([0.5, 1.0, 2.0]), st.integers(-1, V + 2), st.sampled_from([0.1, 0.5, 0.9, 1.0]),
+                   st.integers(0, 2**32 - 1), st.integers(0, 1000))
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(row_st, min_size=B, max_size=B))
+def test_top_k_and_top_p_never_emit_excluded_tokens(rows):
+    logits = np.asarray([r[0] for r in rows], np.float32)
+    params = SamplingBatch(temperature=np.asarray([r[1] for r in rows], np.float32),
+                           top_k=np.asarray([r[2] for r in rows], np.int32),
+                           top_p=np.asarray([r[3] for r in rows], np.float32),
+                           seed=np.asarray([r[4] for r in rows], np.uint32))
+    tokens = np.asarray(_sample()(jnp.asarray(logits), params, jnp.asarray([r[5] for r in rows], jnp.int32)))
+    for i, (_, temperature, top_k, top_p, _, _) in enumerate(rows):
+        assert _allowed(logits[i], temperature, top_k, top_p)[tokens[i]], (i, rows[i], tokens[i])
+
+
+def test_threshold_finds_the_kth_largest_value():
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(3, 50)).astype(np.float32) * 10
+    x[1, :5] = -np.inf
+    for k in (1, 7, 45, 50):
+        thr = _threshold(_sortable(jnp.asarray(x)), jnp.ones_like(x), jnp.full((3,), float(k)))
+        expected = _sortable(jnp.asarray(np.sort(x, axis=1)[:, ::-1][:, k - 1]))
+        np.testing.assert_array_equal(thr, expected)
+
+
+def test_frequencies_follow_the_softmax():
+    """Many rows with the same logits and different seeds: the tokens' frequencies match the
+    temperature-scaled softmax restricted to the top-k tokens."""
+    n = 4000
+    logits = np.log(np.asarray([0.05, 0.4, 0.1, 0.3, 0.15], np.float32))
+    params = SamplingBatch(temperature=np.full(n, 1.0, np.float32), top_k=np.full(n, 4, np.int32),
+                           top_p=np.ones(n, np.float32), seed=np.arange(n, dtype=np.uint32))
+    tokens = np.asarray(sample(jnp.tile(logits, (n, 1)), params, jnp.zeros(n, jnp.int32)))
+    freq = np.bincount(tokens, minlength=5) / n
+    expected = np.asarray([0.0, 0.4, 0.1, 0.3, 0.15]) / 0.95
+    np.testing.assert_allclose(freq, expected, atol=0.03)
+
+
+def test_greedy_rows_and_the_same_seed_and_position_repeat():
+    rng = np.random.default_rng(1)
+    logits = rng.normal(size=(B, 100)).astype(np.float32)
+    logits[3] = logits[2]
+    logits = jnp.asarray(logits)
+    params = SamplingBatch(temperature=np.asarray([0.0, 1e-6, 1.0, 1.0], np.float32), top_k=np.zeros(B, np.int32),
+                           top_p=np.ones(B, np.float32), seed=np.asarray([0, 0, 7, 7], np.uint32))
+    positions = jnp.asarray([3, 3, 5, 5], jnp.int32)
+    tokens = np.asarray(sample(logits, params, positions))
+    np.testing.assert_array_equal(tokens[:2], np.argmax(logits[:2], axis=-1))
+    assert tokens[2] == tokens[3]
+    top_k1 = SamplingBatch(params.temperature, np.ones(B, np.int32), params.top_p, params.seed)
+    np.testing.assert_array_equal(sample(logits, top_k1, positions), np.argmax(logits, axis=-1))
+
+
+@pytest.mark.parametrize("field, value", [("temperature", -1.0), ("top_k", -2), ("top_k", 1.5), ("top_p", 0.0),
+                                          ("top_p", 1.5), ("seed", -1), ("seed", 2**32),
+                                          ("stop_token_ids", (1, -3))])
+def test_bad_parameters_are_named(field, value):
+    with pytest.raises(ValueError, match=f"SamplingParams: {field} must be"):
+        SamplingParams(**{field: value})
