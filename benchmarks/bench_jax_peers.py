@@ -3,7 +3,7 @@ user would pick instead, on the same data, in the same run.
 
     python -m benchmarks.bench_jax_peers [--quick] [--budget-s 420] [--rounds 3]
 
-Peers, installed on the device as wheels with ``--no-deps`` (``.whl_peers/``, see RESULTS.md):
+Peers, installed on the device as wheels with ``--no-deps`` (``scripts/fetch_peer_wheels.sh`` fetches them):
   * flash-attn3-jax 0.2.3 ``flash_mha_with_kvcache`` (FlashAttention-3 through XLA FFI, SM90): NHD
     pages, one query length for the whole batch (decode, speculative decode, prefill; a mixed
     batch is not expressible); its ``num_splits`` is a static argument with no heuristic (default
@@ -36,6 +36,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import faulthandler
 import math
 import os
 import statistics
@@ -175,8 +176,11 @@ def short(err: BaseException) -> str:
     return text[:160] + ("..." if len(text) > 160 else "")
 
 
-def bench_workload(w: Workload, rounds: int, copy_rate: float, peers: dict[str, Callable[[Problem], Call]]) -> list[dict]:
-    """The workload's rows, each printed (to stderr) as soon as it is measured."""
+def bench_workload(w: Workload, rounds: int, copy_rate: float, peers: dict[str, Callable[[Problem], Call]],
+                   peer_timeout_s: float) -> list[dict]:
+    """The workload's rows, each printed (to stderr) as soon as it is measured. A peer that takes
+    longer than ``peer_timeout_s`` ends the run with every thread's traceback (a hung kernel
+    cannot be interrupted from Python); leave it out with ``--skip-peers``."""
     qs, cache, meta = make_inputs(w, 1)
     p = Problem(w, qs[0], cache, meta)
     rows = []
@@ -191,6 +195,7 @@ def bench_workload(w: Workload, rounds: int, copy_rate: float, peers: dict[str, 
     print(f"{w.name} | jaxattn auto | {base:.3f} ms | {check}", file=sys.stderr, flush=True)
     for name, make in peers.items():
         print(f"{w.name} | {name} ...", file=sys.stderr, flush=True)
+        faulthandler.dump_traceback_later(peer_timeout_s, exit=True)
         try:
             call = make(p)
             out = call()
@@ -200,6 +205,7 @@ def bench_workload(w: Workload, rounds: int, copy_rate: float, peers: dict[str, 
             rows.append(dict(workload=w.name, peer=name, ms=None, err=short(err)))
             traceback.print_exc(file=sys.stderr)
         finally:
+            faulthandler.cancel_dump_traceback_later()
             jax.clear_caches()
     for row in rows:
         row["tb_s"] = w.kv_bytes / (row["ms"] * 1e-3) / 1e12 if row["ms"] else None
@@ -226,9 +232,13 @@ def main() -> None:
     parser.add_argument("--budget-s", type=float, default=420.0, help="start no new workload after this")
     parser.add_argument("--rounds", type=int, default=3, help="timing rounds (10 calls each) per row")
     parser.add_argument("--peers", default="", help="comma-separated substrings: only the peers whose name has one")
+    parser.add_argument("--skip-peers", default="", help="comma-separated substrings: leave out the peers whose name has one")
+    parser.add_argument("--peer-timeout-s", type=float, default=150.0,
+                        help="end the run (with tracebacks) when one peer's row takes longer")
     args = parser.parse_args()
-    wanted = [x for x in args.peers.split(",") if x]
-    peers = {name: make for name, make in PEERS.items() if not wanted or any(x in name for x in wanted)}
+    wanted, unwanted = ([x for x in text.split(",") if x] for text in (args.peers, args.skip_peers))
+    peers = {name: make for name, make in PEERS.items()
+             if (not wanted or any(x in name for x in wanted)) and not any(x in name for x in unwanted)}
     start = time.perf_counter()
     copy_rate = copy_bandwidth()
     print(f"device copy rate {copy_rate / 1e12:.2f} TB/s", flush=True)
@@ -237,7 +247,7 @@ def main() -> None:
         if time.perf_counter() - start > args.budget_s:
             skipped.append(w.name)
             continue
-        rows += bench_workload(w, args.rounds, copy_rate, peers)
+        rows += bench_workload(w, args.rounds, copy_rate, peers, args.peer_timeout_s)
         print(table([r for r in rows if r["workload"] == w.name]), flush=True)
     command = "python -m benchmarks.bench_jax_peers " + " ".join(sys.argv[1:])
     text = (f"Device: {device_name()}; jax {jax.__version__}; {datetime.date.today()}; `{command.strip()}`; "
