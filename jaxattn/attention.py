@@ -15,7 +15,7 @@ from jaxattn.backends import AttentionParams
 from jaxattn.backends.base import NO_GPU, gpu_devices
 from jaxattn.backends.trtllm import MAX_SPEC_Q_LEN, SPEC_TILE_ROWS
 from jaxattn.checks import is_int, is_real
-from jaxattn.kv_cache import KVCache
+from jaxattn.kv_cache import KVCache, MLACache
 from jaxattn.metadata import AttentionMetadata
 from jaxattn.sharding import shard_by_heads
 
@@ -70,12 +70,12 @@ def paged_attention(
     return (out, valid) if return_status else out
 
 
-def sanitize(q: jax.Array, cache: KVCache, meta: AttentionMetadata) -> tuple[AttentionMetadata, jax.Array]:
+def sanitize(q: jax.Array, cache: KVCache | MLACache, meta: AttentionMetadata) -> tuple[AttentionMetadata, jax.Array]:
     """``meta.sanitize`` for this call, with every sequence emptied when an FP8 cache's scales
     are not positive and finite (traced scales cannot be checked at trace time)."""
     meta, valid = meta.sanitize(q.shape[0], cache.num_pages, cache.page_size)
     if cache.is_fp8:
-        scales = jnp.stack([cache.k_scale, cache.v_scale]).astype(jnp.float32)
+        scales = jnp.stack(cache.scales).astype(jnp.float32)
         valid &= jnp.all(jnp.isfinite(scales) & (scales > 0))
         meta = dataclasses.replace(meta, kv_lens=jnp.where(valid, meta.kv_lens, 0))
     return meta, valid

@@ -19,7 +19,6 @@ LAYOUTS: tuple[str, ...] = ("HND", "NHD")
 FP8_DTYPE = jnp.float8_e4m3fn
 _FP8_MAX = float(jnp.finfo(FP8_DTYPE).max)
 CACHE_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16, FP8_DTYPE)
-MLA_CACHE_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 
 
 def is_fp8(dtype) -> bool:
@@ -133,6 +132,11 @@ class KVCache:
     def is_fp8(self) -> bool:
         return is_fp8(self.dtype)
 
+    @property
+    def scales(self) -> tuple[jax.Array, ...]:
+        """The FP8 scales (k_scale, v_scale); empty for other dtypes."""
+        return () if self.k_scale is None else (self.k_scale, self.v_scale)
+
     def write(self, k: jax.Array, v: jax.Array, slot_mapping: jax.Array) -> "KVCache":
         """Scatters tokens ``k, v: [T, Hkv, D]`` to ``slot = page * page_size + offset``.
 
@@ -144,8 +148,8 @@ class KVCache:
         page, offset = _slots("KVCache.write", slot_mapping, t, self.num_pages, self.page_size)
         return dataclasses.replace(
             self,
-            k_pages=self._scatter(self.k_pages, page, offset, self._quantize(k, self.k_scale)),
-            v_pages=self._scatter(self.v_pages, page, offset, self._quantize(v, self.v_scale)),
+            k_pages=self._scatter(self.k_pages, page, offset, _quantize(k, self.dtype, self.k_scale)),
+            v_pages=self._scatter(self.v_pages, page, offset, _quantize(v, self.dtype, self.v_scale)),
         )
 
     def copy_pages(self, copies: jax.Array) -> "KVCache":
@@ -176,12 +180,6 @@ class KVCache:
             return pages.at[page, offset].set(values, mode="drop")
         return pages.at[page, :, offset].set(values, mode="drop")
 
-    def _quantize(self, x: jax.Array, scale: jax.Array | None) -> jax.Array:
-        if not self.is_fp8:
-            return x.astype(self.dtype)
-        # e4m3fn has no infinity: saturate instead of producing NaN.
-        x = jnp.clip(x.astype(jnp.float32) / scale, -_FP8_MAX, _FP8_MAX)
-        return x.astype(self.dtype)
 
 
 @jax.tree_util.register_dataclass
@@ -195,10 +193,12 @@ class MLACache:
 
     Attributes:
       pages: ``[num_pages, page_size, kv_lora_rank + rope_dim]``.
+      scale: float32 scalar for FP8 pages (stored value = value / scale), else None.
       kv_lora_rank: width of the ``c_kv`` part (static); the remaining ``rope_dim`` values are ``k_rope``.
     """
 
     pages: jax.Array
+    scale: jax.Array | None = None
     kv_lora_rank: int = dataclasses.field(default=512, metadata=dict(static=True))
 
     def __post_init__(self):
@@ -209,21 +209,33 @@ class MLACache:
         if self.pages.ndim != 3 or self.pages.shape[2] <= self.kv_lora_rank:
             raise ValueError(f"MLACache: pages must be [num_pages, page_size, kv_lora_rank + rope_dim] with "
                              f"rope_dim >= 1 (kv_lora_rank={self.kv_lora_rank}), got {list(self.pages.shape)}")
-        if not any(self.pages.dtype == jnp.dtype(d) for d in MLA_CACHE_DTYPES):
+        if not any(self.pages.dtype == jnp.dtype(d) for d in CACHE_DTYPES):
             raise ValueError(f"MLACache: page dtype must be one of "
-                             f"{[jnp.dtype(d).name for d in MLA_CACHE_DTYPES]}, got {self.pages.dtype}")
+                             f"{[jnp.dtype(d).name for d in CACHE_DTYPES]}, got {self.pages.dtype}")
+        if self.is_fp8 != (self.scale is not None):
+            raise ValueError(f"MLACache: FP8 pages need a scale (float32 scalar) and other dtypes take none, "
+                             f"got dtype {self.pages.dtype} and scale {self.scale!r}")
+        if self.scale is not None:
+            _checked_scale("MLACache", "scale", self.scale)
 
     @classmethod
     def create(cls, num_pages: int, page_size: int, kv_lora_rank: int = 512, rope_dim: int = 64,
-               dtype=jnp.bfloat16) -> "MLACache":
-        """A zeroed pool of ``num_pages`` pages (page 0 is the null page)."""
+               dtype=jnp.bfloat16, scale: float | None = None) -> "MLACache":
+        """A zeroed pool of ``num_pages`` pages (page 0 is the null page). FP8 pools get a scale
+        (default 1.0, positive and finite); other dtypes take none."""
         for name, value in (("num_pages", num_pages), ("page_size", page_size),
                             ("kv_lora_rank", kv_lora_rank), ("rope_dim", rope_dim)):
             if not is_positive_int(value):
                 raise ValueError(f"MLACache.create: {name} must be a positive int, got {value!r}")
         if num_pages < 2:
             raise ValueError(f"MLACache.create: num_pages must be >= 2 (page 0 is the null page), got {num_pages}")
-        return cls(jnp.zeros((num_pages, page_size, kv_lora_rank + rope_dim), dtype), kv_lora_rank)
+        if is_fp8(dtype):
+            scale = jnp.asarray(1.0 if scale is None else _checked_scale("MLACache.create", "scale", scale),
+                                jnp.float32)
+        elif scale is not None:
+            raise ValueError(f"MLACache.create: scale is only for {jnp.dtype(FP8_DTYPE).name} pages, "
+                             f"got dtype={jnp.dtype(dtype).name}")
+        return cls(jnp.zeros((num_pages, page_size, kv_lora_rank + rope_dim), dtype), scale, kv_lora_rank)
 
     @property
     def num_pages(self) -> int:
@@ -246,6 +258,15 @@ class MLACache:
     def dtype(self) -> jnp.dtype:
         return self.pages.dtype
 
+    @property
+    def is_fp8(self) -> bool:
+        return is_fp8(self.dtype)
+
+    @property
+    def scales(self) -> tuple[jax.Array, ...]:
+        """The FP8 scale, as ``(scale,)``; empty for other dtypes."""
+        return () if self.scale is None else (self.scale,)
+
     def write(self, latents: jax.Array, slot_mapping: jax.Array) -> "MLACache":
         """Scatters ``latents: [T, kv_lora_rank + rope_dim]`` (``c_kv`` then ``k_rope``) to
         ``slot = page * page_size + offset``; slots are skipped as in ``KVCache.write``."""
@@ -253,7 +274,8 @@ class MLACache:
             raise ValueError(f"MLACache.write: latents must be [T, {self.head_dim}] (kv_lora_rank + rope_dim), "
                              f"got {list(getattr(latents, 'shape', []))}")
         page, offset = _slots("MLACache.write", slot_mapping, latents.shape[0], self.num_pages, self.page_size)
-        return dataclasses.replace(self, pages=self.pages.at[page, offset].set(latents.astype(self.dtype), mode="drop"))
+        values = _quantize(latents, self.dtype, self.scale)
+        return dataclasses.replace(self, pages=self.pages.at[page, offset].set(values, mode="drop"))
 
     def copy_pages(self, copies: jax.Array) -> "MLACache":
         """Copies whole pages, as ``KVCache.copy_pages``."""
@@ -264,6 +286,14 @@ class MLACache:
         """Zeroes the listed pages, as ``KVCache.zero_pages``."""
         pages = _zeroed_pages("MLACache.zero_pages", pages, self.num_pages)
         return dataclasses.replace(self, pages=self.pages.at[pages].set(0, mode="drop"))
+
+
+def _quantize(x: jax.Array, dtype, scale: jax.Array | None) -> jax.Array:
+    """``x`` as stored in pages of ``dtype``: divided by the scale for FP8 pages."""
+    if not is_fp8(dtype):
+        return x.astype(dtype)
+    # e4m3fn has no infinity: saturate instead of producing NaN.
+    return jnp.clip(x.astype(jnp.float32) / scale, -_FP8_MAX, _FP8_MAX).astype(dtype)
 
 
 def _slots(where: str, slot_mapping, num_tokens: int, num_pages: int, page_size: int) -> tuple[jax.Array, jax.Array]:

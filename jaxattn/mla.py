@@ -15,7 +15,8 @@ head h's key and value are ``[c_kv W_UK[:, h], k_rope]`` and ``c_kv W_UV[:, h]``
 
 Both follow ``paged_attention``'s contract: packed ragged queries, bottom-right causal masks, the
 step's latents already written to the pool, the same ``AttentionMetadata`` and bad-data rules
-(broken sequences get zero rows and ``valid=False``), zero rows for padding.
+(broken sequences get zero rows and ``valid=False``; every sequence, when an FP8 pool's scale is
+not positive and finite), zero rows for padding.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxattn import backends
-from jaxattn.attention import check_metadata, log_once
+from jaxattn.attention import check_metadata, log_once, sanitize
 from jaxattn.backends import AttentionParams
 from jaxattn.checks import is_real
 from jaxattn.kv_cache import MLACache
@@ -74,7 +75,7 @@ def mla_paged_attention(
     name = _choose(where, backend, MLA_BACKENDS,
                    lambda n: backends.get(n).mla_check_supported(q_latent, q_rope, cache, meta, params),
                    prefer_triton=meta.max_q_len is not None and meta.max_q_len <= MAX_DECODE_Q_LEN)
-    meta, valid = meta.sanitize(q_latent.shape[0], cache.num_pages, cache.page_size)
+    meta, valid = sanitize(q_latent, cache, meta)
     out = backends.get(name).mla_attention(q_latent, q_rope, cache, meta, params)
     return (out, valid) if return_status else out
 
@@ -118,7 +119,7 @@ def mla_prefill(
         if w.dtype != q_nope.dtype:
             raise ValueError(f"{where}: {name}.dtype must be {q_nope.dtype} (like q_nope), got {w.dtype}")
     name = _choose(where, backend, PREFILL_BACKENDS, lambda n: None, prefer_triton=False)
-    meta, valid = meta.sanitize(q_nope.shape[0], cache.num_pages, cache.page_size)
+    meta, valid = sanitize(q_nope, cache, meta)
     out = backends.get(name).mla_prefill(q_nope, q_rope, cache, meta, w_uk, w_uv, params)
     return (out, valid) if return_status else out
 
@@ -154,8 +155,9 @@ def _check_common(where: str, queries: tuple[tuple[str, jax.Array, str | None], 
         if last is not None and x.shape[2] != getattr(cache, last):
             raise ValueError(f"{where}: {name} must have the cache's {last}={getattr(cache, last)} values per "
                              f"head, got {x.shape[2]}")
-        if x.dtype != cache.dtype:
-            raise ValueError(f"{where}: {name}.dtype must be the cache's {cache.dtype}, got {x.dtype}")
+        if x.dtype != first.dtype or not (cache.is_fp8 or x.dtype == cache.dtype):
+            raise ValueError(f"{where}: {name}.dtype must be the cache's {cache.dtype} (or any query dtype "
+                             f"over FP8 pages) and {first_name}'s, got {x.dtype}")
     check_metadata(where, meta)
     if not (is_real(scale) and math.isfinite(scale) and scale > 0):
         raise ValueError(f"{where}: scale must be a positive finite float, got {scale!r}")

@@ -64,17 +64,22 @@ class MLAProblem:
 
 
 def make_mla_problem(rng: np.random.Generator, *, q_lens, kv_lens, num_q_heads, kv_lora_rank, rope_dim, nope_dim,
-                     v_dim, page_size, dtype=jnp.float32, pages_per_seq=None, pad_seqs=1, pad_tokens=2,
+                     v_dim, page_size, dtype=jnp.float32, kv_dtype=None, pages_per_seq=None, pad_seqs=1, pad_tokens=2,
                      extra_pages=3, max_q_len=None) -> MLAProblem:
     """Sequences in the given order; pages are a random permutation of the pool, and every page no
-    sequence owns (page 0 included) holds NaN."""
+    sequence owns (page 0 included) holds NaN. ``kv_dtype`` (default ``dtype``) float8_e4m3fn
+    stores the latents divided by a scale of 0.5."""
     tables, need, num_pages = random_tables(rng, kv_lens, page_size, pages_per_seq, extra_pages, pad_seqs)
     width = kv_lora_rank + rope_dim
-    pool = np.asarray(jnp.asarray(rng.normal(size=(num_pages, page_size, width)), dtype).astype(jnp.float32),
-                      np.float64)
+    kv_dtype = dtype if kv_dtype is None else kv_dtype
+    scale = 0.5 if jnp.dtype(kv_dtype) == jnp.float8_e4m3fn else None
+    stored = jnp.asarray(rng.normal(size=(num_pages, page_size, width)) * 3 / (scale or 1.0), kv_dtype)
+    pool = np.asarray(stored.astype(jnp.float32), np.float64)
     owned = np.zeros(num_pages, bool)
     owned[tables[tables > 0]] = True
     pool[~owned] = np.nan
+    stored = jnp.asarray(pool, kv_dtype)
+    pool *= scale or 1.0
     latents = [pool[tables[b, :need[b]]].reshape(-1, width)[:n] for b, n in enumerate(kv_lens)]
     num_tokens = sum(q_lens) + pad_tokens
     rand = lambda *shape, scale=1.0: jnp.asarray(rng.normal(size=shape) * scale, dtype)  # noqa: E731
@@ -89,7 +94,8 @@ def make_mla_problem(rng: np.random.Generator, *, q_lens, kv_lens, num_q_heads, 
         q_nope=rand(num_tokens, num_q_heads, nope_dim), q_rope=rand(num_tokens, num_q_heads, rope_dim),
         w_uk=rand(kv_lora_rank, num_q_heads, nope_dim, scale=kv_lora_rank ** -0.5),
         w_uv=rand(kv_lora_rank, num_q_heads, v_dim, scale=kv_lora_rank ** -0.5),
-        cache=jaxattn.MLACache(jnp.asarray(pool, dtype), kv_lora_rank), meta=meta, latents=latents,
+        cache=jaxattn.MLACache(stored, None if scale is None else jnp.float32(scale), kv_lora_rank), meta=meta,
+        latents=latents,
         q_lens=list(q_lens), kv_lens=list(kv_lens), tables=tables)
 
 

@@ -177,11 +177,20 @@ def test_mla_cache_write_copy_zero():
     assert not np.asarray(cache.pages[1]).any() and np.asarray(cache.pages[2]).any()
 
 
+def test_mla_cache_fp8_write_divides_by_the_scale_and_saturates():
+    cache = MLACache.create(num_pages=2, page_size=2, kv_lora_rank=2, rope_dim=2, dtype=jnp.float8_e4m3fn, scale=0.5)
+    cache = cache.write(jnp.asarray([[1.0, -2.0, 3.0, 1e6]]), jnp.asarray([2]))
+    np.testing.assert_array_equal(np.asarray(cache.pages[1, 0].astype(jnp.float32)), [2.0, -4.0, 6.0, 448.0])
+
+
 @pytest.mark.parametrize("make, match", [
     (lambda: MLACache.create(1, 4), "num_pages must be >= 2"),
     (lambda: MLACache.create(4, 4, rope_dim=0), "rope_dim must be a positive int"),
     (lambda: MLACache(jnp.zeros((4, 4, 8)), kv_lora_rank=8), "rope_dim >= 1"),
-    (lambda: MLACache(jnp.zeros((4, 4, 16), jnp.float8_e4m3fn), kv_lora_rank=8), "page dtype must be one of"),
+    (lambda: MLACache(jnp.zeros((4, 4, 16), jnp.int8), kv_lora_rank=8), "page dtype must be one of"),
+    (lambda: MLACache(jnp.zeros((4, 4, 16), jnp.float8_e4m3fn), kv_lora_rank=8), "FP8 pages need a scale"),
+    (lambda: MLACache.create(4, 4, 8, 4, scale=2.0), "scale is only for float8_e4m3fn pages"),
+    (lambda: MLACache.create(4, 4, 8, 4, dtype=jnp.float8_e4m3fn, scale=0.0), "scale must be a positive finite"),
     (lambda: MLACache.create(4, 4, 8, 4).write(jnp.zeros((2, 11)), [4, 5]), "latents must be \\[T, 12\\]"),
     (lambda: MLACache.create(4, 4, 8, 4).write(jnp.zeros((2, 12)), [4]), "slot_mapping must be int\\[2\\]"),
 ])

@@ -4,6 +4,8 @@ bad metadata; argument errors."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -69,6 +71,28 @@ def test_bfloat16():
     assert out.dtype == jnp.bfloat16 and rel_error(out, expected) < TOLERANCE[jnp.dtype(jnp.bfloat16)]
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_fp8_pool(dtype):
+    """FP8 latents (stored divided by the pool's scale) under float32 or bfloat16 queries."""
+    problem = make_mla_problem(np.random.default_rng(8), **DIMS, **MIXED, dtype=dtype, kv_dtype=jnp.float8_e4m3fn)
+    tol = TOLERANCE[jnp.dtype(dtype)]
+    out_latent = jax.jit(lambda *a: jaxattn.mla_paged_attention(*a, scale=problem.scale))(
+        problem.q_latent, problem.q_rope, problem.cache, problem.meta)
+    assert out_latent.dtype == dtype and rel_error(out_latent, problem.absorbed_reference(problem.q_latent)) < tol
+    out = jax.jit(lambda *a: jaxattn.mla_prefill(*a, scale=problem.scale))(
+        problem.q_nope, problem.q_rope, problem.cache, problem.meta, problem.w_uk, problem.w_uv)
+    assert rel_error(out, problem.expanded_reference()) < tol
+
+
+def test_non_finite_fp8_scale_flags_every_sequence():
+    problem = make_mla_problem(np.random.default_rng(9), **DIMS, **DECODE, kv_dtype=jnp.float8_e4m3fn)
+    run = jax.jit(lambda c: jaxattn.mla_paged_attention(problem.q_latent, problem.q_rope, c, problem.meta,
+                                                        scale=problem.scale, return_status=True))
+    assert np.asarray(run(problem.cache)[1]).all()
+    out, valid = run(dataclasses.replace(problem.cache, scale=jnp.float32(jnp.inf)))
+    assert not np.asarray(valid).any() and not np.asarray(out).any()
+
+
 @pytest.mark.parametrize("max_q_len", [1, 3, None])
 def test_broken_sequences_are_zero_and_flagged(max_q_len):
     q_lens = [1, 1, 1, 1, 1] if max_q_len == 1 else [1, 1, 4, 2, 3]
@@ -110,6 +134,7 @@ def test_absorb_query_and_project_values_shapes():
     (dict(q_latent=lambda p: p.q_latent[..., :-1]), "q_latent must have the cache's kv_lora_rank"),
     (dict(q_rope=lambda p: p.q_rope[:, :2]), "q_rope must be \\[T="),
     (dict(q_rope=lambda p: p.q_rope.astype(jnp.bfloat16)), "q_rope.dtype must be the cache's float32"),
+    (dict(q_latent=lambda p: p.q_latent.astype(jnp.int32)), "q_latent.dtype must be float32, bfloat16 or float16"),
     (dict(scale=None), "scale must be a positive finite float"),
     (dict(causal=1), "causal must be a bool"),
     (dict(backend="cudnn"), "backend must be one of \\('auto', 'xla', 'triton'\\)"),

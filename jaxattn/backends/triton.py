@@ -268,20 +268,22 @@ def mla_check_supported(q_latent: jax.Array, q_rope: jax.Array, cache: MLACache,
             raise ValueError(f"{where}: the cache's {name} must be a power of 2 >= {MIN_HEAD_DIM}, got {dim}")
 
 
-def mla_config(num_tokens: int, num_q_heads: int, kv_lora_rank: int, max_kv_len: int,
-               max_q_len: int | None) -> MLAConfig:
+def mla_config(num_tokens: int, num_q_heads: int, kv_lora_rank: int, max_kv_len: int, max_q_len: int | None,
+               fp8: bool = False) -> MLAConfig:
     """Tiles for this shape (static), 8 warps, 2 stages; not timed on a GPU yet. Up to 16 heads,
-    a tile holds 16 heads of up to 4 tokens of a sequence (speculative decode; decodes: 1); more
-    heads, 64 heads of one token. KV segments give about ``_MLA_PROGRAMS`` programs. Checked by
-    compiling for sm_90 (``tests/backends/test_triton_mla.py``, R 512, Dr 64), none spilling:
-    16 x 1 rows with 64-key tiles (mma.sync, 165 registers, 94 KB shared memory; 4 warps spill);
-    64 x 1 rows with 32-key tiles (wgmma, 222 registers, 147 KB; 64 keys: 255 registers, 221 KB);
-    16 x 4 rows with 16-key tiles (wgmma, 255 registers, 131 KB; 32 keys spill)."""
+    a tile holds 16 heads of up to 4 tokens of a sequence (speculative decode; decodes and FP8
+    pools: 1); more heads, 64 heads (FP8 pools: 32) of one token. KV segments give about
+    ``_MLA_PROGRAMS`` programs. Checked by compiling for sm_90 (``tests/backends/test_triton_mla.py``,
+    R 512, Dr 64), none spilling: 16 x 1 rows with 64-key tiles (mma.sync, 165 registers, 94 KB
+    shared memory; FP8 254, 88 KB; 4 warps spill); 64 x 1 rows with 32-key tiles (wgmma, 222
+    registers, 147 KB; 64 keys: 255 registers, 221 KB; FP8 spills even with 16 keys); 16 x 4 rows
+    with 16-key tiles (wgmma, 255 registers, 131 KB; 32 keys spill); FP8 32 x 1 rows with 32-key
+    tiles (mma.sync, 255 registers, 72 KB)."""
     if _interpreting():
         return MLAConfig(tokens=1, block_h=16, block_n=16, num_segments=1 if max_kv_len <= 32 else 2, num_warps=4,
                          num_stages=1)
-    block_h = 16 if num_q_heads <= 16 else 64
-    tokens = 1 if block_h == 64 else min(4, _pow2_ceil(min(max_q_len or num_tokens, num_tokens)))
+    block_h = 16 if num_q_heads <= 16 else 32 if fp8 else 64
+    tokens = 1 if block_h > 16 or fp8 else min(4, _pow2_ceil(min(max_q_len or num_tokens, num_tokens)))
     block_n = 64 if block_h * tokens == 16 and kv_lora_rank <= 512 else 32 if tokens == 1 else 16
     programs = -(-num_tokens // tokens) * -(-num_q_heads // block_h)
     most = max(1, -(-max_kv_len // (_MIN_TILES_PER_SEGMENT * block_n)))
@@ -300,7 +302,7 @@ def mla_attention(q_latent: jax.Array, q_rope: jax.Array, cache: MLACache, meta:
 
     num_tokens, num_q_heads, rank = q_latent.shape
     batch, width = meta.batch_size, meta.max_pages_per_seq
-    cfg = config or mla_config(num_tokens, num_q_heads, rank, width * cache.page_size, meta.max_q_len)
+    cfg = config or mla_config(num_tokens, num_q_heads, rank, width * cache.page_size, meta.max_q_len, cache.is_fp8)
     nseg = cfg.num_segments
     head_blocks = -(-num_q_heads // cfg.block_h)
     kv_lens = jnp.clip(meta.kv_lens, 0, width * cache.page_size).astype(jnp.int32)
@@ -308,14 +310,15 @@ def mla_attention(q_latent: jax.Array, q_rope: jax.Array, cache: MLACache, meta:
     direct = nseg == 1
     acc_type = (jax.ShapeDtypeStruct(q_latent.shape, q_latent.dtype) if direct
                 else jax.ShapeDtypeStruct((num_tokens, num_q_heads, nseg, rank), jnp.float32))
+    scales = jnp.zeros((1,), jnp.float32) if cache.scale is None else cache.scale.reshape(1).astype(jnp.float32)
     acc, ml = triton_call(
         q_latent, q_rope, cache.pages, meta.block_tables.astype(jnp.int32), kv_lens, meta.cu_q_lens.astype(jnp.int32),
-        kernel=kernels.mla_decode_kernel,
+        scales, kernel=kernels.mla_decode_kernel,
         out_shape=[acc_type, jax.ShapeDtypeStruct((num_tokens, num_q_heads, nseg, 2), jnp.float32)],
         grid=(num_tokens, head_blocks, nseg), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         T=num_tokens, B=batch, LOG_B=batch.bit_length() + 1, P=width, HQ=num_q_heads, R=rank, DR=cache.rope_dim,
         PAGE=cache.page_size, NUM_PAGES=cache.num_pages, QT=cfg.tokens, BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n,
-        NSEG=nseg, SCALE=float(params.scale), CAUSAL=params.causal, DIRECT=direct, DOT_F32=dot_f32,
+        NSEG=nseg, SCALE=float(params.scale), CAUSAL=params.causal, FP8=cache.is_fp8, DIRECT=direct, DOT_F32=dot_f32,
         PRECISION="ieee" if dot_f32 else "tf32")
     if direct:
         return acc

@@ -133,6 +133,8 @@ def _gather_kv(cache: KVCache, meta: AttentionMetadata, dtype: jnp.dtype) -> tup
 def _gather_latents(cache: MLACache, meta: AttentionMetadata, dtype: jnp.dtype) -> jax.Array:
     """The latents of every sequence as ``[B, P * page_size, R + Dr]``."""
     x = _gather_pages(cache.pages, meta)                                   # [B, P, page, R + Dr]
+    if cache.scale is not None:
+        x = x.astype(jnp.float32) * cache.scale
     return x.reshape(x.shape[0], -1, cache.head_dim).astype(dtype)
 
 

@@ -5,9 +5,10 @@ one program per (token group, head block, KV segment), and the segment reduction
 Conventions: ``q_latent: [T, HQ, R]``, ``q_rope: [T, HQ, DR]``; the latent pool ``[NUM_PAGES, PAGE,
 W]`` with ``W = R + DR`` (``c_kv`` then ``k_rope``); tables int32 ``[B, P]``; kv_lens int32 ``[B]``
 (already clipped to ``P * PAGE``; 0 for sequences that break the contract); cu int32 ``[B + 1]``
-(sanitized: non-decreasing in ``[0, T]``). Every key is shared by all heads (one latent "KV head"),
-so a program's (token, head) rows form the M dimension of both dots: ``s = q_latent c^T + q_rope k_rope^T`` and
-``acc += p c``. Logits are in base 2, as in ``triton_attention``.
+(sanitized: non-decreasing in ``[0, T]``); scales float32 ``[1]``, the scale of FP8 pages. Every
+key is shared by all heads (one latent "KV head"), so a program's (token, head) rows form the M
+dimension of both dots: ``s = q_latent c^T + q_rope k_rope^T`` and ``acc += p c``. Logits are in
+base 2, as in ``triton_attention``.
 """
 
 from __future__ import annotations
@@ -20,11 +21,12 @@ from jaxattn.kernels.triton_attention import LOG2E, NEG_INIT, _find_seq
 
 @triton.jit
 def mla_decode_kernel(
-        ql_ptr, qr_ptr, pages_ptr, tables_ptr, kv_lens_ptr, cu_ptr, acc_ptr, ml_ptr,
+        ql_ptr, qr_ptr, pages_ptr, tables_ptr, kv_lens_ptr, cu_ptr, scales_ptr, acc_ptr, ml_ptr,
         T: tl.constexpr, B: tl.constexpr, LOG_B: tl.constexpr, P: tl.constexpr, HQ: tl.constexpr,
         R: tl.constexpr, DR: tl.constexpr, PAGE: tl.constexpr, NUM_PAGES: tl.constexpr, QT: tl.constexpr,
         BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, NSEG: tl.constexpr, SCALE: tl.constexpr,
-        CAUSAL: tl.constexpr, DIRECT: tl.constexpr, DOT_F32: tl.constexpr, PRECISION: tl.constexpr):
+        CAUSAL: tl.constexpr, FP8: tl.constexpr, DIRECT: tl.constexpr, DOT_F32: tl.constexpr,
+        PRECISION: tl.constexpr):
     """Grid ``(T, cdiv(HQ, BLOCK_H), NSEG)``. Program (t, hb, s) serves the query tokens ``t ..
     t + QT - 1`` of t's sequence when t is the first of such a group (``QT * BLOCK_H`` rows: each
     token's heads ``hb * BLOCK_H ...``), over the s-th of NSEG equal runs of the KV tiles they see;
@@ -71,6 +73,9 @@ def mla_decode_kernel(
         q_lat = q_lat.to(tl.float32)
         q_rope = q_rope.to(tl.float32)
 
+    qk_scale = SCALE
+    if FP8:
+        qk_scale = SCALE * tl.load(scales_ptr)
     m_i = tl.full([BLOCK_M], NEG_INIT, tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, R], tl.float32)
@@ -86,7 +91,7 @@ def mla_decode_kernel(
                          other=0.0).to(q_lat.dtype)
         s = tl.dot(q_lat, tl.trans(c), input_precision=PRECISION)
         s = tl.dot(q_rope, tl.trans(k_rope), s, input_precision=PRECISION)
-        s = tl.where(offs_n[None, :] < hi_row[:, None], s * (SCALE * LOG2E), float("-inf"))
+        s = tl.where(offs_n[None, :] < hi_row[:, None], s * (qk_scale * LOG2E), float("-inf"))
         # A row may see no key of a tile (causal, its token earlier): NEG_INIT keeps it finite.
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)
@@ -95,6 +100,8 @@ def mla_decode_kernel(
         acc = acc * alpha[:, None] + tl.dot(p.to(c.dtype), c, input_precision=PRECISION)
         m_i = m_new
 
+    if FP8:
+        acc = acc * tl.load(scales_ptr)
     row = q_row * NSEG + seg
     if DIRECT:
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]

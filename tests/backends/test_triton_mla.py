@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import tempfile
+import sys
 import textwrap
 
 import jax
@@ -25,11 +25,10 @@ from jaxattn.backends import xla
 from jaxattn.backends.base import AttentionParams
 from tests.mla_inputs import break_metadata, make_mla_problem
 from tests.paged_inputs import TOLERANCE, rel_error
-from tests.xla_dump import run_with_dump, thunk_sequences, top_level_thunks
+from tests.xla_dump import REPO, run_with_dump, thunk_sequences, top_level_thunks
 
 triton = pytest.importorskip("triton", reason="the triton backend's tests need the triton package")
 from jaxattn.backends import triton as tb  # noqa: E402
-from jaxattn.kernels.triton_call import _compile  # noqa: E402
 
 SMALL = dict(kv_lora_rank=32, rope_dim=16, nope_dim=16, v_dim=16, page_size=8)
 DEEPSEEK = dict(kv_lora_rank=512, rope_dim=64, nope_dim=128, v_dim=128, page_size=64)
@@ -91,6 +90,16 @@ def test_bfloat16():
     assert rel_error(out, problem.absorbed_reference(problem.q_latent)) < TOLERANCE[jnp.dtype(jnp.bfloat16)]
 
 
+@pytest.mark.parametrize("segments", [1, 2])
+def test_fp8_pool(segments):
+    problem = make_mla_problem(np.random.default_rng(7), q_lens=[1, 1, 3], kv_lens=[20, 33, 7], num_q_heads=4,
+                               dtype=jnp.bfloat16, kv_dtype=jnp.float8_e4m3fn, **SMALL)
+    config = tb.MLAConfig(tokens=1, block_h=16, block_n=16, num_segments=segments, num_warps=4, num_stages=1)
+    out = _run(problem, config)
+    assert rel_error(out, problem.absorbed_reference(problem.q_latent)) < TOLERANCE[jnp.dtype(jnp.bfloat16)]
+    assert rel_error(out, _xla(problem)) < TOLERANCE[jnp.dtype(jnp.bfloat16)]
+
+
 @pytest.mark.parametrize("max_q_len", [1, 2])
 def test_broken_sequences_are_zero_and_flagged(triton_runs_here, max_q_len):
     """Bad page ids, kv_lens too short and too long, and (max_q_len 2) a query past max_q_len;
@@ -133,31 +142,54 @@ def test_auto_uses_triton_where_it_runs_else_xla_with_a_log_line(monkeypatch, ca
     assert (f"using 'xla'; triton skipped ({reason})" in caplog.text) == bool(reason)
 
 
-@pytest.mark.parametrize("num_q_heads, max_q_len", [(16, 1), (16, 4), (128, 1)])
-def test_gpu_configs_compile_for_sm90_without_spills(monkeypatch, num_q_heads, max_q_len):
-    """No GPU needed: the launches ``mla_attention`` makes on a GPU at DeepSeek shapes (decode, and
-    speculative decode packing 4 tokens x 16 heads) compile for sm_90 with Triton's own ptxas,
-    without register spills (``cuobjdump`` resource usage)."""
-    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-    if not os.path.exists(cuobjdump):
-        pytest.skip(f"no {cuobjdump}")
-    monkeypatch.setattr(tb, "_interpreting", lambda: False)
+_COMPILE_SCRIPT = textwrap.dedent("""
+    import json, subprocess, sys, tempfile
+    import jax, jax.numpy as jnp, numpy as np
+    from jaxattn.backends import triton as tb
+    from jaxattn.backends.base import AttentionParams
+    from jaxattn.kernels.triton_call import _compile
+    from tests.mla_inputs import make_mla_problem
+
+    num_q_heads, max_q_len, kv_dtype, cuobjdump = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
+    tb._interpreting = lambda: False                       # the launches a GPU would get
     problem = make_mla_problem(np.random.default_rng(6), q_lens=[max_q_len] * 8, kv_lens=[3000] * 8,
-                               num_q_heads=num_q_heads, max_q_len=max_q_len, dtype=jnp.bfloat16, **DEEPSEEK)
-    jaxpr = jax.make_jaxpr(lambda ql, qr, c, m: tb.mla_attention(ql, qr, c, m, _params(problem)))(
+                               num_q_heads=num_q_heads, max_q_len=max_q_len, dtype=jnp.bfloat16, kv_dtype=kv_dtype,
+                               kv_lora_rank=512, rope_dim=64, nope_dim=128, v_dim=128, page_size=64)
+    params = AttentionParams(scale=problem.scale, causal=True, sliding_window=None, softcap=None, has_sinks=False)
+    jaxpr = jax.make_jaxpr(lambda ql, qr, c, m: tb.mla_attention(ql, qr, c, m, params))(
         problem.q_latent, problem.q_rope, problem.cache, problem.meta)
-    launches = [e for e in jaxpr.eqns if e.primitive.name == "jaxattn_triton_call"]
-    assert [e.params["kernel"].fn.__name__ for e in launches] == ["mla_decode_kernel", "mla_reduce_kernel"]
-    for eqn in launches:
+    usage = {}
+    for eqn in (e for e in jaxpr.eqns if e.primitive.name == "jaxattn_triton_call"):
         dtypes = tuple(np.dtype(v.aval.dtype) for v in [*eqn.invars, *eqn.outvars])
         compiled = _compile(eqn.params["kernel"], dtypes, eqn.params["metaparams"], eqn.params["num_warps"],
                             eqn.params["num_stages"], 90)
         with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
             f.write(compiled.asm["cubin"])
             f.flush()
-            usage = subprocess.run([cuobjdump, "--dump-resource-usage", f.name], capture_output=True, text=True,
-                                   check=True).stdout
-        assert "STACK:0 " in usage, usage
+            usage[eqn.params["kernel"].fn.__name__] = subprocess.run(
+                [cuobjdump, "--dump-resource-usage", f.name], capture_output=True, text=True, check=True).stdout
+    print(json.dumps(usage))
+""")
+
+
+@pytest.mark.parametrize("num_q_heads, max_q_len, kv_dtype", [
+    (16, 1, "bfloat16"), (16, 4, "bfloat16"), (128, 1, "bfloat16"), (16, 4, "float8_e4m3fn"),
+    (128, 1, "float8_e4m3fn")])
+def test_gpu_configs_compile_for_sm90_without_spills(num_q_heads, max_q_len, kv_dtype):
+    """No GPU needed: the launches ``mla_attention`` makes on a GPU at DeepSeek shapes (decode, and
+    speculative decode packing 4 tokens x 16 heads; bf16 and FP8 pools) compile for sm_90 with Triton's own ptxas,
+    without register spills (``cuobjdump`` resource usage). In a fresh process: the interpreter
+    the other tests run leaves Triton's language module patched."""
+    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    if not os.path.exists(cuobjdump):
+        pytest.skip(f"no {cuobjdump}")
+    run = subprocess.run([sys.executable, "-c", _COMPILE_SCRIPT, str(num_q_heads), str(max_q_len), kv_dtype, cuobjdump],
+                         cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    usage = json.loads(run.stdout.strip().splitlines()[-1])
+    assert sorted(usage) == ["mla_decode_kernel", "mla_reduce_kernel"]
+    for name, text in usage.items():
+        assert "STACK:0 " in text, (name, text)
 
 
 # --- GPU: DeepSeek shapes in bfloat16 ------------------------------------------------------------
@@ -176,6 +208,19 @@ def test_gpu_deepseek_decode(num_q_heads, kv_len):
     assert rel_error(out, _xla(problem)) < 2e-2
     assert rel_error(out, problem.absorbed_reference(problem.q_latent)) < 2e-2
     assert not np.asarray(out[batch:].astype(jnp.float32)).any()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("max_q_len", [1, 4])
+@pytest.mark.parametrize("num_q_heads", [16, 128])
+def test_gpu_deepseek_fp8_pool(num_q_heads, max_q_len):
+    rng = np.random.default_rng(num_q_heads + max_q_len)
+    problem = make_mla_problem(rng, q_lens=[max_q_len] * 16, kv_lens=[int(x) for x in rng.integers(2048, 4097, 16)],
+                               num_q_heads=num_q_heads, max_q_len=max_q_len, dtype=jnp.bfloat16,
+                               kv_dtype=jnp.float8_e4m3fn, **DEEPSEEK)
+    run = jax.jit(lambda ql, qr, c, m: jaxattn.mla_paged_attention(ql, qr, c, m, scale=problem.scale))
+    out = run(problem.q_latent, problem.q_rope, problem.cache, problem.meta)
+    assert rel_error(out, problem.absorbed_reference(problem.q_latent)) < 2e-2
 
 
 @pytest.mark.gpu
