@@ -156,7 +156,8 @@ def build_parser(on_gpu: bool) -> argparse.ArgumentParser:
                         help="tokens per KV cache page (default: %(default)s)")
     parallel = parser.add_argument_group("tensor parallelism")
     parallel.add_argument("--tp", type=positive_int, metavar="N", default=None,
-                          help="split the model over this many devices (default: all of them with --coordinator, else 1)")
+                          help="split the model over this many devices "
+                               "(default: all of them with --coordinator, else 1)")
     add_distributed_arguments(parallel)
     parser.add_argument("--output", metavar="FILE",
                         help="write every request's generated tokens to this JSON file (process 0)")
@@ -165,7 +166,8 @@ def build_parser(on_gpu: bool) -> argparse.ArgumentParser:
 
 def add_distributed_arguments(parser) -> None:
     parser.add_argument("--coordinator", metavar="HOST:PORT", help="address of process 0: join a jax.distributed job")
-    parser.add_argument("--num-processes", type=positive_int, metavar="N", help="processes in the job (with --coordinator)")
+    parser.add_argument("--num-processes", type=positive_int, metavar="N",
+                        help="processes in the job (with --coordinator)")
     parser.add_argument("--process-id", type=int, metavar="I", help="this process's index, 0 .. num-processes - 1")
     parser.add_argument("--local-devices", metavar="IDS",
                         help="comma-separated local device ids this process uses (one GPU each)")

@@ -64,11 +64,13 @@ class Attention(nnx.Module):
     def __init__(self, cfg: DeepSeekConfig, rngs: nnx.Rngs):
         self.cfg = cfg
         heads = cfg.num_q_heads
-        self.q_proj = _linear(cfg, cfg.dim, heads * (cfg.qk_nope_dim + cfg.qk_rope_dim), rngs)
-        self.kv_a_proj = _linear(cfg, cfg.dim, cfg.kv_lora_rank + cfg.qk_rope_dim, rngs)
+        # Logical axes as Llama's (heads split, the shared latent replicated), for a future mesh.
+        self.q_proj = _linear(cfg, cfg.dim, heads * (cfg.qk_nope_dim + cfg.qk_rope_dim), rngs, (None, "heads"))
+        self.kv_a_proj = _linear(cfg, cfg.dim, cfg.kv_lora_rank + cfg.qk_rope_dim, rngs, (None, None))
         self.kv_a_norm = _rms_norm(cfg, cfg.kv_lora_rank, rngs)
-        self.kv_b_proj = _linear(cfg, cfg.kv_lora_rank, heads * (cfg.qk_nope_dim + cfg.v_head_dim), rngs)
-        self.o_proj = _linear(cfg, heads * cfg.v_head_dim, cfg.dim, rngs)
+        self.kv_b_proj = _linear(cfg, cfg.kv_lora_rank, heads * (cfg.qk_nope_dim + cfg.v_head_dim), rngs,
+                                 (None, "heads"))
+        self.o_proj = _linear(cfg, heads * cfg.v_head_dim, cfg.dim, rngs, ("heads", None))
 
     def up_projections(self) -> tuple[jax.Array, jax.Array]:
         """``w_uk: [R, Hq, Dn]`` and ``w_uv: [R, Hq, Dv]``, the halves of ``kv_b_proj``."""
