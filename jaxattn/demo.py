@@ -194,9 +194,13 @@ def main(argv: list[str] | None = None) -> None:
     parser = build_parser(on_gpu)
     args = parser.parse_args(argv)
     tp = args.tp or (jax.device_count() if args.coordinator else 1)
-    if tp > jax.device_count():
-        parser.error(f"--tp {tp}: there are only {jax.device_count()} devices")
-    mesh = None if tp == 1 else jax.make_mesh((tp,), ("tp",), axis_types=(AxisType.Auto,), devices=jax.devices()[:tp])
+    if args.coordinator and tp != jax.device_count():
+        parser.error(f"--tp {tp}: with --coordinator the model is split over every device of the job "
+                     f"({jax.device_count()})")
+    if not args.coordinator and tp > jax.local_device_count():
+        parser.error(f"--tp {tp}: there are only {jax.local_device_count()} devices")
+    devices = jax.devices() if args.coordinator else jax.local_devices()[:tp]
+    mesh = None if tp == 1 else jax.make_mesh((tp,), ("tp",), axis_types=(AxisType.Auto,), devices=devices)
     leader = jax.process_index() == 0
     say = print if leader else lambda *_: None
     if args.model is not None and (args.preset is not None or args.layers is not None):

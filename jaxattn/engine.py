@@ -29,9 +29,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 import jaxattn
+from jaxattn.checks import is_positive_int
 from jaxattn.models.llama import Llama, param_shardings
 from jaxattn.prefix_cache import PagePool, page_keys
 from jaxattn.sampling import SamplingBatch, SamplingParams, sample
@@ -98,6 +100,15 @@ class PrefixOps:
     mark: jax.Array
     evict: jax.Array
     attach: jax.Array
+
+
+def _shared_entropy() -> int:
+    """Fresh entropy for the engine's request seeds, the same in every process of a
+    ``jax.distributed`` job (process 0's), so every process samples the same tokens."""
+    entropy = np.random.SeedSequence().entropy % 2**31      # int32: what JAX carries without x64
+    if jax.process_count() > 1:
+        entropy = int(multihost_utils.broadcast_one_to_all(np.int32(entropy)))
+    return entropy
 
 
 def _padded(values: list[int], size: int) -> np.ndarray:
@@ -190,14 +201,19 @@ class Engine:
                  num_pages: int | None = None, chunk_size: int = 256, backend: str = "auto",
                  layout: str = "HND", kv_dtype=None, enable_prefix_caching: bool = True,
                  mesh: Mesh | None = None):
-        if chunk_size < 1 or max_seqs < 1 or max_seq_len < 1:
-            raise ValueError("Engine: chunk_size, max_seqs and max_seq_len must be >= 1")
+        for name, value in (("chunk_size", chunk_size), ("max_seqs", max_seqs), ("max_seq_len", max_seq_len),
+                            ("page_size", page_size)):
+            if not is_positive_int(value):
+                raise ValueError(f"Engine: {name} must be an int >= 1, got {value!r}")
+        if num_pages is not None and not is_positive_int(num_pages):
+            raise ValueError(f"Engine: num_pages must be None or an int >= 1, got {num_pages!r}")
         self.model = model
         self._step, self._weights = make_engine_step(model)
         self.max_seqs, self.max_seq_len, self.chunk_size, self.backend = max_seqs, max_seq_len, chunk_size, backend
         self.page_size = page_size
         pages_per_seq = -(-max_seq_len // page_size)
-        num_pages = num_pages or 1 + max_seqs * pages_per_seq
+        if num_pages is None:
+            num_pages = 1 + max_seqs * pages_per_seq
         if num_pages < 1 + pages_per_seq:
             raise ValueError(f"Engine: num_pages must be >= {1 + pages_per_seq} (the null page and one sequence "
                              f"of max_seq_len={max_seq_len}), got {num_pages}")
@@ -217,7 +233,7 @@ class Engine:
         self.running: list[Request] = []             # in order of admission
         self.stats = collections.Counter()           # prompt/cached/computed tokens, evicted pages, preemptions
         self._next_id = 0
-        self._seeds = np.random.default_rng()
+        self._seeds = np.random.default_rng(_shared_entropy())
 
     def add_request(self, prompt, max_new_tokens: int, *, sampling: SamplingParams | None = None) -> Request:
         """Queues a request for up to ``max_new_tokens`` tokens after ``prompt`` (token ids), picked
@@ -227,6 +243,10 @@ class Engine:
             raise ValueError(f"Engine.add_request: need a non-empty prompt, max_new_tokens >= 1 and "
                              f"len(prompt) + max_new_tokens <= max_seq_len={self.max_seq_len}, "
                              f"got {prompt.size} + {max_new_tokens}")
+        vocab_size = self.model.cfg.vocab_size
+        if prompt.min() < 0 or prompt.max() >= vocab_size:
+            raise ValueError(f"Engine.add_request: prompt token ids must be in [0, {vocab_size}) (the model's "
+                             f"vocab_size), got ids from {prompt.min()} to {prompt.max()}")
         sampling = sampling or SamplingParams()
         if not isinstance(sampling, SamplingParams):
             raise ValueError(f"Engine.add_request: sampling must be a SamplingParams, got {type(sampling).__name__}")

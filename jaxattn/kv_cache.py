@@ -181,7 +181,6 @@ class KVCache:
         return pages.at[page, :, offset].set(values, mode="drop")
 
 
-
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class MLACache:

@@ -21,6 +21,7 @@ not positive and finite), zero rows for padding.
 
 from __future__ import annotations
 
+import logging
 import math
 
 import jax
@@ -29,6 +30,7 @@ import jax.numpy as jnp
 from jaxattn import backends
 from jaxattn.attention import check_metadata, log_once, sanitize
 from jaxattn.backends import AttentionParams
+from jaxattn.backends.base import NO_GPU, gpu_devices
 from jaxattn.checks import is_real
 from jaxattn.kv_cache import MLACache
 from jaxattn.metadata import AttentionMetadata
@@ -59,7 +61,7 @@ def mla_paged_attention(
       cache: the layer's ``MLACache`` (``R = cache.kv_lora_rank``, ``Dr = cache.rope_dim``); this
         step's latents must already be written to it.
       meta: ``AttentionMetadata`` for the step (B sequences).
-      scale: logit scale (DeepSeek: ``1/sqrt(Dn + Dr)`` times its YaRN factor), required.
+      scale: logit scale (DeepSeek: ``1/sqrt(Dn + Dr)``, times the YaRN mscale squared where it applies), required.
       causal: bottom-right causal mask.
       backend: "auto", "xla" or "triton". auto: triton for steps whose queries are at most
         ``MAX_DECODE_Q_LEN`` tokens (``meta.max_q_len``) where it runs, else xla.
@@ -180,7 +182,10 @@ def _choose(where: str, backend: str, names: tuple[str, ...], check, prefer_trit
                     return "triton"
                 except ValueError as err:
                     reason = str(err)
-            log_once(f"jaxattn auto ({where}): using 'xla'; triton skipped ({reason})")
+            if gpu_devices():
+                log_once(f"jaxattn auto ({where}): using 'xla'; triton skipped ({reason})")
+            else:   # nothing to fix: only xla runs on CPU
+                log_once(f"jaxattn auto ({where}): running the xla backend: {NO_GPU}", logging.INFO)
         return "xla"
     if backend not in names:
         raise ValueError(f"{where}: backend must be one of {('auto',) + names}, got {backend!r}")

@@ -187,7 +187,7 @@ class PageTable:
           copy (granted in order, as ``extend``). ``copies`` is int32[N, 2] of (src_page, dst_page) rows for
           ``KVCache.copy_pages`` (-1 where nothing is copied).
         """
-        src_ids, dst_ids = self._check_requests("fork", src_ids, dst_ids=dst_ids)
+        src_ids, dst_ids = self._check_requests("fork", src_ids, "src_ids", dst_ids=dst_ids)
         valid = self._valid_ids(dst_ids) & (src_ids >= 0) & (src_ids < self.max_seqs)
         active_src = jnp.where((src_ids >= 0) & (dst_ids >= 0), src_ids, -1)
         valid &= ~jnp.any(dst_ids[:, None] == active_src[None, :], axis=1)
@@ -231,7 +231,7 @@ class PageTable:
           pages: int32[M]; entries outside ``[1, num_pages)`` (padding: -1) and pages no sequence
             holds are ignored.
         """
-        (pages,) = self._check_requests("mark_cached", pages)
+        (pages,) = self._check_requests("mark_cached", pages, "pages")
         ok = self._page_ids(pages) & (self.refcount[jnp.clip(pages, 0, self.num_pages - 1)] > 0)
         cached = self.cached.at[jnp.where(ok, pages, self.num_pages)].set(True, mode="drop")
         return dataclasses.replace(self, cached=cached)
@@ -240,7 +240,7 @@ class PageTable:
         """Returns cached pages that no sequence holds to the free stack (their contents are
         dropped). ``pages``: int32[M]; other entries (padding -1, held or uncached pages, repeats)
         are ignored."""
-        (pages,) = self._check_requests("evict", pages)
+        (pages,) = self._check_requests("evict", pages, "pages")
         page_c = jnp.clip(pages, 0, self.num_pages - 1)
         ok = self._page_ids(pages) & self.cached[page_c] & (self.refcount[page_c] == 0) & _first_occurrence(pages)
         table = self._push(jnp.where(ok, pages, -1))
@@ -327,10 +327,11 @@ class PageTable:
 
     # -- helpers ----------------------------------------------------------------------------
 
-    def _check_requests(self, where: str, ids: jax.Array, **others: jax.Array) -> tuple[jax.Array, ...]:
+    def _check_requests(self, where: str, ids: jax.Array, ids_name: str = "seq_ids",
+                        **others: jax.Array) -> tuple[jax.Array, ...]:
         ids = jnp.asarray(ids)
         if ids.ndim != 1 or not jnp.issubdtype(ids.dtype, jnp.integer):
-            raise ValueError(f"PageTable.{where}: ids must be int[N], got {ids.dtype}{list(ids.shape)}")
+            raise ValueError(f"PageTable.{where}: {ids_name} must be int[N], got {ids.dtype}{list(ids.shape)}")
         out = [ids.astype(jnp.int32)]
         for name, value in others.items():
             value = jnp.asarray(value)

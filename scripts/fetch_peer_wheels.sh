@@ -4,7 +4,7 @@
 #   * the JAX peers and their pure-Python dependencies the machine lacks: flash-attn3-jax (its
 #     own CUDA 12 runtime inside), ejkernel, beartype, jaxtyping, chex, einops, pydantic, tqdm...;
 #   * jaxattn's own needs from .whl (../shared/device/fetch_wheels.sh): flashinfer-python (XQA
-#     sources) and jax-triton, and cudnn-frontend's headers alone (DIR/headers/include) for the cuDNN
+#     sources), and cudnn-frontend's headers alone (DIR/headers/include) for the cuDNN
 #     handler's build, without its 11 MiB of Python modules.
 # On the GPU machine, with DIR carried:
 #   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site DIR/*.whl
@@ -17,7 +17,7 @@ pyargs=(--no-deps --only-binary=:all: --python-version 3.12 --implementation cp 
         --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform any -d "$dir")
 python3 -m pip download -q "${pyargs[@]}" flash-attn3-jax==0.2.3 ejkernel==0.0.80.3 beartype jaxtyping wadler-lindig \
   einops pydantic==2.14.3 pydantic-core==2.50.4 annotated-types typing-inspection typing-extensions tqdm chex toolz absl-py
-cp "$whl"/flashinfer_python-*.whl "$whl"/jax_triton-*.whl "$dir"/
+cp "$whl"/flashinfer_python-*.whl "$dir"/
 mkdir -p "$dir/headers"
 (cd "$dir/headers" && python3 -m zipfile -e "$whl"/nvidia_cudnn_frontend-*.whl . && \
   find . -mindepth 1 -maxdepth 1 ! -name include -exec rm -rf {} +)

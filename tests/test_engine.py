@@ -236,6 +236,16 @@ def test_add_request_errors():
         engine.add_request(np.arange(10), 7)
     with pytest.raises(ValueError, match="non-empty prompt"):
         engine.add_request([], 3)
+    vocab = PRESETS["tiny"].vocab_size
+    for bad in ([1, vocab], [-1, 2]):
+        with pytest.raises(ValueError, match=rf"prompt token ids must be in \[0, {vocab}\)"):
+            engine.add_request(bad, 3)
+
+
+@pytest.mark.parametrize("name, value", [("page_size", 0), ("max_seqs", 0), ("num_pages", 0), ("chunk_size", 1.5)])
+def test_engine_argument_errors(name, value):
+    with pytest.raises(ValueError, match=f"Engine: {name} must be"):
+        Engine(_tiny_model(), **{**dict(max_seqs=2, max_seq_len=16, page_size=8, chunk_size=8), name: value})
 
 
 def test_step_has_no_loops():

@@ -330,8 +330,10 @@ def test_errors():
     table = PageTable.create(8, 2, 2, 4)
     with pytest.raises(ValueError, match=r"extend: new_lens must be int\[2\]"):
         table.extend(jnp.asarray([0, 1]), jnp.asarray([1, 2, 3]))
-    with pytest.raises(ValueError, match=r"release: ids must be int\[N\]"):
+    with pytest.raises(ValueError, match=r"release: seq_ids must be int\[N\]"):
         table.release(jnp.asarray([[0]]))
+    with pytest.raises(ValueError, match=r"evict: pages must be int\[N\]"):
+        table.evict(jnp.asarray([1.0]))
     with pytest.raises(ValueError, match=r"fork: dst_ids must be int\[1\]"):
         table.fork(jnp.asarray([0]), jnp.asarray([0.5]))
     with pytest.raises(ValueError, match=r"metadata: q_lens must be int\[1\]"):

@@ -9,7 +9,8 @@ A backend module defines:
 ``paged_attention`` hands ``attention`` sanitized metadata (``AttentionMetadata.sanitize``): offsets
 non-decreasing within ``[0, T]``, ``kv_lens`` within the block tables' width and 0 for sequences
 that broke the contract, and every block-table entry a page id in ``[0, num_pages)``. Backends
-rely on this rather than clamping page ids themselves.
+rely on this; only the Triton kernels keep an in-kernel bound on page ids, a guard that costs one
+select per tile.
 """
 
 from __future__ import annotations

@@ -220,6 +220,9 @@ def tensor_parallel_rules(cfg: LlamaConfig, mesh: Mesh,
     """Flax logical-axis rules that split the model over mesh ``axes`` (module docstring): query
     heads, MLP columns and the vocabulary always, KV heads when the shards divide them. ValueError
     naming the config field that the number of shards does not divide."""
+    if not hasattr(cfg, "num_kv_heads"):
+        raise ValueError(f"tensor parallelism: {type(cfg).__name__} models are not supported (Llama-family only; "
+                         f"MLA is not split over devices yet)")
     num_shards = num_head_shards(mesh, axes)
     for field in ("num_q_heads", "hidden_dim", "vocab_size"):
         if getattr(cfg, field) % num_shards:
