@@ -150,7 +150,6 @@ _COMPILE_SCRIPT = textwrap.dedent("""
     import json, subprocess, sys, tempfile
     import jax, jax.numpy as jnp, numpy as np
     from jaxattn.backends import triton as tb
-from jaxattn.backends.base import gpu_devices
     from jaxattn.backends.base import AttentionParams
     from jaxattn.kernels.triton_call import _compile
     from tests.mla_inputs import make_mla_problem
