@@ -178,12 +178,13 @@ def short(err: BaseException) -> str:
 
 def bench_workload(w: Workload, rounds: int, copy_rate: float, peers: dict[str, Callable[[Problem], Call]],
                    peer_timeout_s: float) -> list[dict]:
-    """The workload's rows, each printed (to stderr) as soon as it is measured. A peer that takes
-    longer than ``peer_timeout_s`` ends the run with every thread's traceback (a hung kernel
+    """The workload's rows, each printed (to stderr) as soon as it is measured. A row (jaxattn's
+    included) that takes longer than ``peer_timeout_s`` ends the run with every thread's traceback (a hung kernel
     cannot be interrupted from Python); leave it out with ``--skip-peers``."""
     qs, cache, meta = make_inputs(w, 1)
     p = Problem(w, qs[0], cache, meta)
     rows = []
+    faulthandler.dump_traceback_later(peer_timeout_s, exit=True)
     ours = jaxattn_auto(p)
     ref = ours()
     base = busy_ms(ours, rounds)
@@ -191,6 +192,7 @@ def bench_workload(w: Workload, rounds: int, copy_rate: float, peers: dict[str, 
     if w.kv_bytes < 8e9 and sum(w.q_lens) * max(w.kv_lens) <= 64 * 131072:
         xla = jax.jit(lambda q, c, m: jaxattn.paged_attention(q, c, m, backend="xla"))
         check = f"{rel_error(ref, xla(p.q, p.cache, p.meta)):.1e} (vs xla)"
+    faulthandler.cancel_dump_traceback_later()
     rows.append(dict(workload=w.name, peer="jaxattn auto", ms=base, err=check))
     print(f"{w.name} | jaxattn auto | {base:.3f} ms | {check}", file=sys.stderr, flush=True)
     for name, make in peers.items():
