@@ -37,7 +37,8 @@ def _allowed(logits: np.ndarray, temperature: float, top_k: int, top_p: float) -
     return keep & (probs >= cut * (1 - 1e-5))
 
 
-row_st = st.tuples(st.lists(st.floats(-5, 5, width=32), min_size=V, max_size=V),
+# No subnormal logits: XLA flushes them to zero, where the float64 reference would not.
+row_st = st.tuples(st.lists(st.floats(-5, 5, width=32, allow_subnormal=False), min_size=V, max_size=V),
                    st.sampled_from([0.5, 1.0, 2.0]), st.integers(-1, V + 2), st.sampled_from([0.1, 0.5, 0.9, 1.0]),
                    st.integers(0, 2**32 - 1), st.integers(0, 1000))
 
