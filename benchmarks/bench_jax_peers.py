@@ -54,18 +54,15 @@ import numpy as np  # noqa: E402
 import jaxattn  # noqa: E402
 from benchmarks.bench_e2e import copy_bandwidth  # noqa: E402
 from benchmarks.bench_triton import D, DTYPE, HKV, HQ, Workload, make_inputs  # noqa: E402
+from benchmarks.bench_trtllm_decode import Case  # noqa: E402
 from benchmarks.common import device_busy_seconds, device_name, rel_error, write_section  # noqa: E402
 
 SCALE = 1 / math.sqrt(D)
 FA3_SPLITS = (1, 4, 16)
 
 
-def _ragged(batch: int, kv_len: int) -> tuple[int, ...]:
-    return tuple(int(n) for n in np.random.default_rng(1).integers(kv_len // 2, kv_len + 1, batch))
-
-
 def decode(batch: int, kv_len: int, ragged: bool = False) -> Workload:
-    kv = _ragged(batch, kv_len) if ragged else (kv_len,) * batch
+    kv = tuple(int(n) for n in Case(batch, kv_len, ragged).lens())   # bench_trtllm_decode's lengths
     label = f"U[{kv_len // 2},{kv_len}]" if ragged else str(kv_len)
     return Workload(f"decode B={batch} kv={label}", (1,) * batch, kv, decode_only=True, repeats=1)
 
