@@ -11,7 +11,8 @@ Peers, installed on the device as wheels with ``--no-deps`` (``scripts/fetch_pee
   * ejkernel 0.0.80.3 ``ragged_page_attention_v2`` (Triton; packed ragged queries, every
     workload): K and V interleaved per KV head in one pool ``[pages, page, 2 * Hkv, D]``; both its
     default and its ``optimized=True`` kernel;
-  * ejkernel ``page_attention`` (Triton, decode only): head-major pools ``[Hkv, pages, page, D]``;
+  * ejkernel ``page_attention`` (Triton, decode only): HND pools ``[pages, Hkv, page, D]`` (its
+    type hints say head-major; its kernel indexes pages first);
   * JAX's deprecated ``jax.experimental.pallas.ops.gpu.paged_attention`` (decode only):
     head-major pools; it applies no softmax scale, so q is pre-scaled by 1/sqrt(D).
 Each peer gets its layout converted outside the timed region; a peer that cannot express a
@@ -39,6 +40,7 @@ import datetime
 import faulthandler
 import math
 import os
+import re
 import statistics
 import sys
 import time
@@ -59,6 +61,7 @@ from benchmarks.common import device_busy_seconds, device_name, rel_error, write
 
 SCALE = 1 / math.sqrt(D)
 FA3_SPLITS = (1, 4, 16)
+SLOW_CALL_S = 0.2
 
 
 def decode(batch: int, kv_len: int, ragged: bool = False) -> Workload:
@@ -134,7 +137,7 @@ def ejkernel_page_attention(p: Problem) -> Call:
     from ejkernel.kernels._triton.page_attention import page_attention
     if not p.w.decode_only:
         raise NotImplementedError("decode only")
-    k, v = p.head_major()
+    k, v = p.cache.k_pages, p.cache.v_pages      # it reads [pages, Hkv, page, D] (HND), whatever its hints say
     fn = jax.jit(lambda q, k, v, lens, tables: page_attention(
         q, k, v, lens, tables, attn_scale=SCALE, max_context_len=max(p.w.kv_lens)))
     return lambda: fn(p.q, k, v, p.meta.kv_lens, p.meta.block_tables)
@@ -164,7 +167,13 @@ PEERS: dict[str, Callable[[Problem], Call]] = {
 
 
 def busy_ms(call: Call, rounds: int, calls: int = 10) -> float:
+    """Median GPU time per call; a call slower than ``SLOW_CALL_S`` (wall) is timed once, so that
+    a slow peer gives a number instead of running into the watchdog."""
     jax.block_until_ready(call())
+    start = time.perf_counter()
+    jax.block_until_ready(call())
+    if time.perf_counter() - start > SLOW_CALL_S:
+        rounds, calls = 1, 1
     return 1e3 * statistics.median(device_busy_seconds(call, calls) for _ in range(rounds))
 
 
@@ -230,14 +239,19 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="the first three workloads only")
     parser.add_argument("--budget-s", type=float, default=420.0, help="start no new workload after this")
     parser.add_argument("--rounds", type=int, default=3, help="timing rounds (10 calls each) per row")
-    parser.add_argument("--peers", default="", help="comma-separated substrings: only the peers whose name has one")
-    parser.add_argument("--skip-peers", default="", help="comma-separated substrings: leave out the peers whose name has one")
+    parser.add_argument("--peers", default="", help="comma-separated regular expressions: only the peers whose name matches one")
+    parser.add_argument("--skip-peers", default="",
+                        help="comma-separated regular expressions: leave out the peers whose name matches one "
+                             "(listed in the table as left out)")
     parser.add_argument("--peer-timeout-s", type=float, default=150.0,
                         help="end the run (with tracebacks) when one peer's row takes longer")
+    parser.add_argument("--section", default="jax_peers",
+                        help="the RESULTS.md section to write (a run of other peers keeps the first run's table)")
     args = parser.parse_args()
     wanted, unwanted = ([x for x in text.split(",") if x] for text in (args.peers, args.skip_peers))
     peers = {name: make for name, make in PEERS.items()
-             if (not wanted or any(x in name for x in wanted)) and not any(x in name for x in unwanted)}
+             if (not wanted or any(re.search(x, name) for x in wanted)) and not any(re.search(x, name) for x in unwanted)}
+    left_out = [name for name in PEERS if name not in peers]
     start = time.perf_counter()
     copy_rate = copy_bandwidth()
     print(f"device copy rate {copy_rate / 1e12:.2f} TB/s", flush=True)
@@ -251,9 +265,11 @@ def main() -> None:
     command = "python -m benchmarks.bench_jax_peers " + " ".join(sys.argv[1:])
     text = (f"Device: {device_name()}; jax {jax.__version__}; {datetime.date.today()}; `{command.strip()}`; "
             f"device copy rate {copy_rate / 1e12:.2f} TB/s (read + write).\n\n" + table(rows))
+    if left_out:
+        text += "\n\nLeft out of this run (`--skip-peers`/`--peers`): " + ", ".join(left_out) + "."
     if skipped:
         text += "\n\nNot run (time budget): " + ", ".join(skipped) + "."
-    print(write_section("jax_peers", text, heading="JAX peers (benchmarks/bench_jax_peers.py)"))
+    print(write_section(args.section, text, heading=f"JAX peers (benchmarks/bench_jax_peers.py, {args.section})"))
 
 
 if __name__ == "__main__":
