@@ -149,11 +149,13 @@ def pallas_gpu(p: Problem) -> Call:
         raise NotImplementedError("decode only")
     k, v = p.head_major()
     q = p.q * jnp.asarray(SCALE, p.q.dtype)      # it applies no 1/sqrt(D)
-    # Its defaults (16 splits of 8-page blocks) need 128 | P; take the most splits that fit.
+    # Its default 8-page compute blocks (512 keys at page 64) ask for more shared memory than an
+    # H100 has: blocks of 256 keys, and the most of its 16 default splits that divide the pages.
     pages = p.meta.block_tables.shape[1]
-    splits = next(s for s in (16, 8, 4, 2, 1) if pages % (8 * s) == 0 or s == 1)
+    block = min(max(1, 256 // p.cache.page_size), pages)
+    splits = next(s for s in (16, 8, 4, 2, 1) if pages % (block * s) == 0)
     fn = jax.jit(lambda q, k, v, tables, lens: pallas_paged.paged_attention(
-        q, k, v, tables, lens, k_splits=splits, pages_per_compute_block=min(8, pages // splits)))
+        q, k, v, tables, lens, k_splits=splits, pages_per_compute_block=block))
     return lambda: fn(q, k, v, p.meta.block_tables, p.meta.kv_lens)
 
 

@@ -1,6 +1,6 @@
 """Paged decode, side by side on one GPU: jaxattn's trtllm (XQA) backend vs its peers on the same data.
 
-    python -m benchmarks.bench_trtllm_decode [--quick] [--budget-s 240]
+    python -m benchmarks.bench_trtllm_decode [--quick | --frontier] [--budget-s 240]
 
 Rows (bf16, Hq=32, Hkv=8, D=128, page 64, HND pages in a randomly permuted pool that JAX and
 torch share through dlpack; every sequence at kv_len, or uniform in [kv_len / 2, kv_len] for the
@@ -16,6 +16,9 @@ torch share through dlpack; every sequence at kv_len, or uniform in [kv_len / 2,
     CUDA graph, timed with CUDA events, (t(2R) - t(R)) / R likewise.
   * jaxattn ``backend="xla"`` (gather + attention): median wall time of single jitted calls.
   * device copy bandwidth: torch device-to-device copy of 4 GiB, (read + write bytes) / time.
+``--frontier`` runs the low-batch long-context points instead (B in {1, 2, 4} x kv in {16k, 32k,
+128k}) with jaxattn's ``triton`` and ``auto`` backends too (chained like trtllm), without the xla
+backend, and writes the decode-frontier section.
 TB/s counts the K and V bytes each decode must read. Writes the trtllm section of
 benchmarks/RESULTS.md (and a copy under $OUT when set).
 """
@@ -46,7 +49,7 @@ from benchmarks.common import (  # noqa: E402
 from jaxattn.backends import _xqa_build, trtllm  # noqa: E402
 from jaxattn.backends.base import AttentionParams  # noqa: E402
 
-PEERS = ("jaxattn trtllm", "flashinfer xqa", "flashinfer fa2", "jaxattn xla")
+PEERS = ("jaxattn trtllm", "jaxattn triton", "jaxattn auto", "flashinfer xqa", "flashinfer fa2", "jaxattn xla")
 KEY_CASE = (64, 4096)
 
 
@@ -73,6 +76,8 @@ TARGET_CASE = Case(*KEY_CASE, ragged=True)
 SWEEP = [TARGET_CASE, Case(*KEY_CASE)] + [Case(b, n) for b in (1, 8, 64, 256) for n in (512, 4096, 32768)
                                           if (b, n) != KEY_CASE]
 QUICK = [TARGET_CASE, Case(*KEY_CASE), Case(1, 512), Case(256, 32768)]
+# Low batch, long context: too few (request, KV head) pairs to fill the GPU without splitting keys.
+FRONTIER = [Case(b, n) for b in (1, 2, 4) for n in (16384, 32768, 131072)]
 
 
 def case_inputs(case: Case) -> Inputs:
@@ -246,7 +251,9 @@ def copy_bandwidth(gib: int = 4, trials: int = 9) -> float:
     return 2 * (gib << 30) / statistics.median(times)
 
 
-def bench_case(case: Case, with_xla: bool) -> dict:
+def bench_case(case: Case, with_xla: bool, backends: tuple[str, ...] = ()) -> dict:
+    """One row: jaxattn trtllm, the other jaxattn ``backends`` (chained like trtllm), the torch
+    peers and (``with_xla``) the xla backend."""
     import torch
 
     x = case_inputs(case)
@@ -260,6 +267,9 @@ def bench_case(case: Case, with_xla: bool) -> dict:
             row["seconds"]["jaxattn trtllm, PDL off"] = time_trtllm(x, repeats)[0]
         finally:
             del os.environ["JAXATTN_TRTLLM_PDL"]
+    for backend in backends:
+        row["seconds"][f"jaxattn {backend}"], other, _ = time_chained(x, repeats, backend)
+        row["notes"].append(f"{backend} vs trtllm rel err {rel_error(other, out):.1e}")
     try:
         runners = flashinfer_runners(case, x)
     except Exception as err:
@@ -286,17 +296,21 @@ def bench_case(case: Case, with_xla: bool) -> dict:
     return row
 
 
-def table(rows: list[dict], copy_rate: float) -> str:
-    head = ("| case | " + " | ".join(f"{p} us (TB/s)" for p in PEERS)
-            + " | trtllm / fi-xqa | trtllm / fa2 | trtllm / xla | trtllm / copy |")
-    lines = [head, "|" + "---|" * (len(PEERS) + 5)]
+def table(rows: list[dict], copy_rate: float, ours: str = "jaxattn trtllm") -> str:
+    """One column per implementation that has a time in some row; ratios against ``ours``."""
+    peers = [p for p in PEERS if any(p in r["seconds"] for r in rows)]
+    others = [p for p in ("flashinfer xqa", "flashinfer fa2", "jaxattn xla") if p in peers]
+    short = ours.removeprefix("jaxattn ")
+    head = ("| case | " + " | ".join(f"{p} us (TB/s)" for p in peers) + " | "
+            + " | ".join(f"{short} / {p.removeprefix('flashinfer ').replace('xqa', 'fi-xqa')}" for p in others)
+            + f" | {short} / copy |")
+    lines = [head, "|" + "---|" * (len(peers) + len(others) + 2)]
     for row in rows:
         sec, case = row["seconds"], row["case"]
-        cells = [f"{sec[p] * 1e6:.1f} ({case.kv_bytes / sec[p] / 1e12:.2f})" if p in sec else "-" for p in PEERS]
-        ours = sec.get("jaxattn trtllm")
-        ratios = [f"{sec[p] / ours:.3f}" if ours and p in sec else "-"
-                  for p in ("flashinfer xqa", "flashinfer fa2", "jaxattn xla")]
-        ratios.append(f"{case.kv_bytes / ours / copy_rate:.2f}" if ours else "-")
+        cells = [f"{sec[p] * 1e6:.1f} ({case.kv_bytes / sec[p] / 1e12:.2f})" if p in sec else "-" for p in peers]
+        t = sec.get(ours)
+        ratios = [f"{sec[p] / t:.3f}" if t and p in sec else "-" for p in others]
+        ratios.append(f"{case.kv_bytes / t / copy_rate:.2f}" if t else "-")
         lines.append(f"| {case} | " + " | ".join(cells + ratios) + " |")
     return "\n".join(lines)
 
@@ -347,6 +361,29 @@ def write_results(rows: list[dict], copy_rate: float, command: str, update_resul
                          update_results=update_results)
 
 
+def write_frontier(rows: list[dict], copy_rate: float, command: str) -> str:
+    """The decode-frontier section: every jaxattn decode path against XQA in torch and the copy rate."""
+    lines = [f"- {r['case']}: auto {r['case'].kv_bytes / r['seconds']['jaxattn auto'] / copy_rate:.2f} of the copy rate"
+             + (f", {r['seconds']['flashinfer xqa'] / r['seconds']['jaxattn auto']:.2f}x flashinfer xqa"
+                if "flashinfer xqa" in r["seconds"] else "")
+             + "; fastest: " + min((p for p in r["seconds"] if p.startswith("jaxattn")), key=r["seconds"].get)
+             for r in rows if "jaxattn auto" in r["seconds"]]
+    text = "\n".join([
+        f"- device: {device_name()}; jax {jax.__version__}; "
+        f"date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC; command: `{command}`",
+        f"- bf16, Hq={HQ}, Hkv={HKV}, D={D}, page {PAGE}, HND, randomly permuted pool; device copy bandwidth "
+        f"{copy_rate / 1e12:.2f} TB/s; time per decode as in the trtllm section (jaxattn backends chained in one jit,",
+        "  flashinfer in a CUDA graph); ratios: peer time / jaxattn auto time.",
+        "",
+        table(rows, copy_rate, ours="jaxattn auto"),
+        "",
+        *lines,
+        "",
+        "Notes: " + "; ".join(f"{r['case']}: " + ", ".join(r["notes"]) for r in rows if r["notes"]),
+    ])
+    return write_section("decode-frontier", text, heading="Decode frontier (low batch, long context)")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="three cases only")
@@ -354,6 +391,9 @@ def main() -> None:
     parser.add_argument("--xla-max-tokens", type=int, default=64 * 4096, help="skip the xla backend above B * kv_len")
     parser.add_argument("--cases", default="", help="only these sweep cases, e.g. '1x512,8x512' (B x kv_len); "
                         "the table then goes to stdout and $OUT, not RESULTS.md")
+    parser.add_argument("--frontier", action="store_true",
+                        help="the low-batch long-context points instead, with jaxattn's triton and auto backends too "
+                             "(the decode-frontier section)")
     args = parser.parse_args()
     reason = jaxattn.backends.unavailable_reason("trtllm")
     if reason:
@@ -361,7 +401,7 @@ def main() -> None:
     copy_rate = copy_bandwidth()
     print(f"device copy bandwidth: {copy_rate / 1e12:.2f} TB/s", flush=True)
     start, rows = time.time(), []
-    cases = QUICK if args.quick else SWEEP
+    cases = FRONTIER if args.frontier else QUICK if args.quick else SWEEP
     if args.cases:
         wanted = {tuple(int(n) for n in c.split("x")) for c in args.cases.split(",")}
         cases = [c for c in SWEEP if (c.batch, c.kv_len) in wanted and not c.ragged]
@@ -370,14 +410,18 @@ def main() -> None:
             print(f"budget of {args.budget_s:.0f}s spent; skipping {case}")
             continue
         try:
-            row = bench_case(case, with_xla=case.batch * case.kv_len <= args.xla_max_tokens)
+            row = bench_case(case, with_xla=not args.frontier and case.batch * case.kv_len <= args.xla_max_tokens,
+                             backends=("triton", "auto") if args.frontier else ())
         except Exception:  # e.g. out of memory: report the others
             traceback.print_exc(limit=3)
             continue
         rows.append(row)
         print(case, {k: f"{v * 1e6:.1f}us" for k, v in row["seconds"].items()}, row["notes"], flush=True)
     command = "python -m benchmarks.bench_trtllm_decode " + " ".join(sys.argv[1:])
-    print(write_results(rows, copy_rate, command.strip(), update_results=not args.cases))
+    if args.frontier:
+        print(write_frontier(rows, copy_rate, command.strip()))
+    else:
+        print(write_results(rows, copy_rate, command.strip(), update_results=not args.cases))
 
 
 if __name__ == "__main__":

@@ -14,6 +14,9 @@
 // Results:   as above. XQA writes only the rows of requests with tokens; a kernel launched after
 //            it zeroes every row whose row_valid is 0 (the caller flags rows outside every
 //            request and rows of requests it gave no keys).
+// Split:     XQA splits each sequence over CTAs by a formula of the SM count; the attribute
+//            split_sm_count (0: the device's) is the count it is given, so that the caller picks
+//            the split (the trace-time workspace query takes the same count).
 // Stages:    instantiate creates this call's semaphore state (one per custom call in the HLO, so
 //            calls that may run concurrently never share semaphores); initialize allocates and
 //            zeroes it once per device (XQA leaves its semaphores zero after every launch);
@@ -270,7 +273,7 @@ ffi::Error Run(cudaStream_t stream, int32_t device, SemaphoreState* semaphores, 
                SpecOperands const* spec, ffi::Result<ffi::AnyBuffer> out,
                ffi::Result<ffi::AnyBuffer> scratch, int64_t num_kv_heads, int64_t stride_page,
                int64_t stride_token, int64_t stride_head, int64_t sliding_window,
-               int64_t semaphore_count, int64_t enable_pdl) {
+               int64_t semaphore_count, int64_t enable_pdl, int64_t split_sm_count) {
   g_host_executions.fetch_add(1, std::memory_order_relaxed);
   try {
     VariantInfo const info = variant_info();
@@ -298,15 +301,21 @@ ffi::Error Run(cudaStream_t stream, int32_t device, SemaphoreState* semaphores, 
       return ffi::Error::Internal("jaxattn trtllm: execute before initialize on device " +
                                   std::to_string(device));
     }
+    if (split_sm_count < 0) {
+      return ffi::Error::InvalidArgument("jaxattn trtllm: split_sm_count must be >= 0");
+    }
+    // XQA derives its split count (CTAs per sequence) from the SM count it is given; the caller
+    // may pass another count to pick the split (the trace-time workspace used the same one).
+    int const launch_sms = split_sm_count > 0 ? static_cast<int>(split_sm_count) : sm_count;
     auto const max_pages = static_cast<uint32_t>(page_table.dimensions()[1]);
-    Workspace const ws = workspace_layout(sm_count, batch, static_cast<uint32_t>(num_kv_heads),
+    Workspace const ws = workspace_layout(launch_sms, batch, static_cast<uint32_t>(num_kv_heads),
                                           max_pages, q_seq_len);
     if (semaphore_count < 0 || static_cast<uint64_t>(semaphore_count) != semaphores->count) {
       return ffi::Error::Internal("jaxattn trtllm: semaphore state does not match its call");
     }
     if (scratch->size_bytes() < ws.scratch_bytes || semaphores->count < ws.semaphore_count) {
       return ffi::Error::InvalidArgument(
-          "jaxattn trtllm: this launch (" + std::to_string(sm_count) + " SMs) needs " +
+          "jaxattn trtllm: this launch (split for " + std::to_string(launch_sms) + " SMs) needs " +
           std::to_string(ws.scratch_bytes) + " scratch bytes and " +
           std::to_string(ws.semaphore_count) + " semaphores, the call has " +
           std::to_string(scratch->size_bytes()) + " and " + std::to_string(semaphores->count) +
@@ -314,7 +323,7 @@ ffi::Error Run(cudaStream_t stream, int32_t device, SemaphoreState* semaphores, 
     }
     bool const splits = ws.semaphore_count != 0;
     LaunchArgs args{};
-    args.sm_count = static_cast<uint32_t>(sm_count);
+    args.sm_count = static_cast<uint32_t>(launch_sms);
     args.num_kv_heads = static_cast<uint32_t>(num_kv_heads);
     args.sliding_window = static_cast<uint32_t>(sliding_window);
     args.q_scale = static_cast<float const*>(scales.untyped_data());
@@ -370,10 +379,10 @@ ffi::Error Execute(cudaStream_t stream, int32_t device, SemaphoreState* semaphor
                    ffi::AnyBuffer sinks, ffi::Result<ffi::AnyBuffer> out,
                    ffi::Result<ffi::AnyBuffer> scratch, int64_t num_kv_heads, int64_t stride_page,
                    int64_t stride_token, int64_t stride_head, int64_t sliding_window,
-                   int64_t semaphore_count, int64_t enable_pdl) {
+                   int64_t semaphore_count, int64_t enable_pdl, int64_t split_sm_count) {
   return Run(stream, device, semaphores, q, k_pages, v_pages, page_table, seq_lens, scales, sinks,
              nullptr, out, scratch, num_kv_heads, stride_page, stride_token, stride_head,
-             sliding_window, semaphore_count, enable_pdl);
+             sliding_window, semaphore_count, enable_pdl, split_sm_count);
 }
 
 ffi::Error SpecExecute(cudaStream_t stream, int32_t device, SemaphoreState* semaphores,
@@ -384,11 +393,11 @@ ffi::Error SpecExecute(cudaStream_t stream, int32_t device, SemaphoreState* sema
                        ffi::Result<ffi::AnyBuffer> scratch, int64_t num_kv_heads,
                        int64_t stride_page, int64_t stride_token, int64_t stride_head,
                        int64_t sliding_window, int64_t semaphore_count, int64_t enable_pdl,
-                       int64_t q_seq_len) {
+                       int64_t q_seq_len, int64_t split_sm_count) {
   SpecOperands const spec{q_cu_seq_lens, mask, row_valid, q_seq_len};
   return Run(stream, device, semaphores, q, k_pages, v_pages, page_table, seq_lens, scales, sinks,
              &spec, out, scratch, num_kv_heads, stride_page, stride_token, stride_head,
-             sliding_window, semaphore_count, enable_pdl);
+             sliding_window, semaphore_count, enable_pdl, split_sm_count);
 }
 
 }  // namespace
@@ -431,7 +440,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxattnXqaExecute, jaxattn::xqa::Execute,
                                   .Attr<int64_t>("stride_head")
                                   .Attr<int64_t>("sliding_window")
                                   .Attr<int64_t>("semaphore_count")
-                                  .Attr<int64_t>("enable_pdl"),
+                                  .Attr<int64_t>("enable_pdl")
+                                  .Attr<int64_t>("split_sm_count"),
                               {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxattnXqaSpecExecute, jaxattn::xqa::SpecExecute,
@@ -458,7 +468,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxattnXqaSpecExecute, jaxattn::xqa::SpecExecute,
                                   .Attr<int64_t>("sliding_window")
                                   .Attr<int64_t>("semaphore_count")
                                   .Attr<int64_t>("enable_pdl")
-                                  .Attr<int64_t>("q_seq_len"),
+                                  .Attr<int64_t>("q_seq_len")
+                                  .Attr<int64_t>("split_sm_count"),
                               {ffi::Traits::kCmdBufferCompatible});
 
 // The semaphore state's type, registered with jax.ffi.register_ffi_type before the target.

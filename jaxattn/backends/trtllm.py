@@ -139,7 +139,8 @@ def attention(q: jax.Array, cache: KVCache, meta: AttentionMetadata, params: Att
     seq_lens = jnp.where(first, jnp.clip(meta.kv_lens[seq_c], 0, max_pages * cache.page_size), 0)
     tables = meta.block_tables[seq_c]
 
-    semaphores, scratch = kernel.workspace(_sm_count(), num_tokens, cache.num_kv_heads, max_pages)
+    split_sms = split_sm_count(kernel.variant, num_tokens, cache.num_kv_heads, max_pages)
+    semaphores, scratch = kernel.workspace(split_sms, num_tokens, cache.num_kv_heads, max_pages)
     stride_page, stride_token, stride_head = _strides(cache)
     call = jax.ffi.ffi_call(
         kernel.target_name,
@@ -155,6 +156,7 @@ def attention(q: jax.Array, cache: KVCache, meta: AttentionMetadata, params: Att
         sliding_window=np.int64(params.sliding_window or 0),
         semaphore_count=np.int64(semaphores),  # persistent per call site, zeroed once (handler)
         enable_pdl=np.int64(os.environ.get("JAXATTN_TRTLLM_PDL", "1") != "0"),
+        split_sm_count=np.int64(split_sms),
     )
     return out
 
@@ -187,6 +189,7 @@ def _spec_attention(q: jax.Array, cache: KVCache, meta: AttentionMetadata, param
         semaphore_count=np.int64(semaphores),
         enable_pdl=np.int64(os.environ.get("JAXATTN_TRTLLM_PDL", "1") != "0"),
         q_seq_len=np.int64(max_q),
+        split_sm_count=np.int64(_sm_count()),
     )
     return out
 
@@ -256,6 +259,14 @@ def _strides(cache: KVCache) -> tuple[int, int, int]:
     if cache.layout == "HND":
         return heads * page * dim, dim, page * dim
     return page * heads * dim, heads * dim, dim
+
+
+def split_sm_count(kernel_variant: _xqa_build.Variant, num_requests: int, num_kv_heads: int, max_pages: int) -> int:
+    """The SM count XQA's split formula is given for a decode launch (its CTAs per sequence grow
+    with it): the device's. On an H100, a quarter to 8x that count was slower or within 2% at
+    every batch 1-64 and kv 4k-128k point (``benchmarks/tune_xqa_splits.py``, RESULTS.md)."""
+    del kernel_variant, num_requests, num_kv_heads, max_pages
+    return _sm_count()
 
 
 @functools.cache

@@ -1,0 +1,74 @@
+"""How many CTAs per sequence XQA should use at low-batch decode: a sweep of the SM count its split
+formula is given (``jaxattn.backends.trtllm.split_sm_count``), one device run.
+
+    python -m benchmarks.tune_xqa_splits [--multiples 1,2,3,4,6,8] [--points frontier|all]
+
+XQA's generic kernel (bf16/fp16 pages) splits each (request, KV head) over
+``min(SMs / (B * Hkv), ceil(max_kv / tile))`` CTAs; the Hopper fp8 kernel over
+``round(SMs * 3 / (B * Hkv) / 4)``. For each point (bf16, Hq=32, Hkv=8, D=128, page 64, HND pool
+randomly permuted), each multiple m of the device's SM count is passed as that count, and the
+table gives the GPU time per call of the whole ``backend="trtllm"`` call and of the XQA kernel alone
+(profiler, median of 3 rounds of 20 calls), against the copy rate. The last table breaks one
+point's call into its kernels.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+
+import jax
+
+import jaxattn
+from benchmarks.bench_e2e import copy_bandwidth
+from benchmarks.bench_triton import Workload, make_inputs
+from benchmarks.common import device_event_seconds, device_name
+from jaxattn.backends import trtllm
+
+FRONTIER = [(b, kv) for b in (1, 2, 4) for kv in (4096, 16384, 32768, 131072)]
+ALL = FRONTIER + [(8, 4096), (16, 4096), (64, 4096), (8, 32768)]
+
+
+def profile(call, rounds: int = 3, calls: int = 20) -> tuple[float, float, dict[str, float]]:
+    """(median whole-call seconds, median XQA-kernel seconds, one round's per-kernel seconds)."""
+    jax.block_until_ready(call())
+    events = [device_event_seconds(call, calls) for _ in range(rounds)]
+    whole = statistics.median(sum(e.values()) for e in events)
+    xqa = statistics.median(sum(t for name, t in e.items() if "kernel_mha" in name) for e in events)
+    return whole, xqa, events[-1]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.tune_xqa_splits", description=__doc__.splitlines()[0])
+    parser.add_argument("--multiples", default="1,2,3,4,6,8", help="multiples of the SM count to try")
+    parser.add_argument("--points", choices=("frontier", "all"), default="frontier")
+    args = parser.parse_args()
+    multiples = [float(m) for m in args.multiples.split(",")]
+    sms = trtllm._sm_count()
+    copy_rate = copy_bandwidth()
+    print(f"{device_name()}; {sms} SMs; copy rate {copy_rate / 1e12:.2f} TB/s")
+    print("| B | kv | SM count given | whole call us | XQA us | of copy rate (whole) |")
+    print("|---|---|---|---|---|---|")
+    default_split = trtllm.split_sm_count
+    breakdown = None
+    for batch, kv in FRONTIER if args.points == "frontier" else ALL:
+        w = Workload(f"B={batch} kv={kv}", (1,) * batch, (kv,) * batch, decode_only=True)
+        (q,), cache, meta = make_inputs(w, 1)
+        for m in multiples:
+            trtllm.split_sm_count = lambda *_, m=m: int(round(m * sms))
+            fn = jax.jit(lambda q, c, mt: jaxattn.paged_attention(q, c, mt, backend="trtllm"))
+            whole, xqa, events = profile(lambda: fn(q, cache, meta))
+            print(f"| {batch} | {kv} | {int(round(m * sms))} | {whole * 1e6:.1f} | {xqa * 1e6:.1f} | "
+                  f"{w.kv_bytes / whole / copy_rate:.0%} |", flush=True)
+            if m == 1 and batch == 1 and kv == 32768:
+                breakdown = events
+            jax.clear_caches()
+        trtllm.split_sm_count = default_split
+    if breakdown:
+        print("\nB=1 kv=32768, the device's SM count: kernels of one call")
+        for name, t in sorted(breakdown.items(), key=lambda x: -x[1]):
+            print(f"  {t * 1e6:7.2f} us  {name[:120]}")
+
+
+if __name__ == "__main__":
+    main()
