@@ -1,6 +1,6 @@
 """Paged decode, side by side on one GPU: jaxattn's trtllm (XQA) backend vs its peers on the same data.
 
-    python -m benchmarks.bench_trtllm_decode [--quick | --frontier] [--budget-s 240]
+    python -m benchmarks.bench_trtllm_decode [--quick | --frontier | --fp8] [--budget-s 240]
 
 Rows (bf16, Hq=32, Hkv=8, D=128, page 64, HND pages in a randomly permuted pool that JAX and
 torch share through dlpack; every sequence at kv_len, or uniform in [kv_len / 2, kv_len] for the
@@ -18,7 +18,9 @@ torch share through dlpack; every sequence at kv_len, or uniform in [kv_len / 2,
   * device copy bandwidth: torch device-to-device copy of 4 GiB, (read + write bytes) / time.
 ``--frontier`` runs the low-batch long-context points instead (B in {1, 2, 4} x kv in {16k, 32k,
 128k}) with jaxattn's ``triton`` and ``auto`` backends too (chained like trtllm), without the xla
-backend, and writes the decode-frontier section.
+backend, and writes the decode-frontier section. ``--fp8`` runs B=64 (kv U[2048,4096] and 4096),
+B=256 kv 4096 and B=8 kv 32768 with the pages also in float8_e4m3fn: jaxattn trtllm and flashinfer
+xqa on those (XQA's Hopper fp8 kernel), against bf16; it writes the fp8-decode section.
 TB/s counts the K and V bytes each decode must read. Writes the trtllm section of
 benchmarks/RESULTS.md (and a copy under $OUT when set).
 """
@@ -49,7 +51,8 @@ from benchmarks.common import (  # noqa: E402
 from jaxattn.backends import _xqa_build, trtllm  # noqa: E402
 from jaxattn.backends.base import AttentionParams  # noqa: E402
 
-PEERS = ("jaxattn trtllm", "jaxattn triton", "jaxattn auto", "flashinfer xqa", "flashinfer fa2", "jaxattn xla")
+PEERS = ("jaxattn trtllm", "jaxattn triton", "jaxattn auto", "flashinfer xqa", "flashinfer fa2", "jaxattn xla",
+         "jaxattn trtllm fp8", "flashinfer xqa fp8")
 KEY_CASE = (64, 4096)
 
 
@@ -78,12 +81,23 @@ SWEEP = [TARGET_CASE, Case(*KEY_CASE)] + [Case(b, n) for b in (1, 8, 64, 256) fo
 QUICK = [TARGET_CASE, Case(*KEY_CASE), Case(1, 512), Case(256, 32768)]
 # Low batch, long context: too few (request, KV head) pairs to fill the GPU without splitting keys.
 FRONTIER = [Case(b, n) for b in (1, 2, 4) for n in (16384, 32768, 131072)]
+FP8_CASES = [TARGET_CASE, Case(*KEY_CASE), Case(256, 4096), Case(8, 32768)]
 
 
 def case_inputs(case: Case) -> Inputs:
     """The shared inputs, with the case's (possibly ragged) lengths; tables keep kv_len's pages."""
     x = make_inputs(case.batch, 1, case.kv_len)
     return dataclasses.replace(x, meta=dataclasses.replace(x.meta, kv_lens=jnp.asarray(case.lens())))
+
+
+def fp8_inputs(x: Inputs) -> Inputs:
+    """``x`` with its pages stored as float8_e4m3fn, each pool scaled so that its largest magnitude is 448."""
+    def quantize(pages: jax.Array) -> tuple[jax.Array, jax.Array]:
+        scale = jnp.max(jnp.abs(pages.astype(jnp.float32))) / 448.0
+        return (pages.astype(jnp.float32) / scale).astype(jnp.float8_e4m3fn), scale
+
+    (k, k_scale), (v, v_scale) = quantize(x.cache.k_pages), quantize(x.cache.v_pages)
+    return dataclasses.replace(x, cache=jaxattn.KVCache(k, v, layout="HND", k_scale=k_scale, v_scale=v_scale))
 
 
 def host_executions(x: Inputs) -> int:
@@ -231,6 +245,25 @@ def flashinfer_runners(case: Case, x: Inputs) -> dict:
             "flashinfer fa2": lambda: wrapper.run(q, (k, v))}
 
 
+def flashinfer_fp8_runner(case: Case, x8: Inputs):
+    """flashinfer's XQA on ``x8``'s float8_e4m3fn pages (q bf16): a zero-argument callable."""
+    import torch
+    import flashinfer
+
+    def fp8_tensor(pages: jax.Array) -> torch.Tensor:     # DLPack has no float8: go through bytes
+        return torch.from_dlpack(jax.lax.bitcast_convert_type(pages, jnp.uint8)).view(torch.float8_e4m3fn)
+
+    q = torch.from_dlpack(x8.q)
+    k, v = fp8_tensor(x8.cache.k_pages), fp8_tensor(x8.cache.v_pages)
+    tables = torch.from_dlpack(x8.meta.block_tables)
+    lens = torch.from_dlpack(x8.meta.kv_lens)
+    workspace = torch.zeros(256 << 20, dtype=torch.uint8, device=q.device)
+    k_scale, v_scale = float(x8.cache.k_scale), float(x8.cache.v_scale)
+    return lambda: flashinfer.decode.trtllm_batch_decode_with_kv_cache(
+        q, (k, v), workspace, tables, lens, case.kv_len, bmm1_scale=k_scale / math.sqrt(D), bmm2_scale=v_scale,
+        kv_layout="HND", backend="xqa")
+
+
 def copy_bandwidth(gib: int = 4, trials: int = 9) -> float:
     """Device-to-device copy rate in bytes/s, counting bytes read plus bytes written."""
     import torch
@@ -251,9 +284,10 @@ def copy_bandwidth(gib: int = 4, trials: int = 9) -> float:
     return 2 * (gib << 30) / statistics.median(times)
 
 
-def bench_case(case: Case, with_xla: bool, backends: tuple[str, ...] = ()) -> dict:
+def bench_case(case: Case, with_xla: bool, backends: tuple[str, ...] = (), fp8: bool = False) -> dict:
     """One row: jaxattn trtllm, the other jaxattn ``backends`` (chained like trtllm), the torch
-    peers and (``with_xla``) the xla backend."""
+    peers, (``with_xla``) the xla backend and (``fp8``) jaxattn trtllm and flashinfer xqa on the
+    same pages in float8_e4m3fn."""
     import torch
 
     x = case_inputs(case)
@@ -287,6 +321,20 @@ def bench_case(case: Case, with_xla: bool, backends: tuple[str, ...] = ()) -> di
         except Exception as err:
             row["notes"].append(f"{name} failed: {err!r}"[:300])
             traceback.print_exc(limit=2)
+    if fp8:
+        x8 = fp8_inputs(x)
+        row["seconds"]["jaxattn trtllm fp8"], out8, _ = time_chained(x8, repeats, "trtllm")
+        row["notes"].append(f"fp8 vs bf16 pages rel err {rel_error(out8, out):.1e}")
+        try:
+            fn = flashinfer_fp8_runner(case, x8)
+            peer = fn()
+            torch.cuda.synchronize()
+            row["notes"].append(f"jaxattn fp8 vs flashinfer xqa fp8 rel err "
+                                f"{rel_error(out8, jnp.asarray(peer.float().cpu().numpy())):.1e}")
+            row["seconds"]["flashinfer xqa fp8"] = time_torch(fn, repeats)[0]
+        except Exception as err:
+            row["notes"].append(f"flashinfer xqa fp8 failed: {err!r}"[:300])
+            traceback.print_exc(limit=2)
     if with_xla:
         try:
             row["seconds"]["jaxattn xla"], ref = time_xla(x)
@@ -296,21 +344,28 @@ def bench_case(case: Case, with_xla: bool, backends: tuple[str, ...] = ()) -> di
     return row
 
 
+def bytes_read(case: Case, implementation: str) -> int:
+    """K and V bytes one decode reads: half of bf16's from float8 pages."""
+    return case.kv_bytes // 2 if implementation.endswith("fp8") else case.kv_bytes
+
+
 def table(rows: list[dict], copy_rate: float, ours: str = "jaxattn trtllm") -> str:
     """One column per implementation that has a time in some row; ratios against ``ours``."""
     peers = [p for p in PEERS if any(p in r["seconds"] for r in rows)]
-    others = [p for p in ("flashinfer xqa", "flashinfer fa2", "jaxattn xla") if p in peers]
-    short = ours.removeprefix("jaxattn ")
+    others = [p for p in peers if p != ours]
+
+    def label(p: str) -> str:
+        return p.removeprefix("jaxattn ").replace("flashinfer xqa", "fi-xqa").removeprefix("flashinfer ")
+
     head = ("| case | " + " | ".join(f"{p} us (TB/s)" for p in peers) + " | "
-            + " | ".join(f"{short} / {p.removeprefix('flashinfer ').replace('xqa', 'fi-xqa')}" for p in others)
-            + f" | {short} / copy |")
+            + " | ".join(f"{label(ours)} / {label(p)}" for p in others) + f" | {label(ours)} / copy |")
     lines = [head, "|" + "---|" * (len(peers) + len(others) + 2)]
     for row in rows:
         sec, case = row["seconds"], row["case"]
-        cells = [f"{sec[p] * 1e6:.1f} ({case.kv_bytes / sec[p] / 1e12:.2f})" if p in sec else "-" for p in peers]
+        cells = [f"{sec[p] * 1e6:.1f} ({bytes_read(case, p) / sec[p] / 1e12:.2f})" if p in sec else "-" for p in peers]
         t = sec.get(ours)
         ratios = [f"{sec[p] / t:.3f}" if t and p in sec else "-" for p in others]
-        ratios.append(f"{case.kv_bytes / t / copy_rate:.2f}" if t else "-")
+        ratios.append(f"{bytes_read(case, ours) / t / copy_rate:.2f}" if t else "-")
         lines.append(f"| {case} | " + " | ".join(cells + ratios) + " |")
     return "\n".join(lines)
 
@@ -361,27 +416,32 @@ def write_results(rows: list[dict], copy_rate: float, command: str, update_resul
                          update_results=update_results)
 
 
-def write_frontier(rows: list[dict], copy_rate: float, command: str) -> str:
-    """The decode-frontier section: every jaxattn decode path against XQA in torch and the copy rate."""
-    lines = [f"- {r['case']}: auto {r['case'].kv_bytes / r['seconds']['jaxattn auto'] / copy_rate:.2f} of the copy rate"
-             + (f", {r['seconds']['flashinfer xqa'] / r['seconds']['jaxattn auto']:.2f}x flashinfer xqa"
-                if "flashinfer xqa" in r["seconds"] else "")
-             + "; fastest: " + min((p for p in r["seconds"] if p.startswith("jaxattn")), key=r["seconds"].get)
-             for r in rows if "jaxattn auto" in r["seconds"]]
+def write_comparison(rows: list[dict], copy_rate: float, command: str, *, section: str, heading: str, ours: str,
+                     peer: str, setup: str) -> str:
+    """A section of every implementation's time per case, with ratios against ``ours`` and, per
+    case, ``ours`` against the copy rate and ``peer``, and the fastest jaxattn row."""
+    lines = []
+    for r in rows:
+        sec = r["seconds"]
+        if ours not in sec:
+            continue
+        vs_peer = f", {sec[peer] / sec[ours]:.2f}x {peer}" if peer in sec else ""
+        fastest = min((p for p in sec if p.startswith("jaxattn")), key=sec.get)
+        lines.append(f"- {r['case']}: {ours} {bytes_read(r['case'], ours) / sec[ours] / copy_rate:.2f} of the copy "
+                     f"rate{vs_peer}; fastest jaxattn row: {fastest}")
     text = "\n".join([
         f"- device: {device_name()}; jax {jax.__version__}; "
         f"date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC; command: `{command}`",
-        f"- bf16, Hq={HQ}, Hkv={HKV}, D={D}, page {PAGE}, HND, randomly permuted pool; device copy bandwidth "
-        f"{copy_rate / 1e12:.2f} TB/s; time per decode as in the trtllm section (jaxattn backends chained in one jit,",
-        "  flashinfer in a CUDA graph); ratios: peer time / jaxattn auto time.",
+        f"- {setup}; device copy bandwidth {copy_rate / 1e12:.2f} TB/s; time per decode as in the trtllm section",
+        f"  (jaxattn backends chained in one jit, flashinfer in a CUDA graph); ratios: peer time / {ours} time.",
         "",
-        table(rows, copy_rate, ours="jaxattn auto"),
+        table(rows, copy_rate, ours=ours),
         "",
         *lines,
         "",
         "Notes: " + "; ".join(f"{r['case']}: " + ", ".join(r["notes"]) for r in rows if r["notes"]),
     ])
-    return write_section("decode-frontier", text, heading="Decode frontier (low batch, long context)")
+    return write_section(section, text, heading=heading)
 
 
 def main() -> None:
@@ -391,6 +451,9 @@ def main() -> None:
     parser.add_argument("--xla-max-tokens", type=int, default=64 * 4096, help="skip the xla backend above B * kv_len")
     parser.add_argument("--cases", default="", help="only these sweep cases, e.g. '1x512,8x512' (B x kv_len); "
                         "the table then goes to stdout and $OUT, not RESULTS.md")
+    parser.add_argument("--fp8", action="store_true",
+                        help="float8_e4m3fn pages: jaxattn trtllm vs flashinfer xqa on them, and vs bf16 pages "
+                             "(the fp8-decode section)")
     parser.add_argument("--frontier", action="store_true",
                         help="the low-batch long-context points instead, with jaxattn's triton and auto backends too "
                              "(the decode-frontier section)")
@@ -401,7 +464,7 @@ def main() -> None:
     copy_rate = copy_bandwidth()
     print(f"device copy bandwidth: {copy_rate / 1e12:.2f} TB/s", flush=True)
     start, rows = time.time(), []
-    cases = FRONTIER if args.frontier else QUICK if args.quick else SWEEP
+    cases = FRONTIER if args.frontier else FP8_CASES if args.fp8 else QUICK if args.quick else SWEEP
     if args.cases:
         wanted = {tuple(int(n) for n in c.split("x")) for c in args.cases.split(",")}
         cases = [c for c in SWEEP if (c.batch, c.kv_len) in wanted and not c.ragged]
@@ -410,16 +473,26 @@ def main() -> None:
             print(f"budget of {args.budget_s:.0f}s spent; skipping {case}")
             continue
         try:
-            row = bench_case(case, with_xla=not args.frontier and case.batch * case.kv_len <= args.xla_max_tokens,
-                             backends=("triton", "auto") if args.frontier else ())
+            row = bench_case(case, with_xla=not (args.frontier or args.fp8) and case.batch * case.kv_len <= args.xla_max_tokens,
+                             backends=("triton", "auto") if args.frontier else (), fp8=args.fp8)
         except Exception:  # e.g. out of memory: report the others
             traceback.print_exc(limit=3)
             continue
         rows.append(row)
         print(case, {k: f"{v * 1e6:.1f}us" for k, v in row["seconds"].items()}, row["notes"], flush=True)
     command = "python -m benchmarks.bench_trtllm_decode " + " ".join(sys.argv[1:])
+    setup = f"bf16 q, Hq={HQ}, Hkv={HKV}, D={D}, page {PAGE}, HND, randomly permuted pool"
     if args.frontier:
-        print(write_frontier(rows, copy_rate, command.strip()))
+        print(write_comparison(rows, copy_rate, command.strip(), section="decode-frontier",
+                               heading="Decode frontier (low batch, long context)", ours="jaxattn auto",
+                               peer="flashinfer xqa", setup=f"{setup}, bf16 pages"))
+    elif args.fp8:
+        print(write_comparison(rows, copy_rate, command.strip(), section="fp8-decode",
+                               heading="FP8 KV decode (`backend=\"trtllm\"`, float8_e4m3fn pages)",
+                               ours="jaxattn trtllm fp8", peer="flashinfer xqa fp8",
+                               setup=f"{setup}; fp8 rows: the bf16 pages scaled per pool to a largest "
+                                     "magnitude of 448 and stored as float8_e4m3fn (half the bytes; TB/s "
+                                     "counts the bytes read)"))
     else:
         print(write_results(rows, copy_rate, command.strip(), update_results=not args.cases))
 
