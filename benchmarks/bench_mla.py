@@ -1,0 +1,301 @@
+"""Paged MLA (DeepSeek shapes) on one GPU: jaxattn against flashinfer's MLA wrapper in torch, on the same data.
+
+    python -m benchmarks.bench_mla [--quick] [--budget-s 300] [--smoke]
+
+Decode (absorbed, ``mla_paged_attention``): B in {1, 16, 64, 128} x kv in {1k, 4k, 16k} x Hq in
+{16, 128}, bf16, latent 512 + RoPE 64 per token in one page pool (page 64, randomly permuted).
+  * jaxattn ``backend="auto"`` (the Triton kernel) and, where the gathered pool fits,
+    ``backend="xla"``: R calls chained through their outputs (q_latent <- out, both
+    ``[B, Hq, 512]``) in one jit; time per call = (t(2R) - t(R)) / R of wall-clock medians, as in
+    ``bench_trtllm_decode``;
+  * flashinfer ``BatchMLAPagedAttentionWrapper`` (its ``auto`` backend, planned once outside the
+    timing), R calls in a CUDA graph, (t(2R) - t(R)) / R likewise. Its ckv / kpe pools are the
+    latent pool's two column ranges, made contiguous outside the timing.
+  TB/s: latent bytes read ((512 + 64) x 2 per key and sequence) / time, against the device copy rate;
+  TFLOP/s: 2 x B x Hq x kv x (576 + 512) / time, against the bf16 dense peak given by ``--peak-tflops``.
+Prefill (``mla_prefill``, B=8 x 4096 new tokens, no cached context, Hq 16 and 128, d_qk 192, d_v 128):
+jaxattn ``auto`` against flashinfer's ragged prefill (``BatchPrefillWithRaggedKVCacheWrapper``,
+its fa3 backend, on the same expanded K/V) when it plans; jaxattn's time includes expanding the
+latents to per-head K/V.
+``--smoke`` runs the jaxattn rows of two small cases on any device (CPU included) and writes only $OUT.
+Writes the mla section of benchmarks/RESULTS.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import math
+import sys
+import time
+import traceback
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jaxattn
+from benchmarks.bench_trtllm_decode import _difference, copy_bandwidth, time_torch
+from benchmarks.common import device_name, rel_error, write_section
+
+RANK, ROPE, NOPE, DV, PAGE = 512, 64, 128, 128, 64
+DTYPE = jnp.bfloat16
+SCALE = 1 / math.sqrt(NOPE + ROPE)
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeCase:
+    batch: int
+    kv_len: int
+    heads: int
+
+    @property
+    def latent_bytes(self) -> int:
+        return self.batch * self.kv_len * (RANK + ROPE) * jnp.dtype(DTYPE).itemsize
+
+    @property
+    def flops(self) -> int:
+        return 2 * self.batch * self.heads * self.kv_len * (RANK + ROPE + RANK)
+
+    def __str__(self) -> str:
+        return f"B={self.batch} kv={self.kv_len} Hq={self.heads}"
+
+
+SWEEP = [DecodeCase(b, n, h) for h in (128, 16) for b in (1, 16, 64, 128) for n in (1024, 4096, 16384)]
+KEY_CASE = DecodeCase(64, 4096, 128)   # the issue's target point
+QUICK = [KEY_CASE, DecodeCase(1, 16384, 128), DecodeCase(128, 4096, 16)]
+SMOKE = [DecodeCase(2, 256, 16), DecodeCase(1, 512, 128)]
+
+
+@dataclasses.dataclass
+class DecodeInputs:
+    q_latent: jax.Array    # [B, Hq, R]
+    q_rope: jax.Array      # [B, Hq, Dr]
+    cache: jaxattn.MLACache
+    meta: jaxattn.AttentionMetadata
+
+
+def decode_inputs(case: DecodeCase, seed: int = 0) -> DecodeInputs:
+    rng = np.random.default_rng(seed)
+    pages_per_seq = -(-case.kv_len // PAGE)
+    num_pages = 1 + case.batch * pages_per_seq
+    tables = rng.permutation(np.arange(1, num_pages)).reshape(case.batch, pages_per_seq).astype(np.int32)
+    k1, k2, k3 = jax.random.split(jax.random.key(seed), 3)
+    cache = jaxattn.MLACache(jax.random.normal(k1, (num_pages, PAGE, RANK + ROPE), DTYPE), kv_lora_rank=RANK)
+    meta = jaxattn.AttentionMetadata(
+        cu_q_lens=jnp.arange(case.batch + 1, dtype=jnp.int32),
+        kv_lens=jnp.full((case.batch,), case.kv_len, jnp.int32),
+        block_tables=jnp.asarray(tables),
+        num_decodes=jnp.int32(case.batch),
+        max_q_len=1,
+    )
+    return DecodeInputs(jax.random.normal(k2, (case.batch, case.heads, RANK), DTYPE),
+                        jax.random.normal(k3, (case.batch, case.heads, ROPE), DTYPE), cache, meta)
+
+
+def repeats_for(case: DecodeCase, rate: float = 3e12, target_s: float = 5e-3) -> int:
+    return int(min(64, max(2, math.ceil(target_s / (case.latent_bytes / rate)))))
+
+
+def time_jaxattn(x: DecodeInputs, repeats: int, backend: str, trials: int = 9) -> tuple[float, jax.Array]:
+    """Seconds per call of ``mla_paged_attention(backend=...)`` (R and 2R calls chained through
+    their outputs in one jit), and one call's output."""
+
+    def chain(r):
+        @jax.jit
+        def run(q_latent, q_rope, cache, meta):
+            for _ in range(r):
+                q_latent = jaxattn.mla_paged_attention(q_latent, q_rope, cache, meta, scale=SCALE, backend=backend)
+            return q_latent
+        return run
+
+    def timed(fn):
+        def run():
+            start = time.perf_counter()
+            fn(x.q_latent, x.q_rope, x.cache, x.meta).block_until_ready()
+            return time.perf_counter() - start
+        for _ in range(3):
+            run()
+        return run
+
+    out = chain(1)(x.q_latent, x.q_rope, x.cache, x.meta).block_until_ready()
+    return _difference(timed(chain(repeats)), timed(chain(2 * repeats)), repeats, trials), out
+
+
+def flashinfer_decode(case: DecodeCase, x: DecodeInputs):
+    """flashinfer's MLA wrapper on the same latents: (zero-argument callable -> [B, Hq, R], backend name)."""
+    import torch
+    import flashinfer
+
+    pages = torch.from_dlpack(x.cache.pages)
+    ckv, kpe = pages[..., :RANK].contiguous(), pages[..., RANK:].contiguous()
+    q_nope, q_pe = torch.from_dlpack(x.q_latent), torch.from_dlpack(x.q_rope)
+    tables = torch.from_dlpack(x.meta.block_tables)
+    dev = q_nope.device
+    pages_per_seq = tables.shape[1]
+    wrapper = flashinfer.mla.BatchMLAPagedAttentionWrapper(torch.empty(128 << 20, dtype=torch.uint8, device=dev))
+    wrapper.plan(
+        qo_indptr=torch.arange(case.batch + 1, dtype=torch.int32, device=dev),
+        kv_indptr=torch.arange(case.batch + 1, dtype=torch.int32, device=dev) * pages_per_seq,
+        kv_indices=tables.reshape(-1).contiguous(),
+        kv_len_arr=torch.full((case.batch,), case.kv_len, dtype=torch.int32, device=dev),
+        num_heads=case.heads, head_dim_ckv=RANK, head_dim_kpe=ROPE, page_size=PAGE, causal=False,
+        sm_scale=SCALE, q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16)
+    backend = getattr(wrapper, "_planned_backend_name", None) or "auto"
+    return (lambda: wrapper.run(query=(q_nope, q_pe), kv_cache=(ckv, kpe))), backend
+
+
+def bench_decode(case: DecodeCase, with_torch: bool, with_xla: bool) -> dict:
+    x = decode_inputs(case)
+    repeats = repeats_for(case)
+    row = {"case": case, "seconds": {}, "notes": []}
+    row["seconds"]["jaxattn auto"], out = time_jaxattn(x, repeats, "auto")
+    if with_xla:
+        try:
+            row["seconds"]["jaxattn xla"], ref = time_jaxattn(x, repeats, "xla")
+            row["notes"].append(f"auto vs xla rel err {rel_error(out, ref):.1e}")
+        except Exception as err:  # e.g. out of memory: the others still count
+            row["notes"].append(f"xla failed: {err!r}"[:200])
+    if with_torch:
+        import torch
+        try:
+            fn, backend = flashinfer_decode(case, x)
+            peer = fn()
+            torch.cuda.synchronize()
+            row["notes"].append(f"flashinfer ({backend}) vs auto rel err "
+                                f"{rel_error(jnp.asarray(peer.float().cpu().numpy()), out):.1e}")
+            row["seconds"]["flashinfer mla"], mode = time_torch(fn, repeats)
+            if mode != "graph":
+                row["notes"].append("flashinfer timed eagerly")
+        except Exception as err:
+            row["notes"].append(f"flashinfer failed: {err!r}"[:300])
+            traceback.print_exc(limit=2)
+    return row
+
+
+def prefill_seconds(heads: int, batch: int, q_len: int, with_torch: bool, trials: int = 7) -> dict:
+    """mla_prefill on ``batch`` sequences of ``q_len`` new tokens (no cached context), and
+    flashinfer's ragged fa3 prefill on the expanded K/V: {name: seconds per call}, with notes."""
+    key = jax.random.split(jax.random.key(1), 5)
+    tokens = batch * q_len
+    pages_per_seq = -(-q_len // PAGE)
+    cache = jaxattn.MLACache(jax.random.normal(key[0], (1 + batch * pages_per_seq, PAGE, RANK + ROPE), DTYPE),
+                             kv_lora_rank=RANK)
+    meta = jaxattn.AttentionMetadata(
+        cu_q_lens=jnp.arange(batch + 1, dtype=jnp.int32) * q_len, kv_lens=jnp.full((batch,), q_len, jnp.int32),
+        block_tables=1 + jnp.arange(batch * pages_per_seq, dtype=jnp.int32).reshape(batch, pages_per_seq),
+        num_decodes=jnp.int32(0), max_q_len=q_len)
+    q_nope = jax.random.normal(key[1], (tokens, heads, NOPE), DTYPE)
+    q_rope = jax.random.normal(key[2], (tokens, heads, ROPE), DTYPE)
+    w_uk = (jax.random.normal(key[3], (RANK, heads, NOPE), jnp.float32) / math.sqrt(RANK)).astype(DTYPE)
+    w_uv = (jax.random.normal(key[4], (RANK, heads, DV), jnp.float32) / math.sqrt(RANK)).astype(DTYPE)
+    fn = jax.jit(lambda *a: jaxattn.mla_prefill(*a, scale=SCALE))
+    args = (q_nope, q_rope, cache, meta, w_uk, w_uv)
+    out = fn(*args).block_until_ready()
+    times = []
+    for _ in range(trials):
+        start = time.perf_counter()
+        fn(*args).block_until_ready()
+        times.append(time.perf_counter() - start)
+    result = {"seconds": {"jaxattn auto": float(np.median(times))}, "notes": []}
+    if not with_torch:
+        return result
+    try:
+        import torch
+        import flashinfer
+
+        # The expanded keys and values of each sequence (its own tokens' latents), outside the timing.
+        latents = cache.pages[meta.block_tables].reshape(batch, pages_per_seq * PAGE, RANK + ROPE)[:, :q_len]
+        latents = latents.reshape(tokens, RANK + ROPE)
+        k_nope = jnp.einsum("tr,rhd->thd", latents[:, :RANK], w_uk)
+        k = jnp.concatenate([k_nope, jnp.broadcast_to(latents[:, None, RANK:], (tokens, heads, ROPE))], axis=-1)
+        v = jnp.einsum("tr,rhd->thd", latents[:, :RANK], w_uv)
+        q = jnp.concatenate([q_nope, q_rope], axis=-1)
+        tq, tk, tv = (torch.from_dlpack(a.astype(DTYPE)) for a in (q, k, v))
+        indptr = torch.arange(batch + 1, dtype=torch.int32, device=tq.device) * q_len
+        wrapper = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(
+            torch.empty(256 << 20, dtype=torch.uint8, device=tq.device), "NHD", backend="fa3")
+        wrapper.plan(indptr, indptr, heads, heads, NOPE + ROPE, head_dim_vo=DV, causal=True, sm_scale=SCALE,
+                     q_data_type=torch.bfloat16)
+        peer = wrapper.run(tq, tk, tv)
+        torch.cuda.synchronize()
+        result["notes"].append(f"flashinfer fa3 vs auto rel err {rel_error(jnp.asarray(peer.float().cpu().numpy()), out):.1e}")
+        result["seconds"]["flashinfer fa3"], _ = time_torch(lambda: wrapper.run(tq, tk, tv), 2)
+    except Exception as err:
+        result["notes"].append(f"flashinfer fa3 failed: {err!r}"[:300])
+        traceback.print_exc(limit=2)
+    return result
+
+
+DECODE_PEERS = ("jaxattn auto", "flashinfer mla", "jaxattn xla")
+
+
+def decode_table(rows: list[dict], copy_rate: float | None, peak_flops: float) -> str:
+    lines = ["| case | " + " | ".join(f"{p} us" for p in DECODE_PEERS)
+             + " | auto TB/s (of copy) | auto TFLOP/s (of peak) | flashinfer / auto | xla / auto |",
+             "|" + "---|" * (len(DECODE_PEERS) + 5)]
+    for r in rows:
+        sec, case = r["seconds"], r["case"]
+        t = sec["jaxattn auto"]
+        cells = [f"{sec[p] * 1e6:.1f}" if p in sec else "-" for p in DECODE_PEERS]
+        cells.append(f"{case.latent_bytes / t / 1e12:.2f}"
+                     + (f" ({case.latent_bytes / t / copy_rate:.0%})" if copy_rate else ""))
+        cells.append(f"{case.flops / t / 1e12:.0f} ({case.flops / t / peak_flops:.0%})")
+        cells += [f"{sec[p] / t:.2f}x" if p in sec else "-" for p in ("flashinfer mla", "jaxattn xla")]
+        lines.append(f"| {case} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.bench_mla", description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="three decode cases and the Hq=128 prefill")
+    parser.add_argument("--smoke", action="store_true", help="two small jaxattn-only decode cases (any device); $OUT only")
+    parser.add_argument("--budget-s", type=float, default=300.0, help="start no new case after this")
+    parser.add_argument("--peak-tflops", type=float, default=989.0, help="bf16 dense peak of the GPU (H100 SXM: 989)")
+    parser.add_argument("--xla-max-bytes", type=float, default=2e9, help="skip the xla backend above this pool size")
+    args = parser.parse_args()
+    on_gpu = jax.default_backend() == "gpu"
+    if not on_gpu and not args.smoke:
+        sys.exit("bench_mla needs a GPU (or --smoke)")
+    copy_rate = copy_bandwidth() if on_gpu else None
+    start, rows = time.time(), []
+    cases = SMOKE if args.smoke else QUICK if args.quick else SWEEP
+    for case in cases:
+        if time.time() - start > args.budget_s:
+            print(f"budget of {args.budget_s:.0f}s spent; skipping {case}")
+            continue
+        try:
+            rows.append(bench_decode(case, with_torch=on_gpu, with_xla=case.latent_bytes <= args.xla_max_bytes))
+        except Exception:  # e.g. out of memory: report the others
+            traceback.print_exc(limit=3)
+            continue
+        print(case, {k: f"{v * 1e6:.1f}us" for k, v in rows[-1]["seconds"].items()}, rows[-1]["notes"], flush=True)
+    prefill = {}
+    if not args.smoke:
+        for heads in (128,) if args.quick else (128, 16):
+            if time.time() - start > args.budget_s:
+                break
+            prefill[heads] = prefill_seconds(heads, 8, 4096, with_torch=on_gpu)
+            print(f"prefill Hq={heads}", prefill[heads], flush=True)
+    command = "python -m benchmarks.bench_mla " + " ".join(sys.argv[1:])
+    text = [f"- device: {device_name()}; jax {jax.__version__}; "
+            f"date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC; command: `{command.strip()}`",
+            f"- bf16; latent {RANK} + RoPE {ROPE} per token, page {PAGE}, randomly permuted pool; device copy rate "
+            + (f"{copy_rate / 1e12:.2f} TB/s" if copy_rate else "not measured")
+            + f"; bf16 peak taken as {args.peak_tflops:.0f} TFLOP/s.",
+            "- decode: time per call (see the benchmark's docstring); ratios: peer time / jaxattn auto time.",
+            "", decode_table(rows, copy_rate, args.peak_tflops * 1e12)]
+    for heads, result in prefill.items():
+        flops = 2 * 8 * heads * 4096 * 4096 / 2 * (NOPE + ROPE + DV)   # causal: half the pairs
+        sec = result["seconds"]
+        text.append(f"\n- prefill B=8 x 4096, Hq={heads}: " + ", ".join(
+            f"{name} {t * 1e3:.3f} ms ({flops / t / 1e12:.0f} TFLOP/s)" for name, t in sec.items())
+            + (f"; flashinfer fa3 / auto {sec['flashinfer fa3'] / sec['jaxattn auto']:.2f}x" if "flashinfer fa3" in sec else "")
+            + ("; " + ", ".join(result["notes"]) if result["notes"] else ""))
+    text.append("\nNotes: " + "; ".join(f"{r['case']}: " + ", ".join(r["notes"]) for r in rows if r["notes"]))
+    print(write_section("mla", "\n".join(text), heading="MLA (benchmarks/bench_mla.py)", update_results=not args.smoke))
+
+
+if __name__ == "__main__":
+    main()
