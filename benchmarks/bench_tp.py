@@ -15,6 +15,9 @@ layers) at each ``--big-contexts``, on 1 GPU where it fits and on ``--gpus`` GPU
     share of the step;
   * roofline: the bytes a step must read (bench_e2e's count: weights + KV) over N times one
     GPU's copy bandwidth (bench_e2e's measure), and the step's share of it.
+Then attention alone, per shard: ``paged_attention`` on 8B shapes (Hq 32, Hkv 8, D 128, batch
+``--batch``, each context) with q and the pools split by heads over the GPUs, against the same call
+on one GPU with 1/N of the heads (what each shard computes): GPU time per call and GPU (profile).
 Writes the tp section of benchmarks/RESULTS.md and ``tp.json`` (in $OUT, else benchmarks/out/).
 """
 
@@ -28,16 +31,23 @@ import sys
 import time
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 from flax import nnx
-from jax.sharding import AxisType
+from jax.sharding import AxisType, NamedSharding, PartitionSpec
+
+import jaxattn
 
 from benchmarks.bench_e2e import copy_bandwidth, decode_step, fits, profiled, step_bytes, time_steps
 from benchmarks.common import device_event_seconds, write_section
+from jaxattn.kv_cache import pool_sharding
 from jaxattn.models.llama import PRESETS, Llama, LlamaConfig, shard_model
 
 # The issue's targets: N-GPU / 1-GPU tokens/s by context at batch 64 (8B shapes), share of the roofline.
 SPEEDUP_TARGETS = {4096: 1.7, 16384: 1.85}
 ROOFLINE_TARGET = 0.75
+SHARD_TARGET = 1.05   # sharded attention per GPU / the unsharded call on 1/N of the heads
+PAGE = 64
 
 
 def all_reduce_seconds(events: dict[str, float]) -> float:
@@ -88,7 +98,63 @@ def run_model(name: str, cfg: LlamaConfig, contexts: list[int], mesh: jax.shardi
     return rows
 
 
-def write_results(rows: list[dict], header: str) -> str:
+def attention_inputs(batch: int, context: int, num_q_heads: int, num_kv_heads: int, head_dim: int,
+                     seed: int = 0) -> tuple[jax.Array, jaxattn.KVCache, jaxattn.AttentionMetadata]:
+    """A decode step of ``batch`` sequences at ``context`` keys in a randomly permuted HND pool (bf16)."""
+    rng = np.random.default_rng(seed)
+    pages_per_seq = -(-context // PAGE)
+    num_pages = 1 + batch * pages_per_seq
+    tables = rng.permutation(np.arange(1, num_pages)).reshape(batch, pages_per_seq).astype(np.int32)
+    k1, k2, k3 = jax.random.split(jax.random.key(seed), 3)
+    shape = (num_pages, num_kv_heads, PAGE, head_dim)
+    cache = jaxattn.KVCache(jax.random.normal(k1, shape, jnp.bfloat16), jax.random.normal(k2, shape, jnp.bfloat16))
+    meta = jaxattn.AttentionMetadata(
+        cu_q_lens=jnp.arange(batch + 1, dtype=jnp.int32), kv_lens=jnp.full((batch,), context, jnp.int32),
+        block_tables=jnp.asarray(tables), num_decodes=jnp.int32(batch), max_q_len=1)
+    return jax.random.normal(k3, (batch, num_q_heads, head_dim), jnp.bfloat16), cache, meta
+
+
+def attention_per_shard(cfg: LlamaConfig, mesh: jax.sharding.Mesh, backend: str, batch: int, contexts: list[int],
+                        measure: bool) -> list[dict]:
+    """``paged_attention`` split by heads over ``mesh`` against one device's call on 1/N of the
+    heads, per context: GPU ms per call and GPU (``measure``; else both only run, on CPU)."""
+    n = mesh.size
+    attend = jax.jit(lambda q, c, m: jaxattn.paged_attention(q, c, m, backend=backend))
+    rows = []
+    for context in contexts:
+        q, cache, meta = attention_inputs(batch, context, cfg.num_q_heads, cfg.num_kv_heads, cfg.head_dim)
+        pools = pool_sharding(mesh, "tp", cache.layout)
+        sharded = (jax.device_put(q, NamedSharding(mesh, PartitionSpec(None, "tp", None))),
+                   jaxattn.KVCache(jax.device_put(cache.k_pages, pools), jax.device_put(cache.v_pages, pools)),
+                   meta)
+        del q, cache
+        shard = attention_inputs(batch, context, cfg.num_q_heads // n, cfg.num_kv_heads // n, cfg.head_dim)
+        row = dict(context=context, batch=batch, gpus=n)
+        for key, args, devices in (("sharded_ms", sharded, n), ("shard_heads_ms", shard, 1)):
+            jax.block_until_ready(attend(*args))
+            if measure:
+                row[key] = 1e3 * min(sum(device_event_seconds(lambda: attend(*args), 10).values()) / devices
+                                     for _ in range(3))
+        if measure:
+            row["ratio"] = row["sharded_ms"] / row["shard_heads_ms"]
+            print(json.dumps(row), flush=True)
+        rows.append(row)
+        del sharded, shard
+    return rows
+
+
+def attention_table(rows: list[dict], backend: str) -> list[str]:
+    lines = ["", f"Attention per shard (backend {backend}, 8B shapes, decode): `paged_attention` split by heads over "
+             "the GPUs, GPU time per call and GPU, against one GPU's call on 1/N of the heads (target: within "
+             f"{100 * (SHARD_TARGET - 1):.0f}%).", "",
+             "| GPUs | batch | context | sharded ms / GPU | one shard's heads ms | ratio |", "|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['gpus']} | {r['batch']} | {r['context']} | {r['sharded_ms']:.3f} | "
+                     f"{r['shard_heads_ms']:.3f} | {r['ratio']:.3f} |")
+    return lines
+
+
+def write_results(rows: list[dict], header: str, attention: list[str] = ()) -> str:
     one = {(r["model"], r["context"]): r["step_ms"] for r in rows if r["gpus"] == 1}
     lines = [header, "",
              "| model | GPUs | decode plan | batch | context | step ms | tokens/s | vs 1 GPU | all-reduce ms (share) | "
@@ -114,6 +180,7 @@ def write_results(rows: list[dict], header: str) -> str:
               "NCCL kernels' GPU time per step and GPU, from a profile."]
     if targets:
         lines += ["", "Targets (8B shapes, batch 64):", *targets]
+    lines += attention
     return write_section("tp", "\n".join(lines), heading="Tensor parallelism (decode step over several GPUs)")
 
 
@@ -156,20 +223,23 @@ def main(argv: list[str] | None = None) -> None:
     rows = []
     for name, cfg, contexts in models:
         rows += run_model(name, cfg, contexts, mesh, args, bandwidth, free)
+    attention = attention_per_shard(models[0][1], mesh, args.backend, args.batch, models[0][2], measure=not args.smoke)
     if args.smoke:
-        print(f"bench_tp smoke run: {len(rows)} cases in {time.perf_counter() - start:.0f} s")
+        print(f"bench_tp smoke run: {len(rows)} step cases and {len(attention)} attention cases in "
+              f"{time.perf_counter() - start:.0f} s")
         return
     out_dir = os.environ.get("OUT") or os.path.join(os.path.dirname(os.path.abspath(__file__)), "out")
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, "tp.json"), "w") as f:
-        json.dump(dict(device=device.device_kind, gpus=args.gpus, bandwidth=bandwidth, rows=rows), f, indent=1)
+        json.dump(dict(device=device.device_kind, gpus=args.gpus, bandwidth=bandwidth, rows=rows, attention=attention),
+                  f, indent=1)
     header = (f"Device: {args.gpus} x {device.device_kind}; date {datetime.date.today()}; jax {jax.__version__}; "
               f"bf16, page 64, HND, backend {args.backend}; copy bandwidth {bandwidth / 1e12:.2f} TB/s per GPU "
               f"(read + write), measured in the same run.\n"
               f"Command: `python -m benchmarks.bench_tp --gpus {args.gpus} --layers {args.layers} --batch {args.batch} "
               f"--contexts {args.contexts} --big-layers {args.big_layers} --big-contexts {args.big_contexts} "
               f"--backend {args.backend}`")
-    print(write_results(rows, header))
+    print(write_results(rows, header, attention_table(attention, args.backend)))
 
 
 if __name__ == "__main__":

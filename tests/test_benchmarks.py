@@ -1,0 +1,19 @@
+"""The benchmarks' CPU smoke modes run (each in a fresh Python, as on the device): they measure
+nothing, but keep the benchmarks from breaking between GPU sessions."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.xla_dump import REPO
+
+
+@pytest.mark.parametrize("module", ["bench_tp", "bench_serving", "bench_mla"])
+def test_smoke_run(module, tmp_path):
+    env = dict(os.environ, OUT=str(tmp_path), JAX_PLATFORMS="cpu")
+    result = subprocess.run([sys.executable, "-m", f"benchmarks.{module}", "--smoke"], cwd=REPO, env=env,
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
