@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 import jaxattn
 from jaxattn import attention as attention_module
-from jaxattn.engine import Engine
+from jaxattn.engine import Engine, PrefixOps
 from jaxattn.models.llama import PRESETS, Llama, forward_paged
 from jaxattn.sampling import SamplingBatch, SamplingParams
 from tests.models.test_llama import dense_greedy
@@ -248,18 +248,30 @@ def test_engine_argument_errors(name, value):
         Engine(_tiny_model(), **{**dict(max_seqs=2, max_seq_len=16, page_size=8, chunk_size=8), name: value})
 
 
+def trace_step(engine: Engine, max_q_len: int):
+    """The engine's jitted step traced for one of its two step shapes (decode-only: ``max_q_len``
+    1; mixed: ``chunk_size``) with operands of the shapes ``Engine.step`` passes, sampling and
+    prefix-caching operations included."""
+    rows = engine.max_seqs
+    num_tokens = rows if max_q_len == 1 else rows + engine.chunk_size
+    sampling = SamplingBatch.from_params([SamplingParams(temperature=0.7, top_k=5, top_p=0.9)] * rows,
+                                         list(range(1, rows + 1)))
+    prefix = PrefixOps(mark=np.full(engine._step_pages, -1, np.int32), evict=np.full(engine._step_pages, -1, np.int32),
+                       attach=np.zeros((rows, engine.table.max_pages_per_seq), np.int32))
+    return engine._step.trace(
+        engine._weights, engine.caches, engine.table, jnp.full((rows,), -1, jnp.int32),
+        jnp.zeros((num_tokens,), jnp.int32), jnp.arange(rows, dtype=jnp.int32), jnp.ones((rows,), jnp.int32),
+        sampling, prefix, max_q_len=max_q_len, backend=engine.backend)
+
+
 def test_step_has_no_loops():
     """The engine step lowers to straight-line code for the GPU: a while loop (e.g.
     jnp.searchsorted's default method) would not be captured into command buffers and would sync
     the host. (The GPU lowering: on the CPU, jax.random's threefry is a rolled loop.)"""
     model = Llama(PRESETS["tiny"], nnx.Rngs(0))
     engine = Engine(model, max_seqs=4, max_seq_len=64, page_size=8, chunk_size=16, backend="xla")
-    sampling = SamplingBatch.from_params([SamplingParams(temperature=0.7, top_k=5, top_p=0.9)] * 4, [1, 2, 3, 4])
-    for max_q_len, num_tokens in ((1, 4), (16, 20)):
-        hlo = engine._step.trace(
-            engine._weights, engine.caches, engine.table, jnp.full((4,), -1, jnp.int32),
-            jnp.zeros((num_tokens,), jnp.int32), jnp.arange(4, dtype=jnp.int32), jnp.ones((4,), jnp.int32),
-            sampling, max_q_len=max_q_len, backend="xla").lower(lowering_platforms=("cuda",)).as_text()
+    for max_q_len in (1, engine.chunk_size):
+        hlo = trace_step(engine, max_q_len).lower(lowering_platforms=("cuda",)).as_text()
         assert "stablehlo.while" not in hlo and "stablehlo.sort" not in hlo, max_q_len
 
 
@@ -302,11 +314,8 @@ def check_engine_on_mesh() -> None:
     assert sharded.caches[0].num_kv_heads == max(2, num_devices)
     assert all(x.sharding.is_fully_replicated for x in jax.tree.leaves(sharded.table))
     pool_shard = sharded.caches[0].k_pages.addressable_shards[0].data.size
-    for max_q_len, num_tokens in ((1, 3), (16, 19)):
-        hlo = sharded._step.lower(
-            sharded._weights, sharded.caches, sharded.table, jnp.full((3,), -1, jnp.int32),
-            jnp.zeros((num_tokens,), jnp.int32), jnp.arange(3, dtype=jnp.int32), jnp.ones((3,), jnp.int32),
-            max_q_len=max_q_len, backend="xla").compile().as_text()
+    for max_q_len in (1, sharded.chunk_size):
+        hlo = trace_step(sharded, max_q_len).lower().compile().as_text()
         sizes = _communicated(hlo)
         assert len(sizes.pop("all-reduce", [])) >= 1 + 2 * model.cfg.num_layers, (max_q_len, sizes)
         assert set(sizes) <= {"all-gather"}, (max_q_len, sizes)
