@@ -193,8 +193,9 @@ class Engine:
         inside. Under ``jax.distributed`` (one process per GPU) every process runs the same engine
         with the same requests.
 
-    ``stats`` counts prompt tokens, cached tokens (prompt tokens a request found in the cache),
-    computed tokens (all tokens the steps ran), evicted pages and preemptions.
+    ``stats`` counts prompt tokens, cached tokens (prompt tokens a request found in the cache when
+    admitted, again when re-admitted after a preemption), computed tokens (all tokens the steps
+    ran), evicted pages and preemptions.
     """
 
     def __init__(self, model: Llama, *, max_seqs: int, max_seq_len: int, page_size: int = 16,
@@ -324,7 +325,7 @@ class Engine:
             rows.append((request, count))
             need += self._new_pages(request, count)
             budget -= count
-            self.stats["cached_tokens"] += request.computed
+            self.stats["cached_tokens"] += min(request.computed, request.prompt.size)
         evicted = self.pool.allocate(need)
         self.stats["evicted_pages"] += len(evicted)
         for request, count in rows:

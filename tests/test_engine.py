@@ -186,6 +186,8 @@ def test_a_pool_too_small_for_all_requests_preempts_and_recomputes(prefix_cachin
     engine.run()
     assert [r.output for r in handles] == big
     assert engine.stats["preemptions"] > 0
+    # cached tokens are prompt tokens, each counted at most once per admission
+    assert engine.stats["cached_tokens"] <= (1 + engine.stats["preemptions"]) * engine.stats["prompt_tokens"]
     engine.step()
     check_drained(engine)
 
