@@ -36,7 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jaxattn
-from benchmarks.bench_trtllm_decode import _difference, copy_bandwidth, time_torch
+from benchmarks.bench_trtllm_decode import _difference, add_torch_peer, copy_bandwidth, time_torch
 from benchmarks.common import device_name, rel_error, write_section
 
 RANK, ROPE, NOPE, DV, PAGE = 512, 64, 128, 128, 64
@@ -158,19 +158,11 @@ def bench_decode(case: DecodeCase, with_torch: bool, with_xla: bool) -> dict:
         except Exception as err:  # e.g. out of memory: the others still count
             row["notes"].append(f"xla failed: {err!r}"[:200])
     if with_torch:
-        import torch
-        try:
+        def make():
             fn, backend = flashinfer_decode(case, x)
-            peer = fn()
-            torch.cuda.synchronize()
-            row["notes"].append(f"flashinfer ({backend}) vs auto rel err "
-                                f"{rel_error(jnp.asarray(peer.float().cpu().numpy()), out):.1e}")
-            row["seconds"]["flashinfer mla"], mode = time_torch(fn, repeats)
-            if mode != "graph":
-                row["notes"].append("flashinfer timed eagerly")
-        except Exception as err:
-            row["notes"].append(f"flashinfer failed: {err!r}"[:300])
-            traceback.print_exc(limit=2)
+            row["notes"].append(f"flashinfer planned {backend}")
+            return fn
+        add_torch_peer(row, "flashinfer mla", make, repeats, reference=out, against="auto")
     return row
 
 

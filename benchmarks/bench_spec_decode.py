@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jaxattn
-from benchmarks.bench_trtllm_decode import Case, repeats_for, time_chained, time_torch, time_xla
+from benchmarks.bench_trtllm_decode import Case, add_torch_peer, repeats_for, time_chained, time_xla
 from benchmarks.common import HKV, HQ, PAGE, D, Inputs, device_name, make_inputs, rel_error, write_section
 from jaxattn.attention import backend_for
 from jaxattn.backends import trtllm
@@ -69,8 +69,6 @@ def flashinfer_xqa(x: Inputs, q_len: int):
 
 
 def bench_case(batch: int, q_len: int) -> dict:
-    import torch
-
     x, case = case_inputs(batch, q_len)
     repeats = repeats_for(case)
     row = {"batch": batch, "q_len": q_len, "kv_bytes": case.kv_bytes, "seconds": {}, "notes": [],
@@ -82,19 +80,8 @@ def bench_case(batch: int, q_len: int) -> dict:
         except Exception as err:
             row["notes"].append(f"{backend} failed: {err!r}"[:300])
             traceback.print_exc(limit=2)
-    try:
-        fn = flashinfer_xqa(x, q_len)
-        peer = fn()
-        torch.cuda.synchronize()
-        if "trtllm" in outs:
-            err = rel_error(outs["trtllm"], jnp.asarray(peer.float().cpu().numpy()))
-            row["notes"].append(f"trtllm vs flashinfer xqa rel err {err:.1e}")
-        row["seconds"]["flashinfer xqa"], mode = time_torch(fn, repeats)
-        if mode != "graph":
-            row["notes"].append("flashinfer xqa timed eagerly")
-    except Exception as err:
-        row["notes"].append(f"flashinfer xqa failed: {err!r}"[:300])
-        traceback.print_exc(limit=2)
+    add_torch_peer(row, "flashinfer xqa", lambda: flashinfer_xqa(x, q_len), repeats, reference=outs.get("trtllm"),
+                   against="trtllm")
     try:
         row["seconds"]["jaxattn xla"], ref = time_xla(x)
         row["notes"] += [f"{b} vs xla rel err {rel_error(out, ref):.1e}" for b, out in outs.items()]

@@ -17,7 +17,8 @@ layers) at each ``--big-contexts``, on 1 GPU where it fits and on ``--gpus`` GPU
     GPU's copy bandwidth (bench_e2e's measure), and the step's share of it.
 Then attention alone, per shard: ``paged_attention`` on 8B shapes (Hq 32, Hkv 8, D 128, batch
 ``--batch``, each context) with q and the pools split by heads over the GPUs, against the same call
-on one GPU with 1/N of the heads (what each shard computes): GPU time per call and GPU (profile).
+on one GPU with 1/N of the heads (what each shard computes): GPU time per call and GPU (profile,
+median of 3 rounds of 10 calls).
 Writes the tp section of benchmarks/RESULTS.md and ``tp.json`` (in $OUT, else benchmarks/out/).
 """
 
@@ -27,19 +28,18 @@ import argparse
 import datetime
 import json
 import os
+import statistics
 import sys
 import time
 
 import jax
-import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
 import jaxattn
 
 from benchmarks.bench_e2e import copy_bandwidth, decode_step, fits, profiled, step_bytes, time_steps
-from benchmarks.common import device_event_seconds, write_section
+from benchmarks.common import device_event_seconds, make_inputs, write_section
 from jaxattn.kv_cache import pool_sharding
 from jaxattn.models.llama import PRESETS, Llama, LlamaConfig, shard_model
 
@@ -47,7 +47,6 @@ from jaxattn.models.llama import PRESETS, Llama, LlamaConfig, shard_model
 SPEEDUP_TARGETS = {4096: 1.7, 16384: 1.85}
 ROOFLINE_TARGET = 0.75
 SHARD_TARGET = 1.05   # sharded attention per GPU / the unsharded call on 1/N of the heads
-PAGE = 64
 
 
 def all_reduce_seconds(events: dict[str, float]) -> float:
@@ -98,48 +97,34 @@ def run_model(name: str, cfg: LlamaConfig, contexts: list[int], mesh: jax.shardi
     return rows
 
 
-def attention_inputs(batch: int, context: int, num_q_heads: int, num_kv_heads: int, head_dim: int,
-                     seed: int = 0) -> tuple[jax.Array, jaxattn.KVCache, jaxattn.AttentionMetadata]:
-    """A decode step of ``batch`` sequences at ``context`` keys in a randomly permuted HND pool (bf16)."""
-    rng = np.random.default_rng(seed)
-    pages_per_seq = -(-context // PAGE)
-    num_pages = 1 + batch * pages_per_seq
-    tables = rng.permutation(np.arange(1, num_pages)).reshape(batch, pages_per_seq).astype(np.int32)
-    k1, k2, k3 = jax.random.split(jax.random.key(seed), 3)
-    shape = (num_pages, num_kv_heads, PAGE, head_dim)
-    cache = jaxattn.KVCache(jax.random.normal(k1, shape, jnp.bfloat16), jax.random.normal(k2, shape, jnp.bfloat16))
-    meta = jaxattn.AttentionMetadata(
-        cu_q_lens=jnp.arange(batch + 1, dtype=jnp.int32), kv_lens=jnp.full((batch,), context, jnp.int32),
-        block_tables=jnp.asarray(tables), num_decodes=jnp.int32(batch), max_q_len=1)
-    return jax.random.normal(k3, (batch, num_q_heads, head_dim), jnp.bfloat16), cache, meta
-
-
 def attention_per_shard(cfg: LlamaConfig, mesh: jax.sharding.Mesh, backend: str, batch: int, contexts: list[int],
                         measure: bool) -> list[dict]:
     """``paged_attention`` split by heads over ``mesh`` against one device's call on 1/N of the
-    heads, per context: GPU ms per call and GPU (``measure``; else both only run, on CPU)."""
+    heads, per context: GPU ms per call and GPU (``measure``; else both only run, on CPU).
+    The heads are ``cfg``'s; head_dim and page size are the benchmarks' standard (128, 64)."""
     n = mesh.size
     attend = jax.jit(lambda q, c, m: jaxattn.paged_attention(q, c, m, backend=backend))
     rows = []
     for context in contexts:
-        q, cache, meta = attention_inputs(batch, context, cfg.num_q_heads, cfg.num_kv_heads, cfg.head_dim)
-        pools = pool_sharding(mesh, "tp", cache.layout)
-        sharded = (jax.device_put(q, NamedSharding(mesh, PartitionSpec(None, "tp", None))),
-                   jaxattn.KVCache(jax.device_put(cache.k_pages, pools), jax.device_put(cache.v_pages, pools)),
-                   meta)
-        del q, cache
-        shard = attention_inputs(batch, context, cfg.num_q_heads // n, cfg.num_kv_heads // n, cfg.head_dim)
+        full = make_inputs(batch, 1, context, num_q_heads=cfg.num_q_heads, num_kv_heads=cfg.num_kv_heads)
+        pools = pool_sharding(mesh, "tp", full.cache.layout)
+        sharded = (jax.device_put(full.q, NamedSharding(mesh, PartitionSpec(None, "tp", None))),
+                   jaxattn.KVCache(jax.device_put(full.cache.k_pages, pools), jax.device_put(full.cache.v_pages, pools)),
+                   full.meta)
+        del full
+        x = make_inputs(batch, 1, context, num_q_heads=cfg.num_q_heads // n, num_kv_heads=cfg.num_kv_heads // n)
+        shard = (x.q, x.cache, x.meta)
         row = dict(context=context, batch=batch, gpus=n)
         for key, args, devices in (("sharded_ms", sharded, n), ("shard_heads_ms", shard, 1)):
             jax.block_until_ready(attend(*args))
             if measure:
-                row[key] = 1e3 * min(sum(device_event_seconds(lambda: attend(*args), 10).values()) / devices
-                                     for _ in range(3))
+                row[key] = 1e3 * statistics.median(
+                    sum(device_event_seconds(lambda: attend(*args), 10).values()) / devices for _ in range(3))
         if measure:
             row["ratio"] = row["sharded_ms"] / row["shard_heads_ms"]
             print(json.dumps(row), flush=True)
         rows.append(row)
-        del sharded, shard
+        del sharded, shard, x
     return rows
 
 

@@ -214,6 +214,28 @@ def time_torch(fn, repeats: int, trials: int = 7) -> tuple[float, str]:
     return _difference(timed(runs[0]), timed(runs[1]), repeats, trials), mode
 
 
+def add_torch_peer(row: dict, name: str, make, repeats: int, reference: jax.Array | None = None,
+                   against: str = "jaxattn") -> None:
+    """Times a torch peer into ``row["seconds"][name]`` (``time_torch``): ``make()`` gives its
+    zero-argument call returning a tensor. Its relative error against ``reference`` (``against``'s
+    output), eager timing, or its failure (a peer failing is a result) go to ``row["notes"]``."""
+    import torch
+
+    try:
+        fn = make()
+        out = fn()
+        torch.cuda.synchronize()
+        if reference is not None:
+            err = rel_error(jnp.asarray(out.float().cpu().numpy()), reference)
+            row["notes"].append(f"{name} vs {against} rel err {err:.1e}")
+        row["seconds"][name], mode = time_torch(fn, repeats)
+        if mode != "graph":
+            row["notes"].append(f"{name} timed eagerly")
+    except Exception as err:
+        row["notes"].append(f"{name} failed: {err!r}"[:300])
+        traceback.print_exc(limit=2)
+
+
 def flashinfer_runners(case: Case, x: Inputs) -> dict:
     """name -> zero-argument callable returning the output tensor [B, Hq, D]."""
     import torch
@@ -288,8 +310,6 @@ def bench_case(case: Case, with_xla: bool, backends: tuple[str, ...] = (), fp8: 
     """One row: jaxattn trtllm, the other jaxattn ``backends`` (chained like trtllm), the torch
     peers, (``with_xla``) the xla backend and (``fp8``) jaxattn trtllm and flashinfer xqa on the
     same pages in float8_e4m3fn."""
-    import torch
-
     x = case_inputs(case)
     repeats = repeats_for(case)
     row = {"case": case, "seconds": {}, "notes": []}
@@ -310,31 +330,14 @@ def bench_case(case: Case, with_xla: bool, backends: tuple[str, ...] = (), fp8: 
         runners = {}
         row["notes"].append(f"flashinfer setup failed: {err!r}"[:200])
     for name, fn in runners.items():
-        try:
-            peer = fn()
-            torch.cuda.synchronize()
-            if name == "flashinfer xqa":
-                row["notes"].append(f"jaxattn vs flashinfer xqa rel err {rel_error(out, jnp.asarray(peer.float().cpu().numpy())):.1e}")
-            row["seconds"][name], mode = time_torch(fn, repeats)
-            if mode != "graph":
-                row["notes"].append(f"{name} timed eagerly")
-        except Exception as err:
-            row["notes"].append(f"{name} failed: {err!r}"[:300])
-            traceback.print_exc(limit=2)
+        add_torch_peer(row, name, lambda fn=fn: fn, repeats, reference=out if name == "flashinfer xqa" else None,
+                       against="jaxattn trtllm")
     if fp8:
         x8 = fp8_inputs(x)
         row["seconds"]["jaxattn trtllm fp8"], out8, _ = time_chained(x8, repeats, "trtllm")
         row["notes"].append(f"fp8 vs bf16 pages rel err {rel_error(out8, out):.1e}")
-        try:
-            fn = flashinfer_fp8_runner(case, x8)
-            peer = fn()
-            torch.cuda.synchronize()
-            row["notes"].append(f"jaxattn fp8 vs flashinfer xqa fp8 rel err "
-                                f"{rel_error(out8, jnp.asarray(peer.float().cpu().numpy())):.1e}")
-            row["seconds"]["flashinfer xqa fp8"] = time_torch(fn, repeats)[0]
-        except Exception as err:
-            row["notes"].append(f"flashinfer xqa fp8 failed: {err!r}"[:300])
-            traceback.print_exc(limit=2)
+        add_torch_peer(row, "flashinfer xqa fp8", lambda: flashinfer_fp8_runner(case, x8), repeats, reference=out8,
+                       against="jaxattn trtllm fp8")
     if with_xla:
         try:
             row["seconds"]["jaxattn xla"], ref = time_xla(x)

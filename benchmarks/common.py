@@ -29,17 +29,18 @@ class Inputs:
     meta: jaxattn.AttentionMetadata
 
 
-def make_inputs(batch: int, q_len: int, kv_len: int, seed: int = 0) -> Inputs:
+def make_inputs(batch: int, q_len: int, kv_len: int, seed: int = 0, *, num_q_heads: int = HQ,
+                num_kv_heads: int = HKV) -> Inputs:
     """``batch`` sequences of ``kv_len`` tokens whose last ``q_len`` are this step's queries, in
-    a randomly permuted HND pool of random bf16 values."""
+    a randomly permuted HND pool of random bf16 values (head_dim ``D``, pages of ``PAGE``)."""
     rng = np.random.default_rng(seed)
     pages_per_seq = -(-kv_len // PAGE)
     num_pages = 1 + batch * pages_per_seq
     tables = rng.permutation(np.arange(1, num_pages)).reshape(batch, pages_per_seq).astype(np.int32)
     k1, k2, k3 = jax.random.split(jax.random.key(seed), 3)
-    shape = (num_pages, HKV, PAGE, D)
+    shape = (num_pages, num_kv_heads, PAGE, D)
     cache = jaxattn.KVCache(jax.random.normal(k1, shape, DTYPE), jax.random.normal(k2, shape, DTYPE), layout="HND")
-    q = jax.random.normal(k3, (batch * q_len, HQ, D), DTYPE)
+    q = jax.random.normal(k3, (batch * q_len, num_q_heads, D), DTYPE)
     meta = jaxattn.AttentionMetadata(
         cu_q_lens=jnp.arange(batch + 1, dtype=jnp.int32) * q_len,
         kv_lens=jnp.full((batch,), kv_len, jnp.int32),
