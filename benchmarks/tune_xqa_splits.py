@@ -1,7 +1,7 @@
 """How many CTAs per sequence XQA should use at low-batch decode: a sweep of the SM count its split
 formula is given (``jaxattn.backends.trtllm.split_sm_count``), one device run.
 
-    python -m benchmarks.tune_xqa_splits [--multiples 1,2,3,4,6,8] [--points frontier|all]
+    python -m benchmarks.tune_xqa_splits [--multiples 1,2,3,4,6,8] [--points frontier|all] [--fp8]
 
 XQA's generic kernel (bf16/fp16 pages) splits each (request, KV head) over
 ``min(SMs / (B * Hkv), ceil(max_kv / tile))`` CTAs; the Hopper fp8 kernel over
@@ -9,7 +9,9 @@ XQA's generic kernel (bf16/fp16 pages) splits each (request, KV head) over
 randomly permuted), each multiple m of the device's SM count is passed as that count, and the
 table gives the GPU time per call of the whole ``backend="trtllm"`` call and of the XQA kernel alone
 (profiler, median of 3 rounds of 20 calls), against the copy rate. The last table breaks one
-point's call into its kernels.
+point's call into its kernels. ``--fp8`` runs the same points with the pages in float8_e4m3fn
+(``bench_trtllm_decode.fp8_inputs``), which XQA's Hopper kernel serves: its split formula gives a
+quarter of the CTAs the generic kernel's does, so larger multiples matter there.
 """
 
 from __future__ import annotations
@@ -22,7 +24,8 @@ import jax
 import jaxattn
 from benchmarks.bench_e2e import copy_bandwidth
 from benchmarks.bench_triton import Workload, make_inputs
-from benchmarks.common import device_event_seconds, device_name
+from benchmarks.bench_trtllm_decode import fp8_inputs
+from benchmarks.common import Inputs, device_event_seconds, device_name
 from jaxattn.backends import trtllm
 
 FRONTIER = [(b, kv) for b in (1, 2, 4) for kv in (4096, 16384, 32768, 131072)]
@@ -40,13 +43,15 @@ def profile(call, rounds: int = 3, calls: int = 20) -> tuple[float, float, dict[
 
 def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.tune_xqa_splits", description=__doc__.splitlines()[0])
-    parser.add_argument("--multiples", default="1,2,3,4,6,8", help="multiples of the SM count to try")
+    parser.add_argument("--multiples", default=None,
+                        help="multiples of the SM count to try (default 1,2,3,4,6,8; with --fp8 1,2,4,8,16,32)")
     parser.add_argument("--points", choices=("frontier", "all"), default="frontier")
+    parser.add_argument("--fp8", action="store_true", help="float8_e4m3fn pages (XQA's Hopper kernel)")
     args = parser.parse_args()
-    multiples = [float(m) for m in args.multiples.split(",")]
+    multiples = [float(m) for m in (args.multiples or ("1,2,4,8,16,32" if args.fp8 else "1,2,3,4,6,8")).split(",")]
     sms = trtllm._sm_count()
     copy_rate = copy_bandwidth()
-    print(f"{device_name()}; {sms} SMs; copy rate {copy_rate / 1e12:.2f} TB/s")
+    print(f"{device_name()}; {sms} SMs; copy rate {copy_rate / 1e12:.2f} TB/s; {'fp8' if args.fp8 else 'bf16'} pages")
     print("| B | kv | SM count given | whole call us | XQA us | of copy rate (whole) |")
     print("|---|---|---|---|---|---|")
     default_split = trtllm.split_sm_count
@@ -54,12 +59,15 @@ def main() -> None:
     for batch, kv in FRONTIER if args.points == "frontier" else ALL:
         w = Workload(f"B={batch} kv={kv}", (1,) * batch, (kv,) * batch, decode_only=True)
         (q,), cache, meta = make_inputs(w, 1)
+        if args.fp8:
+            cache = fp8_inputs(Inputs(q, cache, meta)).cache
+        kv_bytes = w.kv_bytes // 2 if args.fp8 else w.kv_bytes
         for m in multiples:
             trtllm.split_sm_count = lambda *_, m=m: int(round(m * sms))
             fn = jax.jit(lambda q, c, mt: jaxattn.paged_attention(q, c, mt, backend="trtllm"))
             whole, xqa, events = profile(lambda: fn(q, cache, meta))
             print(f"| {batch} | {kv} | {int(round(m * sms))} | {whole * 1e6:.1f} | {xqa * 1e6:.1f} | "
-                  f"{w.kv_bytes / whole / copy_rate:.0%} |", flush=True)
+                  f"{kv_bytes / whole / copy_rate:.0%} |", flush=True)
             if m == 1 and batch == 1 and kv == 32768:
                 breakdown = events
             jax.clear_caches()
