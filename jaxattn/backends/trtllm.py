@@ -263,8 +263,9 @@ def _strides(cache: KVCache) -> tuple[int, int, int]:
 
 def split_sm_count(kernel_variant: _xqa_build.Variant, num_requests: int, num_kv_heads: int, max_pages: int) -> int:
     """The SM count XQA's split formula is given for a decode launch (its CTAs per sequence grow
-    with it): the device's. On an H100, a quarter to 8x that count was slower or within 2% at
-    every batch 1-64 and kv 4k-128k point (``benchmarks/tune_xqa_splits.py``, RESULTS.md)."""
+    with it): the device's. With bf16 pages (XQA's generic kernel) on an H100, a quarter to 8x
+    that count was slower, or within 2%, at every batch 1-64 and kv 4k-128k point
+    (``benchmarks/tune_xqa_splits.py``, RESULTS.md); fp8 pages (the Hopper kernel) are not swept yet."""
     del kernel_variant, num_requests, num_kv_heads, max_pages
     return _sm_count()
 
