@@ -36,7 +36,7 @@ from jaxattn.kv_cache import MLACache
 from jaxattn.metadata import AttentionMetadata
 
 MLA_BACKENDS: tuple[str, ...] = ("xla", "triton")
-PREFILL_BACKENDS: tuple[str, ...] = ("xla",)
+PREFILL_BACKENDS: tuple[str, ...] = ("xla", "cudnn")
 # auto: queries up to this long go to the triton decode kernel (one program per query token).
 MAX_DECODE_Q_LEN = 16
 _DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
@@ -104,7 +104,8 @@ def mla_prefill(
       cache, meta, scale, causal, return_status: as ``mla_paged_attention``.
       w_uk: ``[R, Hq, Dn]``, latent -> no-RoPE key of each head.
       w_uv: ``[R, Hq, Dv]`` (Dv 128), latent -> value of each head.
-      backend: "auto" or "xla".
+      backend: "auto", "xla" or "cudnn" (cuDNN's paged prefill over the latents expanded to
+        per-head K/V, V zero-padded to K's width). auto: xla.
 
     Returns:
       ``out``: ``[T, Hq, Dv]`` in ``q_nope.dtype``; with ``return_status``, ``(out, valid)``.
@@ -120,7 +121,9 @@ def mla_prefill(
                              f"{last_name}], got {list(shape)}")
         if w.dtype != q_nope.dtype:
             raise ValueError(f"{where}: {name}.dtype must be {q_nope.dtype} (like q_nope), got {w.dtype}")
-    name = _choose(where, backend, PREFILL_BACKENDS, lambda n: None, prefer_triton=False)
+    name = _choose(where, backend, PREFILL_BACKENDS,
+                   lambda n: backends.get(n).mla_prefill_check_supported(q_nope, q_rope, cache, w_uv, params),
+                   prefer_triton=False)
     meta, valid = sanitize(q_nope, cache, meta)
     out = backends.get(name).mla_prefill(q_nope, q_rope, cache, meta, w_uk, w_uv, params)
     return (out, valid) if return_status else out

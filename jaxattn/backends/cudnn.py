@@ -10,6 +10,10 @@ initialize stage; execute only binds pointers.
 Supported: bfloat16/float16 q and pages, GQA/MQA, bottom-right causal or no mask, sliding
 windows, sinks (cuDNN >= 9.13), head_dim a multiple of 8 up to 256, power-of-2 page sizes.
 Not supported (ValueError): float32, FP8 pages, softcap.
+
+``mla_prefill`` runs MLA prefill on the same graph: the step's latents are expanded into a pool of
+per-head keys and values of their own (``latents.expanded_pool``; V zero-padded to the keys'
+Dn + Dr, since the graph takes one head_dim), and the output keeps its first Dv columns.
 """
 
 from __future__ import annotations
@@ -20,7 +24,8 @@ import numpy as np
 
 from jaxattn import _ffi_cudnn
 from jaxattn.backends.base import AttentionParams
-from jaxattn.kv_cache import KVCache
+from jaxattn.backends.latents import expanded_pool
+from jaxattn.kv_cache import KVCache, MLACache
 from jaxattn.metadata import AttentionMetadata
 
 NAME = "cudnn"
@@ -47,16 +52,7 @@ def check_supported(q: jax.Array, cache: KVCache, meta: AttentionMetadata, param
         raise ValueError(f"{_WHERE}: softcap={params.softcap} is not supported: cuDNN applies a logit soft "
                          f"cap only through a score modifier, which excludes the padding and causal masks "
                          f"that paged attention needs; supported: softcap=None (use backend='xla')")
-    head_dim = q.shape[2]
-    if head_dim % 8 or head_dim > MAX_HEAD_DIM:
-        raise ValueError(f"{_WHERE}: head_dim={head_dim} is not supported; supported: multiples of 8 "
-                         f"up to {MAX_HEAD_DIM}")
-    page_size = cache.page_size
-    if page_size & (page_size - 1):
-        raise ValueError(f"{_WHERE}: page_size={page_size} is not supported; supported: powers of 2")
-    if q.shape[0] * q.shape[1] * head_dim >= 2**31:
-        raise ValueError(f"{_WHERE}: T * Hq * D = {q.shape[0] * q.shape[1] * head_dim} elements is not "
-                         f"supported (int32 ragged offsets); supported: T * Hq * D < 2**31")
+    _check_shapes(_WHERE, "head_dim", q.shape[0], q.shape[1], q.shape[2], cache.page_size)
     version = _ffi_cudnn.cudnn_version()
     if params.has_sinks and version is not None and version < MIN_SINKS_VERSION:
         raise ValueError(f"{_WHERE}: sinks need cuDNN >= {_ffi_cudnn.format_version(MIN_SINKS_VERSION)}, "
@@ -67,6 +63,40 @@ def attention(q: jax.Array, cache: KVCache, meta: AttentionMetadata, params: Att
               sinks: jax.Array | None) -> jax.Array:
     """``q: [T, Hq, D]`` -> ``[T, Hq, D]`` in ``q.dtype``."""
     return _paged_prefill(q, cache, meta, params, sinks, return_lse=False)[0]
+
+
+def mla_prefill_check_supported(q_nope: jax.Array, q_rope: jax.Array, cache: MLACache, w_uv: jax.Array,
+                                params: AttentionParams) -> None:
+    """Raises ValueError naming what ``mla_prefill`` cannot run here, and what it supports."""
+    where = "mla_prefill(backend='cudnn')"
+    if jnp.dtype(q_nope.dtype) not in _DTYPE_CODES:
+        raise ValueError(f"{where}: q_nope.dtype {q_nope.dtype} is not supported; supported: {DTYPES}")
+    width = max(q_nope.shape[2] + q_rope.shape[2], w_uv.shape[2])
+    _check_shapes(where, "max(Dn + Dr, Dv)", q_nope.shape[0], q_nope.shape[1], width, cache.page_size)
+    del params  # causal or not: both masks run
+
+
+def _check_shapes(where: str, dim_name: str, num_tokens: int, num_q_heads: int, head_dim: int,
+                  page_size: int) -> None:
+    """The graph's limits on the head width (``dim_name``), page size and packed query size."""
+    if head_dim % 8 or head_dim > MAX_HEAD_DIM:
+        raise ValueError(f"{where}: {dim_name}={head_dim} is not supported; supported: multiples of 8 "
+                         f"up to {MAX_HEAD_DIM}")
+    if page_size & (page_size - 1):
+        raise ValueError(f"{where}: page_size={page_size} is not supported; supported: powers of 2")
+    if num_tokens * num_q_heads * head_dim >= 2**31:
+        raise ValueError(f"{where}: T * Hq * D = {num_tokens * num_q_heads * head_dim} elements is not "
+                         f"supported (int32 ragged offsets); supported: T * Hq * D < 2**31")
+
+
+def mla_prefill(q_nope: jax.Array, q_rope: jax.Array, cache: MLACache, meta: AttentionMetadata, w_uk: jax.Array,
+                w_uv: jax.Array, params: AttentionParams) -> jax.Array:
+    """MLA prefill on cuDNN's paged graph over the expanded pool (see the module docstring):
+    ``q_nope: [T, Hq, Dn]``, ``q_rope: [T, Hq, Dr]`` -> ``[T, Hq, Dv]`` in ``q_nope.dtype``."""
+    pool, pool_meta = expanded_pool(cache, meta, w_uk, w_uv, q_nope.dtype)
+    q = jnp.concatenate([q_nope, q_rope], axis=-1)
+    q = jnp.pad(q, ((0, 0), (0, 0), (0, pool.head_dim - q.shape[2])))
+    return attention(q, pool, pool_meta, params, None)[..., :w_uv.shape[2]]
 
 
 def attention_with_lse(q: jax.Array, cache: KVCache, meta: AttentionMetadata, params: AttentionParams,

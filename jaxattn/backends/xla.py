@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxattn.backends.base import AttentionParams
+from jaxattn.backends.latents import expand_latents
 from jaxattn.kv_cache import KVCache, MLACache
 from jaxattn.metadata import AttentionMetadata
 
@@ -42,6 +43,11 @@ def mla_check_supported(q_latent: jax.Array, q_rope: jax.Array, cache: MLACache,
     del q_latent, q_rope, cache, meta, params  # the reference takes every call mla_paged_attention accepts
 
 
+def mla_prefill_check_supported(q_nope: jax.Array, q_rope: jax.Array, cache: MLACache, w_uv: jax.Array,
+                                params: AttentionParams) -> None:
+    del q_nope, q_rope, cache, w_uv, params  # the reference takes every call mla_prefill accepts
+
+
 def mla_attention(q_latent: jax.Array, q_rope: jax.Array, cache: MLACache, meta: AttentionMetadata,
                   params: AttentionParams) -> jax.Array:
     """Absorbed MLA: MQA over the latents, ``[q_latent, q_rope] . latent`` logits and ``c_kv``
@@ -57,15 +63,10 @@ def mla_prefill(q_nope: jax.Array, q_rope: jax.Array, cache: MLACache, meta: Att
     """MLA over per-head K/V expanded from the latents: ``k = [c_kv W_UK[:, h], k_rope]``,
     ``v = c_kv W_UV[:, h]``. ``q_nope: [T, Hq, Dn]``, ``q_rope: [T, Hq, Dr]``, ``w_uk: [R, Hq, Dn]``,
     ``w_uv: [R, Hq, Dv]`` -> ``[T, Hq, Dv]`` in ``q_nope.dtype``."""
-    dtype = _compute_dtype(q_nope.dtype)
-    latents = _gather_latents(cache, meta, dtype)                           # [B, S, R + Dr]
-    c_kv, k_rope = latents[..., :cache.kv_lora_rank], latents[..., cache.kv_lora_rank:]
-    k_nope = jnp.einsum("bsr,rhn->bshn", c_kv, w_uk.astype(dtype), preferred_element_type=jnp.float32)
-    k_rope = jnp.broadcast_to(k_rope[:, :, None], (*k_nope.shape[:3], k_rope.shape[-1]))
-    k = jnp.concatenate([k_nope.astype(dtype), k_rope], axis=-1)
-    v = jnp.einsum("bsr,rhv->bshv", c_kv, w_uv.astype(dtype), preferred_element_type=jnp.float32).astype(dtype)
-    q = jnp.concatenate([q_nope, q_rope], axis=-1)
-    return _attention(q, k, v, meta, params, None)
+    k, v = expand_latents(cache, meta, w_uk, w_uv, _compute_dtype(q_nope.dtype))   # [B, P, page, Hq, D]
+    batch, num_pages, page_size = k.shape[:3]
+    k, v = (x.reshape(batch, num_pages * page_size, *x.shape[3:]) for x in (k, v))
+    return _attention(jnp.concatenate([q_nope, q_rope], axis=-1), k, v, meta, params, None)
 
 
 def _attention(q: jax.Array, k: jax.Array, v: jax.Array, meta: AttentionMetadata, params: AttentionParams,

@@ -120,6 +120,23 @@ def test_softcap_is_rejected_with_the_reason():
         cudnn.check_supported(q, cache, meta, _params(softcap=30.0))
 
 
+@pytest.mark.parametrize("case, message", [
+    (dict(dtype=jnp.float32), "q_nope.dtype float32 is not supported"),
+    (dict(nope_dim=100), r"max\(Dn \+ Dr, Dv\)=164 is not supported; supported: multiples of 8 up to 256"),
+    (dict(v_dim=512), r"max\(Dn \+ Dr, Dv\)=512 is not supported"),
+    (dict(page_size=24), "page_size=24 is not supported; supported: powers of 2"),
+    (dict(num_tokens=2**17, num_q_heads=128), "int32 ragged offsets"),
+])
+def test_unsupported_mla_prefill_configurations_raise(case, message):
+    shape = dict(dtype=BF16, nope_dim=128, v_dim=128, page_size=64, num_tokens=32, num_q_heads=16) | case
+    tokens, heads, dtype = shape["num_tokens"], shape["num_q_heads"], shape["dtype"]
+    cache = jaxattn.MLACache(jax.ShapeDtypeStruct((9, shape["page_size"], 512 + 64), BF16))
+    with pytest.raises(ValueError, match=r"mla_prefill\(backend='cudnn'\): .*" + message):
+        cudnn.mla_prefill_check_supported(jax.ShapeDtypeStruct((tokens, heads, shape["nope_dim"]), dtype),
+                                          jax.ShapeDtypeStruct((tokens, heads, 64), dtype), cache,
+                                          jax.ShapeDtypeStruct((512, heads, shape["v_dim"]), dtype), _params())
+
+
 def test_supported_configuration_passes_checks():
     for layout_case in (dict(), dict(dtype=F16, head_dim=256, page_size=64)):
         q, cache, meta = _abstract_case(**layout_case)

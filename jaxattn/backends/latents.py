@@ -1,0 +1,50 @@
+"""MLA latents expanded to per-head keys and values, for backends that run ``mla_prefill`` as
+ordinary multi-head attention (``jaxattn.mla`` has the formulas)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from jaxattn.kv_cache import KVCache, MLACache
+from jaxattn.metadata import AttentionMetadata
+
+
+def expand_latents(cache: MLACache, meta: AttentionMetadata, w_uk: jax.Array, w_uv: jax.Array,
+                   dtype: jnp.dtype) -> tuple[jax.Array, jax.Array]:
+    """Every sequence's keys ``k = [c_kv W_UK[:, h], k_rope]`` ``[B, P, page, Hq, Dn + Dr]`` and
+    values ``v = c_kv W_UV[:, h]`` ``[B, P, page, Hq, Dv]`` from the latents of its table's pages
+    (sanitized ``meta``), in ``dtype`` (float32 products), zero past its ``kv_lens`` (stale
+    slots never reach a kernel)."""
+    pages = cache.pages[meta.block_tables]                                   # [B, P, page, R + Dr]
+    if cache.scale is not None:
+        pages = pages.astype(jnp.float32) * cache.scale
+    _, num_pages, page_size, _ = pages.shape
+    slot = jnp.arange(num_pages * page_size, dtype=jnp.int32).reshape(num_pages, page_size)
+    pages = jnp.where((slot[None] < meta.kv_lens[:, None, None])[..., None], pages.astype(dtype), 0)
+    c_kv, k_rope = pages[..., :cache.kv_lora_rank], pages[..., cache.kv_lora_rank:]
+    k_nope = jnp.einsum("bpsr,rhn->bpshn", c_kv, w_uk.astype(dtype), preferred_element_type=jnp.float32)
+    k_rope = jnp.broadcast_to(k_rope[..., None, :], (*k_nope.shape[:4], k_rope.shape[-1]))
+    v = jnp.einsum("bpsr,rhv->bpshv", c_kv, w_uv.astype(dtype), preferred_element_type=jnp.float32)
+    return jnp.concatenate([k_nope.astype(dtype), k_rope], axis=-1), v.astype(dtype)
+
+
+def expanded_pool(cache: MLACache, meta: AttentionMetadata, w_uk: jax.Array, w_uv: jax.Array,
+                  dtype: jnp.dtype) -> tuple[KVCache, AttentionMetadata]:
+    """The expanded keys and values (``expand_latents``) as a page pool of their own, for a paged
+    kernel that takes one head_dim: NHD ``[1 + B * P, page, Hq, max(Dn + Dr, Dv)]`` each (page 0
+    null and zero; the narrower of K and V zero-padded, which changes no logit and adds only zero
+    output columns past Dv), and ``meta`` with block tables into it (sequence b's page j is
+    ``1 + b * P + j``)."""
+    k, v = expand_latents(cache, meta, w_uk, w_uv, dtype)
+    batch, num_pages, page_size, heads = k.shape[:4]
+    width = max(k.shape[-1], v.shape[-1])
+
+    def pool(x: jax.Array) -> jax.Array:
+        return jnp.pad(x.reshape(batch * num_pages, page_size, heads, x.shape[-1]),
+                       ((1, 0), (0, 0), (0, 0), (0, width - x.shape[-1])))
+
+    tables = 1 + jnp.arange(batch * num_pages, dtype=jnp.int32).reshape(batch, num_pages)
+    return KVCache(pool(k), pool(v), layout="NHD"), dataclasses.replace(meta, block_tables=tables)
