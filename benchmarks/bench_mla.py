@@ -14,9 +14,9 @@ Decode (absorbed, ``mla_paged_attention``): B in {1, 16, 64, 128} x kv in {1k, 4
   TB/s: latent bytes read ((512 + 64) x 2 per key and sequence) / time, against the device copy rate;
   TFLOP/s: 2 x B x Hq x kv x (576 + 512) / time, against the bf16 dense peak given by ``--peak-tflops``.
 Prefill (``mla_prefill``, B=8 x 4096 new tokens, no cached context, Hq 16 and 128, d_qk 192, d_v 128):
-jaxattn ``auto`` against flashinfer's ragged prefill (``BatchPrefillWithRaggedKVCacheWrapper``,
-its fa3 backend, on the same expanded K/V) when it plans; jaxattn's time includes expanding the
-latents to per-head K/V.
+jaxattn's ``cudnn`` and ``xla`` backends (median wall time of single jitted calls) against
+flashinfer's ragged prefill (``BatchPrefillWithRaggedKVCacheWrapper``, its fa3 backend, on the same
+expanded K/V) when it plans; jaxattn's times include expanding the latents to per-head K/V.
 ``--smoke`` runs the jaxattn rows of two small cases on any device (CPU included) and writes only $OUT.
 Writes the mla section of benchmarks/RESULTS.md.
 """
@@ -182,16 +182,25 @@ def prefill_seconds(heads: int, batch: int, q_len: int, with_torch: bool, trials
     q_rope = jax.random.normal(key[2], (tokens, heads, ROPE), DTYPE)
     w_uk = (jax.random.normal(key[3], (RANK, heads, NOPE), jnp.float32) / math.sqrt(RANK)).astype(DTYPE)
     w_uv = (jax.random.normal(key[4], (RANK, heads, DV), jnp.float32) / math.sqrt(RANK)).astype(DTYPE)
-    fn = jax.jit(lambda *a: jaxattn.mla_prefill(*a, scale=SCALE))
     args = (q_nope, q_rope, cache, meta, w_uk, w_uv)
-    out = fn(*args).block_until_ready()
-    times = []
-    for _ in range(trials):
-        start = time.perf_counter()
-        fn(*args).block_until_ready()
-        times.append(time.perf_counter() - start)
-    result = {"seconds": {"jaxattn auto": float(np.median(times))}, "notes": []}
-    if not with_torch:
+    result, outs = {"seconds": {}, "notes": []}, {}
+    for backend in ("cudnn", "xla") if with_torch else ("xla",):
+        try:
+            fn = jax.jit(lambda *a, backend=backend: jaxattn.mla_prefill(*a, scale=SCALE, backend=backend))
+            outs[backend] = fn(*args).block_until_ready()
+            times = []
+            for _ in range(trials):
+                start = time.perf_counter()
+                fn(*args).block_until_ready()
+                times.append(time.perf_counter() - start)
+            result["seconds"][f"jaxattn {backend}"] = float(np.median(times))
+        except Exception as err:  # e.g. out of memory: the others still count
+            result["notes"].append(f"{backend} failed: {err!r}"[:300])
+            traceback.print_exc(limit=2)
+    out = outs.get("cudnn", outs.get("xla"))
+    if with_torch and "xla" in outs and "cudnn" in outs:
+        result["notes"].append(f"cudnn vs xla rel err {rel_error(outs['cudnn'], outs['xla']):.1e}")
+    if not with_torch or out is None:
         return result
     try:
         import torch
@@ -212,7 +221,7 @@ def prefill_seconds(heads: int, batch: int, q_len: int, with_torch: bool, trials
                      q_data_type=torch.bfloat16)
         peer = wrapper.run(tq, tk, tv)
         torch.cuda.synchronize()
-        result["notes"].append(f"flashinfer fa3 vs auto rel err {rel_error(jnp.asarray(peer.float().cpu().numpy()), out):.1e}")
+        result["notes"].append(f"flashinfer fa3 vs jaxattn rel err {rel_error(jnp.asarray(peer.float().cpu().numpy()), out):.1e}")
         result["seconds"]["flashinfer fa3"], _ = time_torch(lambda: wrapper.run(tq, tk, tv), 2)
     except Exception as err:
         result["notes"].append(f"flashinfer fa3 failed: {err!r}"[:300])
@@ -283,7 +292,8 @@ def main() -> None:
         sec = result["seconds"]
         text.append(f"\n- prefill B=8 x 4096, Hq={heads}: " + ", ".join(
             f"{name} {t * 1e3:.3f} ms ({flops / t / 1e12:.0f} TFLOP/s)" for name, t in sec.items())
-            + (f"; flashinfer fa3 / auto {sec['flashinfer fa3'] / sec['jaxattn auto']:.2f}x" if "flashinfer fa3" in sec else "")
+            + "".join(f"; flashinfer fa3 / {name} {sec['flashinfer fa3'] / sec[name]:.2f}x"
+                      for name in ("jaxattn cudnn", "jaxattn xla") if "flashinfer fa3" in sec and name in sec)
             + ("; " + ", ".join(result["notes"]) if result["notes"] else ""))
     text.append("\nNotes: " + "; ".join(f"{r['case']}: " + ", ".join(r["notes"]) for r in rows if r["notes"]))
     print(write_section("mla", "\n".join(text), heading="MLA (benchmarks/bench_mla.py)", update_results=not args.smoke))
