@@ -51,11 +51,10 @@ os.environ.setdefault("TF_GPU_ALLOCATOR", "bfc")  # ejkernel's import would swit
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
 
 import jaxattn  # noqa: E402
 from benchmarks.bench_e2e import copy_bandwidth  # noqa: E402
-from benchmarks.bench_triton import D, DTYPE, HKV, HQ, Workload, make_inputs  # noqa: E402
+from benchmarks.bench_triton import D, HKV, HQ, Workload, make_inputs  # noqa: E402
 from benchmarks.bench_trtllm_decode import Case  # noqa: E402
 from benchmarks.common import device_busy_seconds, device_name, rel_error, write_section  # noqa: E402
 

@@ -26,7 +26,6 @@ import traceback
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 import jaxattn
 from benchmarks.bench_trtllm_decode import Case, add_torch_peer, repeats_for, time_chained, time_xla

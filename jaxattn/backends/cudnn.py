@@ -12,7 +12,7 @@ windows, sinks (cuDNN >= 9.13), head_dim a multiple of 8 up to 256, power-of-2 p
 Not supported (ValueError): float32, FP8 pages, softcap.
 
 ``mla_prefill`` runs MLA prefill on the same graph: the step's latents are expanded into a pool of
-per-head keys and values of their own (``latents.expanded_pool``; V zero-padded to the keys'
+per-head keys and values of their own (``latents.attend_expanded``; V zero-padded to the keys'
 Dn + Dr, since the graph takes one head_dim), and the output keeps its first Dv columns.
 """
 
@@ -24,7 +24,7 @@ import numpy as np
 
 from jaxattn import _ffi_cudnn
 from jaxattn.backends.base import AttentionParams
-from jaxattn.backends.latents import expanded_pool
+from jaxattn.backends.latents import attend_expanded
 from jaxattn.kv_cache import KVCache, MLACache
 from jaxattn.metadata import AttentionMetadata
 
@@ -93,10 +93,7 @@ def mla_prefill(q_nope: jax.Array, q_rope: jax.Array, cache: MLACache, meta: Att
                 w_uv: jax.Array, params: AttentionParams) -> jax.Array:
     """MLA prefill on cuDNN's paged graph over the expanded pool (see the module docstring):
     ``q_nope: [T, Hq, Dn]``, ``q_rope: [T, Hq, Dr]`` -> ``[T, Hq, Dv]`` in ``q_nope.dtype``."""
-    pool, pool_meta = expanded_pool(cache, meta, w_uk, w_uv, q_nope.dtype)
-    q = jnp.concatenate([q_nope, q_rope], axis=-1)
-    q = jnp.pad(q, ((0, 0), (0, 0), (0, pool.head_dim - q.shape[2])))
-    return attention(q, pool, pool_meta, params, None)[..., :w_uv.shape[2]]
+    return attend_expanded(attention, q_nope, q_rope, cache, meta, w_uk, w_uv, params)
 
 
 def attention_with_lse(q: jax.Array, cache: KVCache, meta: AttentionMetadata, params: AttentionParams,

@@ -4,10 +4,12 @@ ordinary multi-head attention (``jaxattn.mla`` has the formulas)."""
 from __future__ import annotations
 
 import dataclasses
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
 
+from jaxattn.backends.base import AttentionParams
 from jaxattn.kv_cache import KVCache, MLACache
 from jaxattn.metadata import AttentionMetadata
 
@@ -48,3 +50,14 @@ def expanded_pool(cache: MLACache, meta: AttentionMetadata, w_uk: jax.Array, w_u
 
     tables = 1 + jnp.arange(batch * num_pages, dtype=jnp.int32).reshape(batch, num_pages)
     return KVCache(pool(k), pool(v), layout="NHD"), dataclasses.replace(meta, block_tables=tables)
+
+
+def attend_expanded(attention: Callable[..., jax.Array], q_nope: jax.Array, q_rope: jax.Array, cache: MLACache,
+                    meta: AttentionMetadata, w_uk: jax.Array, w_uv: jax.Array, params: AttentionParams) -> jax.Array:
+    """MLA prefill through a backend's paged ``attention(q, cache, meta, params, sinks)`` that takes
+    one head_dim: over ``expanded_pool``, with ``[q_nope, q_rope]`` zero-padded to the pool's width;
+    the output's first Dv columns. ``q_nope: [T, Hq, Dn]``, ``q_rope: [T, Hq, Dr]`` -> ``[T, Hq, Dv]``."""
+    pool, pool_meta = expanded_pool(cache, meta, w_uk, w_uv, q_nope.dtype)
+    q = jnp.concatenate([q_nope, q_rope], axis=-1)
+    q = jnp.pad(q, ((0, 0), (0, 0), (0, pool.head_dim - q.shape[2])))
+    return attention(q, pool, pool_meta, params, None)[..., :w_uv.shape[2]]

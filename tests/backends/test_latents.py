@@ -16,7 +16,7 @@ import pytest
 import jaxattn
 from jaxattn.backends import xla
 from jaxattn.backends.base import AttentionParams
-from jaxattn.backends.latents import expand_latents, expanded_pool
+from jaxattn.backends.latents import attend_expanded, expand_latents
 from tests.mla_inputs import break_metadata, make_mla_problem
 from tests.paged_inputs import rel_error
 
@@ -25,15 +25,12 @@ MIXED = dict(q_lens=[1, 1, 6, 13, 2], kv_lens=[5, 33, 6, 40, 2], max_q_len=None)
 DEEPSEEK = dict(kv_lora_rank=512, rope_dim=64, nope_dim=128, v_dim=128, page_size=64)
 
 
-def _pool_attention(problem, meta: jaxattn.AttentionMetadata, dtype=jnp.float32) -> jax.Array:
-    """MLA prefill as the cuDNN backend runs it, with the xla backend's paged attention."""
-    num_tokens = problem.q_nope.shape[0]
-    meta, _ = meta.sanitize(num_tokens, problem.cache.num_pages, problem.cache.page_size)
-    pool, pool_meta = expanded_pool(problem.cache, meta, problem.w_uk, problem.w_uv, dtype)
-    q = jnp.concatenate([problem.q_nope, problem.q_rope], axis=-1).astype(dtype)
-    q = jnp.pad(q, ((0, 0), (0, 0), (0, pool.head_dim - q.shape[2])))
+def _pool_attention(problem, meta: jaxattn.AttentionMetadata) -> jax.Array:
+    """MLA prefill as the cuDNN backend runs it (``attend_expanded``), with the xla backend's paged attention."""
+    meta, _ = meta.sanitize(problem.q_nope.shape[0], problem.cache.num_pages, problem.cache.page_size)
     params = AttentionParams(scale=problem.scale, causal=True, sliding_window=None, softcap=None, has_sinks=False)
-    return xla.attention(q, pool, pool_meta, params, None)[..., :problem.w_uv.shape[2]]
+    return attend_expanded(xla.attention, problem.q_nope, problem.q_rope, problem.cache, meta, problem.w_uk,
+                           problem.w_uv, params)
 
 
 @pytest.mark.parametrize("kv_dtype", [None, jnp.float8_e4m3fn])
