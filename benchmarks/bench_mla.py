@@ -36,7 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jaxattn
-from benchmarks.bench_trtllm_decode import _difference, add_torch_peer, copy_bandwidth, time_torch
+from benchmarks.bench_trtllm_decode import add_torch_peer, copy_bandwidth, time_chained_calls, time_torch
 from benchmarks.common import device_name, rel_error, write_section
 
 RANK, ROPE, NOPE, DV, PAGE = 512, 64, 128, 128, 64
@@ -100,27 +100,12 @@ def repeats_for(case: DecodeCase, rate: float = 3e12, target_s: float = 5e-3) ->
 
 def time_jaxattn(x: DecodeInputs, repeats: int, backend: str, trials: int = 9) -> tuple[float, jax.Array]:
     """Seconds per call of ``mla_paged_attention(backend=...)`` (R and 2R calls chained through
-    their outputs in one jit), and one call's output."""
+    their outputs, q_latent <- out, in one jit), and one call's output."""
+    def attend(q_latent, q_rope, cache, meta):
+        return jaxattn.mla_paged_attention(q_latent, q_rope, cache, meta, scale=SCALE, backend=backend)
 
-    def chain(r):
-        @jax.jit
-        def run(q_latent, q_rope, cache, meta):
-            for _ in range(r):
-                q_latent = jaxattn.mla_paged_attention(q_latent, q_rope, cache, meta, scale=SCALE, backend=backend)
-            return q_latent
-        return run
-
-    def timed(fn):
-        def run():
-            start = time.perf_counter()
-            fn(x.q_latent, x.q_rope, x.cache, x.meta).block_until_ready()
-            return time.perf_counter() - start
-        for _ in range(3):
-            run()
-        return run
-
-    out = chain(1)(x.q_latent, x.q_rope, x.cache, x.meta).block_until_ready()
-    return _difference(timed(chain(repeats)), timed(chain(2 * repeats)), repeats, trials), out
+    seconds, out, _ = time_chained_calls(attend, x.q_latent, (x.q_rope, x.cache, x.meta), repeats, trials)
+    return seconds, out
 
 
 def flashinfer_decode(case: DecodeCase, x: DecodeInputs):

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import statistics
 import time
 
 import jax

@@ -134,23 +134,32 @@ def time_trtllm(x: Inputs, repeats: int, trials: int = 9) -> tuple[float, jax.Ar
 def time_chained(x: Inputs, repeats: int, backend: str, trials: int = 9) -> tuple[float, jax.Array, int]:
     """Seconds per call of jaxattn ``backend`` (R and 2R calls chained through their outputs in
     one jit), one call's output, and the number of calls run."""
+    return time_chained_calls(lambda q, cache, meta: jaxattn.paged_attention(q, cache, meta, backend=backend),
+                              x.q, (x.cache, x.meta), repeats, trials)
+
+
+def time_chained_calls(attend, q: jax.Array, operands: tuple, repeats: int, trials: int = 9
+                       ) -> tuple[float, jax.Array, int]:
+    """Seconds per call of ``attend(q, *operands)``, whose output has ``q``'s shape: R and 2R calls
+    chained through their outputs (q <- out) in one jit, (t(2R) - t(R)) / R of wall-clock
+    medians. Also one call's output and the number of calls run."""
 
     def chain(r):
         @jax.jit
-        def run(q, cache, meta):
+        def run(q, *operands):
             for _ in range(r):
-                q = jaxattn.paged_attention(q, cache, meta, backend=backend)
+                q = attend(q, *operands)
             return q
         return run
 
     one, short, long = chain(1), chain(repeats), chain(2 * repeats)
-    out = one(x.q, x.cache, x.meta).block_until_ready()
+    out = one(q, *operands).block_until_ready()
     calls = [1]
 
     def timed(fn, r):
         def run():
             start = time.perf_counter()
-            fn(x.q, x.cache, x.meta).block_until_ready()
+            fn(q, *operands).block_until_ready()
             calls[0] += r
             return time.perf_counter() - start
         for _ in range(3):
@@ -476,8 +485,8 @@ def main() -> None:
             print(f"budget of {args.budget_s:.0f}s spent; skipping {case}")
             continue
         try:
-            row = bench_case(case, with_xla=not (args.frontier or args.fp8) and case.batch * case.kv_len <= args.xla_max_tokens,
-                             backends=("triton", "auto") if args.frontier else (), fp8=args.fp8)
+            with_xla = not (args.frontier or args.fp8) and case.batch * case.kv_len <= args.xla_max_tokens
+            row = bench_case(case, with_xla=with_xla, backends=("triton", "auto") if args.frontier else (), fp8=args.fp8)
         except Exception:  # e.g. out of memory: report the others
             traceback.print_exc(limit=3)
             continue
