@@ -1,6 +1,6 @@
 """Paged MLA (DeepSeek shapes) on one GPU: jaxattn against flashinfer's MLA wrapper in torch, on the same data.
 
-    python -m benchmarks.bench_mla [--quick] [--budget-s 300] [--smoke]
+    python -m benchmarks.bench_mla [--quick] [--heads 128,16] [--no-prefill] [--budget-s 300] [--smoke]
 
 Decode (absorbed, ``mla_paged_attention``): B in {1, 16, 64, 128} x kv in {1k, 4k, 16k} x Hq in
 {16, 128}, bf16, latent 512 + RoPE 64 per token in one page pool (page 64, randomly permuted).
@@ -18,7 +18,7 @@ jaxattn's ``cudnn`` and ``xla`` backends (median wall time of single jitted call
 flashinfer's ragged prefill (``BatchPrefillWithRaggedKVCacheWrapper``, its fa3 backend, on the same
 expanded K/V) when it plans; jaxattn's times include expanding the latents to per-head K/V.
 ``--smoke`` runs the jaxattn rows of two small cases on any device (CPU included) and writes only $OUT.
-Writes the mla section of benchmarks/RESULTS.md.
+Writes one section of benchmarks/RESULTS.md per head count (mla-hq128, mla-hq16).
 """
 
 from __future__ import annotations
@@ -185,6 +185,7 @@ def prefill_seconds(heads: int, batch: int, q_len: int, with_torch: bool, trials
     out = outs.get("cudnn", outs.get("xla"))
     if with_torch and "xla" in outs and "cudnn" in outs:
         result["notes"].append(f"cudnn vs xla rel err {rel_error(outs['cudnn'], outs['xla']):.1e}")
+    print(f"prefill Hq={heads}, jaxattn:", result, flush=True)
     if not with_torch or out is None:
         return result
     try:
@@ -233,10 +234,35 @@ def decode_table(rows: list[dict], copy_rate: float | None, peak_flops: float) -
     return "\n".join(lines)
 
 
+def section_text(heads: int, rows: list[dict], prefill: dict | None, copy_rate: float | None,
+                 peak_tflops: float) -> str:
+    """One head count's decode table and prefill line."""
+    command = "python -m benchmarks.bench_mla " + " ".join(sys.argv[1:])
+    text = [f"- device: {device_name()}; jax {jax.__version__}; "
+            f"date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC; command: `{command.strip()}`",
+            f"- Hq={heads}, bf16; latent {RANK} + RoPE {ROPE} per token, page {PAGE}, randomly permuted pool; "
+            "device copy rate " + (f"{copy_rate / 1e12:.2f} TB/s" if copy_rate else "not measured")
+            + f"; bf16 peak taken as {peak_tflops:.0f} TFLOP/s.",
+            "- decode: time per call (see the benchmark's docstring); ratios: peer time / jaxattn auto time.",
+            "", decode_table(rows, copy_rate, peak_tflops * 1e12)]
+    if prefill is not None:
+        flops = 2 * 8 * heads * 4096 * 4096 / 2 * (NOPE + ROPE + DV)   # causal: half the pairs
+        sec = prefill["seconds"]
+        text.append(f"\n- prefill B=8 x 4096, Hq={heads}: " + ", ".join(
+            f"{name} {t * 1e3:.3f} ms ({flops / t / 1e12:.0f} TFLOP/s)" for name, t in sec.items())
+            + "".join(f"; flashinfer fa3 / {name} {sec['flashinfer fa3'] / sec[name]:.2f}x"
+                      for name in ("jaxattn cudnn", "jaxattn xla") if "flashinfer fa3" in sec and name in sec)
+            + ("; " + ", ".join(prefill["notes"]) if prefill["notes"] else ""))
+    text.append("\nNotes: " + "; ".join(f"{r['case']}: " + ", ".join(r["notes"]) for r in rows if r["notes"]))
+    return "\n".join(text)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.bench_mla", description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="three decode cases and the Hq=128 prefill")
     parser.add_argument("--smoke", action="store_true", help="two small jaxattn-only decode cases (any device); $OUT only")
+    parser.add_argument("--heads", default="128,16", help="query head counts to run, in this order")
+    parser.add_argument("--no-prefill", action="store_true", help="decode cases only")
     parser.add_argument("--budget-s", type=float, default=300.0, help="start no new case after this")
     parser.add_argument("--peak-tflops", type=float, default=989.0, help="bf16 dense peak of the GPU (H100 SXM: 989)")
     parser.add_argument("--xla-max-bytes", type=float, default=2e9, help="skip the xla backend above this pool size")
@@ -245,43 +271,28 @@ def main() -> None:
     if not on_gpu and not args.smoke:
         sys.exit("bench_mla needs a GPU (or --smoke)")
     copy_rate = copy_bandwidth() if on_gpu else None
-    start, rows = time.time(), []
-    cases = SMOKE if args.smoke else QUICK if args.quick else SWEEP
-    for case in cases:
-        if time.time() - start > args.budget_s:
-            print(f"budget of {args.budget_s:.0f}s spent; skipping {case}")
-            continue
-        try:
-            rows.append(bench_decode(case, with_torch=on_gpu, with_xla=case.latent_bytes <= args.xla_max_bytes))
-        except Exception:  # e.g. out of memory: report the others
-            traceback.print_exc(limit=3)
-            continue
-        print(case, {k: f"{v * 1e6:.1f}us" for k, v in rows[-1]["seconds"].items()}, rows[-1]["notes"], flush=True)
-    prefill = {}
-    if not args.smoke:
-        for heads in (128,) if args.quick else (128, 16):
+    start = time.time()
+    for heads in (int(h) for h in args.heads.split(",")):
+        rows = []
+        for case in (c for c in (SMOKE if args.smoke else QUICK if args.quick else SWEEP) if c.heads == heads):
             if time.time() - start > args.budget_s:
-                break
-            prefill[heads] = prefill_seconds(heads, 8, 4096, with_torch=on_gpu)
-            print(f"prefill Hq={heads}", prefill[heads], flush=True)
-    command = "python -m benchmarks.bench_mla " + " ".join(sys.argv[1:])
-    text = [f"- device: {device_name()}; jax {jax.__version__}; "
-            f"date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC; command: `{command.strip()}`",
-            f"- bf16; latent {RANK} + RoPE {ROPE} per token, page {PAGE}, randomly permuted pool; device copy rate "
-            + (f"{copy_rate / 1e12:.2f} TB/s" if copy_rate else "not measured")
-            + f"; bf16 peak taken as {args.peak_tflops:.0f} TFLOP/s.",
-            "- decode: time per call (see the benchmark's docstring); ratios: peer time / jaxattn auto time.",
-            "", decode_table(rows, copy_rate, args.peak_tflops * 1e12)]
-    for heads, result in prefill.items():
-        flops = 2 * 8 * heads * 4096 * 4096 / 2 * (NOPE + ROPE + DV)   # causal: half the pairs
-        sec = result["seconds"]
-        text.append(f"\n- prefill B=8 x 4096, Hq={heads}: " + ", ".join(
-            f"{name} {t * 1e3:.3f} ms ({flops / t / 1e12:.0f} TFLOP/s)" for name, t in sec.items())
-            + "".join(f"; flashinfer fa3 / {name} {sec['flashinfer fa3'] / sec[name]:.2f}x"
-                      for name in ("jaxattn cudnn", "jaxattn xla") if "flashinfer fa3" in sec and name in sec)
-            + ("; " + ", ".join(result["notes"]) if result["notes"] else ""))
-    text.append("\nNotes: " + "; ".join(f"{r['case']}: " + ", ".join(r["notes"]) for r in rows if r["notes"]))
-    print(write_section("mla", "\n".join(text), heading="MLA (benchmarks/bench_mla.py)", update_results=not args.smoke))
+                print(f"budget of {args.budget_s:.0f}s spent; skipping {case}")
+                continue
+            try:
+                rows.append(bench_decode(case, with_torch=on_gpu, with_xla=case.latent_bytes <= args.xla_max_bytes))
+            except Exception:  # e.g. out of memory: report the others
+                traceback.print_exc(limit=3)
+                continue
+            print(case, {k: f"{v * 1e6:.1f}us" for k, v in rows[-1]["seconds"].items()}, rows[-1]["notes"],
+                  flush=True)
+        prefill = None
+        if not (args.smoke or args.no_prefill or (args.quick and heads != 128)) and time.time() - start < args.budget_s:
+            prefill = prefill_seconds(heads, 8, 4096, with_torch=on_gpu)
+            print(f"prefill Hq={heads}", prefill, flush=True)
+        if rows or prefill:
+            print(write_section(f"mla-hq{heads}", section_text(heads, rows, prefill, copy_rate, args.peak_tflops),
+                                heading=f"MLA, {heads} query heads (benchmarks/bench_mla.py)",
+                                update_results=not args.smoke))
 
 
 if __name__ == "__main__":

@@ -17,3 +17,12 @@ def test_smoke_run(module, tmp_path):
     result = subprocess.run([sys.executable, "-m", f"benchmarks.{module}", "--smoke"], cwd=REPO, env=env,
                             capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+
+
+def test_tune_mla_candidates_compile_for_sm90():
+    """tune_mla's compile phase (CPU processes, no GPU): the first point's quick candidates build."""
+    from benchmarks import tune_mla
+
+    case = tune_mla.POINTS[0]
+    errors = tune_mla.compile_all([(case, cfg) for cfg in tune_mla.candidates(case, quick=True)])
+    assert errors and not any(errors.values()), errors

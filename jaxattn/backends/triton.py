@@ -269,27 +269,38 @@ def mla_check_supported(q_latent: jax.Array, q_rope: jax.Array, cache: MLACache,
 
 
 def mla_config(num_tokens: int, num_q_heads: int, kv_lora_rank: int, max_kv_len: int, max_q_len: int | None,
-               fp8: bool = False) -> MLAConfig:
-    """Tiles for this shape (static), 8 warps, 2 stages; not timed on a GPU yet. Up to 16 heads,
-    a tile holds 16 heads of up to 4 tokens of a sequence (speculative decode; decodes and FP8
-    pools: 1); more heads, 64 heads (FP8 pools: 32) of one token. KV segments give about
-    ``_MLA_PROGRAMS`` programs. Checked by compiling for sm_90 (``tests/backends/test_triton_mla.py``,
-    R 512, Dr 64), none spilling: 16 x 1 rows with 64-key tiles (mma.sync, 165 registers, 94 KB
-    shared memory; FP8 254, 88 KB; 4 warps spill); 64 x 1 rows with 32-key tiles (wgmma, 222
-    registers, 147 KB; 64 keys: 255 registers, 221 KB; FP8 spills even with 16 keys); 16 x 4 rows
-    with 16-key tiles (wgmma, 255 registers, 131 KB; 32 keys spill); FP8 32 x 1 rows with 32-key
-    tiles (mma.sync, 255 registers, 72 KB)."""
+                fp8: bool = False) -> MLAConfig:
+    """Tiles for this shape (static); KV segments give about ``_MLA_PROGRAMS`` programs.
+
+    bf16 decode, from ``benchmarks/tune_mla.py`` (RESULTS.md, "MLA decode tiles"; H100, R 512,
+    Dr 64): up to 16 heads, 16 heads x 64 keys, 4 warps, 3 stages (B=128 kv 4096: 222 us against
+    264 for the earlier 8 warps, 2 stages); more heads, 64 heads x 64 keys, 8 warps, 3 stages (B=64
+    kv 4096 Hq 128: 335 us against 437 for 32 keys, 2 stages), but 32 heads x 64 keys, 2 stages when
+    even 32 segments of 64-head tiles leave SMs idle (B=1 kv 16384: 50 us against 67). Not timed:
+    speculative decode with 16 heads (16 heads of up to 4 tokens, 16-key tiles, wgmma) and FP8
+    pools (32 heads x 32 keys, mma.sync; 16 heads x 64 keys, 8 warps). Every choice compiles for
+    sm_90 without spilling (``tests/backends/test_triton_mla.py``)."""
     if _interpreting():
         return MLAConfig(tokens=1, block_h=16, block_n=16, num_segments=1 if max_kv_len <= 32 else 2, num_warps=4,
                          num_stages=1)
-    block_h = 16 if num_q_heads <= 16 else 32 if fp8 else 64
-    tokens = 1 if block_h > 16 or fp8 else min(4, _pow2_ceil(min(max_q_len or num_tokens, num_tokens)))
-    block_n = 64 if block_h * tokens == 16 and kv_lora_rank <= 512 else 32 if tokens == 1 else 16
+    tokens = 1
+    if num_q_heads <= 16:
+        block_h = 16
+        tokens = 1 if fp8 else min(4, _pow2_ceil(min(max_q_len or num_tokens, num_tokens)))
+        block_n, warps, stages = (64, 8, 2) if fp8 else (64, 4, 3) if tokens == 1 else (16, 8, 2)
+    elif fp8:
+        block_h, block_n, warps, stages = 32, 32, 8, 2
+    elif num_tokens * -(-num_q_heads // 64) * 32 < _MLA_PROGRAMS:
+        block_h, block_n, warps, stages = 32, 64, 8, 2
+    else:
+        block_h, block_n, warps, stages = 64, 64, 8, 3
+    if kv_lora_rank > 512:                       # the tiles above fill shared memory at R 512
+        block_n, stages = min(block_n, 32), min(stages, 2)
     programs = -(-num_tokens // tokens) * -(-num_q_heads // block_h)
     most = max(1, -(-max_kv_len // (_MIN_TILES_PER_SEGMENT * block_n)))
     segments = max(1, min(_pow2_floor(max(1, _MLA_PROGRAMS // programs)), 32, _pow2_floor(most)))
-    return MLAConfig(tokens=tokens, block_h=block_h, block_n=block_n, num_segments=segments, num_warps=8,
-                     num_stages=2)
+    return MLAConfig(tokens=tokens, block_h=block_h, block_n=block_n, num_segments=segments, num_warps=warps,
+                     num_stages=stages)
 
 
 def mla_attention(q_latent: jax.Array, q_rope: jax.Array, cache: MLACache, meta: AttentionMetadata,
@@ -315,7 +326,7 @@ def mla_attention(q_latent: jax.Array, q_rope: jax.Array, cache: MLACache, meta:
         q_latent, q_rope, cache.pages, meta.block_tables.astype(jnp.int32), kv_lens, meta.cu_q_lens.astype(jnp.int32),
         scales, kernel=kernels.mla_decode_kernel,
         out_shape=[acc_type, jax.ShapeDtypeStruct((num_tokens, num_q_heads, nseg, 2), jnp.float32)],
-        grid=(num_tokens, head_blocks, nseg), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        grid=(num_tokens * nseg * head_blocks,), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         T=num_tokens, B=batch, LOG_B=batch.bit_length() + 1, P=width, HQ=num_q_heads, R=rank, DR=cache.rope_dim,
         PAGE=cache.page_size, NUM_PAGES=cache.num_pages, QT=cfg.tokens, BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n,
         NSEG=nseg, SCALE=float(params.scale), CAUSAL=params.causal, FP8=cache.is_fp8, DIRECT=direct, DOT_F32=dot_f32,

@@ -27,7 +27,9 @@ def mla_decode_kernel(
         BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, NSEG: tl.constexpr, SCALE: tl.constexpr,
         CAUSAL: tl.constexpr, FP8: tl.constexpr, DIRECT: tl.constexpr, DOT_F32: tl.constexpr,
         PRECISION: tl.constexpr):
-    """Grid ``(T, cdiv(HQ, BLOCK_H), NSEG)``. Program (t, hb, s) serves the query tokens ``t ..
+    """Grid ``(T * NSEG * cdiv(HQ, BLOCK_H),)``, head blocks fastest, then KV segments: the programs
+    that read the same keys (a token's head blocks) run side by side, so the second read of a key
+    tile hits L2. Program (t, hb, s) serves the query tokens ``t ..
     t + QT - 1`` of t's sequence when t is the first of such a group (``QT * BLOCK_H`` rows: each
     token's heads ``hb * BLOCK_H ...``), over the s-th of NSEG equal runs of the KV tiles they see;
     programs of other tokens of a sequence exit at once, and a token of no sequence (or of one
@@ -39,9 +41,11 @@ def mla_decode_kernel(
     """
     W: tl.constexpr = R + DR
     BLOCK_M: tl.constexpr = QT * BLOCK_H
-    t = tl.program_id(0)
-    hb = tl.program_id(1)
-    seg = tl.program_id(2)
+    HB: tl.constexpr = (HQ + BLOCK_H - 1) // BLOCK_H
+    pid = tl.program_id(0)
+    hb = pid % HB
+    seg = (pid // HB) % NSEG
+    t = pid // (HB * NSEG)
     b = _find_seq(cu_ptr, t, 0, B - 1, LOG_B, 1, False)
     q_start = tl.load(cu_ptr + b)
     q_end = tl.load(cu_ptr + b + 1)

@@ -154,11 +154,13 @@ _COMPILE_SCRIPT = textwrap.dedent("""
     from jaxattn.kernels.triton_call import _compile
     from tests.mla_inputs import make_mla_problem
 
-    num_q_heads, max_q_len, kv_dtype, cuobjdump = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
+    num_q_heads, max_q_len, kv_dtype, num_seqs, cuobjdump = (int(sys.argv[1]), int(sys.argv[2]), sys.argv[3],
+                                                             int(sys.argv[4]), sys.argv[5])
     tb._interpreting = lambda: False                       # the launches a GPU would get
-    problem = make_mla_problem(np.random.default_rng(6), q_lens=[max_q_len] * 8, kv_lens=[3000] * 8,
-                               num_q_heads=num_q_heads, max_q_len=max_q_len, dtype=jnp.bfloat16, kv_dtype=kv_dtype,
-                               kv_lora_rank=512, rope_dim=64, nope_dim=128, v_dim=128, page_size=64)
+    problem = make_mla_problem(np.random.default_rng(6), q_lens=[max_q_len] * num_seqs,
+                               kv_lens=[3000] * num_seqs, num_q_heads=num_q_heads, max_q_len=max_q_len,
+                               dtype=jnp.bfloat16, kv_dtype=kv_dtype, kv_lora_rank=512, rope_dim=64, nope_dim=128,
+                               v_dim=128, page_size=64)
     params = AttentionParams(scale=problem.scale, causal=True, sliding_window=None, softcap=None, has_sinks=False)
     jaxpr = jax.make_jaxpr(lambda ql, qr, c, m: tb.mla_attention(ql, qr, c, m, params))(
         problem.q_latent, problem.q_rope, problem.cache, problem.meta)
@@ -176,18 +178,19 @@ _COMPILE_SCRIPT = textwrap.dedent("""
 """)
 
 
-@pytest.mark.parametrize("num_q_heads, max_q_len, kv_dtype", [
-    (16, 1, "bfloat16"), (16, 4, "bfloat16"), (128, 1, "bfloat16"), (16, 4, "float8_e4m3fn"),
-    (128, 1, "float8_e4m3fn")])
-def test_gpu_configs_compile_for_sm90_without_spills(num_q_heads, max_q_len, kv_dtype):
+@pytest.mark.parametrize("num_q_heads, max_q_len, kv_dtype, num_seqs", [
+    (16, 1, "bfloat16", 8), (16, 4, "bfloat16", 8), (128, 1, "bfloat16", 8), (128, 1, "bfloat16", 1),
+    (16, 1, "float8_e4m3fn", 8), (16, 4, "float8_e4m3fn", 8), (128, 1, "float8_e4m3fn", 8)])
+def test_gpu_configs_compile_for_sm90_without_spills(num_q_heads, max_q_len, kv_dtype, num_seqs):
     """No GPU needed: the launches ``mla_attention`` makes on a GPU at DeepSeek shapes (decode, and
-    speculative decode packing 4 tokens x 16 heads; bf16 and FP8 pools) compile for sm_90 with Triton's own ptxas,
-    without register spills (``cuobjdump`` resource usage). In a fresh process: the interpreter
+    speculative decode packing 4 tokens x 16 heads; one sequence of 128 heads; bf16 and FP8 pools)
+    compile for sm_90 with Triton's own ptxas, without register spills (``cuobjdump`` resource usage). In a fresh process: the interpreter
     the other tests run leaves Triton's language module patched."""
     cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     if not os.path.exists(cuobjdump):
         pytest.skip(f"no {cuobjdump}")
-    run = subprocess.run([sys.executable, "-c", _COMPILE_SCRIPT, str(num_q_heads), str(max_q_len), kv_dtype, cuobjdump],
+    run = subprocess.run([sys.executable, "-c", _COMPILE_SCRIPT, str(num_q_heads), str(max_q_len), kv_dtype,
+                          str(num_seqs), cuobjdump],
                          cwd=REPO, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
     usage = json.loads(run.stdout.strip().splitlines()[-1])

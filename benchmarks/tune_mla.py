@@ -1,0 +1,149 @@
+"""Tile sweep for jaxattn's Triton MLA decode kernel (``jaxattn.kernels.triton_mla``), one device run.
+
+    python -m benchmarks.tune_mla [--quick] [--budget-s 360]
+
+Points (bf16, latent 512 + RoPE 64, page 64, randomly permuted pool; ``bench_mla.decode_inputs``):
+B=64 x kv 4096 x Hq 128 (the issue's target), B=128 x kv 4096 x Hq 16 and B=1 x kv 16384 x Hq 128. Candidates: ``MLAConfig`` tiles (heads per tile, keys per tile, warps,
+stages) and KV segment counts around ``mla_config``'s choice, which is always a candidate. Every
+candidate is first compiled for sm_90 in parallel CPU processes (``triton_call._compile`` fills
+Triton's on-disk cache, so the timed process only loads), then timed as the GPU time of the
+decode and reduce kernels per call (profiler, median of 3 rounds of 20 calls). Candidates that do not
+compile or launch are listed as failed. Writes ``$OUT/tune_mla.md`` (and prints it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import dataclasses
+import itertools
+import multiprocessing
+import os
+import statistics
+import sys
+import time
+
+import jax
+
+import jaxattn
+from benchmarks.bench_mla import DecodeCase, decode_inputs
+from benchmarks.common import device_event_seconds, device_name, rel_error
+from jaxattn.backends import triton as tb
+from jaxattn.backends.base import AttentionParams
+
+POINTS = (DecodeCase(64, 4096, 128), DecodeCase(128, 4096, 16), DecodeCase(1, 16384, 128))
+
+
+def candidates(case: DecodeCase, quick: bool) -> list[tb.MLAConfig]:
+    """mla_config's choice first, then the tile grid at its segment count, then segment counts."""
+    default = tb.mla_config(case.batch, case.heads, 512, case.kv_len, 1)
+    if quick:
+        return [default, dataclasses.replace(default, num_stages=3)]
+    tiles = []
+    for block_h, block_n, warps, stages in itertools.product(
+            (16,) if case.heads <= 16 else (32, 64), (16, 32, 64), (4, 8), (1, 2, 3)):
+        if block_h == 64 and warps == 4:
+            continue
+        tiles.append(dataclasses.replace(default, block_h=block_h, block_n=block_n, num_warps=warps,
+                                         num_stages=stages))
+    segments = [dataclasses.replace(default, num_segments=s) for s in (1, 2, 4, 8, 16, 32, 64, 128)
+                if s != default.num_segments and s * 4 * default.block_n <= case.kv_len]
+    return list(dict.fromkeys([default] + tiles + segments))
+
+
+def _params(case: DecodeCase) -> AttentionParams:
+    return AttentionParams(scale=1 / (192 ** 0.5), causal=True, sliding_window=None, softcap=None, has_sinks=False)
+
+
+def _compile_worker(case: DecodeCase, cfg: tb.MLAConfig) -> str | None:
+    """Compiles the launches of one candidate into Triton's cache (CPU process); an error line or None."""
+    from jaxattn.kernels.triton_call import _compile
+    jax.config.update("jax_platforms", "cpu")
+    tb._interpreting = lambda: False                                 # the launches a GPU gets
+    try:
+        shapes = jax.eval_shape(lambda: (lambda x: (x.q_latent, x.q_rope, x.cache, x.meta))(decode_inputs(case)))
+        jaxpr = jax.make_jaxpr(lambda ql, qr, c, m: tb.mla_attention(ql, qr, c, m, _params(case), config=cfg))(
+            *shapes)
+        for eqn in (e for e in jaxpr.eqns if e.primitive.name == "jaxattn_triton_call"):
+            dtypes = tuple(v.aval.dtype for v in [*eqn.invars, *eqn.outvars])
+            _compile(eqn.params["kernel"], dtypes, eqn.params["metaparams"], eqn.params["num_warps"],
+                     eqn.params["num_stages"], 90)
+        return None
+    except Exception as err:  # noqa: BLE001 (a candidate that does not compile is reported)
+        return f"{type(err).__name__}: {str(err).splitlines()[0][:100] if str(err) else ''}"
+
+
+def compile_all(jobs: list[tuple[DecodeCase, tb.MLAConfig]]) -> dict:
+    """{(case, config): error or None}, compiled in parallel processes."""
+    context = multiprocessing.get_context("spawn")
+    workers = max(1, min(len(jobs), (os.cpu_count() or 2) - 1))
+    with concurrent.futures.ProcessPoolExecutor(workers, mp_context=context) as pool:
+        return dict(zip(jobs, pool.map(_compile_worker, *zip(*jobs))))
+
+
+def kernel_seconds(case: DecodeCase, cfg: tb.MLAConfig, x, reference: jax.Array) -> tuple[float, float]:
+    """(GPU seconds per call, relative error against ``reference``)."""
+    fn = jax.jit(lambda ql, qr, c, m: tb.mla_attention(ql, qr, c, m, _params(case), config=cfg))
+    call = lambda: fn(x.q_latent, x.q_rope, x.cache, x.meta)   # noqa: E731
+    error = rel_error(call(), reference)
+    return statistics.median(sum(device_event_seconds(call, 20).values()) for _ in range(3)), error
+
+
+def describe(cfg: tb.MLAConfig) -> str:
+    return (f"{cfg.block_h} heads x {cfg.block_n} keys, {cfg.num_warps} warps, {cfg.num_stages} stages, "
+            f"{cfg.num_segments} segments")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.tune_mla", description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="two candidates per point (checks the script)")
+    parser.add_argument("--budget-s", type=float, default=360.0,
+                        help="time no new candidate after this (an equal share per point)")
+    args = parser.parse_args()
+    start = time.time()
+    if jax.default_backend() != "gpu":
+        sys.exit("tune_mla needs a GPU")
+    jobs = [(case, cfg) for case in POINTS for cfg in candidates(case, args.quick)]
+    errors = compile_all(jobs)
+    lines = [f"Device: {device_name()}; jax {jax.__version__}; {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; "
+             f"command: `python -m benchmarks.tune_mla{' --quick' if args.quick else ''}`; {len(jobs)} candidates "
+             f"compiled in {time.time() - start:.0f} s. GPU time per call of the decode and reduce kernels, us; "
+             f"first row: mla_config's choice."]
+    for i, case in enumerate(POINTS):
+        x = decode_inputs(case)
+        reference = jax.jit(lambda ql, qr, c, m: jaxattn.mla_paged_attention(
+            ql, qr, c, m, scale=_params(case).scale, backend="xla"))(x.q_latent, x.q_rope, x.cache, x.meta)
+        results = []
+        for cfg in candidates(case, args.quick):
+            if time.time() - start > args.budget_s * (i + 1) / len(POINTS):
+                break
+            error = errors[(case, cfg)]
+            if error is None:
+                try:
+                    sec, error = kernel_seconds(case, cfg, x, reference)
+                    results.append((cfg, sec, "") if error < 2e-2 else (cfg, float("inf"), f"rel err {error:.1e}"))
+                except Exception as err:  # noqa: BLE001
+                    results.append((cfg, float("inf"), f"{type(err).__name__}: {str(err)[:100]}"))
+            else:
+                results.append((cfg, float("inf"), error))
+            jax.clear_caches()
+        if not results:
+            continue
+        default_s = results[0][1]
+        lines += ["", f"### {case}: latent {case.latent_bytes / 1e6:.0f} MB", "",
+                  "| config | us | vs mla_config | TB/s |", "|---|---|---|---|"]
+        for rank, (cfg, sec, error) in enumerate(sorted(results, key=lambda r: r[1])):
+            if sec == float("inf"):
+                lines.append(f"| {describe(cfg)} | failed: {error} | | |")
+            elif rank < 12 or cfg == results[0][0]:
+                lines.append(f"| {describe(cfg)}{' (mla_config)' if cfg == results[0][0] else ''} | "
+                             f"{sec * 1e6:.1f} | {default_s / sec:.2f}x | {case.latent_bytes / sec / 1e12:.2f} |")
+        print("\n".join(lines[-len(results) - 4:]), flush=True)
+        if os.environ.get("OUT"):
+            with open(os.path.join(os.environ["OUT"], "tune_mla.md"), "w") as f:
+                f.write("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
