@@ -88,3 +88,22 @@ def test_gpu_cudnn_mla_prefill_matches_xla(num_q_heads):
     assert rel_error(out, run["xla"](*args)) < 2e-2
     assert rel_error(out, problem.expanded_reference()) < 2e-2
     assert not np.asarray(out[sum(problem.q_lens):].astype(jnp.float32)).any()
+
+
+@pytest.mark.gpu
+def test_gpu_auto_mla_prefill_flags_broken_sequences():
+    """auto (cudnn on the GPU) with every fault at DeepSeek dims: broken sequences get zero rows
+    and a False flag, the others match the float64 reference, no unowned page reaches an output."""
+    seed = int(np.random.SeedSequence().entropy % 2**32)
+    rng = np.random.default_rng(seed)
+    q_lens = [1, 150, 64, 9, 40, 1]
+    kv_lens = [700, 300, 1000, 9, 40, 65]
+    problem = make_mla_problem(rng, num_q_heads=16, q_lens=q_lens, kv_lens=kv_lens, max_q_len=150,
+                               dtype=jnp.bfloat16, **DEEPSEEK)
+    meta, broken = break_metadata(rng, problem, ["page", "none", "short", "none", "long", "none"])
+    run = jax.jit(lambda *a: jaxattn.mla_prefill(*a, scale=problem.scale, return_status=True))
+    out, valid = run(problem.q_nope, problem.q_rope, problem.cache, meta, problem.w_uk, problem.w_uv)
+    np.testing.assert_array_equal(valid, ~broken, err_msg=f"seed {seed}")
+    out = np.asarray(out.astype(jnp.float32), np.float64)
+    assert not np.isnan(out).any(), f"a page the sequence does not own reached its output (seed {seed})"
+    assert rel_error(out, problem.without(broken).expanded_reference()) < 2e-2, f"seed {seed}"
