@@ -8,7 +8,8 @@ XQA's generic kernel (bf16/fp16 pages) splits each (request, KV head) over
 ``round(SMs * 3 / (B * Hkv) / 4)``. For each point (bf16, Hq=32, Hkv=8, D=128, page 64, HND pool
 randomly permuted), each multiple m of the device's SM count is passed as that count, and the
 table gives the GPU time per call of the whole ``backend="trtllm"`` call and of the XQA kernel alone
-(profiler, median of 3 rounds of 20 calls), against the copy rate. The last table breaks one
+(profiler, median of 3 rounds of 20 calls), against the copy rate; each point's first row is
+``split_sm_count``'s own choice. The last table breaks one
 point's call into its kernels. ``--fp8`` runs the same points with the pages in float8_e4m3fn
 (``bench_trtllm_decode.fp8_inputs``), which XQA's Hopper kernel serves: its split formula gives a
 quarter of the CTAs the generic kernel's does, so larger multiples matter there.
@@ -62,11 +63,17 @@ def main() -> None:
         if args.fp8:
             cache = fp8_inputs(Inputs(q, cache, meta)).cache
         kv_bytes = w.kv_bytes // 2 if args.fp8 else w.kv_bytes
-        for m in multiples:
-            trtllm.split_sm_count = lambda *_, m=m: int(round(m * sms))
+        width = meta.block_tables.shape[1]
+        variant = trtllm._xqa_build.Variant(dtype="bfloat16", cache_dtype=cache.k_pages.dtype.name, page_size=64,
+                                            head_dim=128, group_size=4, sliding_window=False)
+        chosen = default_split(variant, batch, 8, width)
+        for m in [None] + multiples:       # None: split_sm_count's own choice
+            count = chosen if m is None else int(round(m * sms))
+            trtllm.split_sm_count = lambda *_, count=count: count
             fn = jax.jit(lambda q, c, mt: jaxattn.paged_attention(q, c, mt, backend="trtllm"))
             whole, xqa, events = profile(lambda: fn(q, cache, meta))
-            print(f"| {batch} | {kv} | {int(round(m * sms))} | {whole * 1e6:.1f} | {xqa * 1e6:.1f} | "
+            label = f"{count} (split_sm_count)" if m is None else str(count)
+            print(f"| {batch} | {kv} | {label} | {whole * 1e6:.1f} | {xqa * 1e6:.1f} | "
                   f"{kv_bytes / whole / copy_rate:.0%} |", flush=True)
             if m == 1 and batch == 1 and kv == 32768:
                 breakdown = events

@@ -37,8 +37,12 @@ from jaxattn.metadata import AttentionMetadata
 
 MLA_BACKENDS: tuple[str, ...] = ("xla", "triton")
 PREFILL_BACKENDS: tuple[str, ...] = ("xla", "cudnn")
-# auto: queries up to this long go to the triton decode kernel (one program per query token).
+# auto: queries up to this long go to the triton decode kernel (one program per query token), unless
+# the step's tokens times the table's width in keys is at most XLA_MAX_DECODE_KEYS: there the xla
+# backend's one gather and two einsums beat the split-KV launch (H100, bench_mla: B=1 x kv 1k-16k at
+# 16 and 128 heads, 0.3-0.7x of triton's time; B=16 x kv 1k: 0.54x at 16 heads, 1.11x at 128).
 MAX_DECODE_Q_LEN = 16
+XLA_MAX_DECODE_KEYS = 16384
 _DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 
 
@@ -64,7 +68,8 @@ def mla_paged_attention(
       scale: logit scale (DeepSeek: ``1/sqrt(Dn + Dr)``, times the YaRN mscale squared where it applies), required.
       causal: bottom-right causal mask.
       backend: "auto", "xla" or "triton". auto: triton for steps whose queries are at most
-        ``MAX_DECODE_Q_LEN`` tokens (``meta.max_q_len``) where it runs, else xla.
+        ``MAX_DECODE_Q_LEN`` tokens (``meta.max_q_len``) where it runs, unless T times the table's
+        width in keys is at most ``XLA_MAX_DECODE_KEYS``; else xla.
       return_status: also return which sequences kept the contract.
 
     Returns:
@@ -76,7 +81,7 @@ def mla_paged_attention(
                            cache, meta, scale, causal, return_status)
     name = _choose(where, backend, MLA_BACKENDS,
                    lambda n: backends.get(n).mla_check_supported(q_latent, q_rope, cache, meta, params),
-                   preferred="triton" if meta.max_q_len is not None and meta.max_q_len <= MAX_DECODE_Q_LEN else None)
+                   preferred="triton" if _prefer_triton(q_latent, cache, meta) else None)
     meta, valid = sanitize(q_latent, cache, meta)
     out = backends.get(name).mla_attention(q_latent, q_rope, cache, meta, params)
     return (out, valid) if return_status else out
@@ -140,6 +145,11 @@ def project_values(out_latent: jax.Array, w_uv: jax.Array) -> jax.Array:
     """``out[t, h] = out_latent[t, h] W_UV[:, h]``: ``[T, Hq, R]``, ``[R, Hq, Dv]`` -> ``[T, Hq, Dv]``
     (float32 accumulation, in ``out_latent.dtype``)."""
     return jnp.einsum("thr,rhv->thv", out_latent, w_uv, preferred_element_type=jnp.float32).astype(out_latent.dtype)
+
+
+def _prefer_triton(q_latent: jax.Array, cache: MLACache, meta: AttentionMetadata) -> bool:
+    keys = q_latent.shape[0] * meta.max_pages_per_seq * cache.page_size
+    return meta.max_q_len is not None and meta.max_q_len <= MAX_DECODE_Q_LEN and keys > XLA_MAX_DECODE_KEYS
 
 
 def _check_common(where: str, queries: tuple[tuple[str, jax.Array, str | None], ...], cache: MLACache,

@@ -56,6 +56,8 @@ SPEC_TILE_ROWS = 32  # XQA spec decode's (query token, head) rows per CTA (M_TIL
 # to a row without keys, whose output then is 0 * (1 / inf) = 0 where it would be 0/0.
 SINK_FLOOR = -9e4
 _WHERE = "paged_attention: backend 'trtllm'"
+# fp8 decode: XQA's Hopper kernel gets more CTAs per sequence only while each covers this many keys.
+_FP8_MIN_KEYS_PER_CTA = 320
 
 
 @functools.cache
@@ -263,11 +265,25 @@ def _strides(cache: KVCache) -> tuple[int, int, int]:
 
 def split_sm_count(kernel_variant: _xqa_build.Variant, num_requests: int, num_kv_heads: int, max_pages: int) -> int:
     """The SM count XQA's split formula is given for a decode launch (its CTAs per sequence grow
-    with it): the device's. With bf16 pages (XQA's generic kernel) on an H100, a quarter to 8x
-    that count was slower, or within 2%, at every batch 1-64 and kv 4k-128k point
-    (``benchmarks/tune_xqa_splits.py``, RESULTS.md); fp8 pages (the Hopper kernel) are not swept yet."""
-    del kernel_variant, num_requests, num_kv_heads, max_pages
-    return _sm_count()
+    with it). bf16/fp16 pages (XQA's generic kernel, ``min(SMs / (B * Hkv), kv / tile)`` CTAs per
+    (request, KV head)): the device's; on an H100 a quarter to 8x that count was slower, or within
+    2%, at every batch 1-64 and kv 4k-128k point. fp8 pages (the Hopper kernel,
+    ``round(SMs * 3 / (B * Hkv) / 4)`` CTAs, under one per SM when B * Hkv is small): 4x or 2x the
+    count where that gives more CTAs of at least ``_FP8_MIN_KEYS_PER_CTA`` keys of the table's
+    width each (B=1 kv 128k: 165 us per call against 246; B=2 kv 32k: 91 against 133; B=1 kv 4096
+    stays: 24 against 31 with 4x). Both from ``benchmarks/tune_xqa_splits.py`` (RESULTS.md)."""
+    sms = _sm_count()
+    if not kernel_variant.hopper:
+        return sms
+    max_keys = max_pages * kernel_variant.page_size
+
+    def ctas(multiple: int) -> int:
+        return max(1, round(multiple * sms * 3 / (num_requests * num_kv_heads) / 4))
+
+    for multiple in (4, 2):
+        if ctas(multiple) > ctas(1) and max_keys >= _FP8_MIN_KEYS_PER_CTA * ctas(multiple):
+            return multiple * sms
+    return sms
 
 
 @functools.cache

@@ -21,7 +21,7 @@ import pytest
 
 import jaxattn
 from jaxattn import attention as attention_module
-from jaxattn import backends
+from jaxattn import backends, mla
 from jaxattn.backends import xla
 from jaxattn.backends.base import AttentionParams, gpu_devices
 from tests.mla_inputs import break_metadata, make_mla_problem
@@ -127,14 +127,20 @@ def test_check_supported():
         tb.mla_check_supported(problem.q_latent, problem.q_rope, problem.cache, problem.meta, _params(problem))
 
 
-def test_auto_uses_triton_where_it_runs_else_xla_with_a_log_line(monkeypatch, caplog):
+def _record_backend_calls(monkeypatch) -> list[str]:
     calls = []
     for name in ("xla", "triton"):
         module = backends.get(name) if name == "xla" else tb
         real = module.mla_attention
         monkeypatch.setattr(module, "mla_attention", lambda *a, _n=name, _r=real, **k: calls.append(_n) or _r(*a, **k))
+    return calls
+
+
+def test_auto_uses_triton_where_it_runs_else_xla_with_a_log_line(monkeypatch, caplog):
+    calls = _record_backend_calls(monkeypatch)
+    # 4 tokens (2 of them padding) x a 1024-page table of 8 keys: past XLA_MAX_DECODE_KEYS.
     problem = make_mla_problem(np.random.default_rng(5), q_lens=[1, 1], kv_lens=[4, 9], num_q_heads=4, max_q_len=1,
-                               **SMALL)
+                               pages_per_seq=1024, **SMALL)
     monkeypatch.setattr(attention_module, "_logged", set())
     caplog.set_level(logging.INFO, logger="jaxattn")
     jax.jit(lambda *a: jaxattn.mla_paged_attention(*a, scale=problem.scale))(
@@ -144,6 +150,17 @@ def test_auto_uses_triton_where_it_runs_else_xla_with_a_log_line(monkeypatch, ca
     warned = f"using 'xla'; triton skipped ({reason})" in caplog.text
     informed = "running the xla backend: no NVIDIA GPU" in caplog.text   # CPU: nothing to fix, one INFO line
     assert (warned, informed) == ((bool(reason), False) if gpu_devices() else (False, True))
+
+
+def test_auto_runs_tiny_decode_steps_on_xla(monkeypatch):
+    """T times the table's width in keys at most XLA_MAX_DECODE_KEYS: xla, wherever triton runs."""
+    calls = _record_backend_calls(monkeypatch)
+    problem = make_mla_problem(np.random.default_rng(5), q_lens=[1, 1], kv_lens=[4, 9], num_q_heads=4, max_q_len=1,
+                               **SMALL)
+    assert problem.q_latent.shape[0] * problem.meta.max_pages_per_seq * 8 <= mla.XLA_MAX_DECODE_KEYS
+    jax.jit(lambda *a: jaxattn.mla_paged_attention(*a, scale=problem.scale))(
+        problem.q_latent, problem.q_rope, problem.cache, problem.meta)
+    assert calls == ["xla"]
 
 
 _COMPILE_SCRIPT = textwrap.dedent("""

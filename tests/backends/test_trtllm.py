@@ -253,6 +253,19 @@ def test_unavailable_without_gpu():
         jaxattn.paged_attention(q, cache, meta, backend="trtllm")
 
 
+@pytest.mark.parametrize("cache_dtype, batch, kv, multiple", [
+    ("bfloat16", 1, 131072, 1),       # the generic kernel: always the device's count
+    (FP8, 1, 4096, 1), (FP8, 2, 4096, 2), (FP8, 4, 4096, 4), (FP8, 1, 32768, 4), (FP8, 2, 131072, 4),
+    (FP8, 64, 4096, 1)])              # B * Hkv large: one CTA per sequence however many SMs
+def test_split_sm_count(monkeypatch, cache_dtype, batch, kv, multiple):
+    """The SM count XQA's split formula gets (132-SM device, Hkv 8, page 64): the fp8 (Hopper)
+    kernel gets 2x or 4x while the extra CTAs keep at least 320 keys each (tune_xqa_splits)."""
+    monkeypatch.setattr(trtllm, "_sm_count", lambda: 132)
+    variant = _xqa_build.Variant(dtype="bfloat16", cache_dtype=np.dtype(cache_dtype).name, page_size=64,
+                                 head_dim=128, group_size=4, sliding_window=False)
+    assert trtllm.split_sm_count(variant, batch, 8, kv // 64) == multiple * 132
+
+
 def test_sinks_always_reach_the_generic_kernel():
     """Absent sinks become the floor, given ones are clamped to it; the Hopper kernel gets them as given."""
     floor = trtllm.SINK_FLOOR
@@ -348,6 +361,24 @@ def test_batch_sizes(batch, prebuilt):
     kv_lens = [int(n) for n in rng.integers(1, 300 if batch > 64 else 2000, size=batch)]
     problem = _problem(case, rng, kv_lens, pad_seqs=0, pad_tokens=0)
     assert rel_error(_run("trtllm", problem), _run("xla", problem)) < TOLERANCE["bfloat16"], f"seed {seed}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("batch", [1, 3])
+def test_fp8_long_context_with_more_splits(batch, prebuilt):
+    """fp8 pages at low batch and long context, where ``split_sm_count`` gives XQA's Hopper kernel
+    more than the device's SM count (more CTAs per sequence, a longer merge)."""
+    case = next(c for c in GPU_CASES if c[1] == "float8_e4m3fn" and c[2] == "HND")
+    seed = int(np.random.SeedSequence().entropy % 2**32)
+    rng = np.random.default_rng(seed)
+    kv_lens = [int(n) for n in rng.integers(20000, 32768, size=batch)]
+    problem = _problem(case, rng, kv_lens, pad_seqs=1, pad_tokens=2)
+    width = problem.meta.block_tables.shape[1]
+    assert trtllm.split_sm_count(_variant(case), problem.q.shape[0], case[6], width) > trtllm._sm_count()
+    rows = np.arange(batch)
+    out, ref = _run("trtllm", problem), _run("xla", problem)
+    assert rel_error(out[rows], ref[rows]) < TOLERANCE[case[1]], f"seed {seed}"
+    assert not np.asarray(out[batch:].astype(jnp.float32)).any(), f"padding rows not zero (seed {seed})"
 
 
 @pytest.mark.gpu
