@@ -56,7 +56,9 @@ SPEC_TILE_ROWS = 32  # XQA spec decode's (query token, head) rows per CTA (M_TIL
 # to a row without keys, whose output then is 0 * (1 / inf) = 0 where it would be 0/0.
 SINK_FLOOR = -9e4
 _WHERE = "paged_attention: backend 'trtllm'"
-# fp8 decode: XQA's Hopper kernel gets more CTAs per sequence only while each covers this many keys.
+# fp8 decode: XQA's Hopper kernel gets twice the SM count only while that keeps the launch within
+# this many CTAs per SM, each covering at least this many keys (split_sm_count).
+_FP8_MAX_CTAS_PER_SM = 1.6
 _FP8_MIN_KEYS_PER_CTA = 320
 
 
@@ -268,21 +270,20 @@ def split_sm_count(kernel_variant: _xqa_build.Variant, num_requests: int, num_kv
     with it). bf16/fp16 pages (XQA's generic kernel, ``min(SMs / (B * Hkv), kv / tile)`` CTAs per
     (request, KV head)): the device's; on an H100 a quarter to 8x that count was slower, or within
     2%, at every batch 1-64 and kv 4k-128k point. fp8 pages (the Hopper kernel,
-    ``round(SMs * 3 / (B * Hkv) / 4)`` CTAs, under one per SM when B * Hkv is small): 4x or 2x the
-    count where that gives more CTAs of at least ``_FP8_MIN_KEYS_PER_CTA`` keys of the table's
-    width each (B=1 kv 128k: 165 us per call against 246; B=2 kv 32k: 91 against 133; B=1 kv 4096
-    stays: 24 against 31 with 4x). Both from ``benchmarks/tune_xqa_splits.py`` (RESULTS.md)."""
+    ``round(SMs * 3 / (B * Hkv) / 4)`` CTAs per (request, KV head), 96 in all on an H100 at B=1-4
+    with Hkv 8): twice the device's count where that leaves SMs idle, if the launch then stays
+    within ``_FP8_MAX_CTAS_PER_SM`` CTAs per SM and each CTA covers at least
+    ``_FP8_MIN_KEYS_PER_CTA`` keys of the table's width. On an H100 (XQA kernel time, kv 16k-128k)
+    2x took 10-17% less time at B=1, 13-19% at B=2, 17-19% at B=4; 4x (about 400 CTAs) slowed B=1 and
+    B=2 down against 2x, the merge of their partials costing more than the extra CTAs gain
+    (``benchmarks/tune_xqa_splits.py``, RESULTS.md xqa-splits-fp8)."""
     sms = _sm_count()
-    if not kernel_variant.hopper:
-        return sms
-    max_keys = max_pages * kernel_variant.page_size
-
-    def ctas(multiple: int) -> int:
-        return max(1, round(multiple * sms * 3 / (num_requests * num_kv_heads) / 4))
-
-    for multiple in (4, 2):
-        if ctas(multiple) > ctas(1) and max_keys >= _FP8_MIN_KEYS_PER_CTA * ctas(multiple):
-            return multiple * sms
+    pairs = num_requests * num_kv_heads
+    per_pair = max(1, round(2 * sms * 3 / pairs / 4))          # XQA's Hopper formula at 2x
+    if (kernel_variant.hopper and max(1, round(sms * 3 / pairs / 4)) * pairs < sms
+            and per_pair * pairs <= _FP8_MAX_CTAS_PER_SM * sms
+            and max_pages * kernel_variant.page_size >= _FP8_MIN_KEYS_PER_CTA * per_pair):
+        return 2 * sms
     return sms
 
 

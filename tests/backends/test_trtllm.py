@@ -255,11 +255,13 @@ def test_unavailable_without_gpu():
 
 @pytest.mark.parametrize("cache_dtype, batch, kv, multiple", [
     ("bfloat16", 1, 131072, 1),       # the generic kernel: always the device's count
-    (FP8, 1, 4096, 1), (FP8, 2, 4096, 2), (FP8, 4, 4096, 4), (FP8, 1, 32768, 4), (FP8, 2, 131072, 4),
-    (FP8, 64, 4096, 1)])              # B * Hkv large: one CTA per sequence however many SMs
+    (FP8, 1, 4096, 1), (FP8, 1, 16384, 2), (FP8, 1, 131072, 2), (FP8, 2, 1024, 1), (FP8, 2, 4096, 2),
+    (FP8, 4, 32768, 2), (FP8, 8, 32768, 2),
+    (FP8, 16, 4096, 1), (FP8, 64, 4096, 1)])   # 2x would pass 1.6 CTAs per SM; the count fills every SM
 def test_split_sm_count(monkeypatch, cache_dtype, batch, kv, multiple):
     """The SM count XQA's split formula gets (132-SM device, Hkv 8, page 64): the fp8 (Hopper)
-    kernel gets 2x or 4x while the extra CTAs keep at least 320 keys each (tune_xqa_splits)."""
+    kernel gets 2x where the device's count leaves SMs idle and 2x stays within 1.6 CTAs per SM of
+    at least 320 keys each (tune_xqa_splits)."""
     monkeypatch.setattr(trtllm, "_sm_count", lambda: 132)
     variant = _xqa_build.Variant(dtype="bfloat16", cache_dtype=np.dtype(cache_dtype).name, page_size=64,
                                  head_dim=128, group_size=4, sliding_window=False)
