@@ -1,6 +1,6 @@
 """Tile sweep for jaxattn's Triton MLA decode kernel (``jaxattn.kernels.triton_mla``), one device run.
 
-    python -m benchmarks.tune_mla [--quick] [--budget-s 360]
+    python -m benchmarks.tune_mla [--quick] [--budget-s 360] [--compile-only]
 
 Points (bf16, latent 512 + RoPE 64, page 64, randomly permuted pool; ``bench_mla.decode_inputs``):
 B=64 x kv 4096 x Hq 128 (the issue's target), B=128 x kv 4096 x Hq 16 and B=1 x kv 16384 x Hq 128. Candidates: ``MLAConfig`` tiles (heads per tile, keys per tile, warps,
@@ -97,14 +97,20 @@ def describe(cfg: tb.MLAConfig) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.tune_mla", description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="two candidates per point (checks the script)")
+    parser.add_argument("--compile-only", action="store_true",
+                        help="compile the candidates for sm_90 and report failures (any machine, no timing)")
     parser.add_argument("--budget-s", type=float, default=360.0,
                         help="time no new candidate after this (an equal share per point)")
     args = parser.parse_args()
     start = time.time()
-    if jax.default_backend() != "gpu":
-        sys.exit("tune_mla needs a GPU")
+    if jax.default_backend() != "gpu" and not args.compile_only:
+        sys.exit("tune_mla needs a GPU (or --compile-only)")
     jobs = [(case, cfg) for case in POINTS for cfg in candidates(case, args.quick)]
     errors = compile_all(jobs)
+    if args.compile_only:
+        failed = {f"{case} {describe(cfg)}": error for (case, cfg), error in errors.items() if error}
+        print(f"{len(jobs)} candidates compiled for sm_90; failed: {failed or 'none'}")
+        sys.exit(1 if failed else 0)
     lines = [f"Device: {device_name()}; jax {jax.__version__}; {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; "
              f"command: `python -m benchmarks.tune_mla{' --quick' if args.quick else ''}`; {len(jobs)} candidates "
              f"compiled in {time.time() - start:.0f} s. GPU time per call of the decode and reduce kernels, us; "
