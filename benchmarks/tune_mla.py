@@ -3,12 +3,15 @@
     python -m benchmarks.tune_mla [--quick] [--budget-s 360] [--compile-only]
 
 Points (bf16, latent 512 + RoPE 64, page 64, randomly permuted pool; ``bench_mla.decode_inputs``):
-B=64 x kv 4096 x Hq 128 (the issue's target), B=128 x kv 4096 x Hq 16 and B=1 x kv 16384 x Hq 128. Candidates: ``MLAConfig`` tiles (heads per tile, keys per tile, warps,
-stages) and KV segment counts around ``mla_config``'s choice, which is always a candidate. Every
-candidate is first compiled for sm_90 in parallel CPU processes (``triton_call._compile`` fills
-Triton's on-disk cache, so the timed process only loads), then timed as the GPU time of the
-decode and reduce kernels per call (profiler, median of 3 rounds of 20 calls). Candidates that do not
-compile or launch are listed as failed. Writes ``$OUT/tune_mla.md`` (and prints it).
+B=64 x kv 4096 x Hq 128 (the issue's target), B=128 x kv 4096 x Hq 16 and B=1 x kv 16384 x Hq 128.
+Candidates: ``MLAConfig`` tiles (heads per tile, keys per tile, warps, stages) and KV segment
+counts around ``mla_config``'s choice, which is always a candidate. Every candidate is first
+compiled for sm_90 in parallel CPU processes (``triton_call._compile`` fills Triton's on-disk
+cache, so the timed process only loads), then timed as the GPU time of the decode and reduce
+kernels per call (profiler, median of 3 rounds of 20 calls); a candidate whose output is more than
+2e-2 (relative) from the xla backend's fails, as do those that do not compile or launch.
+``--compile-only`` stops after the compile phase (any machine). Writes ``$OUT/tune_mla.md`` (and
+prints it).
 """
 
 from __future__ import annotations

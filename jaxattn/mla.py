@@ -40,7 +40,7 @@ PREFILL_BACKENDS: tuple[str, ...] = ("xla", "cudnn")
 # auto: queries up to this long go to the triton decode kernel (one program per query token), unless
 # the step's tokens times the table's width in keys is at most XLA_MAX_DECODE_KEYS: there the xla
 # backend's one gather and two einsums beat the split-KV launch (H100, bench_mla: B=1 x kv 1k-16k at
-# 16 and 128 heads, 0.3-0.7x of triton's time; B=16 x kv 1k: 0.54x at 16 heads, 1.11x at 128).
+# 16 and 128 heads, 0.31-0.74x of triton's time; B=16 x kv 1k: 0.54x at 16 heads, 1.11x at 128).
 MAX_DECODE_Q_LEN = 16
 XLA_MAX_DECODE_KEYS = 16384
 _DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)

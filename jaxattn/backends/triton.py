@@ -269,7 +269,7 @@ def mla_check_supported(q_latent: jax.Array, q_rope: jax.Array, cache: MLACache,
 
 
 def mla_config(num_tokens: int, num_q_heads: int, kv_lora_rank: int, max_kv_len: int, max_q_len: int | None,
-                fp8: bool = False) -> MLAConfig:
+               fp8: bool = False) -> MLAConfig:
     """Tiles for this shape (static); KV segments give about ``_MLA_PROGRAMS`` programs.
 
     bf16 decode, from ``benchmarks/tune_mla.py`` (RESULTS.md, "MLA decode tiles"; H100, R 512,

@@ -28,10 +28,11 @@ def mla_decode_kernel(
         CAUSAL: tl.constexpr, FP8: tl.constexpr, DIRECT: tl.constexpr, DOT_F32: tl.constexpr,
         PRECISION: tl.constexpr):
     """Grid ``(T * NSEG * cdiv(HQ, BLOCK_H),)``, head blocks fastest, then KV segments: the programs
-    that read the same keys (a token's head blocks) run side by side, so the second read of a key
-    tile hits L2. Program (t, hb, s) serves the query tokens ``t ..
-    t + QT - 1`` of t's sequence when t is the first of such a group (``QT * BLOCK_H`` rows: each
-    token's heads ``hb * BLOCK_H ...``), over the s-th of NSEG equal runs of the KV tiles they see;
+    that read the same keys (a token's head blocks) run side by side, so that a key tile's second
+    read can come from L2 (no change measured at B=64 kv 4096 Hq 128). Program (t, hb, s) serves
+    the query tokens ``t .. t + QT - 1`` of t's sequence when t is the first of such a group
+    (``QT * BLOCK_H`` rows: each token's heads ``hb * BLOCK_H ...``), over the s-th of NSEG equal
+    runs of the KV tiles they see;
     programs of other tokens of a sequence exit at once, and a token of no sequence (or of one
     without keys) gets rows that saw no key.
 

@@ -201,8 +201,8 @@ _COMPILE_SCRIPT = textwrap.dedent("""
 def test_gpu_configs_compile_for_sm90_without_spills(num_q_heads, max_q_len, kv_dtype, num_seqs):
     """No GPU needed: the launches ``mla_attention`` makes on a GPU at DeepSeek shapes (decode, and
     speculative decode packing 4 tokens x 16 heads; one sequence of 128 heads; bf16 and FP8 pools)
-    compile for sm_90 with Triton's own ptxas, without register spills (``cuobjdump`` resource usage). In a fresh process: the interpreter
-    the other tests run leaves Triton's language module patched."""
+    compile for sm_90 with Triton's own ptxas, without register spills (``cuobjdump`` resource usage).
+    In a fresh process: the interpreter the other tests run leaves Triton's language module patched."""
     cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     if not os.path.exists(cuobjdump):
         pytest.skip(f"no {cuobjdump}")
