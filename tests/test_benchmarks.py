@@ -22,6 +22,10 @@ def test_smoke_run(module, tmp_path):
 
 def test_tune_mla_candidates_compile_for_sm90(tmp_path):
     """tune_mla's compile phase (CPU processes, no GPU): every point's quick candidates build."""
+    triton = pytest.importorskip("triton")
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    if not os.path.exists(ptxas):
+        pytest.skip(f"no {ptxas}")
     env = dict(os.environ, OUT=str(tmp_path), JAX_PLATFORMS="cpu")
     result = subprocess.run([sys.executable, "-m", "benchmarks.tune_mla", "--quick", "--compile-only"], cwd=REPO,
                             env=env, capture_output=True, text=True, timeout=600)
