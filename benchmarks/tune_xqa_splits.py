@@ -10,9 +10,9 @@ randomly permuted), each multiple m of the device's SM count is passed as that c
 table gives the GPU time per call of the whole ``backend="trtllm"`` call and of the XQA kernel alone
 (profiler, median of 3 rounds of 20 calls), against the copy rate; each point's first row is
 ``split_sm_count``'s own choice. With fp8 pages, compare the XQA column: the handler's
-``zero_rows_without_keys`` kernel follows XQA with programmatic dependent launch, so it starts early,
-waits for XQA, and its duration (part of the whole call's sum) repeats most of XQA's. The last table breaks one
-point's call into its kernels. ``--fp8`` runs the same points with the pages in float8_e4m3fn
+``zero_rows_without_keys`` kernel follows XQA with programmatic dependent launch, so it starts
+early, waits for XQA, and its duration (part of the whole call's sum) repeats most of XQA's. The
+last table breaks one point's call into its kernels. ``--fp8`` runs the same points with the pages in float8_e4m3fn
 (``bench_trtllm_decode.fp8_inputs``), which XQA's Hopper kernel serves: its split formula gives a
 quarter of the CTAs the generic kernel's does, so larger multiples matter there.
 """
