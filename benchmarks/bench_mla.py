@@ -4,8 +4,8 @@
 
 Decode (absorbed, ``mla_paged_attention``): B in {1, 16, 64, 128} x kv in {1k, 4k, 16k} x Hq in
 {16, 128}, bf16, latent 512 + RoPE 64 per token in one page pool (page 64, randomly permuted).
-  * jaxattn ``backend="auto"`` (the Triton kernel) and, where the gathered pool fits,
-    ``backend="xla"``: R calls chained through their outputs (q_latent <- out, both
+  * jaxattn ``backend="auto"`` (the Triton kernel; xla on steps of at most 16384 token-keys) and,
+    where the gathered pool fits, ``backend="xla"``: R calls chained through their outputs (q_latent <- out, both
     ``[B, Hq, 512]``) in one jit; time per call = (t(2R) - t(R)) / R of wall-clock medians, as in
     ``bench_trtllm_decode``;
   * flashinfer ``BatchMLAPagedAttentionWrapper`` (its ``auto`` backend, planned once outside the
