@@ -148,6 +148,7 @@ def project_values(out_latent: jax.Array, w_uv: jax.Array) -> jax.Array:
 
 
 def _prefer_triton(q_latent: jax.Array, cache: MLACache, meta: AttentionMetadata) -> bool:
+    """auto's choice for mla_paged_attention (static): short queries, past XLA_MAX_DECODE_KEYS."""
     keys = q_latent.shape[0] * meta.max_pages_per_seq * cache.page_size
     return meta.max_q_len is not None and meta.max_q_len <= MAX_DECODE_Q_LEN and keys > XLA_MAX_DECODE_KEYS
 
