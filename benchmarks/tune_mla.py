@@ -29,7 +29,7 @@ import time
 import jax
 
 import jaxattn
-from benchmarks.bench_mla import DecodeCase, decode_inputs
+from benchmarks.bench_mla import SCALE, DecodeCase, decode_inputs
 from benchmarks.common import device_event_seconds, device_name, rel_error
 from jaxattn.backends import triton as tb
 from jaxattn.backends.base import AttentionParams
@@ -54,8 +54,7 @@ def candidates(case: DecodeCase, quick: bool) -> list[tb.MLAConfig]:
     return list(dict.fromkeys([default] + tiles + segments))
 
 
-def _params(case: DecodeCase) -> AttentionParams:
-    return AttentionParams(scale=1 / (192 ** 0.5), causal=True, sliding_window=None, softcap=None, has_sinks=False)
+PARAMS = AttentionParams(scale=SCALE, causal=True, sliding_window=None, softcap=None, has_sinks=False)
 
 
 def _compile_worker(case: DecodeCase, cfg: tb.MLAConfig) -> str | None:
@@ -65,7 +64,7 @@ def _compile_worker(case: DecodeCase, cfg: tb.MLAConfig) -> str | None:
     tb._interpreting = lambda: False                                 # the launches a GPU gets
     try:
         shapes = jax.eval_shape(lambda: (lambda x: (x.q_latent, x.q_rope, x.cache, x.meta))(decode_inputs(case)))
-        jaxpr = jax.make_jaxpr(lambda ql, qr, c, m: tb.mla_attention(ql, qr, c, m, _params(case), config=cfg))(
+        jaxpr = jax.make_jaxpr(lambda ql, qr, c, m: tb.mla_attention(ql, qr, c, m, PARAMS, config=cfg))(
             *shapes)
         for eqn in (e for e in jaxpr.eqns if e.primitive.name == "jaxattn_triton_call"):
             dtypes = tuple(v.aval.dtype for v in [*eqn.invars, *eqn.outvars])
@@ -86,7 +85,7 @@ def compile_all(jobs: list[tuple[DecodeCase, tb.MLAConfig]]) -> dict:
 
 def kernel_seconds(case: DecodeCase, cfg: tb.MLAConfig, x, reference: jax.Array) -> tuple[float, float]:
     """(GPU seconds per call, relative error against ``reference``)."""
-    fn = jax.jit(lambda ql, qr, c, m: tb.mla_attention(ql, qr, c, m, _params(case), config=cfg))
+    fn = jax.jit(lambda ql, qr, c, m: tb.mla_attention(ql, qr, c, m, PARAMS, config=cfg))
     call = lambda: fn(x.q_latent, x.q_rope, x.cache, x.meta)   # noqa: E731
     error = rel_error(call(), reference)
     return statistics.median(sum(device_event_seconds(call, 20).values()) for _ in range(3)), error
@@ -121,7 +120,7 @@ def main() -> None:
     for i, case in enumerate(POINTS):
         x = decode_inputs(case)
         reference = jax.jit(lambda ql, qr, c, m: jaxattn.mla_paged_attention(
-            ql, qr, c, m, scale=_params(case).scale, backend="xla"))(x.q_latent, x.q_rope, x.cache, x.meta)
+            ql, qr, c, m, scale=SCALE, backend="xla"))(x.q_latent, x.q_rope, x.cache, x.meta)
         results = []
         for cfg in candidates(case, args.quick):
             if time.time() - start > args.budget_s * (i + 1) / len(POINTS):

@@ -65,16 +65,13 @@ def main() -> None:
         if args.fp8:
             cache = fp8_inputs(Inputs(q, cache, meta)).cache
         kv_bytes = w.kv_bytes // 2 if args.fp8 else w.kv_bytes
-        width = meta.block_tables.shape[1]
-        variant = trtllm._xqa_build.Variant(dtype="bfloat16", cache_dtype=cache.k_pages.dtype.name, page_size=64,
-                                            head_dim=128, group_size=4, sliding_window=False)
-        chosen = default_split(variant, batch, 8, width)
-        for m in [None] + multiples:       # None: split_sm_count's own choice
-            count = chosen if m is None else int(round(m * sms))
-            trtllm.split_sm_count = lambda *_, count=count: count
+        for m in [None] + multiples:       # None: split_sm_count's own choice, recorded as the call makes it
+            chosen = []
+            pick = default_split if m is None else (lambda *_, count=int(round(m * sms)): count)
+            trtllm.split_sm_count = lambda *a, pick=pick: chosen.append(pick(*a)) or chosen[-1]
             fn = jax.jit(lambda q, c, mt: jaxattn.paged_attention(q, c, mt, backend="trtllm"))
             whole, xqa, events = profile(lambda: fn(q, cache, meta))
-            label = f"{count} (split_sm_count)" if m is None else str(count)
+            label = f"{chosen[-1]} (split_sm_count)" if m is None else str(chosen[-1])
             print(f"| {batch} | {kv} | {label} | {whole * 1e6:.1f} | {xqa * 1e6:.1f} | "
                   f"{kv_bytes / whole / copy_rate:.0%} |", flush=True)
             if m == 1 and batch == 1 and kv == 32768:

@@ -279,10 +279,13 @@ def split_sm_count(kernel_variant: _xqa_build.Variant, num_requests: int, num_kv
     (``benchmarks/tune_xqa_splits.py``, RESULTS.md xqa-splits-fp8)."""
     sms = _sm_count()
     pairs = num_requests * num_kv_heads
-    per_pair = max(1, round(2 * sms * 3 / pairs / 4))          # XQA's Hopper formula at 2x
-    if (kernel_variant.hopper and max(1, round(sms * 3 / pairs / 4)) * pairs < sms
-            and per_pair * pairs <= _FP8_MAX_CTAS_PER_SM * sms
-            and max_pages * kernel_variant.page_size >= _FP8_MIN_KEYS_PER_CTA * per_pair):
+
+    def ctas_per_pair(count: int) -> int:      # XQA's Hopper formula given ``count`` SMs
+        return max(1, round(count * 3 / pairs / 4))
+
+    if (kernel_variant.hopper and ctas_per_pair(sms) * pairs < sms
+            and ctas_per_pair(2 * sms) * pairs <= _FP8_MAX_CTAS_PER_SM * sms
+            and max_pages * kernel_variant.page_size >= _FP8_MIN_KEYS_PER_CTA * ctas_per_pair(2 * sms)):
         return 2 * sms
     return sms
 
