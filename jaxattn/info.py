@@ -77,7 +77,7 @@ def report() -> str:
     lines += ["", f"JAX default backend: {jax.default_backend()}", "GPUs:"]
     lines += [f"  {g}" for g in gpus()] or ["  none"]
     lines += ["", "jaxattn backends:"]
-    for name in backends.BACKENDS:
+    for name in backends.ALL_BACKENDS:
         reason = backends.unavailable_reason(name)
         lines.append(f"  {name:<7} {'available' if reason is None else 'unavailable: ' + reason}")
     return "\n".join(lines)

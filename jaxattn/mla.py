@@ -35,7 +35,7 @@ from jaxattn.checks import is_real
 from jaxattn.kv_cache import MLACache
 from jaxattn.metadata import AttentionMetadata
 
-MLA_BACKENDS: tuple[str, ...] = ("xla", "triton")
+MLA_BACKENDS: tuple[str, ...] = ("xla", "triton", "flashinfer")
 PREFILL_BACKENDS: tuple[str, ...] = ("xla", "cudnn")
 # auto: queries up to this long go to the triton decode kernel (one program per query token), unless
 # the step's tokens times the table's width in keys is at most XLA_MAX_DECODE_KEYS: there the xla

@@ -2,8 +2,14 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
 import pytest
 
+from jaxattn.backends import _nvcc
 from jaxattn.backends.base import gpu_devices
 
 HAS_GPU = bool(gpu_devices())
@@ -18,3 +24,19 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_gpu)
         elif "multigpu" in item.keywords and NUM_GPUS < 2:
             item.add_marker(skip_multigpu)
+
+
+def unpacked_flashinfer_data(tmp_path_factory, prefixes: tuple[str, ...]) -> Path:
+    """``flashinfer/data`` with the parts under ``prefixes`` unpacked from the pinned
+    flashinfer-python wheel, fetched from PyPI without dependencies; skips if it cannot be fetched."""
+    tmp = tmp_path_factory.mktemp("flashinfer")
+    fetch = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "-q",
+                            "-d", str(tmp), f"flashinfer-python=={_nvcc.FLASHINFER_VERSION}"],
+                           capture_output=True, text=True, timeout=300)
+    wheels = list(tmp.glob("flashinfer_python-*.whl"))
+    if fetch.returncode != 0 or not wheels:
+        pytest.skip(f"flashinfer-python is not installed and its wheel could not be fetched: {fetch.stderr[-300:]}")
+    with zipfile.ZipFile(wheels[0]) as wheel:
+        wanted = tuple("flashinfer/data/" + p for p in prefixes)
+        wheel.extractall(tmp, [n for n in wheel.namelist() if n.startswith(wanted)])
+    return tmp / "flashinfer" / "data"

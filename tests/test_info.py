@@ -15,7 +15,7 @@ from tests.conftest import HAS_GPU
 def test_report_lists_every_backend_with_a_reason():
     text = info.report()
     backend_lines = text.split("jaxattn backends:")[1].splitlines()
-    for name in backends.BACKENDS:
+    for name in backends.ALL_BACKENDS:
         line = next(l for l in backend_lines if l.strip().startswith(name + " "))
         reason = backends.unavailable_reason(name)
         assert ("available" in line) if reason is None else (reason in line)
@@ -26,7 +26,7 @@ def test_without_a_gpu_every_gpu_backend_says_so():
     if HAS_GPU:
         pytest.skip("a GPU is visible")
     text = info.report()
-    for name in backends.BACKENDS[1:]:
+    for name in backends.ALL_BACKENDS[1:]:
         assert f"  {name:<7} unavailable: {NO_GPU}" in text
     assert "  cuDNN handler  " in text
 

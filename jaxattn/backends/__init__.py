@@ -8,10 +8,14 @@ from types import ModuleType
 from jaxattn.backends.base import AttentionParams
 
 BACKENDS: tuple[str, ...] = ("xla", "cudnn", "trtllm", "triton")
+# Backends of jaxattn.mla only (no paged_attention).
+MLA_ONLY_BACKENDS: tuple[str, ...] = ("flashinfer",)
+ALL_BACKENDS = BACKENDS + MLA_ONLY_BACKENDS
+
 
 def get(name: str) -> ModuleType:
     """The backend module ``jaxattn.backends.<name>``; ValueError if it cannot run here."""
-    if name not in BACKENDS:
+    if name not in ALL_BACKENDS:
         raise ValueError(f"paged_attention: backend must be one of {('auto',) + BACKENDS}, got {name!r}")
     reason = unavailable_reason(name)
     if reason is not None:
@@ -21,9 +25,9 @@ def get(name: str) -> ModuleType:
 
 def unavailable_reason(name: str) -> str | None:
     """None when backend ``name`` can run on this machine, else the exact reason it cannot."""
-    if name not in BACKENDS:
-        raise ValueError(f"unknown backend {name!r}; known: {BACKENDS}")
+    if name not in ALL_BACKENDS:
+        raise ValueError(f"unknown backend {name!r}; known: {ALL_BACKENDS}")
     return importlib.import_module(f"jaxattn.backends.{name}").unavailable_reason()
 
 
-__all__ = ["AttentionParams", "BACKENDS", "get", "unavailable_reason"]
+__all__ = ["ALL_BACKENDS", "AttentionParams", "BACKENDS", "MLA_ONLY_BACKENDS", "get", "unavailable_reason"]

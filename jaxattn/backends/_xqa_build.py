@@ -13,35 +13,16 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
-import fcntl
-import functools
-import hashlib
-import importlib.metadata
-import importlib.util
 import os
-import re
-import shutil
-import subprocess
-import sys
-import tempfile
 import threading
-import time
 from pathlib import Path
 
-# The flashinfer-python release whose XQA sources jaxattn is tested with.
-FLASHINFER_VERSION = "0.7.2.post1"
-ARCH = "90a"  # XQA's Hopper kernel uses wgmma/TMA, so SM90 builds need the "a" target.
+from jaxattn.backends import _nvcc
+from jaxattn.backends._nvcc import ARCH, BuildError, find_nvcc
+
 FP8 = "float8_e4m3fn"
 _C_TYPES = {"bfloat16": "__nv_bfloat16", "float16": "__half"}
-SYSTEM_NVCC = Path("/usr/local/cuda/bin/nvcc")
-# The wheel ships the handler sources in jaxattn/ffi (see CMakeLists.txt); a source checkout
-# (editable install) has them in ffi/ at the repository root.
-_FFI_DIR_CANDIDATES = (Path(__file__).resolve().parents[1] / "ffi", Path(__file__).resolve().parents[2] / "ffi")
 _load_lock = threading.Lock()
-
-
-class BuildError(RuntimeError):
-    """The XQA kernels cannot be built here (no nvcc, no flashinfer sources, compile failure)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,80 +113,27 @@ class Kernel:
         return dict(zip(keys, values))
 
 
-def find_nvcc() -> str:
-    """nvcc from ``CUDA_HOME``/``CUDA_PATH``, PATH, /usr/local/cuda or the nvidia-cuda-nvcc wheel."""
-    candidates = [Path(os.environ[v]) / "bin" / "nvcc" for v in ("CUDA_HOME", "CUDA_PATH") if os.environ.get(v)]
-    on_path = shutil.which("nvcc")
-    if on_path:
-        candidates.append(Path(on_path))
-    candidates.append(SYSTEM_NVCC)
-    spec = importlib.util.find_spec("nvidia")
-    for root in (spec.submodule_search_locations or []) if spec else []:
-        candidates += sorted(Path(root).glob("*/bin/nvcc"))     # nvidia/cuda_nvcc, nvidia/cu13
-    for path in candidates:
-        if path.is_file() and os.access(path, os.X_OK):
-            return str(path)
-    raise BuildError("nvcc (CUDA >= 12.8) not found: the trtllm backend compiles XQA kernels on first use. "
-                     "Set CUDA_HOME, put nvcc on PATH, or `pip install nvidia-cuda-nvcc`")
-
-
 def xqa_source_dir() -> Path:
     """XQA's sources: ``$JAXATTN_XQA_SOURCES`` if set, else ``flashinfer/data/csrc/xqa`` of the
-    installed flashinfer-python (located, not imported: importing it needs torch)."""
+    installed flashinfer-python."""
     override = os.environ.get("JAXATTN_XQA_SOURCES")
     if override:
         path = Path(override)
     else:
-        spec = importlib.util.find_spec("flashinfer")
-        if spec is None or not spec.submodule_search_locations:
-            raise BuildError(f"flashinfer-python is not installed: the trtllm backend compiles the XQA kernels "
-                             f"from its sources (`pip install flashinfer-python=={FLASHINFER_VERSION}`, or set "
-                             f"JAXATTN_XQA_SOURCES to a copy of its data/csrc/xqa)")
-        path = Path(list(spec.submodule_search_locations)[0]) / "data" / "csrc" / "xqa"
+        path = _nvcc.flashinfer_data_dir("the trtllm backend compiles the XQA kernels from its sources (or set "
+                                         "JAXATTN_XQA_SOURCES to a copy of its data/csrc/xqa)") / "csrc" / "xqa"
     if not (path / "mha.cu").is_file():
         raise BuildError(f"no XQA sources (mha.cu) in {path}")
     return path
 
 
-def ffi_source_dir() -> Path:
-    for path in _FFI_DIR_CANDIDATES:
-        if (path / "xqa_kernel.cu").is_file():
-            return path
-    raise BuildError(f"jaxattn's XQA handler sources (ffi/xqa_*.cu) were not found in {_FFI_DIR_CANDIDATES}")
-
-
-def cache_dir() -> Path:
-    root = os.environ.get("JAXATTN_CACHE_DIR") or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "jaxattn"
-    return Path(root) / "xqa"
-
-
 def check_toolchain() -> str:
     """The nvcc to use, after checking it and the XQA sources; BuildError naming what is missing."""
     xqa_source_dir()
-    ffi_source_dir()
+    _nvcc.ffi_source_dir("xqa_kernel.cu")
     nvcc = find_nvcc()
-    _nvcc_version(nvcc)
+    _nvcc.nvcc_version(nvcc)
     return nvcc
-
-
-@functools.cache
-def _nvcc_version(nvcc: str) -> tuple[int, int]:
-    try:
-        out = subprocess.run([nvcc, "--version"], capture_output=True, text=True, check=True).stdout
-    except (OSError, subprocess.CalledProcessError) as err:
-        raise BuildError(f"`{nvcc} --version` failed: {err}") from err
-    match = re.search(r"release (\d+)\.(\d+)", out)
-    if not match:
-        raise BuildError(f"cannot parse `{nvcc} --version`: {out[-200:]}")
-    version = (int(match.group(1)), int(match.group(2)))
-    if version < (12, 8):
-        raise BuildError(f"{nvcc} is CUDA {version[0]}.{version[1]}; the XQA kernels need CUDA >= 12.8")
-    return version
-
-
-def _ffi_include_dir() -> Path:
-    import jax.ffi
-    return Path(jax.ffi.include_dir())
 
 
 def _commands(variant: Variant, nvcc: str, xqa_dir: Path, ffi_dir: Path, out: Path) -> tuple[list[list[str]], list[str]]:
@@ -216,7 +144,7 @@ def _commands(variant: Variant, nvcc: str, xqa_dir: Path, ffi_dir: Path, out: Pa
     kernel = common + variant.defines() + ["-use_fast_math", "-static-global-template-stub=false",
                                            "-Xfatbin=-compress-all"]
     sources = {"kernel.o": (kernel, ffi_dir / "xqa_kernel.cu"),
-               "ffi.o": (common + ["-I", str(_ffi_include_dir())], ffi_dir / "xqa_ffi.cu")}
+               "ffi.o": (common + ["-I", str(_nvcc.ffi_include_dir())], ffi_dir / "xqa_ffi.cu")}
     if variant.hopper:
         sources["tensor_map.o"] = (kernel, xqa_dir / "tensorMap.cpp")
     compiles = [flags + ["-c", str(src), "-o", str(out / obj)] for obj, (flags, src) in sources.items()]
@@ -224,70 +152,15 @@ def _commands(variant: Variant, nvcc: str, xqa_dir: Path, ffi_dir: Path, out: Pa
     return compiles, link + [str(out / obj) for obj in sources]
 
 
-def _run(commands: list[list[str]], variant: Variant, start: float, quiet: bool) -> None:
-    """Runs the commands in parallel; BuildError with the log of the first failure."""
-    procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for cmd in commands]
-    logs = [proc.communicate()[0] for proc in procs]
-    for cmd, proc, log in zip(commands, procs, logs):
-        if proc.returncode != 0:
-            raise BuildError(f"building XQA variant {variant.name} failed:\n{' '.join(cmd)}\n{log[-4000:]}")
-        if not quiet:
-            print(f"jaxattn:   [{time.perf_counter() - start:5.1f}s] {Path(cmd[cmd.index('-o') + 1]).name}",
-                  file=sys.stderr, flush=True)
-
-
-def _source_key(variant: Variant, nvcc: str) -> str:
-    """Hash of everything the library depends on: variant, sources, headers, compiler, FFI API."""
-    xqa_dir, ffi_dir = xqa_source_dir(), ffi_source_dir()
-    h = hashlib.sha256()
-    h.update(repr((variant, _nvcc_version(nvcc), str(nvcc), _installed_flashinfer_version())).encode())
-    files = sorted(p for p in xqa_dir.iterdir() if p.suffix in (".cu", ".cuh", ".h", ".cpp"))
-    files += sorted(ffi_dir.glob("xqa*"))
-    files += sorted((_ffi_include_dir() / "xla" / "ffi" / "api").glob("*.h"))
-    for path in files:
-        h.update(path.name.encode())
-        h.update(path.read_bytes())
-    return h.hexdigest()[:16]
-
-
-def _installed_flashinfer_version() -> str:
-    try:
-        return importlib.metadata.version("flashinfer-python")
-    except importlib.metadata.PackageNotFoundError:
-        return "unknown"
-
-
 def build(variant: Variant, *, quiet: bool = False) -> Path:
     """Path of the variant's shared library, compiling it (a few seconds to a minute) if not cached."""
     nvcc = check_toolchain()
-    xqa_dir, ffi_dir = xqa_source_dir(), ffi_source_dir()
-    final_dir = cache_dir() / f"{variant.name}-{_source_key(variant, nvcc)}"
-    library = final_dir / "libjaxattn_xqa.so"
-    if library.is_file():
-        return library
-    final_dir.parent.mkdir(parents=True, exist_ok=True)
-    with open(final_dir.parent / f"{final_dir.name}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)              # another process may be building it
-        if library.is_file():
-            return library
-        start = time.perf_counter()
-        if not quiet:
-            print(f"jaxattn: compiling XQA decode kernel {variant.name} with {nvcc} "
-                  f"(first use; cached in {final_dir.parent})", file=sys.stderr, flush=True)
-        tmp = Path(tempfile.mkdtemp(dir=final_dir.parent, prefix=f".{variant.name}-"))
-        try:
-            compiles, link = _commands(variant, nvcc, xqa_dir, ffi_dir, tmp)
-            _run(compiles, variant, start, quiet)
-            _run([link], variant, start, quiet)
-            tmp.chmod(0o755)
-            os.replace(tmp, final_dir)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
-        if not quiet:
-            print(f"jaxattn: XQA decode kernel {variant.name} built in {time.perf_counter() - start:.1f}s",
-                  file=sys.stderr, flush=True)
-    return library
+    xqa_dir, ffi_dir = xqa_source_dir(), _nvcc.ffi_source_dir("xqa_kernel.cu")
+    files = sorted(p for p in xqa_dir.iterdir() if p.suffix in (".cu", ".cuh", ".h", ".cpp"))
+    files += sorted(ffi_dir.glob("xqa*"))
+    final_dir = _nvcc.cache_root() / "xqa" / f"{variant.name}-{_nvcc.source_key(nvcc, variant, files)}"
+    return _nvcc.build_cached(final_dir, "libjaxattn_xqa.so", f"XQA decode kernel {variant.name} with {nvcc}",
+                              lambda out: _commands(variant, nvcc, xqa_dir, ffi_dir, out), quiet=quiet)
 
 
 _kernels: dict[Variant, Kernel] = {}

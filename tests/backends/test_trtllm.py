@@ -11,10 +11,7 @@ import dataclasses
 import importlib.util
 import math
 import os
-import subprocess
-import sys
 import textwrap
-import zipfile
 
 import jax
 import jax.numpy as jnp
@@ -22,8 +19,9 @@ import numpy as np
 import pytest
 
 import jaxattn
-from jaxattn.backends import _xqa_build, trtllm
+from jaxattn.backends import _nvcc, _xqa_build, trtllm
 from jaxattn.backends.base import AttentionParams
+from tests.conftest import unpacked_flashinfer_data
 from tests.xla_dump import run_with_dump, thunk_sequences, top_level_thunks
 from tests.paged_inputs import make_problem, rel_error
 
@@ -43,18 +41,9 @@ def xqa_sources(tmp_path_factory):
     if importlib.util.find_spec("flashinfer") is not None or os.environ.get("JAXATTN_XQA_SOURCES"):
         yield
         return
-    tmp = tmp_path_factory.mktemp("flashinfer")
-    fetch = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "-q",
-                            "-d", str(tmp), f"flashinfer-python=={_xqa_build.FLASHINFER_VERSION}"],
-                           capture_output=True, text=True, timeout=300)
-    wheels = list(tmp.glob("flashinfer_python-*.whl"))
-    if fetch.returncode != 0 or not wheels:
-        pytest.skip(f"flashinfer-python is not installed and its wheel could not be fetched: {fetch.stderr[-300:]}")
-    prefix = "flashinfer/data/csrc/xqa/"
-    with zipfile.ZipFile(wheels[0]) as wheel:
-        wheel.extractall(tmp, [n for n in wheel.namelist() if n.startswith(prefix)])
+    data = unpacked_flashinfer_data(tmp_path_factory, ("csrc/xqa/",))
     with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("JAXATTN_XQA_SOURCES", str(tmp / prefix))
+        patch.setenv("JAXATTN_XQA_SOURCES", str(data / "csrc" / "xqa"))
         yield
 
 
@@ -95,14 +84,14 @@ def test_missing_nvcc_is_a_clear_error(monkeypatch, tmp_path):
     monkeypatch.setenv("CUDA_HOME", str(tmp_path))
     monkeypatch.delenv("CUDA_PATH", raising=False)
     monkeypatch.setenv("PATH", str(tmp_path))
-    monkeypatch.setattr(_xqa_build, "SYSTEM_NVCC", tmp_path / "nvcc")
+    monkeypatch.setattr(_nvcc, "SYSTEM_NVCC", tmp_path / "nvcc")
     with pytest.raises(_xqa_build.BuildError, match="nvcc .* not found.*CUDA_HOME"):
         _xqa_build.find_nvcc()
 
 
 def test_missing_flashinfer_is_a_clear_error(monkeypatch):
-    real_find_spec = _xqa_build.importlib.util.find_spec
-    monkeypatch.setattr(_xqa_build.importlib.util, "find_spec",
+    real_find_spec = _nvcc.importlib.util.find_spec
+    monkeypatch.setattr(_nvcc.importlib.util, "find_spec",
                         lambda name, *a: None if name == "flashinfer" else real_find_spec(name, *a))
     monkeypatch.delenv("JAXATTN_XQA_SOURCES", raising=False)
     with pytest.raises(_xqa_build.BuildError, match="flashinfer-python is not installed"):
