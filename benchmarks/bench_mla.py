@@ -36,6 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jaxattn
+from jaxattn import backends
 from benchmarks.bench_trtllm_decode import add_torch_peer, copy_bandwidth, time_chained_calls, time_torch
 from benchmarks.common import device_name, rel_error, write_section
 
@@ -136,6 +137,10 @@ def bench_decode(case: DecodeCase, with_torch: bool, with_xla: bool) -> dict:
     repeats = repeats_for(case)
     row = {"case": case, "seconds": {}, "notes": []}
     row["seconds"]["jaxattn auto"], out = time_jaxattn(x, repeats, "auto")
+    for backend in ("flashinfer", "triton"):
+        if backends.unavailable_reason(backend) is None:
+            row["seconds"][f"jaxattn {backend}"], other = time_jaxattn(x, repeats, backend)
+            row["notes"].append(f"{backend} vs auto rel err {rel_error(other, out):.1e}")
     if with_xla:
         try:
             row["seconds"]["jaxattn xla"], ref = time_jaxattn(x, repeats, "xla")
@@ -148,6 +153,9 @@ def bench_decode(case: DecodeCase, with_torch: bool, with_xla: bool) -> dict:
             row["notes"].append(f"flashinfer planned {backend}")
             return fn
         add_torch_peer(row, "flashinfer mla", make, repeats, reference=out, against="auto")
+    sec = row["seconds"]
+    if "jaxattn flashinfer" in sec and "flashinfer mla" in sec:
+        row["notes"].append(f"flashinfer mla / jaxattn flashinfer {sec['flashinfer mla'] / sec['jaxattn flashinfer']:.2f}x")
     return row
 
 
@@ -215,7 +223,7 @@ def prefill_seconds(heads: int, batch: int, q_len: int, with_torch: bool, trials
     return result
 
 
-DECODE_PEERS = ("jaxattn auto", "flashinfer mla", "jaxattn xla")
+DECODE_PEERS = ("jaxattn auto", "jaxattn flashinfer", "jaxattn triton", "flashinfer mla", "jaxattn xla")
 
 
 def decode_table(rows: list[dict], copy_rate: float | None, peak_flops: float) -> str:

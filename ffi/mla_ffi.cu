@@ -146,6 +146,8 @@ ffi::Error Execute(cudaStream_t stream, ffi::AnyBuffer q_nope, ffi::AnyBuffer q_
 }  // namespace
 }  // namespace jaxattn::mla
 
+extern "C" __attribute__((visibility("default"))) XLA_FFI_Error* JaxattnMlaExecute(XLA_FFI_CallFrame*);
+
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxattnMlaExecute, jaxattn::mla::Execute,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()

@@ -8,6 +8,7 @@ checks. On the GPU: the kernel against the xla backend and the reference at Deep
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import importlib.util
 import json
@@ -188,6 +189,7 @@ def test_compiles_with_nvcc(tmp_path_factory, tmp_path, monkeypatch):
     variant = _mla_build.Variant("bfloat16", 512, 64)
     path = _mla_build.build(variant, quiet=True)
     assert path.is_file() and _mla_build.build(variant) == path
+    assert ctypes.CDLL(str(path)).JaxattnMlaExecute     # the handler symbol is exported
 
 
 # --- GPU: DeepSeek shapes in bfloat16 ----------------------------------------------------------
