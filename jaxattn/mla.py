@@ -37,10 +37,12 @@ from jaxattn.metadata import AttentionMetadata
 
 MLA_BACKENDS: tuple[str, ...] = ("xla", "triton", "flashinfer")
 PREFILL_BACKENDS: tuple[str, ...] = ("xla", "cudnn")
-# auto: queries up to this long go to the triton decode kernel (one program per query token), unless
-# the step's tokens times the table's width in keys is at most XLA_MAX_DECODE_KEYS: there the xla
-# backend's one gather and two einsums beat the split-KV launch (H100, bench_mla: B=1 x kv 1k-16k at
-# 16 and 128 heads, 0.31-0.74x of triton's time; B=16 x kv 1k: 0.54x at 16 heads, 1.11x at 128).
+# auto: flashinfer first (H100, bench_mla: 1.01x flashinfer's own MLA wrapper at B=64 x kv 4k x 128
+# heads, 2.5x triton). Without it, queries up to this long go to the triton decode kernel (one
+# program per query token), unless the step's tokens times the table's width in keys is at most
+# XLA_MAX_DECODE_KEYS: there the xla backend's one gather and two einsums beat the split-KV launch
+# (H100, bench_mla: B=1 x kv 1k-16k at 16 and 128 heads, 0.31-0.74x of triton's time; B=16 x kv 1k:
+# 0.54x at 16 heads, 1.11x at 128).
 MAX_DECODE_Q_LEN = 16
 XLA_MAX_DECODE_KEYS = 16384
 _DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
@@ -67,9 +69,11 @@ def mla_paged_attention(
       meta: ``AttentionMetadata`` for the step (B sequences).
       scale: logit scale (DeepSeek: ``1/sqrt(Dn + Dr)``, times the YaRN mscale squared where it applies), required.
       causal: bottom-right causal mask.
-      backend: "auto", "xla" or "triton". auto: triton for steps whose queries are at most
-        ``MAX_DECODE_Q_LEN`` tokens (``meta.max_q_len``) where it runs, unless T times the table's
-        width in keys is at most ``XLA_MAX_DECODE_KEYS``; else xla.
+      backend: "auto", "xla", "triton" or "flashinfer" (FlashInfer's SM90 MLA kernel: bf16/fp16,
+        R 512, Dr 64, any query lengths). auto: flashinfer where it runs and takes the call; else
+        triton for steps whose queries are at most ``MAX_DECODE_Q_LEN`` tokens (``meta.max_q_len``)
+        where it runs, unless T times the table's width in keys is at most
+        ``XLA_MAX_DECODE_KEYS``; else xla.
       return_status: also return which sequences kept the contract.
 
     Returns:
@@ -81,7 +85,7 @@ def mla_paged_attention(
                            cache, meta, scale, causal, return_status)
     name = _choose(where, backend, MLA_BACKENDS,
                    lambda n: backends.get(n).mla_check_supported(q_latent, q_rope, cache, meta, params),
-                   preferred="triton" if _prefer_triton(q_latent, cache, meta) else None)
+                   preferred=_decode_preference(q_latent, cache, meta))
     meta, valid = sanitize(q_latent, cache, meta)
     out = backends.get(name).mla_attention(q_latent, q_rope, cache, meta, params)
     return (out, valid) if return_status else out
@@ -129,7 +133,7 @@ def mla_prefill(
             raise ValueError(f"{where}: {name}.dtype must be {q_nope.dtype} (like q_nope), got {w.dtype}")
     name = _choose(where, backend, PREFILL_BACKENDS,
                    lambda n: backends.get(n).mla_prefill_check_supported(q_nope, q_rope, cache, w_uv, params),
-                   preferred="cudnn")
+                   preferred=("cudnn",))
     meta, valid = sanitize(q_nope, cache, meta)
     out = backends.get(name).mla_prefill(q_nope, q_rope, cache, meta, w_uk, w_uv, params)
     return (out, valid) if return_status else out
@@ -147,10 +151,12 @@ def project_values(out_latent: jax.Array, w_uv: jax.Array) -> jax.Array:
     return jnp.einsum("thr,rhv->thv", out_latent, w_uv, preferred_element_type=jnp.float32).astype(out_latent.dtype)
 
 
-def _prefer_triton(q_latent: jax.Array, cache: MLACache, meta: AttentionMetadata) -> bool:
-    """auto's choice for mla_paged_attention (static): short queries, past XLA_MAX_DECODE_KEYS."""
+def _decode_preference(q_latent: jax.Array, cache: MLACache, meta: AttentionMetadata) -> tuple[str, ...]:
+    """auto's backends for mla_paged_attention, in order (static): flashinfer for any step; triton
+    for short queries past ``XLA_MAX_DECODE_KEYS`` token-keys."""
     keys = q_latent.shape[0] * meta.max_pages_per_seq * cache.page_size
-    return meta.max_q_len is not None and meta.max_q_len <= MAX_DECODE_Q_LEN and keys > XLA_MAX_DECODE_KEYS
+    short = meta.max_q_len is not None and meta.max_q_len <= MAX_DECODE_Q_LEN
+    return ("flashinfer", "triton") if short and keys > XLA_MAX_DECODE_KEYS else ("flashinfer",)
 
 
 def _check_common(where: str, queries: tuple[tuple[str, jax.Array, str | None], ...], cache: MLACache,
@@ -185,22 +191,25 @@ def _check_common(where: str, queries: tuple[tuple[str, jax.Array, str | None], 
     return AttentionParams(scale=float(scale), causal=causal, sliding_window=None, softcap=None, has_sinks=False)
 
 
-def _choose(where: str, backend: str, names: tuple[str, ...], check, preferred: str | None) -> str:
-    """The backend to run: ``backend`` itself (checked), or for auto ``preferred`` when it runs here
-    and takes the call, else xla (logged once with the reason when a backend was preferred)."""
+def _choose(where: str, backend: str, names: tuple[str, ...], check, preferred: tuple[str, ...]) -> str:
+    """The backend to run: ``backend`` itself (checked), or for auto the first of ``preferred``
+    that runs here and takes the call, else xla (logged once with the reasons when backends were
+    preferred)."""
     if backend == "auto":
-        if preferred is not None:
-            reason = backends.unavailable_reason(preferred)
+        reasons = []
+        for name in preferred:
+            reason = backends.unavailable_reason(name)
             if reason is None:
                 try:
-                    check(preferred)
-                    return preferred
+                    check(name)
+                    return name
                 except ValueError as err:
                     reason = str(err)
-            if gpu_devices():
-                log_once(f"jaxattn auto ({where}): using 'xla'; {preferred} skipped ({reason})")
-            else:   # nothing to fix: only xla runs on CPU
-                log_once(f"jaxattn auto ({where}): running the xla backend: {NO_GPU}", logging.INFO)
+            reasons.append(f"{name} skipped ({reason})")
+        if reasons and gpu_devices():
+            log_once(f"jaxattn auto ({where}): using 'xla'; " + "; ".join(reasons))
+        elif reasons:   # nothing to fix: only xla runs on CPU
+            log_once(f"jaxattn auto ({where}): running the xla backend: {NO_GPU}", logging.INFO)
         return "xla"
     if backend not in names:
         raise ValueError(f"{where}: backend must be one of {('auto',) + names}, got {backend!r}")

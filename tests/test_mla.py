@@ -137,7 +137,7 @@ def test_absorb_query_and_project_values_shapes():
     (dict(q_latent=lambda p: p.q_latent.astype(jnp.int32)), "q_latent.dtype must be float32, bfloat16 or float16"),
     (dict(scale=None), "scale must be a positive finite float"),
     (dict(causal=1), "causal must be a bool"),
-    (dict(backend="cudnn"), "backend must be one of \\('auto', 'xla', 'triton'\\)"),
+    (dict(backend="cudnn"), "backend must be one of \\('auto', 'xla', 'triton', 'flashinfer'\\)"),
     (dict(return_status="yes"), "return_status must be a bool"),
 ])
 def test_bad_arguments_raise(change, message):

@@ -240,8 +240,7 @@ _CAPTURE_SCRIPT = textwrap.dedent("""
     import json
     import jax, jax.numpy as jnp, numpy as np
     import jaxattn
-    from tests.conftest import unpacked_flashinfer_data
-from tests.mla_inputs import make_mla_problem
+    from tests.mla_inputs import make_mla_problem
     from tests.paged_inputs import rel_error
 
     problem = make_mla_problem(np.random.default_rng(0), q_lens=[1] * 8, kv_lens=[3000] * 8, num_q_heads=128,

@@ -227,7 +227,7 @@ def test_gpu_deepseek_decode(num_q_heads, kv_len):
     kv_lens = [int(x) for x in rng.integers(kv_len // 2, kv_len + 1, batch)]
     problem = make_mla_problem(rng, q_lens=[1] * batch, kv_lens=kv_lens, num_q_heads=num_q_heads, max_q_len=1,
                                dtype=jnp.bfloat16, **DEEPSEEK)
-    run = jax.jit(lambda ql, qr, c, m: jaxattn.mla_paged_attention(ql, qr, c, m, scale=problem.scale))
+    run = jax.jit(lambda ql, qr, c, m: jaxattn.mla_paged_attention(ql, qr, c, m, scale=problem.scale, backend="triton"))
     out = run(problem.q_latent, problem.q_rope, problem.cache, problem.meta)
     assert rel_error(out, _xla(problem)) < 2e-2
     assert rel_error(out, problem.absorbed_reference(problem.q_latent)) < 2e-2
@@ -242,7 +242,7 @@ def test_gpu_deepseek_fp8_pool(num_q_heads, max_q_len):
     problem = make_mla_problem(rng, q_lens=[max_q_len] * 16, kv_lens=[int(x) for x in rng.integers(2048, 4097, 16)],
                                num_q_heads=num_q_heads, max_q_len=max_q_len, dtype=jnp.bfloat16,
                                kv_dtype=jnp.float8_e4m3fn, **DEEPSEEK)
-    run = jax.jit(lambda ql, qr, c, m: jaxattn.mla_paged_attention(ql, qr, c, m, scale=problem.scale))
+    run = jax.jit(lambda ql, qr, c, m: jaxattn.mla_paged_attention(ql, qr, c, m, scale=problem.scale, backend="triton"))
     out = run(problem.q_latent, problem.q_rope, problem.cache, problem.meta)
     assert rel_error(out, problem.absorbed_reference(problem.q_latent)) < 2e-2
 
@@ -250,7 +250,7 @@ def test_gpu_deepseek_fp8_pool(num_q_heads, max_q_len):
 @pytest.mark.gpu
 @pytest.mark.parametrize("num_q_heads", [16, 128])
 def test_gpu_deepseek_spec_decode_and_broken_sequences(num_q_heads):
-    """Queries of up to 4 tokens, every fault, NaN in every unowned page, auto (triton)."""
+    """Queries of up to 4 tokens, every fault, NaN in every unowned page."""
     seed = int(np.random.SeedSequence().entropy % 2**32)
     rng = np.random.default_rng(seed)
     q_lens = [1, 4, 2, 3, 1, 4, 1, 2]
@@ -259,7 +259,7 @@ def test_gpu_deepseek_spec_decode_and_broken_sequences(num_q_heads):
                                dtype=jnp.bfloat16, **DEEPSEEK)
     meta, broken = break_metadata(rng, problem, ["page", "none", "short", "long", "none", "page", "none", "none"])
     run = jax.jit(lambda ql, qr, c, m: jaxattn.mla_paged_attention(ql, qr, c, m, scale=problem.scale,
-                                                                   return_status=True))
+                                                                   backend="triton", return_status=True))
     out, valid = run(problem.q_latent, problem.q_rope, problem.cache, meta)
     np.testing.assert_array_equal(valid, ~broken, err_msg=f"seed {seed}")
     out = np.asarray(out.astype(jnp.float32), np.float64)
