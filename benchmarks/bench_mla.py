@@ -133,12 +133,12 @@ def flashinfer_decode(case: DecodeCase, x: DecodeInputs):
     return (lambda: wrapper.run(query=(q_nope, q_pe), kv_cache=(ckv, kpe))), backend
 
 
-def bench_decode(case: DecodeCase, with_torch: bool, with_xla: bool) -> dict:
+def bench_decode(case: DecodeCase, with_torch: bool, with_xla: bool, with_triton: bool) -> dict:
     x = decode_inputs(case)
     repeats = repeats_for(case)
     row = {"case": case, "seconds": {}, "notes": []}
     row["seconds"]["jaxattn auto"], out = time_jaxattn(x, repeats, "auto")
-    if backends.unavailable_reason("triton") is None:
+    if with_triton and backends.unavailable_reason("triton") is None:
         row["seconds"]["jaxattn triton"], other = time_jaxattn(x, repeats, "triton")
         row["notes"].append(f"triton vs auto rel err {rel_error(other, out):.1e}")
     if with_xla:
@@ -289,7 +289,10 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="three decode cases and the Hq=128 prefill")
     parser.add_argument("--smoke", action="store_true", help="two small jaxattn-only decode cases (any device); $OUT only")
     parser.add_argument("--heads", default="128,16", help="query head counts to run, in this order")
+    parser.add_argument("--batches", default="1,16,64,128", help="decode batch sizes to run")
     parser.add_argument("--no-prefill", action="store_true", help="decode cases only")
+    parser.add_argument("--no-decode", action="store_true", help="prefill only")
+    parser.add_argument("--no-triton", action="store_true", help="skip the triton backend's decode column")
     parser.add_argument("--budget-s", type=float, default=300.0, help="start no new decode case after this")
     parser.add_argument("--peak-tflops", type=float, default=989.0, help="bf16 dense peak of the GPU (H100 SXM: 989)")
     parser.add_argument("--xla-max-bytes", type=float, default=2e9, help="skip the xla backend above this pool size")
@@ -299,27 +302,32 @@ def main() -> None:
         sys.exit("bench_mla needs a GPU (or --smoke)")
     copy_rate = copy_bandwidth() if on_gpu else None
     start = time.time()
+    batches = {int(b) for b in args.batches.split(",")}
     for heads in (int(h) for h in args.heads.split(",")):
-        rows = []
-        for case in (c for c in (SMOKE if args.smoke else QUICK if args.quick else SWEEP) if c.heads == heads):
+        name, heading = f"mla-hq{heads}", f"MLA, {heads} query heads (benchmarks/bench_mla.py)"
+        rows, prefill = [], None
+        cases = [] if args.no_decode else (SMOKE if args.smoke else QUICK if args.quick else SWEEP)
+        for case in (c for c in cases if c.heads == heads and c.batch in batches):
             if time.time() - start > args.budget_s:
                 print(f"budget of {args.budget_s:.0f}s spent; skipping {case}")
                 continue
             try:
-                rows.append(bench_decode(case, with_torch=on_gpu, with_xla=case.latent_bytes <= args.xla_max_bytes))
+                rows.append(bench_decode(case, with_torch=on_gpu, with_xla=case.latent_bytes <= args.xla_max_bytes,
+                                         with_triton=not args.no_triton))
             except Exception:  # e.g. out of memory: report the others
                 traceback.print_exc(limit=3)
                 continue
             print(case, {k: f"{v * 1e6:.1f}us" for k, v in rows[-1]["seconds"].items()}, rows[-1]["notes"],
                   flush=True)
-        prefill = None
+            # Written after every case, so that a run cut short still leaves its table in $OUT.
+            write_section(name, section_text(heads, rows, None, copy_rate, args.peak_tflops), heading=heading,
+                          update_results=False)
         if not (args.smoke or args.no_prefill or (args.quick and heads != 128)):
             prefill = prefill_seconds(heads, 8, 4096, with_torch=on_gpu)
             print(f"prefill Hq={heads}", prefill, flush=True)
         if rows or prefill:
-            print(write_section(f"mla-hq{heads}", section_text(heads, rows, prefill, copy_rate, args.peak_tflops),
-                                heading=f"MLA, {heads} query heads (benchmarks/bench_mla.py)",
-                                update_results=not args.smoke))
+            print(write_section(name, section_text(heads, rows, prefill, copy_rate, args.peak_tflops),
+                                heading=heading, update_results=not args.smoke))
 
 
 if __name__ == "__main__":
