@@ -156,7 +156,8 @@ def bench_decode(case: DecodeCase, with_torch: bool, with_xla: bool, with_triton
     return row
 
 
-def prefill_seconds(heads: int, batch: int, q_len: int, with_torch: bool, trials: int = 7) -> dict:
+def prefill_seconds(heads: int, batch: int, q_len: int, with_torch: bool, peers: tuple[str, ...] = ("fa3", "cudnn"),
+                    trials: int = 7) -> dict:
     """mla_prefill on ``batch`` sequences of ``q_len`` new tokens (no cached context), and
     flashinfer's ragged fa3 prefill on the expanded K/V: {name: seconds per call}, with notes."""
     key = jax.random.split(jax.random.key(1), 5)
@@ -206,17 +207,25 @@ def prefill_seconds(heads: int, batch: int, q_len: int, with_torch: bool, trials
         q = jnp.concatenate([q_nope, q_rope], axis=-1)
         tq, tk, tv = (torch.from_dlpack(a.astype(DTYPE)) for a in (q, k, v))
         indptr = torch.arange(batch + 1, dtype=torch.int32, device=tq.device) * q_len
-        wrapper = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(
-            torch.empty(256 << 20, dtype=torch.uint8, device=tq.device), "NHD", backend="fa3")
-        wrapper.plan(indptr, indptr, heads, heads, NOPE + ROPE, head_dim_vo=DV, causal=True, sm_scale=SCALE,
-                     q_data_type=torch.bfloat16)
-        peer = wrapper.run(tq, tk, tv)
-        torch.cuda.synchronize()
-        result["notes"].append(f"flashinfer fa3 vs jaxattn rel err {rel_error(jnp.asarray(peer.float().cpu().numpy()), out):.1e}")
-        result["seconds"]["flashinfer fa3"], _ = time_torch(lambda: wrapper.run(tq, tk, tv), 2)
     except Exception as err:
-        result["notes"].append(f"flashinfer fa3 failed: {err!r}"[:300])
+        result["notes"].append(f"expanding K/V for the peers failed: {err!r}"[:300])
         traceback.print_exc(limit=2)
+        return result
+    if "fa3" in peers:
+        try:
+            wrapper = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(
+                torch.empty(256 << 20, dtype=torch.uint8, device=tq.device), "NHD", backend="fa3")
+            wrapper.plan(indptr, indptr, heads, heads, NOPE + ROPE, head_dim_vo=DV, causal=True, sm_scale=SCALE,
+                         q_data_type=torch.bfloat16)
+            peer = wrapper.run(tq, tk, tv)
+            torch.cuda.synchronize()
+            result["notes"].append(
+                f"flashinfer fa3 vs jaxattn rel err {rel_error(jnp.asarray(peer.float().cpu().numpy()), out):.1e}")
+            result["seconds"]["flashinfer fa3"], _ = time_torch(lambda: wrapper.run(tq, tk, tv), 2)
+        except Exception as err:
+            result["notes"].append(f"flashinfer fa3 failed: {err!r}"[:300])
+            traceback.print_exc(limit=2)
+    if "cudnn" not in peers:
         return result
     try:   # the issue's peer: flashinfer's cuDNN prefill with MLA dims (d_qk 192, d_vo 128), ragged
         from flashinfer.cudnn import cudnn_batch_prefill_with_kv_cache
@@ -293,6 +302,7 @@ def main() -> None:
     parser.add_argument("--no-prefill", action="store_true", help="decode cases only")
     parser.add_argument("--no-decode", action="store_true", help="prefill only")
     parser.add_argument("--no-triton", action="store_true", help="skip the triton backend's decode column")
+    parser.add_argument("--prefill-peers", default="fa3,cudnn", help="flashinfer prefill peers to run")
     parser.add_argument("--budget-s", type=float, default=300.0, help="start no new decode case after this")
     parser.add_argument("--peak-tflops", type=float, default=989.0, help="bf16 dense peak of the GPU (H100 SXM: 989)")
     parser.add_argument("--xla-max-bytes", type=float, default=2e9, help="skip the xla backend above this pool size")
@@ -323,7 +333,7 @@ def main() -> None:
             write_section(name, section_text(heads, rows, None, copy_rate, args.peak_tflops), heading=heading,
                           update_results=False)
         if not (args.smoke or args.no_prefill or (args.quick and heads != 128)):
-            prefill = prefill_seconds(heads, 8, 4096, with_torch=on_gpu)
+            prefill = prefill_seconds(heads, 8, 4096, with_torch=on_gpu, peers=tuple(args.prefill_peers.split(",")))
             print(f"prefill Hq={heads}", prefill, flush=True)
         if rows or prefill:
             print(write_section(name, section_text(heads, rows, prefill, copy_rate, args.peak_tflops),
