@@ -4,14 +4,20 @@ absorbed), shared by the MLA tests."""
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 import jaxattn
+from jaxattn.backends import xla
+from jaxattn.backends.base import AttentionParams
 from jaxattn.mla import absorb_query
-from tests.paged_inputs import Problem, random_tables, reference
+from tests.paged_inputs import Problem, rel_error, random_tables, reference
+from tests.xla_dump import run_with_dump, thunk_sequences, top_level_thunks
+
+DEEPSEEK = dict(kv_lora_rank=512, rope_dim=64, nope_dim=128, v_dim=128, page_size=64)
 
 BAD_PAGE_IDS = (-1, 0, 2**30)   # and num_pages
 
@@ -122,3 +128,54 @@ def break_metadata(rng: np.random.Generator, problem: MLAProblem, faults: list[s
         broken[:len(problem.q_lens)] |= np.array(problem.q_lens) > problem.meta.max_q_len
     meta = dataclasses.replace(problem.meta, kv_lens=jnp.asarray(kv_in, jnp.int32), block_tables=jnp.asarray(tables))
     return meta, broken
+
+
+def check_deepseek_decode(backend: str, num_q_heads: int, kv_len: int) -> None:
+    """GPU: decode at DeepSeek's shapes in bfloat16 (32768 keys over B sequences of kv_len / 2 ..
+    kv_len keys) through ``backend`` against the xla backend and the float64 reference; padding
+    tokens are zero."""
+    rng = np.random.default_rng(kv_len + num_q_heads)
+    batch = max(1, 32768 // kv_len)
+    kv_lens = [int(x) for x in rng.integers(kv_len // 2, kv_len + 1, batch)]
+    problem = make_mla_problem(rng, q_lens=[1] * batch, kv_lens=kv_lens, num_q_heads=num_q_heads, max_q_len=1,
+                               dtype=jnp.bfloat16, **DEEPSEEK)
+    run = jax.jit(lambda ql, qr, c, m: jaxattn.mla_paged_attention(ql, qr, c, m, scale=problem.scale, backend=backend))
+    out = run(problem.q_latent, problem.q_rope, problem.cache, problem.meta)
+    params = AttentionParams(scale=problem.scale, causal=True, sliding_window=None, softcap=None, has_sinks=False)
+    assert rel_error(out, xla.mla_attention(problem.q_latent, problem.q_rope, problem.cache, problem.meta, params)) < 2e-2
+    assert rel_error(out, problem.absorbed_reference(problem.q_latent)) < 2e-2
+    assert not np.asarray(out[batch:].astype(jnp.float32)).any()
+
+
+_CAPTURE_SCRIPT = """
+import json
+import jax, jax.numpy as jnp, numpy as np
+import jaxattn
+from tests.mla_inputs import DEEPSEEK, make_mla_problem
+from tests.paged_inputs import rel_error
+
+problem = make_mla_problem(np.random.default_rng(0), q_lens=[1] * 8, kv_lens=[3000] * 8, num_q_heads={heads},
+                           max_q_len=1, dtype=jnp.bfloat16, **DEEPSEEK)
+{setup}
+step = jax.jit(lambda ql, qr, c, m: jaxattn.mla_paged_attention(ql, qr, c, m, scale=problem.scale,
+                                                                backend="{backend}") * 2)
+args = (problem.q_latent, problem.q_rope, problem.cache, problem.meta)
+outs = [step(*args).block_until_ready() for _ in range(3)]
+errors = [rel_error(o, problem.absorbed_reference(problem.q_latent) * 2) for o in outs]
+print(json.dumps(dict(errors=errors)))
+"""
+
+
+def check_captured_in_command_buffer(tmp_path, backend: str, num_q_heads: int, setup: str = "",
+                                     min_custom_calls: int = 1) -> None:
+    """GPU: a jitted decode step (8 sequences of 3000 keys, run three times) through ``backend``
+    is right and runs inside one kCommandBuffer with at least ``min_custom_calls`` custom calls in
+    it; ``setup``: script lines run before the step is built."""
+    script = _CAPTURE_SCRIPT.format(heads=num_q_heads, backend=backend, setup=setup)
+    run = run_with_dump(script, tmp_path, timeout=300)
+    errors = json.loads(run.stdout.strip().splitlines()[-1])["errors"]
+    assert max(errors) < 2e-2, errors
+    for name, thunks in thunk_sequences(tmp_path, "jit__lambda").items():
+        top = top_level_thunks(thunks)
+        assert "kCommandBuffer" in top and "kCustomCall" not in top, (name, thunks[-3000:])
+        assert thunks.split("\n\n")[0].count(": kCustomCall") >= min_custom_calls, (name, thunks[-3000:])

@@ -34,6 +34,23 @@ class BuildError(RuntimeError):
     """A kernel cannot be built here (no nvcc, no flashinfer sources, compile failure)."""
 
 
+def sm90_unavailable_reason(kernels: str, check_toolchain: Callable[[], object]) -> str | None:
+    """Why SM90-only ``kernels`` built by ``check_toolchain``'s toolchain cannot run here, or None."""
+    from jaxattn.backends.base import NO_GPU, gpu_devices
+
+    gpus = gpu_devices()
+    if not gpus:
+        return NO_GPU
+    capability = str(getattr(gpus[0], "compute_capability", "?"))
+    if not capability.startswith("9."):
+        return f"{kernels} built for SM90 (Hopper) only; {gpus[0].device_kind} has compute capability {capability}"
+    try:
+        check_toolchain()
+    except BuildError as err:
+        return str(err)
+    return None
+
+
 def find_nvcc() -> str:
     """nvcc from ``CUDA_HOME``/``CUDA_PATH``, PATH, /usr/local/cuda or the nvidia-cuda-nvcc wheel."""
     candidates = [Path(os.environ[v]) / "bin" / "nvcc" for v in ("CUDA_HOME", "CUDA_PATH") if os.environ.get(v)]

@@ -28,8 +28,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxattn.backends import _mla_build
-from jaxattn.backends.base import NO_GPU, AttentionParams, gpu_devices
+from jaxattn.backends import _mla_build, _nvcc
+from jaxattn.backends.base import AttentionParams
 from jaxattn.kv_cache import MLACache
 from jaxattn.metadata import AttentionMetadata
 
@@ -43,18 +43,7 @@ _WHERE = "mla_paged_attention: backend 'flashinfer'"
 
 @functools.cache
 def unavailable_reason() -> str | None:
-    gpus = gpu_devices()
-    if not gpus:
-        return NO_GPU
-    capability = str(getattr(gpus[0], "compute_capability", "?"))
-    if not capability.startswith("9."):
-        return (f"FlashInfer's MLA kernel is built for SM90 (Hopper) only; "
-                f"{gpus[0].device_kind} has compute capability {capability}")
-    try:
-        _mla_build.check_toolchain()
-    except _mla_build.BuildError as err:
-        return str(err)
-    return None
+    return _nvcc.sm90_unavailable_reason("FlashInfer's MLA kernel is", _mla_build.check_toolchain)
 
 
 def mla_check_supported(q_latent: jax.Array, q_rope: jax.Array, cache: MLACache, meta: AttentionMetadata,

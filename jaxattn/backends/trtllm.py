@@ -38,8 +38,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxattn.backends import _xqa_build
-from jaxattn.backends.base import NO_GPU, AttentionParams, gpu_devices
+from jaxattn.backends import _nvcc, _xqa_build
+from jaxattn.backends.base import AttentionParams
 from jaxattn.kv_cache import KVCache
 from jaxattn.metadata import AttentionMetadata, token_sequences
 
@@ -64,18 +64,7 @@ _FP8_MIN_KEYS_PER_CTA = 320
 
 @functools.cache
 def unavailable_reason() -> str | None:
-    gpus = gpu_devices()
-    if not gpus:
-        return NO_GPU
-    capability = str(getattr(gpus[0], "compute_capability", "?"))
-    if not capability.startswith("9."):
-        return (f"the XQA decode kernels are built for SM90 (Hopper) only; "
-                f"{gpus[0].device_kind} has compute capability {capability}")
-    try:
-        _xqa_build.check_toolchain()
-    except _xqa_build.BuildError as err:
-        return str(err)
-    return None
+    return _nvcc.sm90_unavailable_reason("the XQA decode kernels are", _xqa_build.check_toolchain)
 
 
 def check_supported(q: jax.Array, cache: KVCache, meta: AttentionMetadata, params: AttentionParams) -> None:

@@ -11,8 +11,6 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import importlib.util
-import json
-import textwrap
 
 import jax
 import jax.numpy as jnp
@@ -22,15 +20,13 @@ import pytest
 import jaxattn
 from jaxattn.backends import _mla_build, _nvcc
 from jaxattn.backends import flashinfer as fb
-from jaxattn.backends import xla
 from jaxattn.backends.base import AttentionParams
 from tests.conftest import unpacked_flashinfer_data
-from tests.mla_inputs import break_metadata, make_mla_problem
+from tests.mla_inputs import (DEEPSEEK, break_metadata, check_captured_in_command_buffer,
+                               check_deepseek_decode, make_mla_problem)
 from tests.paged_inputs import rel_error
-from tests.xla_dump import run_with_dump, thunk_sequences, top_level_thunks
 
 SMALL = dict(kv_lora_rank=32, rope_dim=16, nope_dim=16, v_dim=16, page_size=8)
-DEEPSEEK = dict(kv_lora_rank=512, rope_dim=64, nope_dim=128, v_dim=128, page_size=64)
 
 
 def _params(problem, causal=True) -> AttentionParams:
@@ -204,16 +200,7 @@ def _run(problem, meta=None, causal=True):
 @pytest.mark.parametrize("kv_len", [1024, 4096, 16384])
 @pytest.mark.parametrize("num_q_heads", [16, 128])
 def test_gpu_deepseek_decode(num_q_heads, kv_len):
-    rng = np.random.default_rng(kv_len + num_q_heads)
-    batch = max(1, 32768 // kv_len)
-    kv_lens = [int(x) for x in rng.integers(kv_len // 2, kv_len + 1, batch)]
-    problem = make_mla_problem(rng, q_lens=[1] * batch, kv_lens=kv_lens, num_q_heads=num_q_heads, max_q_len=1,
-                               dtype=jnp.bfloat16, **DEEPSEEK)
-    out, _ = _run(problem)
-    expected = xla.mla_attention(problem.q_latent, problem.q_rope, problem.cache, problem.meta, _params(problem))
-    assert rel_error(out, expected) < 2e-2
-    assert rel_error(out, problem.absorbed_reference(problem.q_latent)) < 2e-2
-    assert not np.asarray(out[batch:].astype(jnp.float32)).any()
+    check_deepseek_decode("flashinfer", num_q_heads, kv_len)
 
 
 @pytest.mark.gpu
@@ -236,31 +223,7 @@ def test_gpu_deepseek_ragged_and_broken_sequences(num_q_heads, causal):
     assert rel_error(out, expected) < 2e-2, f"seed {seed}"
 
 
-_CAPTURE_SCRIPT = textwrap.dedent("""
-    import json
-    import jax, jax.numpy as jnp, numpy as np
-    import jaxattn
-    from tests.mla_inputs import make_mla_problem
-    from tests.paged_inputs import rel_error
-
-    problem = make_mla_problem(np.random.default_rng(0), q_lens=[1] * 8, kv_lens=[3000] * 8, num_q_heads=128,
-                               max_q_len=1, dtype=jnp.bfloat16, kv_lora_rank=512, rope_dim=64, nope_dim=128,
-                               v_dim=128, page_size=64)
-    step = jax.jit(lambda ql, qr, c, m: jaxattn.mla_paged_attention(ql, qr, c, m, scale=problem.scale,
-                                                                    backend="flashinfer") * 2)
-    args = (problem.q_latent, problem.q_rope, problem.cache, problem.meta)
-    outs = [step(*args).block_until_ready() for _ in range(3)]
-    errors = [rel_error(o, problem.absorbed_reference(problem.q_latent) * 2) for o in outs]
-    print(json.dumps(dict(errors=errors)))
-""")
-
-
 @pytest.mark.gpu
 def test_gpu_launch_captured_in_command_buffer(tmp_path):
     """The cooperative launch and the schedule's ops run inside one kCommandBuffer."""
-    run = run_with_dump(_CAPTURE_SCRIPT, tmp_path, timeout=300)
-    errors = json.loads(run.stdout.strip().splitlines()[-1])["errors"]
-    assert max(errors) < 2e-2, errors
-    for name, thunks in thunk_sequences(tmp_path, "jit__lambda").items():
-        top = top_level_thunks(thunks)
-        assert "kCommandBuffer" in top and "kCustomCall" not in top, (name, thunks[-3000:])
+    check_captured_in_command_buffer(tmp_path, "flashinfer", 128)
