@@ -10,7 +10,9 @@
 // (jaxattn/backends/flashinfer.py, ``plan``) so that the launch is command-buffer safe.
 //
 // Operands:  q_nope [T, H, R], q_pe [T, H, Dr] (R, Dr: compile-time JAXATTN_MLA_HEAD_DIM_*),
-//            pages [num_pages, page, R + Dr] (c_kv then k_rope, read in place by strides),
+//            pages [num_pages, page, R + Dr] (c_kv then k_rope, read in place by strides; bf16/fp16
+//              like q, or fp8 e4m3 read with unit scales: the caller folds the pool's scale into
+//              q and the output),
 //            kv_indices int32 [B * P] (the block tables, row-major),
 //            works int32 [8, W]: q_indptr, kv_indptr (in pages), partial_indptr (-1: final),
 //              q_len, kv_len, packed q_start, kv_start, kv_end of each work,
@@ -34,15 +36,18 @@ namespace ffi = xla::ffi;
 namespace jaxattn::mla {
 namespace {
 
-using DType = JAXATTN_MLA_DTYPE;
+using DType = JAXATTN_MLA_DTYPE;       // q, out, partial_o
+using DTypeKV = JAXATTN_MLA_KV_DTYPE;  // pages: DType, or __nv_fp8_e4m3 (dequantized in the kernel)
 constexpr uint32_t kRank = JAXATTN_MLA_HEAD_DIM_CKV;
 constexpr uint32_t kRope = JAXATTN_MLA_HEAD_DIM_KPE;
 constexpr int kWorkFields = 8;
 constexpr int kMergeFields = 5;
-using Params = flashinfer::MLAParams<DType, DType, DType, int32_t>;
+using Params = flashinfer::MLAParams<DType, DTypeKV, DType, int32_t>;
 
 constexpr ffi::DataType kDataType =
     std::is_same_v<DType, __nv_bfloat16> ? ffi::DataType::BF16 : ffi::DataType::F16;
+constexpr ffi::DataType kPageType =
+    std::is_same_v<DTypeKV, __nv_fp8_e4m3> ? ffi::DataType::F8E4M3FN : kDataType;
 
 ffi::Error invalid(std::string const& what) {
   return ffi::Error::InvalidArgument("jaxattn flashinfer mla: " + what);
@@ -60,11 +65,12 @@ ffi::Error Execute(cudaStream_t stream, ffi::AnyBuffer q_nope, ffi::AnyBuffer q_
                    ffi::Buffer<ffi::S32> merge, ffi::Result<ffi::AnyBuffer> out,
                    ffi::Result<ffi::AnyBuffer> partial_o, ffi::Result<ffi::Buffer<ffi::F32>> partial_lse,
                    float sm_scale, bool causal, int64_t cluster, int64_t clusters) {
-  for (ffi::AnyBuffer const* b : {&q_nope, &q_pe, &pages, &*out, &*partial_o}) {
+  for (ffi::AnyBuffer const* b : {&q_nope, &q_pe, &*out, &*partial_o}) {
     if (b->element_type() != kDataType) {
-      return invalid("q_nope, q_pe, pages, out and partial_o must all have the compiled dtype");
+      return invalid("q_nope, q_pe, out and partial_o must have the compiled dtype");
     }
   }
+  if (pages.element_type() != kPageType) return invalid("pages must have the compiled page dtype");
   auto const qd = q_nope.dimensions();
   auto const pd = pages.dimensions();
   if (qd.size() != 3 || qd[2] != kRank || !dims_are(q_pe, {qd[0], qd[1], kRope}) ||
@@ -89,7 +95,7 @@ ffi::Error Execute(cudaStream_t stream, ffi::AnyBuffer q_nope, ffi::AnyBuffer q_
   }
 
   Params params;
-  auto* base = static_cast<DType*>(pages.untyped_data());
+  auto* base = static_cast<DTypeKV*>(pages.untyped_data());
   params.q_nope = static_cast<DType*>(q_nope.untyped_data());
   params.q_pe = static_cast<DType*>(q_pe.untyped_data());
   params.ckv = base;

@@ -17,7 +17,7 @@ from pathlib import Path
 from jaxattn.backends import _nvcc
 from jaxattn.backends._nvcc import ARCH, BuildError
 
-_C_TYPES = {"bfloat16": "__nv_bfloat16", "float16": "__half"}
+_C_TYPES = {"bfloat16": "__nv_bfloat16", "float16": "__half", "float8_e4m3fn": "__nv_fp8_e4m3"}
 _HANDLER = "mla_ffi.cu"
 _load_lock = threading.Lock()
 _loaded: dict["Variant", str] = {}
@@ -25,15 +25,17 @@ _loaded: dict["Variant", str] = {}
 
 @dataclasses.dataclass(frozen=True)
 class Variant:
-    """One compiled kernel: query, page and output dtype, and the latent widths."""
+    """One compiled kernel: query/output dtype, page dtype, and the latent widths."""
 
-    dtype: str           # "bfloat16" or "float16"
+    dtype: str           # q and out: "bfloat16" or "float16"
+    cache_dtype: str     # pages: ``dtype`` or "float8_e4m3fn"
     kv_lora_rank: int    # c_kv width (FlashInfer's head_dim_ckv): 512
     rope_dim: int        # k_rope width (head_dim_kpe): 64
 
     @property
     def name(self) -> str:
-        return f"{self.dtype}_ckv{self.kv_lora_rank}_kpe{self.rope_dim}"
+        kv = "e4m3" if self.cache_dtype == "float8_e4m3fn" else self.cache_dtype
+        return f"{self.dtype}_kv_{kv}_ckv{self.kv_lora_rank}_kpe{self.rope_dim}"
 
     @property
     def target_name(self) -> str:
@@ -66,6 +68,7 @@ def _commands(variant: Variant, nvcc: str, out: Path) -> tuple[list[list[str]], 
                 "-DCUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED", "-DFLASHINFER_ENABLE_BF16", "-DFLASHINFER_ENABLE_F16",
                 "-DFLASHINFER_ENABLE_FP8_E4M3",
                 f"-DJAXATTN_MLA_DTYPE={_C_TYPES[variant.dtype]}",
+                f"-DJAXATTN_MLA_KV_DTYPE={_C_TYPES[variant.cache_dtype]}",
                 f"-DJAXATTN_MLA_HEAD_DIM_CKV={variant.kv_lora_rank}", f"-DJAXATTN_MLA_HEAD_DIM_KPE={variant.rope_dim}"]
     compile_ += [f"-I{d}" for d in include_dirs()] + [f"-I{_nvcc.ffi_include_dir()}"]
     obj = out / "mla_ffi.o"

@@ -15,8 +15,10 @@ dealt to the CTAs in order, each CTA taking a contiguous run of about equal cost
 a min-heap). Padding tokens (before ``cu_q_lens[0]`` and after ``cu_q_lens[B]``) become requests
 without keys, so the kernel writes every output row, zeros where a request has no keys.
 
-Supported: bf16/fp16 queries over pages of the same dtype, ``kv_lora_rank`` 512 and
-``rope_dim`` 64 (FlashInfer's instantiated widths), any page size, any query lengths, causal or not.
+Supported: bf16/fp16 queries over pages of the same dtype or FP8 (e4m3) pages, which the kernel
+dequantizes in shared memory (with unit scales: the pool's scale is folded into the queries and the
+output), ``kv_lora_rank`` 512 and ``rope_dim`` 64 (FlashInfer's instantiated widths), any page
+size, any query lengths, causal or not.
 """
 
 from __future__ import annotations
@@ -52,8 +54,9 @@ def mla_check_supported(q_latent: jax.Array, q_rope: jax.Array, cache: MLACache,
     del q_rope, meta, params
     if q_latent.dtype.name not in DTYPES:
         raise ValueError(f"{_WHERE}: q_latent.dtype must be one of {DTYPES}, got {q_latent.dtype}")
-    if cache.dtype != q_latent.dtype:
-        raise ValueError(f"{_WHERE}: the cache's pages must be {q_latent.dtype} like q_latent, got {cache.dtype}")
+    if cache.dtype != q_latent.dtype and not cache.is_fp8:
+        raise ValueError(f"{_WHERE}: the cache's pages must be {q_latent.dtype} like q_latent or float8_e4m3fn, "
+                         f"got {cache.dtype}")
     if (cache.kv_lora_rank, cache.rope_dim) != (KV_LORA_RANK, ROPE_DIM):
         raise ValueError(f"{_WHERE}: the cache's (kv_lora_rank, rope_dim) must be ({KV_LORA_RANK}, {ROPE_DIM}), "
                          f"got ({cache.kv_lora_rank}, {cache.rope_dim})")
@@ -163,11 +166,16 @@ def plan(cu_q_lens: jax.Array, kv_lens: jax.Array, pages_per_seq: int, num_token
 def mla_attention(q_latent: jax.Array, q_rope: jax.Array, cache: MLACache, meta: AttentionMetadata,
                   params: AttentionParams) -> jax.Array:
     """Absorbed MLA: ``q_latent: [T, Hq, 512]``, ``q_rope: [T, Hq, 64]`` -> ``[T, Hq, 512]``."""
-    variant = _mla_build.Variant(q_latent.dtype.name, cache.kv_lora_rank, cache.rope_dim)
+    variant = _mla_build.Variant(q_latent.dtype.name, cache.dtype.name, cache.kv_lora_rank, cache.rope_dim)
     target = _mla_build.load(variant)
     num_tokens, num_heads, rank = q_latent.shape
     schedule = plan(meta.cu_q_lens, meta.kv_lens, meta.max_pages_per_seq, num_tokens, num_heads, _sm_count(),
                     meta.max_q_len, params.causal)
+    if cache.is_fp8:
+        # The kernel's own FP8 scales are launch constants; the pool's scale is traced. Logits are
+        # linear in the latents and the output is too, so q carries it in and the output back.
+        fold = lambda x: (x.astype(jnp.float32) * cache.scale).astype(x.dtype)  # noqa: E731
+        q_latent, q_rope = fold(q_latent), fold(q_rope)
     call = jax.ffi.ffi_call(target, (jax.ShapeDtypeStruct(q_latent.shape, q_latent.dtype),
                                      jax.ShapeDtypeStruct((schedule.partial_rows, rank), q_latent.dtype),
                                      jax.ShapeDtypeStruct((schedule.partial_rows,), jnp.float32)))
@@ -175,6 +183,8 @@ def mla_attention(q_latent: jax.Array, q_rope: jax.Array, cache: MLACache, meta:
                      schedule.works, schedule.work_indptr, schedule.merge,
                      sm_scale=np.float32(params.scale), causal=params.causal,
                      cluster=np.int64(schedule.cluster), clusters=np.int64(schedule.clusters))
+    if cache.is_fp8:
+        out = (out.astype(jnp.float32) * cache.scale).astype(out.dtype)
     return out
 
 

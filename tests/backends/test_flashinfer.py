@@ -156,9 +156,9 @@ def test_check_supported():
         check(problem.q_latent, problem.cache)
     with pytest.raises(ValueError, match="q_latent.dtype must be one of"):
         check(problem.q_latent.astype(jnp.float32), problem.cache)
-    fp8 = jaxattn.MLACache.create(4, 8, 512, 64, dtype=jnp.float8_e4m3fn)
-    with pytest.raises(ValueError, match="pages must be bfloat16 like q_latent, got float8_e4m3fn"):
-        check(problem.q_latent, fp8)
+    f16 = jaxattn.MLACache.create(4, 8, 512, 64, dtype=jnp.float16)
+    with pytest.raises(ValueError, match="pages must be bfloat16 like q_latent or float8_e4m3fn, got float16"):
+        check(problem.q_latent, f16)
 
 
 def test_unknown_to_paged_attention():
@@ -182,10 +182,11 @@ def test_compiles_with_nvcc(tmp_path_factory, tmp_path, monkeypatch):
         monkeypatch.setenv("JAXATTN_FLASHINFER_DATA",
                            str(unpacked_flashinfer_data(tmp_path_factory, ("include/", "cutlass/include/", "cccl/"))))
     monkeypatch.setenv("JAXATTN_CACHE_DIR", str(tmp_path))
-    variant = _mla_build.Variant("bfloat16", 512, 64)
-    path = _mla_build.build(variant, quiet=True)
-    assert path.is_file() and _mla_build.build(variant) == path
-    assert ctypes.CDLL(str(path)).JaxattnMlaExecute     # the handler symbol is exported
+    for variant in (_mla_build.Variant("bfloat16", "bfloat16", 512, 64),
+                    _mla_build.Variant("bfloat16", "float8_e4m3fn", 512, 64)):
+        path = _mla_build.build(variant, quiet=True)
+        assert path.is_file() and _mla_build.build(variant) == path
+        assert ctypes.CDLL(str(path)).JaxattnMlaExecute     # the handler symbol is exported
 
 
 # --- GPU: DeepSeek shapes in bfloat16 ----------------------------------------------------------
@@ -201,6 +202,20 @@ def _run(problem, meta=None, causal=True):
 @pytest.mark.parametrize("num_q_heads", [16, 128])
 def test_gpu_deepseek_decode(num_q_heads, kv_len):
     check_deepseek_decode("flashinfer", num_q_heads, kv_len)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("max_q_len", [1, 4])
+@pytest.mark.parametrize("num_q_heads", [16, 128])
+def test_gpu_deepseek_fp8_pool(num_q_heads, max_q_len):
+    """FP8 latents stored divided by a scale of 0.5, bf16 queries."""
+    rng = np.random.default_rng(num_q_heads + max_q_len)
+    problem = make_mla_problem(rng, q_lens=[max_q_len] * 16, kv_lens=[int(x) for x in rng.integers(2048, 4097, 16)],
+                               num_q_heads=num_q_heads, max_q_len=max_q_len, dtype=jnp.bfloat16,
+                               kv_dtype=jnp.float8_e4m3fn, **DEEPSEEK)
+    out, valid = _run(problem)
+    assert np.asarray(valid).all()
+    assert rel_error(out, problem.absorbed_reference(problem.q_latent)) < 2e-2
 
 
 @pytest.mark.gpu
