@@ -147,6 +147,41 @@ def check_deepseek_decode(backend: str, num_q_heads: int, kv_len: int) -> None:
     assert not np.asarray(out[batch:].astype(jnp.float32)).any()
 
 
+def check_deepseek_fp8_pool(backend: str, num_q_heads: int, max_q_len: int) -> None:
+    """GPU: 16 sequences of ``max_q_len`` bf16 query tokens over FP8 latents (stored divided by a
+    scale of 0.5) through ``backend``, against the float64 reference; every sequence is valid."""
+    rng = np.random.default_rng(num_q_heads + max_q_len)
+    problem = make_mla_problem(rng, q_lens=[max_q_len] * 16, kv_lens=[int(x) for x in rng.integers(2048, 4097, 16)],
+                               num_q_heads=num_q_heads, max_q_len=max_q_len, dtype=jnp.bfloat16,
+                               kv_dtype=jnp.float8_e4m3fn, **DEEPSEEK)
+    run = jax.jit(lambda ql, qr, c, m: jaxattn.mla_paged_attention(ql, qr, c, m, scale=problem.scale, backend=backend,
+                                                                   return_status=True))
+    out, valid = run(problem.q_latent, problem.q_rope, problem.cache, problem.meta)
+    assert np.asarray(valid).all()
+    assert rel_error(out, problem.absorbed_reference(problem.q_latent)) < 2e-2
+
+
+def check_deepseek_broken_sequences(backend: str, num_q_heads: int, q_lens: list[int], causal: bool = True) -> None:
+    """GPU: sequences of ``q_lens`` query tokens (``max_q_len`` their maximum) at DeepSeek's shapes
+    through ``backend``, with every fault of ``break_metadata`` and NaN in every unowned page:
+    broken sequences are flagged and zero, the rest match the float64 reference (fresh seed, in
+    the failure message)."""
+    seed = int(np.random.SeedSequence().entropy % 2**32)
+    rng = np.random.default_rng(seed)
+    kv_lens = [int(rng.integers(q, 2049)) for q in q_lens]
+    problem = make_mla_problem(rng, q_lens=q_lens, kv_lens=kv_lens, num_q_heads=num_q_heads, max_q_len=max(q_lens),
+                               dtype=jnp.bfloat16, **DEEPSEEK)
+    meta, broken = break_metadata(rng, problem, ["page", "none", "short", "long", "none", "page", "none", "none"])
+    run = jax.jit(lambda ql, qr, c, m: jaxattn.mla_paged_attention(ql, qr, c, m, scale=problem.scale, causal=causal,
+                                                                   backend=backend, return_status=True))
+    out, valid = run(problem.q_latent, problem.q_rope, problem.cache, meta)
+    np.testing.assert_array_equal(valid, ~broken, err_msg=f"seed {seed}")
+    out = np.asarray(out.astype(jnp.float32), np.float64)
+    assert not np.isnan(out).any(), f"a page the sequence does not own reached its output (seed {seed})"
+    expected = problem.without(broken).absorbed_reference(problem.q_latent, causal)
+    assert rel_error(out, expected) < 2e-2, f"seed {seed}"
+
+
 _CAPTURE_SCRIPT = """
 import json
 import jax, jax.numpy as jnp, numpy as np

@@ -124,7 +124,8 @@ def plan(cu_q_lens: jax.Array, kv_lens: jax.Array, pages_per_seq: int, num_token
     limit = _chunk_limit(jnp.maximum(-(-jnp.sum(eff) // clusters), 1))
     chunks = jnp.where(tile_ok, jnp.maximum(-(-eff // limit), 1), 0)
     split = chunks > 1
-    partial_base = jnp.cumsum(jnp.where(split, chunks * tile_rows, 0)) - jnp.where(split, chunks * tile_rows, 0)
+    partial_rows = jnp.where(split, chunks * tile_rows, 0)
+    partial_base = jnp.cumsum(partial_rows) - partial_rows
 
     # Works: sum(chunks) <= tiles + sum(eff) / limit <= num_slots + clusters.
     num_works = num_slots + clusters

@@ -22,9 +22,8 @@ from jaxattn.backends import _mla_build, _nvcc
 from jaxattn.backends import flashinfer as fb
 from jaxattn.backends.base import AttentionParams
 from tests.conftest import unpacked_flashinfer_data
-from tests.mla_inputs import (DEEPSEEK, break_metadata, check_captured_in_command_buffer,
-                               check_deepseek_decode, make_mla_problem)
-from tests.paged_inputs import rel_error
+from tests.mla_inputs import (break_metadata, check_captured_in_command_buffer, check_deepseek_broken_sequences,
+                               check_deepseek_decode, check_deepseek_fp8_pool, make_mla_problem)
 
 SMALL = dict(kv_lora_rank=32, rope_dim=16, nope_dim=16, v_dim=16, page_size=8)
 
@@ -191,12 +190,6 @@ def test_compiles_with_nvcc(tmp_path_factory, tmp_path, monkeypatch):
 
 # --- GPU: DeepSeek shapes in bfloat16 ----------------------------------------------------------
 
-def _run(problem, meta=None, causal=True):
-    fn = jax.jit(lambda ql, qr, c, m: jaxattn.mla_paged_attention(ql, qr, c, m, scale=problem.scale, causal=causal,
-                                                                  backend="flashinfer", return_status=True))
-    return fn(problem.q_latent, problem.q_rope, problem.cache, problem.meta if meta is None else meta)
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("kv_len", [1024, 4096, 16384])
 @pytest.mark.parametrize("num_q_heads", [16, 128])
@@ -208,14 +201,7 @@ def test_gpu_deepseek_decode(num_q_heads, kv_len):
 @pytest.mark.parametrize("max_q_len", [1, 4])
 @pytest.mark.parametrize("num_q_heads", [16, 128])
 def test_gpu_deepseek_fp8_pool(num_q_heads, max_q_len):
-    """FP8 latents stored divided by a scale of 0.5, bf16 queries."""
-    rng = np.random.default_rng(num_q_heads + max_q_len)
-    problem = make_mla_problem(rng, q_lens=[max_q_len] * 16, kv_lens=[int(x) for x in rng.integers(2048, 4097, 16)],
-                               num_q_heads=num_q_heads, max_q_len=max_q_len, dtype=jnp.bfloat16,
-                               kv_dtype=jnp.float8_e4m3fn, **DEEPSEEK)
-    out, valid = _run(problem)
-    assert np.asarray(valid).all()
-    assert rel_error(out, problem.absorbed_reference(problem.q_latent)) < 2e-2
+    check_deepseek_fp8_pool("flashinfer", num_q_heads, max_q_len)
 
 
 @pytest.mark.gpu
@@ -223,19 +209,7 @@ def test_gpu_deepseek_fp8_pool(num_q_heads, max_q_len):
 @pytest.mark.parametrize("num_q_heads", [16, 128])
 def test_gpu_deepseek_ragged_and_broken_sequences(num_q_heads, causal):
     """Queries of 1 to 40 tokens, every fault, NaN in every unowned page."""
-    seed = int(np.random.SeedSequence().entropy % 2**32)
-    rng = np.random.default_rng(seed)
-    q_lens = [1, 4, 2, 40, 1, 4, 1, 2]
-    kv_lens = [int(rng.integers(q, 2049)) for q in q_lens]
-    problem = make_mla_problem(rng, q_lens=q_lens, kv_lens=kv_lens, num_q_heads=num_q_heads, max_q_len=40,
-                               dtype=jnp.bfloat16, **DEEPSEEK)
-    meta, broken = break_metadata(rng, problem, ["page", "none", "short", "long", "none", "page", "none", "none"])
-    out, valid = _run(problem, meta, causal)
-    np.testing.assert_array_equal(valid, ~broken, err_msg=f"seed {seed}")
-    out = np.asarray(out.astype(jnp.float32), np.float64)
-    assert not np.isnan(out).any(), f"a page the sequence does not own reached its output (seed {seed})"
-    expected = problem.without(broken).absorbed_reference(problem.q_latent, causal)
-    assert rel_error(out, expected) < 2e-2, f"seed {seed}"
+    check_deepseek_broken_sequences("flashinfer", num_q_heads, [1, 4, 2, 40, 1, 4, 1, 2], causal)
 
 
 @pytest.mark.gpu

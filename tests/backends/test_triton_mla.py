@@ -24,8 +24,8 @@ from jaxattn import attention as attention_module
 from jaxattn import backends, mla
 from jaxattn.backends import xla
 from jaxattn.backends.base import AttentionParams, gpu_devices
-from tests.mla_inputs import (DEEPSEEK, break_metadata, check_captured_in_command_buffer,
-                               check_deepseek_decode, make_mla_problem)
+from tests.mla_inputs import (break_metadata, check_captured_in_command_buffer, check_deepseek_broken_sequences,
+                               check_deepseek_decode, check_deepseek_fp8_pool, make_mla_problem)
 from tests.paged_inputs import TOLERANCE, rel_error
 from tests.xla_dump import REPO
 
@@ -229,34 +229,14 @@ def test_gpu_deepseek_decode(num_q_heads, kv_len):
 @pytest.mark.parametrize("max_q_len", [1, 4])
 @pytest.mark.parametrize("num_q_heads", [16, 128])
 def test_gpu_deepseek_fp8_pool(num_q_heads, max_q_len):
-    rng = np.random.default_rng(num_q_heads + max_q_len)
-    problem = make_mla_problem(rng, q_lens=[max_q_len] * 16, kv_lens=[int(x) for x in rng.integers(2048, 4097, 16)],
-                               num_q_heads=num_q_heads, max_q_len=max_q_len, dtype=jnp.bfloat16,
-                               kv_dtype=jnp.float8_e4m3fn, **DEEPSEEK)
-    run = jax.jit(lambda ql, qr, c, m: jaxattn.mla_paged_attention(ql, qr, c, m, scale=problem.scale, backend="triton"))
-    out = run(problem.q_latent, problem.q_rope, problem.cache, problem.meta)
-    assert rel_error(out, problem.absorbed_reference(problem.q_latent)) < 2e-2
+    check_deepseek_fp8_pool("triton", num_q_heads, max_q_len)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("num_q_heads", [16, 128])
 def test_gpu_deepseek_spec_decode_and_broken_sequences(num_q_heads):
     """Queries of up to 4 tokens, every fault, NaN in every unowned page."""
-    seed = int(np.random.SeedSequence().entropy % 2**32)
-    rng = np.random.default_rng(seed)
-    q_lens = [1, 4, 2, 3, 1, 4, 1, 2]
-    kv_lens = [int(rng.integers(q, 2049)) for q in q_lens]
-    problem = make_mla_problem(rng, q_lens=q_lens, kv_lens=kv_lens, num_q_heads=num_q_heads, max_q_len=4,
-                               dtype=jnp.bfloat16, **DEEPSEEK)
-    meta, broken = break_metadata(rng, problem, ["page", "none", "short", "long", "none", "page", "none", "none"])
-    run = jax.jit(lambda ql, qr, c, m: jaxattn.mla_paged_attention(ql, qr, c, m, scale=problem.scale,
-                                                                   backend="triton", return_status=True))
-    out, valid = run(problem.q_latent, problem.q_rope, problem.cache, meta)
-    np.testing.assert_array_equal(valid, ~broken, err_msg=f"seed {seed}")
-    out = np.asarray(out.astype(jnp.float32), np.float64)
-    assert not np.isnan(out).any(), f"a page the sequence does not own reached its output (seed {seed})"
-    expected = problem.without(broken).absorbed_reference(problem.q_latent)
-    assert rel_error(out, expected) < 2e-2, f"seed {seed}"
+    check_deepseek_broken_sequences("triton", num_q_heads, [1, 4, 2, 3, 1, 4, 1, 2])
 
 
 @pytest.mark.gpu
