@@ -30,4 +30,19 @@ def unavailable_reason(name: str) -> str | None:
     return importlib.import_module(f"jaxattn.backends.{name}").unavailable_reason()
 
 
-__all__ = ["ALL_BACKENDS", "AttentionParams", "BACKENDS", "MLA_ONLY_BACKENDS", "get", "unavailable_reason"]
+OPS: tuple[str, ...] = ("paged_attention", "mla_paged_attention", "mla_prefill")
+
+
+def check_serves(backend: str, ops, *, where: str) -> None:
+    """ValueError (prefixed by ``where``) unless ``backend`` ("auto" or a backend's name) can run
+    every op of ``ops`` on this machine. (Interim: the registry replaces this body.)"""
+    if backend == "auto":
+        return
+    if not isinstance(backend, str) or backend not in ALL_BACKENDS:
+        raise ValueError(f"{where}: backend must be 'auto' or one of {ALL_BACKENDS}, got {backend!r}")
+    reason = unavailable_reason(backend)
+    if reason is not None:
+        raise ValueError(f"{where}: backend {backend!r} cannot run here: {reason}")
+
+
+__all__ = ["OPS", "check_serves", "ALL_BACKENDS", "AttentionParams", "BACKENDS", "MLA_ONLY_BACKENDS", "get", "unavailable_reason"]
