@@ -4,24 +4,19 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import logging
 import math
 
 import jax
 import jax.numpy as jnp
 
-from jaxattn import backends
-from jaxattn.backends import AttentionParams
-from jaxattn.backends.base import NO_GPU, gpu_devices
-from jaxattn.backends.trtllm import MAX_SPEC_Q_LEN, SPEC_TILE_ROWS
+from jaxattn import backends, dispatch
+from jaxattn.backends.base import AttentionParams, Call
 from jaxattn.checks import is_int, is_real
 from jaxattn.kv_cache import KVCache, MLACache
 from jaxattn.metadata import AttentionMetadata
 from jaxattn.sharding import shard_by_heads
 
-logger = logging.getLogger("jaxattn")
 _Q_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
-_logged: set[str] = set()
 
 
 def paged_attention(
@@ -87,13 +82,18 @@ def _run_plan(params: AttentionParams, backend: str, q: jax.Array, cache: KVCach
     ``[T, Hq, D]``."""
     plan = plan_backends(q, cache, meta, params, backend)
     if plan.decode is None:
-        return backends.get(plan.main).attention(q, cache, meta, params, sinks)
+        return _kernel(plan.main)(q, cache, meta, params, sinks)
     q_dec, meta_dec, meta_rest, num_decodes = split_decodes(q, meta)
-    out_dec = backends.get(plan.decode).attention(q_dec, cache, meta_dec, params, sinks)
-    out = backends.get(plan.main).attention(q, cache, meta_rest, params, sinks)
+    out_dec = _kernel(plan.decode)(q_dec, cache, meta_dec, params, sinks)
+    out = _kernel(plan.main)(q, cache, meta_rest, params, sinks)
     out_dec = jnp.zeros_like(out).at[: q_dec.shape[0]].set(out_dec)
     is_decode = jnp.arange(q.shape[0]) < num_decodes
     return jnp.where(is_decode[:, None, None], out_dec, out)
+
+
+def _kernel(name: str):
+    """Backend ``name``'s paged_attention entry."""
+    return backends.REGISTRY[name].ops["paged_attention"].run
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,32 +117,24 @@ def backend_for(q: jax.Array, cache: KVCache, meta: AttentionMetadata, *, backen
 
 def plan_backends(q: jax.Array, cache: KVCache, meta: AttentionMetadata, params: AttentionParams,
                   backend: str = "auto") -> Plan:
-    """Chooses backends from static information only.
+    """Chooses backends from static information only (``jaxattn.dispatch.choose``).
 
-    ``auto``: a decode-only step (``meta.max_q_len == 1``) goes to the first of trtllm, triton,
-    xla that supports it. A speculative-decode step (``2 <= meta.max_q_len <= 16``: every
-    sequence has at most that many query tokens) goes whole to trtllm, or to triton first when
-    ``max_q_len * (Hq // Hkv)`` rows exceed one XQA tile (32 rows, one CTA each, each reading
-    the keys; benchmarks/RESULTS.md, speculative decode). Otherwise the batch goes to the first
-    of cudnn, triton, xla, and its leading decodes to the best decode backend when that is a
-    different one.
+    An explicit backend serves the whole call. ``auto`` takes the best-ranked backend that takes
+    the call; in a step that is not decode-only, the leading decodes go to the backend ``auto``
+    picks for a decode-only step when that is a different one and the step is a prefill step
+    (``meta.max_q_len`` None or above ``SPEC_DECODE_MAX_Q_LEN``) or the main backend is not
+    ranked for decodes at all (cudnn): a speculative-decode kernel serves its step whole.
     """
-    if backend != "auto":
-        backends.get(backend).check_supported(q, cache, meta, params)
-        return Plan(backend)
-    if meta.max_q_len == 1:
-        return Plan(_first_supported(_DECODE_ORDER, q, cache, meta, params))
-    skipped = []
-    if meta.max_q_len is not None and meta.max_q_len <= MAX_SPEC_Q_LEN:
-        rows = meta.max_q_len * (q.shape[1] // cache.num_kv_heads)
-        order = _SPEC_DECODE_ORDER if rows <= SPEC_TILE_ROWS else _SPEC_DECODE_ORDER[::-1]
-        name = _first_of(order, q, cache, meta, params, skipped, " for speculative decode")
-        if name is not None:
-            return Plan(name)
-    main = _first_supported(_PREFILL_ORDER, q, cache, meta, params, skipped)
-    q_dec = q[: min(q.shape[0], meta.batch_size)]
-    decode = _first_supported(_DECODE_ORDER, q_dec, cache, dataclasses.replace(meta, max_q_len=1), params)
-    return Plan(main, None if decode == main else decode)
+    call = Call("paged_attention", q, cache, meta, params)
+    main = dispatch.choose(call, backend)
+    if backend != "auto" or call.phase == "decode":
+        return Plan(main)
+    decodes = Call("paged_attention", q[: min(q.shape[0], meta.batch_size)], cache,
+                   dataclasses.replace(meta, max_q_len=1), params)
+    decode = dispatch.choose(decodes, "auto")
+    main_takes_decodes = backends.REGISTRY[main].ops["paged_attention"].rank(decodes) is not None
+    split = decode != main and (call.phase == "prefill" or not main_takes_decodes)
+    return Plan(main, decode if split else None)
 
 
 def split_decodes(q: jax.Array, meta: AttentionMetadata
@@ -158,77 +150,27 @@ def split_decodes(q: jax.Array, meta: AttentionMetadata
     num_decodes = meta.checked_num_decodes
     is_decode = seq < num_decodes
     bounds = jnp.arange(meta.batch_size + 1, dtype=jnp.int32)
-    meta_dec = AttentionMetadata(
+    meta_dec = dataclasses.replace(
+        meta,
         cu_q_lens=jnp.minimum(bounds, num_decodes),
         kv_lens=jnp.where(is_decode, meta.kv_lens, 0),
-        block_tables=meta.block_tables,
         num_decodes=num_decodes,
         max_q_len=1,
     )
-    meta_rest = AttentionMetadata(
+    meta_rest = dataclasses.replace(
+        meta,
         cu_q_lens=jnp.maximum(meta.cu_q_lens, num_decodes),   # decode b holds token b
         kv_lens=jnp.where(is_decode, 0, meta.kv_lens),
-        block_tables=meta.block_tables,
         num_decodes=jnp.zeros((), jnp.int32),
-        max_q_len=meta.max_q_len,
     )
     return q[: min(q.shape[0], meta.batch_size)], meta_dec, meta_rest, num_decodes
-
-
-_DECODE_ORDER = ("trtllm", "triton", "xla")
-_PREFILL_ORDER = ("cudnn", "triton", "xla")
-_SPEC_DECODE_ORDER = ("trtllm", "triton")
-
-
-def _unsupported_reason(name: str, q: jax.Array, cache: KVCache, meta: AttentionMetadata,
-                        params: AttentionParams) -> str | None:
-    """None when backend ``name`` runs here and takes this call, else why not."""
-    reason = backends.unavailable_reason(name)
-    if reason is None:
-        try:
-            backends.get(name).check_supported(q, cache, meta, params)
-        except ValueError as err:
-            reason = str(err)
-    return reason
-
-
-def _first_of(order: tuple[str, ...], q: jax.Array, cache: KVCache, meta: AttentionMetadata,
-              params: AttentionParams, skipped: list[str], role: str = "") -> str | None:
-    """The first backend of ``order`` that takes this call, or None; appends to ``skipped`` why
-    each one before it did not, and logs that once (with earlier entries) when one is found."""
-    for name in order:
-        reason = _unsupported_reason(name, q, cache, meta, params)
-        if reason is None:
-            if skipped and name == "xla" and not gpu_devices():   # nothing to fix: only xla runs on CPU
-                log_once(f"jaxattn auto: running the xla backend: {NO_GPU}", logging.INFO)
-            elif skipped:
-                log_once(f"jaxattn auto: using {name!r}; " + "; ".join(skipped))
-            return name
-        skipped.append(f"{name} skipped{role} ({reason})")
-    return None
-
-
-def _first_supported(order: tuple[str, ...], q: jax.Array, cache: KVCache, meta: AttentionMetadata,
-                     params: AttentionParams, skipped: list[str] | None = None) -> str:
-    """``_first_of`` for an order that ends with xla, which takes every valid call."""
-    name = _first_of(order, q, cache, meta, params, list(skipped or ()))
-    if name is None:
-        raise AssertionError("the xla backend supports every valid configuration")
-    return name
-
-
-def log_once(message: str, level: int = logging.WARNING) -> None:
-    """A record on the ``jaxattn`` logger (a warning by default), the first time this message comes."""
-    if message not in _logged:
-        _logged.add(message)
-        logger.log(level, message)
 
 
 def _check_args(q, cache, meta, *, scale=None, causal=True, sliding_window=None, softcap=None, sinks=None,
                 backend="auto") -> AttentionParams:
     where = "paged_attention"
-    if backend != "auto" and backend not in backends.BACKENDS:
-        raise ValueError(f"{where}: backend must be one of {('auto',) + backends.BACKENDS}, got {backend!r}")
+    if backend != "auto" and backend not in backends.names(where):
+        raise ValueError(f"{where}: backend must be one of {('auto',) + backends.names(where)}, got {backend!r}")
     if not isinstance(cache, KVCache):
         raise ValueError(f"{where}: cache must be a jaxattn.KVCache, got {type(cache).__name__}")
     if getattr(q, "ndim", None) != 3 or q.shape[0] < 1:
@@ -244,7 +186,7 @@ def _check_args(q, cache, meta, *, scale=None, causal=True, sliding_window=None,
     if not cache.is_fp8 and cache.dtype != q.dtype:
         raise ValueError(f"{where}: cache pages are {cache.dtype} but q is {q.dtype}; "
                          f"pages must match q.dtype or be float8_e4m3fn")
-    check_metadata(where, meta)
+    check_metadata(where, meta, cache)
 
     if scale is None:
         scale = 1.0 / math.sqrt(head_dim)
@@ -269,9 +211,9 @@ def _check_args(q, cache, meta, *, scale=None, causal=True, sliding_window=None,
     )
 
 
-def check_metadata(where: str, meta: AttentionMetadata) -> None:
+def check_metadata(where: str, meta: AttentionMetadata, cache: KVCache | MLACache) -> None:
     """ValueError (prefixed by ``where``) unless ``meta`` has consistent shapes, int32 arrays and
-    a valid ``max_q_len``."""
+    a valid ``max_q_len``, and was built for ``cache``'s pool (page size, pool size) when it says."""
     if not isinstance(meta, AttentionMetadata):
         raise ValueError(f"{where}: meta must be a jaxattn.AttentionMetadata, got {type(meta).__name__}")
     if meta.kv_lens.ndim != 1 or meta.kv_lens.shape[0] < 1:
@@ -289,3 +231,8 @@ def check_metadata(where: str, meta: AttentionMetadata) -> None:
             raise ValueError(f"{where}: meta.{field} must be int32, got {dtype}")
     if meta.max_q_len is not None and not (is_int(meta.max_q_len) and meta.max_q_len >= 1):
         raise ValueError(f"{where}: meta.max_q_len must be None or an int >= 1, got {meta.max_q_len!r}")
+    for field in ("page_size", "num_pages"):
+        built_for, actual = getattr(meta, field), getattr(cache, field)
+        if built_for is not None and built_for != actual:
+            raise ValueError(f"{where}: meta was built by a PageTable with {field}={built_for}, but the cache has "
+                             f"{field}={actual}; the page table and the cache must describe the same pool")

@@ -72,15 +72,31 @@ def report() -> str:
         lines.append(f"  {label:<16} {package_version(names) or 'not installed'}")
     for label, version in cuda_library_versions().items():
         lines.append(f"  {label:<16} {version}")
-    _, not_built = _ffi_cudnn.import_library()
-    lines.append(f"  {'cuDNN handler':<16} {not_built or 'built'}")
+    lines.append(f"  {'cuDNN handler':<16} {cudnn_handler_status()}")
     lines += ["", f"JAX default backend: {jax.default_backend()}", "GPUs:"]
     lines += [f"  {g}" for g in gpus()] or ["  none"]
     lines += ["", "jaxattn backends:"]
-    for name in backends.ALL_BACKENDS:
+    for name, backend in backends.REGISTRY.items():
         reason = backends.unavailable_reason(name)
-        lines.append(f"  {name:<7} {'available' if reason is None else 'unavailable: ' + reason}")
+        lines.append(f"  {name:<10} {'available' if reason is None else 'unavailable: ' + reason}")
+        lines.append(f"  {'':<10} {backend.kernel}; runs on {', '.join(backend.archs)}")
+    lines += ["", "Ops x backends (what each takes; auto ranks them per call):"]
+    for op in backends.OPS:
+        lines.append(f"  {op}:")
+        for name in backends.names(op):
+            lines.append(f"    {name:<10} {backends.REGISTRY[name].ops[op].capabilities.describe()}")
     return "\n".join(lines)
+
+
+def cudnn_handler_status() -> str:
+    """Whether the cuDNN paged-prefill handler was built and loads; install advice only where a GPU
+    could run it."""
+    _, not_built = _ffi_cudnn.import_library()
+    if not_built is None:
+        return "built"
+    if not gpu_devices():
+        return "not loaded (only needed on a machine with an NVIDIA GPU)"
+    return not_built
 
 
 if __name__ == "__main__":

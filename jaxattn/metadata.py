@@ -7,6 +7,10 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+# A step whose ``max_q_len`` is 2..SPEC_DECODE_MAX_Q_LEN is a speculative-decode step (each sequence
+# verifies up to that many draft tokens); backends may serve such steps with decode-style kernels.
+SPEC_DECODE_MAX_Q_LEN = 16
+
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
@@ -20,8 +24,12 @@ class AttentionMetadata:
       block_tables: int32[B, P], page ids of each sequence, in order (0 = null page).
       num_decodes: int32[], sequences ``[0, num_decodes)`` have exactly one query token.
       max_q_len: static bound on the longest query of the step (``None``: up to T; 1: a
-        decode-only step). Backends use it to size their work and choose kernels. A sequence
-        with more query tokens breaks the step's contract (see ``validate``).
+        decode-only step; 2..``SPEC_DECODE_MAX_Q_LEN``: a speculative-decode step). Backends use
+        it to size their work and choose kernels. A sequence with more query tokens breaks the
+        step's contract (see ``validate``).
+      page_size, num_pages: static, the page size and pool size of the ``PageTable`` that built
+        it (None: not known, e.g. built directly). The attention ops raise ``ValueError`` when
+        they differ from the cache's: page ids of one pool read in another are wrong answers.
 
     The values are data, checked on the device (``validate``): a sequence that breaks the
     contract gets zero output rows on every backend, never rows computed from other pages.
@@ -32,6 +40,8 @@ class AttentionMetadata:
     block_tables: jax.Array
     num_decodes: jax.Array
     max_q_len: int | None = dataclasses.field(default=None, metadata=dict(static=True))
+    page_size: int | None = dataclasses.field(default=None, metadata=dict(static=True))
+    num_pages: int | None = dataclasses.field(default=None, metadata=dict(static=True))
 
     @property
     def batch_size(self) -> int:

@@ -21,30 +21,21 @@ not positive and finite), zero rows for padding.
 
 from __future__ import annotations
 
-import logging
 import math
 
 import jax
 import jax.numpy as jnp
 
-from jaxattn import backends
-from jaxattn.attention import check_metadata, log_once, sanitize
-from jaxattn.backends import AttentionParams
-from jaxattn.backends.base import NO_GPU, gpu_devices
+from jaxattn import backends, dispatch
+from jaxattn.attention import check_metadata, sanitize
+from jaxattn.backends.base import AttentionParams, Call
 from jaxattn.checks import is_real
 from jaxattn.kv_cache import MLACache
-from jaxattn.metadata import AttentionMetadata
+from jaxattn.metadata import SPEC_DECODE_MAX_Q_LEN, AttentionMetadata
 
-MLA_BACKENDS: tuple[str, ...] = ("xla", "triton", "flashinfer")
-PREFILL_BACKENDS: tuple[str, ...] = ("xla", "cudnn")
-# auto: flashinfer first (H100, bench_mla: 1.01x flashinfer's own MLA wrapper at B=64 x kv 4k x 128
-# heads, 2.5x triton). Without it, queries up to this long go to the triton decode kernel (one
-# program per query token), unless the step's tokens times the table's width in keys is at most
-# XLA_MAX_DECODE_KEYS: there the xla backend's one gather and two einsums beat the split-KV launch
-# (H100, bench_mla: B=1 x kv 1k-16k at 16 and 128 heads, 0.31-0.74x of triton's time; B=16 x kv 1k:
-# 0.54x at 16 heads, 1.11x at 128).
-MAX_DECODE_Q_LEN = 16
-XLA_MAX_DECODE_KEYS = 16384
+# Steps of at most this many query tokens per sequence (decode, speculative decode) suit the
+# absorbed form (``mla_paged_attention``); longer ones the expanded form (``mla_prefill``).
+MAX_DECODE_Q_LEN = SPEC_DECODE_MAX_Q_LEN
 _DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 
 
@@ -69,11 +60,10 @@ def mla_paged_attention(
       meta: ``AttentionMetadata`` for the step (B sequences).
       scale: logit scale (DeepSeek: ``1/sqrt(Dn + Dr)``, times the YaRN mscale squared where it applies), required.
       causal: bottom-right causal mask.
-      backend: "auto", "xla", "triton" or "flashinfer" (FlashInfer's SM90 MLA kernel: bf16/fp16,
-        R 512, Dr 64, any query lengths). auto: flashinfer where it runs and takes the call; else
-        triton for steps whose queries are at most ``MAX_DECODE_Q_LEN`` tokens (``meta.max_q_len``)
-        where it runs, unless T times the table's width in keys is at most
-        ``XLA_MAX_DECODE_KEYS``; else xla.
+      backend: "auto" or a backend that implements this op (``jaxattn.backends.names(
+        "mla_paged_attention")``: xla, triton, flashinfer). auto: flashinfer where it runs and
+        takes the call; else triton for short queries past a few thousand token-keys
+        (``triton.mla_rank``); else xla.
       return_status: also return which sequences kept the contract.
 
     Returns:
@@ -82,12 +72,10 @@ def mla_paged_attention(
     """
     where = "mla_paged_attention"
     params = _check_common(where, (("q_latent", q_latent, "kv_lora_rank"), ("q_rope", q_rope, "rope_dim")),
-                           cache, meta, scale, causal, return_status)
-    name = _choose(where, backend, MLA_BACKENDS,
-                   lambda n: backends.get(n).mla_check_supported(q_latent, q_rope, cache, meta, params),
-                   preferred=_decode_preference(q_latent, cache, meta))
+                           cache, meta, scale, causal, return_status, backend)
+    name = dispatch.choose(Call(where, q_latent, cache, meta, params, q_rope=q_rope), backend)
     meta, valid = sanitize(q_latent, cache, meta)
-    out = backends.get(name).mla_attention(q_latent, q_rope, cache, meta, params)
+    out = backends.REGISTRY[name].ops[where].run(q_latent, q_rope, cache, meta, params)
     return (out, valid) if return_status else out
 
 
@@ -113,16 +101,17 @@ def mla_prefill(
       cache, meta, scale, causal, return_status: as ``mla_paged_attention``.
       w_uk: ``[R, Hq, Dn]``, latent -> no-RoPE key of each head.
       w_uv: ``[R, Hq, Dv]`` (Dv 128), latent -> value of each head.
-      backend: "auto", "xla" or "cudnn" (cuDNN's paged prefill over the latents expanded to
-        per-head K/V, V zero-padded to K's width). auto: cudnn where it runs and takes the call
-        (B=8 x 4096 at 128 heads on an H100: 20x faster than xla, benchmarks/RESULTS.md), else xla.
+      backend: "auto" or a backend that implements this op (xla, cudnn: cuDNN's paged prefill over
+        the latents expanded to per-head K/V, V zero-padded to K's width). auto: cudnn where it
+        runs and takes the call (B=8 x 4096 at 128 heads on an H100: 20x faster than xla,
+        benchmarks/RESULTS.md), else xla.
 
     Returns:
       ``out``: ``[T, Hq, Dv]`` in ``q_nope.dtype``; with ``return_status``, ``(out, valid)``.
     """
     where = "mla_prefill"
     params = _check_common(where, (("q_nope", q_nope, None), ("q_rope", q_rope, "rope_dim")),
-                           cache, meta, scale, causal, return_status)
+                           cache, meta, scale, causal, return_status, backend)
     num_q_heads, nope_dim = q_nope.shape[1:]
     for name, w, last, last_name in (("w_uk", w_uk, nope_dim, f"Dn={nope_dim}"), ("w_uv", w_uv, None, "Dv")):
         shape = tuple(getattr(w, "shape", ()))
@@ -131,11 +120,9 @@ def mla_prefill(
                              f"{last_name}], got {list(shape)}")
         if w.dtype != q_nope.dtype:
             raise ValueError(f"{where}: {name}.dtype must be {q_nope.dtype} (like q_nope), got {w.dtype}")
-    name = _choose(where, backend, PREFILL_BACKENDS,
-                   lambda n: backends.get(n).mla_prefill_check_supported(q_nope, q_rope, cache, w_uv, params),
-                   preferred=("cudnn",))
+    name = dispatch.choose(Call(where, q_nope, cache, meta, params, q_rope=q_rope, w_uv=w_uv), backend)
     meta, valid = sanitize(q_nope, cache, meta)
-    out = backends.get(name).mla_prefill(q_nope, q_rope, cache, meta, w_uk, w_uv, params)
+    out = backends.REGISTRY[name].ops[where].run(q_nope, q_rope, cache, meta, w_uk, w_uv, params)
     return (out, valid) if return_status else out
 
 
@@ -151,16 +138,8 @@ def project_values(out_latent: jax.Array, w_uv: jax.Array) -> jax.Array:
     return jnp.einsum("thr,rhv->thv", out_latent, w_uv, preferred_element_type=jnp.float32).astype(out_latent.dtype)
 
 
-def _decode_preference(q_latent: jax.Array, cache: MLACache, meta: AttentionMetadata) -> tuple[str, ...]:
-    """auto's backends for mla_paged_attention, in order (static): flashinfer for any step; triton
-    for short queries past ``XLA_MAX_DECODE_KEYS`` token-keys."""
-    keys = q_latent.shape[0] * meta.max_pages_per_seq * cache.page_size
-    short = meta.max_q_len is not None and meta.max_q_len <= MAX_DECODE_Q_LEN
-    return ("flashinfer", "triton") if short and keys > XLA_MAX_DECODE_KEYS else ("flashinfer",)
-
-
 def _check_common(where: str, queries: tuple[tuple[str, jax.Array, str | None], ...], cache: MLACache,
-                  meta: AttentionMetadata, scale, causal, return_status) -> AttentionParams:
+                  meta: AttentionMetadata, scale, causal, return_status, backend) -> AttentionParams:
     """Checks shared by both entry points; ``queries``: (name, array, the cache property its last
     dimension must equal, or None)."""
     if not isinstance(cache, MLACache):
@@ -181,7 +160,9 @@ def _check_common(where: str, queries: tuple[tuple[str, jax.Array, str | None], 
         if x.dtype != first.dtype or not (cache.is_fp8 or x.dtype == cache.dtype):
             raise ValueError(f"{where}: {name}.dtype must be the cache's {cache.dtype} (or any query dtype "
                              f"over FP8 pages) and {first_name}'s, got {x.dtype}")
-    check_metadata(where, meta)
+    check_metadata(where, meta, cache)
+    if backend != "auto" and backend not in backends.names(where):
+        raise ValueError(f"{where}: backend must be one of {('auto',) + backends.names(where)}, got {backend!r}")
     if not (is_real(scale) and math.isfinite(scale) and scale > 0):
         raise ValueError(f"{where}: scale must be a positive finite float, got {scale!r}")
     if not isinstance(causal, bool):
@@ -189,32 +170,3 @@ def _check_common(where: str, queries: tuple[tuple[str, jax.Array, str | None], 
     if not isinstance(return_status, bool):
         raise ValueError(f"{where}: return_status must be a bool, got {return_status!r}")
     return AttentionParams(scale=float(scale), causal=causal, sliding_window=None, softcap=None, has_sinks=False)
-
-
-def _choose(where: str, backend: str, names: tuple[str, ...], check, preferred: tuple[str, ...]) -> str:
-    """The backend to run: ``backend`` itself (checked), or for auto the first of ``preferred``
-    that runs here and takes the call, else xla (logged once with the reasons when backends were
-    preferred)."""
-    if backend == "auto":
-        reasons = []
-        for name in preferred:
-            reason = backends.unavailable_reason(name)
-            if reason is None:
-                try:
-                    check(name)
-                    return name
-                except ValueError as err:
-                    reason = str(err)
-            reasons.append(f"{name} skipped ({reason})")
-        if reasons and gpu_devices():
-            log_once(f"jaxattn auto ({where}): using 'xla'; " + "; ".join(reasons))
-        elif reasons:   # nothing to fix: only xla runs on CPU
-            log_once(f"jaxattn auto ({where}): running the xla backend: {NO_GPU}", logging.INFO)
-        return "xla"
-    if backend not in names:
-        raise ValueError(f"{where}: backend must be one of {('auto',) + names}, got {backend!r}")
-    reason = backends.unavailable_reason(backend)
-    if reason is not None:
-        raise ValueError(f"{where}: backend {backend!r} is not available: {reason}")
-    check(backend)
-    return backend

@@ -303,7 +303,8 @@ class PageTable:
         block_tables = jnp.where(valid[:, None], self.block_tables[row], 0)
         cu_q_lens = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(q_lens, dtype=jnp.int32)])
         num_decodes = count_leading_decodes(q_lens)
-        return AttentionMetadata(cu_q_lens, kv_lens, block_tables, num_decodes, max_q_len=max_q_len)
+        return AttentionMetadata(cu_q_lens, kv_lens, block_tables, num_decodes, max_q_len=max_q_len,
+                                 page_size=self.page_size, num_pages=self.num_pages)
 
     def slot_mapping(self, seq_ids: jax.Array, q_lens: jax.Array, num_tokens: int) -> jax.Array:
         """int32[num_tokens]: cache slot of each packed new token, -1 for padding tokens.

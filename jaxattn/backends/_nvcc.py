@@ -34,16 +34,8 @@ class BuildError(RuntimeError):
     """A kernel cannot be built here (no nvcc, no flashinfer sources, compile failure)."""
 
 
-def sm90_unavailable_reason(kernels: str, check_toolchain: Callable[[], object]) -> str | None:
-    """Why SM90-only ``kernels`` built by ``check_toolchain``'s toolchain cannot run here, or None."""
-    from jaxattn.backends.base import NO_GPU, gpu_devices
-
-    gpus = gpu_devices()
-    if not gpus:
-        return NO_GPU
-    capability = str(getattr(gpus[0], "compute_capability", "?"))
-    if not capability.startswith("9."):
-        return f"{kernels} built for SM90 (Hopper) only; {gpus[0].device_kind} has compute capability {capability}"
+def toolchain_reason(check_toolchain: Callable[[], object]) -> str | None:
+    """Why ``check_toolchain`` cannot build kernels here (its ``BuildError``), or None."""
     try:
         check_toolchain()
     except BuildError as err:

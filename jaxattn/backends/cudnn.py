@@ -23,40 +23,26 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxattn import _ffi_cudnn
-from jaxattn.backends.base import AttentionParams
+from jaxattn.backends.base import RANK_FIRST, RANK_GENERAL, AttentionParams, Backend, Call, Capabilities, OpSupport, constant_rank
 from jaxattn.backends.latents import attend_expanded
 from jaxattn.kv_cache import KVCache, MLACache
 from jaxattn.metadata import AttentionMetadata
 
-NAME = "cudnn"
 DTYPES = ("bfloat16", "float16")
 MAX_HEAD_DIM = 256
 MIN_SINKS_VERSION = 91300
-_WHERE = "paged_attention(backend='cudnn')"
 _DTYPE_CODES = {jnp.dtype(jnp.bfloat16): 0, jnp.dtype(jnp.float16): 1}
 _LAYOUT_CODES = {"HND": 0, "NHD": 1}
 
 
-def unavailable_reason() -> str | None:
-    return _ffi_cudnn.unavailable_reason()
-
-
-def check_supported(q: jax.Array, cache: KVCache, meta: AttentionMetadata, params: AttentionParams) -> None:
-    """Raises ValueError naming the parameter this backend cannot run, and what it supports."""
-    if jnp.dtype(q.dtype) not in _DTYPE_CODES:
-        raise ValueError(f"{_WHERE}: q.dtype {q.dtype} is not supported; supported: {DTYPES}")
-    if cache.is_fp8:
-        raise ValueError(f"{_WHERE}: cache dtype {cache.dtype} is not supported (cuDNN's FP8 SDPA with a "
-                         f"bottom-right causal mask needs Blackwell); supported page dtypes: {DTYPES}")
-    if params.softcap is not None:
-        raise ValueError(f"{_WHERE}: softcap={params.softcap} is not supported: cuDNN applies a logit soft "
-                         f"cap only through a score modifier, which excludes the padding and causal masks "
-                         f"that paged attention needs; supported: softcap=None (use backend='xla')")
-    _check_shapes(_WHERE, "head_dim", q.shape[0], q.shape[1], q.shape[2], cache.page_size)
+def check(call: Call) -> str | None:
+    """The graph's limits that ``CAPABILITIES`` do not express (``paged_attention``)."""
+    reason = _shape_reason("head_dim", call.q.shape, call.q.shape[2], call.cache.page_size)
     version = _ffi_cudnn.cudnn_version()
-    if params.has_sinks and version is not None and version < MIN_SINKS_VERSION:
-        raise ValueError(f"{_WHERE}: sinks need cuDNN >= {_ffi_cudnn.format_version(MIN_SINKS_VERSION)}, "
-                         f"this is cuDNN {_ffi_cudnn.format_version(version)}")
+    if reason is None and call.params.has_sinks and version is not None and version < MIN_SINKS_VERSION:
+        reason = (f"sinks need cuDNN >= {_ffi_cudnn.format_version(MIN_SINKS_VERSION)}, "
+                  f"this is cuDNN {_ffi_cudnn.format_version(version)}")
+    return reason
 
 
 def attention(q: jax.Array, cache: KVCache, meta: AttentionMetadata, params: AttentionParams,
@@ -65,28 +51,23 @@ def attention(q: jax.Array, cache: KVCache, meta: AttentionMetadata, params: Att
     return _paged_prefill(q, cache, meta, params, sinks, return_lse=False)[0]
 
 
-def mla_prefill_check_supported(q_nope: jax.Array, q_rope: jax.Array, cache: MLACache, w_uv: jax.Array,
-                                params: AttentionParams) -> None:
-    """Raises ValueError naming what ``mla_prefill`` cannot run here, and what it supports."""
-    where = "mla_prefill(backend='cudnn')"
-    if jnp.dtype(q_nope.dtype) not in _DTYPE_CODES:
-        raise ValueError(f"{where}: q_nope.dtype {q_nope.dtype} is not supported; supported: {DTYPES}")
-    width = max(q_nope.shape[2] + q_rope.shape[2], w_uv.shape[2])
-    _check_shapes(where, "max(Dn + Dr, Dv)", q_nope.shape[0], q_nope.shape[1], width, cache.page_size)
-    del params  # causal or not: both masks run
+def mla_prefill_check(call: Call) -> str | None:
+    """The graph's limits on ``mla_prefill`` over the expanded pool (K of Dn + Dr, V padded to it)."""
+    width = max(call.q.shape[2] + call.q_rope.shape[2], call.w_uv.shape[2])
+    return _shape_reason("max(Dn + Dr, Dv)", call.q.shape, width, call.cache.page_size)
 
 
-def _check_shapes(where: str, dim_name: str, num_tokens: int, num_q_heads: int, head_dim: int,
-                  page_size: int) -> None:
+def _shape_reason(dim_name: str, q_shape: tuple[int, ...], head_dim: int, page_size: int) -> str | None:
     """The graph's limits on the head width (``dim_name``), page size and packed query size."""
+    num_tokens, num_q_heads = q_shape[:2]
     if head_dim % 8 or head_dim > MAX_HEAD_DIM:
-        raise ValueError(f"{where}: {dim_name}={head_dim} is not supported; supported: multiples of 8 "
-                         f"up to {MAX_HEAD_DIM}")
+        return f"{dim_name}={head_dim} is not supported; supported: multiples of 8 up to {MAX_HEAD_DIM}"
     if page_size & (page_size - 1):
-        raise ValueError(f"{where}: page_size={page_size} is not supported; supported: powers of 2")
+        return f"page_size={page_size} is not supported; supported: powers of 2"
     if num_tokens * num_q_heads * head_dim >= 2**31:
-        raise ValueError(f"{where}: T * Hq * D = {num_tokens * num_q_heads * head_dim} elements is not "
-                         f"supported (int32 ragged offsets); supported: T * Hq * D < 2**31")
+        return (f"T * Hq * D = {num_tokens * num_q_heads * head_dim} elements is not supported "
+                f"(int32 ragged offsets); supported: T * Hq * D < 2**31")
+    return None
 
 
 def mla_prefill(q_nope: jax.Array, q_rope: jax.Array, cache: MLACache, meta: AttentionMetadata, w_uk: jax.Array,
@@ -106,7 +87,10 @@ def attention_with_lse(q: jax.Array, cache: KVCache, meta: AttentionMetadata, pa
         belongs to the r-th query token of sequence b; rows past its query length and
         sequences with no keys hold ``-inf``.
     """
-    check_supported(q, cache, meta, params)
+    call = Call("paged_attention", q, cache, meta, params)
+    reason = CAPABILITIES.reason(call) or check(call)
+    if reason is not None:
+        raise ValueError(f"attention_with_lse: backend 'cudnn' cannot take this call: {reason}")
     return _paged_prefill(q, cache, meta, params, sinks, return_lse=True)
 
 
@@ -156,3 +140,25 @@ def _paged_prefill(q: jax.Array, cache: KVCache, meta: AttentionMetadata, params
     rows = jnp.arange(max_q, dtype=jnp.int32)
     has_row = rows[None, :] < seq_len_q[:, None]                                    # [B, Q]
     return results[0], jnp.where(has_row[:, None, :], results[2], -jnp.inf)
+
+
+# FP8 pages: cuDNN's FP8 SDPA with a bottom-right causal mask needs Blackwell. softcap: cuDNN caps
+# logits only through a score modifier, which excludes the padding and causal masks paged
+# attention needs.
+CAPABILITIES = Capabilities(dtypes=DTYPES, options=("non_causal", "sliding_window", "sinks"))
+BACKEND = Backend(
+    name="cudnn",
+    kernel="cuDNN paged SDPA (cudnn-frontend graph) via XLA FFI",
+    archs=("sm_80+",),
+    requirements=_ffi_cudnn.unavailable_reason,
+    ops={
+        # auto: prefill and chunked prefill first; behind triton for speculative decode; never
+        # for decodes (the decode kernels read pages at the copy rate, cuDNN's prefill graph not).
+        "paged_attention": OpSupport(
+            run=attention, capabilities=CAPABILITIES, check=check,
+            rank=lambda call: {"prefill": RANK_FIRST, "spec_decode": 3 * RANK_GENERAL}.get(call.phase)),
+        "mla_prefill": OpSupport(run=mla_prefill, capabilities=Capabilities(dtypes=DTYPES, fp8_pages=True, layouts=(),
+                                                                           options=("non_causal",)),
+                                 check=mla_prefill_check, rank=constant_rank(RANK_FIRST)),
+    },
+)

@@ -24,42 +24,29 @@ size, any query lengths, causal or not.
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jaxattn.backends import _mla_build, _nvcc
-from jaxattn.backends.base import AttentionParams
+from jaxattn.backends.base import (RANK_FIRST, AttentionParams, Backend, Call, Capabilities, OpSupport, constant_rank,
+                                    sm_count)
 from jaxattn.kv_cache import MLACache
 from jaxattn.metadata import AttentionMetadata
 
-NAME = "flashinfer"
 DTYPES = ("bfloat16", "float16")
 KV_LORA_RANK = 512
 ROPE_DIM = 64
 CTA_TILE_Q = 64      # (token, head) rows per CTA
-_WHERE = "mla_paged_attention: backend 'flashinfer'"
 
 
-@functools.cache
-def unavailable_reason() -> str | None:
-    return _nvcc.sm90_unavailable_reason("FlashInfer's MLA kernel is", _mla_build.check_toolchain)
-
-
-def mla_check_supported(q_latent: jax.Array, q_rope: jax.Array, cache: MLACache, meta: AttentionMetadata,
-                        params: AttentionParams) -> None:
-    """ValueError naming the first parameter the kernel cannot take."""
-    del q_rope, meta, params
-    if q_latent.dtype.name not in DTYPES:
-        raise ValueError(f"{_WHERE}: q_latent.dtype must be one of {DTYPES}, got {q_latent.dtype}")
-    if cache.dtype != q_latent.dtype and not cache.is_fp8:
-        raise ValueError(f"{_WHERE}: the cache's pages must be {q_latent.dtype} like q_latent or float8_e4m3fn, "
-                         f"got {cache.dtype}")
-    if (cache.kv_lora_rank, cache.rope_dim) != (KV_LORA_RANK, ROPE_DIM):
-        raise ValueError(f"{_WHERE}: the cache's (kv_lora_rank, rope_dim) must be ({KV_LORA_RANK}, {ROPE_DIM}), "
-                         f"got ({cache.kv_lora_rank}, {cache.rope_dim})")
+def check(call: Call) -> str | None:
+    """The kernel's limits that ``CAPABILITIES`` do not express: DeepSeek's latent widths."""
+    if (call.cache.kv_lora_rank, call.cache.rope_dim) != (KV_LORA_RANK, ROPE_DIM):
+        return (f"the cache's (kv_lora_rank, rope_dim) must be ({KV_LORA_RANK}, {ROPE_DIM}), "
+                f"got ({call.cache.kv_lora_rank}, {call.cache.rope_dim})")
+    return None
 
 
 @jax.tree_util.register_dataclass
@@ -170,7 +157,7 @@ def mla_attention(q_latent: jax.Array, q_rope: jax.Array, cache: MLACache, meta:
     variant = _mla_build.Variant(q_latent.dtype.name, cache.dtype.name, cache.kv_lora_rank, cache.rope_dim)
     target = _mla_build.load(variant)
     num_tokens, num_heads, rank = q_latent.shape
-    schedule = plan(meta.cu_q_lens, meta.kv_lens, meta.max_pages_per_seq, num_tokens, num_heads, _sm_count(),
+    schedule = plan(meta.cu_q_lens, meta.kv_lens, meta.max_pages_per_seq, num_tokens, num_heads, sm_count(),
                     meta.max_q_len, params.causal)
     if cache.is_fp8:
         # The kernel's own FP8 scales are launch constants; the pool's scale is traced. Logits are
@@ -208,8 +195,14 @@ def _chunk_limit(average: jax.Array) -> jax.Array:
         average <= 32, 128, jnp.where(average <= 64, 192, -(-average // 256) * 256)))).astype(jnp.int32)
 
 
-@functools.cache
-def _sm_count() -> int:
-    """SMs of the smallest local GPU: the cooperative grid (one CTA per SM) must fit on the device
-    that runs it."""
-    return min(int(d.core_count) for d in jax.local_devices(backend="gpu"))
+CAPABILITIES = Capabilities(dtypes=DTYPES, fp8_pages=True, layouts=(), options=("non_causal",))
+BACKEND = Backend(
+    name="flashinfer",
+    kernel="FlashInfer's SM90 MLA kernel (the installed flashinfer-python's headers, nvcc on first use) via XLA FFI",
+    archs=("sm_90",),
+    requirements=lambda: _nvcc.toolchain_reason(_mla_build.check_toolchain),
+    # auto: first for every step it takes (bench_mla: 1.01x flashinfer's own MLA wrapper at B=64 x
+    # kv 4k x 128 heads, 2.5x triton).
+    ops={"mla_paged_attention": OpSupport(run=mla_attention, capabilities=CAPABILITIES, check=check,
+                                          rank=constant_rank(RANK_FIRST))},
+)

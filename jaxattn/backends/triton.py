@@ -20,21 +20,26 @@ interpreter (tests only; the registry reports the backend unavailable there).
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import jax
 import jax.numpy as jnp
 
-from jaxattn.backends.base import NO_GPU, AttentionParams, gpu_devices
+from jaxattn.backends.base import (RANK_GENERAL, AttentionParams, Backend, Call, Capabilities, OpSupport,
+                                    constant_rank)
 from jaxattn.kv_cache import KVCache, MLACache
-from jaxattn.metadata import AttentionMetadata
+from jaxattn.metadata import SPEC_DECODE_MAX_Q_LEN, AttentionMetadata
 
-NAME = "triton"
 DTYPES = ("float32", "bfloat16", "float16")
 MIN_HEAD_DIM, MAX_HEAD_DIM = 16, 256
 LAUNCHES = ("split", "single")
 MIN_TRITON = (3, 6)
-_WHERE = "paged_attention: backend 'triton'"
+# MLA, auto: queries up to MLA_MAX_DECODE_Q_LEN tokens go to the decode kernel (one program per
+# query token), unless the step's tokens times the table's width in keys is at most
+# MLA_XLA_MAX_DECODE_KEYS: there the xla backend's one gather and two einsums beat the split-KV
+# launch (H100, bench_mla: B=1 x kv 1k-16k at 16 and 128 heads, 0.31-0.74x of triton's time;
+# B=16 x kv 1k: 0.54x at 16 heads, 1.11x at 128).
+MLA_MAX_DECODE_Q_LEN = SPEC_DECODE_MAX_Q_LEN
+MLA_XLA_MAX_DECODE_KEYS = 16384
 # Decode: KV segments are chosen to give about this many programs (B x Hkv x segments; ~8 per SM
 # of a 132-SM H100/H200), with at least _MIN_TILES_PER_SEGMENT KV tiles each. Chosen on an H200 by
 # benchmarks/tune_triton.py (benchmarks/RESULTS.md, triton section, "Block sizes"): at D=128,
@@ -71,8 +76,8 @@ class DecodeConfig:
     num_stages: int
 
 
-@functools.cache
-def unavailable_reason() -> str | None:
+def requirements() -> str | None:
+    """Why the kernels cannot be launched on this GPU machine (the triton package, jaxlib's launcher)."""
     try:
         import triton
     except ImportError:
@@ -80,23 +85,17 @@ def unavailable_reason() -> str | None:
     version = tuple(int(x) for x in triton.__version__.split(".")[:2])
     if version < MIN_TRITON:
         return f"needs triton >= {'.'.join(map(str, MIN_TRITON))}, found {triton.__version__}"
-    if not gpu_devices():
-        return f"{NO_GPU}; on CPU the kernels run only under Triton's interpreter, in tests"
     from jax._src.lib import gpu_triton
     if not hasattr(gpu_triton, "TritonKernelCall"):
         return "this jaxlib's CUDA plugin has no Triton launcher (jax._src.lib.gpu_triton)"
     return None
 
 
-def check_supported(q: jax.Array, cache: KVCache, meta: AttentionMetadata, params: AttentionParams) -> None:
-    """ValueError naming the first parameter these kernels cannot take."""
-    del meta, params  # every mask option and batch shape is supported
-    if q.dtype.name not in DTYPES:
-        raise ValueError(f"{_WHERE}: q.dtype must be one of {DTYPES}, got {q.dtype}")
-    if cache.dtype != q.dtype and not cache.is_fp8:
-        raise ValueError(f"{_WHERE}: cache pages must be {q.dtype} (like q) or float8_e4m3fn, got {cache.dtype}")
-    if not MIN_HEAD_DIM <= q.shape[2] <= MAX_HEAD_DIM:
-        raise ValueError(f"{_WHERE}: head_dim must be in {MIN_HEAD_DIM}..{MAX_HEAD_DIM}, got {q.shape[2]}")
+def check(call: Call) -> str | None:
+    """The kernels' limit that ``CAPABILITIES`` do not express: the head width."""
+    if not MIN_HEAD_DIM <= call.q.shape[2] <= MAX_HEAD_DIM:
+        return f"head_dim must be in {MIN_HEAD_DIM}..{MAX_HEAD_DIM}, got {call.q.shape[2]}"
+    return None
 
 
 def decode_config(head_dim: int, batch: int, num_kv_heads: int, max_kv_len: int) -> DecodeConfig:
@@ -176,7 +175,7 @@ def attention(q: jax.Array, cache: KVCache, meta: AttentionMetadata, params: Att
     from jaxattn.kernels.triton_call import triton_call
 
     if launch not in LAUNCHES:
-        raise ValueError(f"{_WHERE}: launch must be one of {LAUNCHES}, got {launch!r}")
+        raise ValueError(f"triton.attention: launch must be one of {LAUNCHES}, got {launch!r}")
     num_tokens, num_q_heads, head_dim = q.shape
     batch, width = meta.batch_size, meta.max_pages_per_seq
     group = num_q_heads // cache.num_kv_heads
@@ -256,16 +255,20 @@ class MLAConfig:
     num_stages: int
 
 
-def mla_check_supported(q_latent: jax.Array, q_rope: jax.Array, cache: MLACache, meta: AttentionMetadata,
-                        params: AttentionParams) -> None:
-    """ValueError naming the first parameter the MLA kernels cannot take."""
-    del q_rope, meta, params
-    where = "mla_paged_attention: backend 'triton'"
-    if q_latent.dtype.name not in DTYPES:
-        raise ValueError(f"{where}: q_latent.dtype must be one of {DTYPES}, got {q_latent.dtype}")
-    for name, dim in (("kv_lora_rank", cache.kv_lora_rank), ("rope_dim", cache.rope_dim)):
+def mla_check(call: Call) -> str | None:
+    """The MLA kernels' limits: power-of-2 latent widths."""
+    for name in ("kv_lora_rank", "rope_dim"):
+        dim = getattr(call.cache, name)
         if dim < MIN_HEAD_DIM or dim & (dim - 1):
-            raise ValueError(f"{where}: the cache's {name} must be a power of 2 >= {MIN_HEAD_DIM}, got {dim}")
+            return f"the cache's {name} must be a power of 2 >= {MIN_HEAD_DIM}, got {dim}"
+    return None
+
+
+def mla_rank(call: Call) -> int | None:
+    """auto: short queries (``MLA_MAX_DECODE_Q_LEN``) past ``MLA_XLA_MAX_DECODE_KEYS`` token-keys."""
+    keys = call.q.shape[0] * call.meta.max_pages_per_seq * call.cache.page_size
+    short = call.meta.max_q_len is not None and call.meta.max_q_len <= MLA_MAX_DECODE_Q_LEN
+    return RANK_GENERAL if short and keys > MLA_XLA_MAX_DECODE_KEYS else None
 
 
 def mla_config(num_tokens: int, num_q_heads: int, kv_lora_rank: int, max_kv_len: int, max_q_len: int | None,
@@ -362,3 +365,20 @@ def _pow2_floor(n: int) -> int:
 
 def _interpreting() -> bool:
     return jax.default_backend() == "cpu"
+
+
+CAPABILITIES = Capabilities(dtypes=DTYPES, fp8_pages=True)
+BACKEND = Backend(
+    name="triton",
+    kernel="our Triton kernels (2D prefill, 3D split-KV decode + reduce; MLA split-KV) via jaxlib's Triton FFI call",
+    archs=("sm_80+",),
+    requirements=requirements,
+    ops={
+        # auto: behind trtllm (decode, short speculative decode) and cudnn (prefill), ahead of xla.
+        "paged_attention": OpSupport(run=attention, capabilities=CAPABILITIES, check=check,
+                                     rank=constant_rank(RANK_GENERAL)),
+        "mla_paged_attention": OpSupport(run=mla_attention, capabilities=Capabilities(dtypes=DTYPES, fp8_pages=True, layouts=(),
+                                                                                      options=("non_causal",)),
+                                         check=mla_check, rank=mla_rank),
+    },
+)

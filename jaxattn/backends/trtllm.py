@@ -39,67 +39,61 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxattn.backends import _nvcc, _xqa_build
-from jaxattn.backends.base import AttentionParams
+from jaxattn.backends.base import (RANK_FIRST, RANK_GENERAL, AttentionParams, Backend, Call, Capabilities,
+                                    OpSupport, sm_count)
 from jaxattn.kv_cache import KVCache
-from jaxattn.metadata import AttentionMetadata, token_sequences
+from jaxattn.metadata import SPEC_DECODE_MAX_Q_LEN, AttentionMetadata, token_sequences
 
-NAME = "trtllm"
 DTYPES = ("bfloat16", "float16")
 PAGE_SIZES = (16, 32, 64, 128)
 HEAD_DIMS = (64, 128, 256)
 MAX_GROUP_SIZE = 16
 MAX_TOKENS = 65535  # XQA puts requests on the grid's z dimension
-MAX_SPEC_Q_LEN = 16  # speculative decode: query tokens per sequence (the tested range)
+MAX_SPEC_Q_LEN = SPEC_DECODE_MAX_Q_LEN  # speculative decode: query tokens per sequence (the tested range)
 SPEC_TILE_ROWS = 32  # XQA spec decode's (query token, head) rows per CTA (M_TILESIZE)
 # XQA starts each row's running max at -1e5 (utils.cuh: safeInitRowMax). A sink of -9e4 adds
 # exp(-9e4 - max) == 0.0 exactly to every row with keys (any max above -89,900), and exp(1e4) = inf
 # to a row without keys, whose output then is 0 * (1 / inf) = 0 where it would be 0/0.
 SINK_FLOOR = -9e4
-_WHERE = "paged_attention: backend 'trtllm'"
 # fp8 decode: XQA's Hopper kernel gets twice the SM count only while that keeps the launch within
 # this many CTAs per SM, each covering at least this many keys (split_sm_count).
 _FP8_MAX_CTAS_PER_SM = 1.6
 _FP8_MIN_KEYS_PER_CTA = 320
 
 
-@functools.cache
-def unavailable_reason() -> str | None:
-    return _nvcc.sm90_unavailable_reason("the XQA decode kernels are", _xqa_build.check_toolchain)
-
-
-def check_supported(q: jax.Array, cache: KVCache, meta: AttentionMetadata, params: AttentionParams) -> None:
-    """ValueError naming the first parameter XQA cannot take."""
-    num_tokens, num_q_heads, head_dim = q.shape
-    max_q_len = meta.max_q_len
-    if not (isinstance(max_q_len, int) and 1 <= max_q_len <= MAX_SPEC_Q_LEN):
-        raise ValueError(f"{_WHERE} runs decode (meta.max_q_len == 1) and speculative-decode steps: "
-                         f"meta.max_q_len must be an int in 1..{MAX_SPEC_Q_LEN} (a static bound on every "
-                         f"sequence's query length), got {max_q_len!r}")
-    if q.dtype.name not in DTYPES:
-        raise ValueError(f"{_WHERE}: q.dtype must be one of {DTYPES}, got {q.dtype}")
-    if cache.dtype != q.dtype and not cache.is_fp8:
-        raise ValueError(f"{_WHERE}: cache pages must be {q.dtype} (like q) or float8_e4m3fn, got {cache.dtype}")
-    if cache.page_size not in PAGE_SIZES:
-        raise ValueError(f"{_WHERE}: page_size must be one of {PAGE_SIZES}, got {cache.page_size}")
+def check(call: Call) -> str | None:
+    """XQA's limits that ``CAPABILITIES`` do not express."""
+    num_tokens, num_q_heads, head_dim = call.q.shape
+    group = call.group_size
+    if call.cache.page_size not in PAGE_SIZES:
+        return f"page_size must be one of {PAGE_SIZES}, got {call.cache.page_size}"
     if head_dim not in HEAD_DIMS:
-        raise ValueError(f"{_WHERE}: head_dim must be one of {HEAD_DIMS}, got {head_dim}")
-    group = num_q_heads // cache.num_kv_heads
+        return f"head_dim must be one of {HEAD_DIMS}, got {head_dim}"
     if not 1 <= group <= MAX_GROUP_SIZE:
-        raise ValueError(f"{_WHERE}: query heads per KV head (Hq // Hkv) must be in 1..{MAX_GROUP_SIZE}, "
-                         f"got {num_q_heads} // {cache.num_kv_heads} = {group}")
-    if params.softcap is not None:
-        raise ValueError(f"{_WHERE}: softcap must be None (XQA has no logit soft-capping), got {params.softcap}")
+        return (f"query heads per KV head (Hq // Hkv) must be in 1..{MAX_GROUP_SIZE}, "
+                f"got {num_q_heads} // {call.cache.num_kv_heads} = {group}")
     if not 1 <= num_tokens <= MAX_TOKENS:
-        raise ValueError(f"{_WHERE}: the number of query tokens T must be in 1..{MAX_TOKENS}, got {num_tokens}")
+        return f"the number of query tokens T must be in 1..{MAX_TOKENS}, got {num_tokens}"
+    max_q_len = call.meta.max_q_len
     if max_q_len > 1:
-        if not 1 <= meta.batch_size <= MAX_TOKENS:
-            raise ValueError(f"{_WHERE}: speculative decode needs 1..{MAX_TOKENS} sequences, got {meta.batch_size}")
-        if params.has_sinks and SPEC_TILE_ROWS % group and min(max_q_len, num_tokens) * group > SPEC_TILE_ROWS:
-            raise ValueError(
-                f"{_WHERE}: sinks with speculative decode need query heads per KV head (Hq // Hkv = {group}) "
-                f"dividing {SPEC_TILE_ROWS}, or meta.max_q_len * {group} <= {SPEC_TILE_ROWS}; "
-                f"got max_q_len={max_q_len} "
-                f"(XQA looks sinks up by the row within a block of {SPEC_TILE_ROWS} (token, head) rows)")
+        if not 1 <= call.meta.batch_size <= MAX_TOKENS:
+            return f"speculative decode needs 1..{MAX_TOKENS} sequences, got {call.meta.batch_size}"
+        if call.params.has_sinks and SPEC_TILE_ROWS % group and min(max_q_len, num_tokens) * group > SPEC_TILE_ROWS:
+            return (f"sinks with speculative decode need query heads per KV head (Hq // Hkv = {group}) "
+                    f"dividing {SPEC_TILE_ROWS}, or meta.max_q_len * {group} <= {SPEC_TILE_ROWS}; got "
+                    f"max_q_len={max_q_len} (XQA looks sinks up by the row within a block of "
+                    f"{SPEC_TILE_ROWS} (token, head) rows)")
+    return None
+
+
+def rank(call: Call) -> int | None:
+    """auto: decodes first; speculative decode first while each sequence's (token, head) rows fit
+    one XQA tile (one CTA each, each reading the keys), behind triton when they do not
+    (benchmarks/RESULTS.md, speculative decode)."""
+    if call.phase == "decode":
+        return RANK_FIRST
+    rows = call.meta.max_q_len * call.group_size
+    return RANK_FIRST if rows <= SPEC_TILE_ROWS else 2 * RANK_GENERAL
 
 
 def variant(q: jax.Array, cache: KVCache, params: AttentionParams, spec_dec: bool = False) -> _xqa_build.Variant:
@@ -266,7 +260,7 @@ def split_sm_count(kernel_variant: _xqa_build.Variant, num_requests: int, num_kv
     2x took 10-17% less time at B=1, 13-19% at B=2, 17-19% at B=4; 4x (about 400 CTAs) slowed B=1 and
     B=2 down against 2x, the merge of their partials costing more than the extra CTAs gain
     (``benchmarks/tune_xqa_splits.py``, RESULTS.md xqa-splits-fp8)."""
-    sms = _sm_count()
+    sms = sm_count()
     pairs = num_requests * num_kv_heads
 
     def ctas_per_pair(count: int) -> int:      # XQA's Hopper formula given ``count`` SMs
@@ -279,7 +273,13 @@ def split_sm_count(kernel_variant: _xqa_build.Variant, num_requests: int, num_kv
     return sms
 
 
-@functools.cache
-def _sm_count() -> int:
-    """SMs of the largest local GPU: the workspace is sized for it (the handler checks the bound)."""
-    return max(int(d.core_count) for d in jax.local_devices(backend="gpu"))
+
+CAPABILITIES = Capabilities(dtypes=DTYPES, fp8_pages=True, max_q_len=MAX_SPEC_Q_LEN,
+                            options=("non_causal", "sliding_window", "sinks"))
+BACKEND = Backend(
+    name="trtllm",
+    kernel="TensorRT-LLM XQA decode (flashinfer-python's sources, nvcc on first use) via XLA FFI",
+    archs=("sm_90",),
+    requirements=lambda: _nvcc.toolchain_reason(_xqa_build.check_toolchain),
+    ops={"paged_attention": OpSupport(run=attention, capabilities=CAPABILITIES, check=check, rank=rank)},
+)

@@ -12,23 +12,13 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxattn.backends.base import AttentionParams
+from jaxattn.backends.base import RANK_REFERENCE, AttentionParams, Backend, Capabilities, OpSupport, constant_rank
 from jaxattn.backends.latents import expand_latents
 from jaxattn.kv_cache import KVCache, MLACache
 from jaxattn.metadata import AttentionMetadata
 
-NAME = "xla"
-DTYPES = ("float32", "bfloat16", "float16")
 # Upper bound on the float32 logits materialized at once (bytes).
 _LOGITS_BUDGET = 1 << 28
-
-
-def unavailable_reason() -> str | None:
-    return None
-
-
-def check_supported(q: jax.Array, cache: KVCache, meta: AttentionMetadata, params: AttentionParams) -> None:
-    del q, cache, meta, params  # the reference takes every configuration paged_attention accepts
 
 
 def attention(q: jax.Array, cache: KVCache, meta: AttentionMetadata, params: AttentionParams,
@@ -36,16 +26,6 @@ def attention(q: jax.Array, cache: KVCache, meta: AttentionMetadata, params: Att
     """``q: [T, Hq, D]`` -> ``[T, Hq, D]`` in ``q.dtype``."""
     k, v = _gather_kv(cache, meta, _compute_dtype(q.dtype))
     return _attention(q, k, v, meta, params, sinks)
-
-
-def mla_check_supported(q_latent: jax.Array, q_rope: jax.Array, cache: MLACache, meta: AttentionMetadata,
-                        params: AttentionParams) -> None:
-    del q_latent, q_rope, cache, meta, params  # the reference takes every call mla_paged_attention accepts
-
-
-def mla_prefill_check_supported(q_nope: jax.Array, q_rope: jax.Array, cache: MLACache, w_uv: jax.Array,
-                                params: AttentionParams) -> None:
-    del q_nope, q_rope, cache, w_uv, params  # the reference takes every call mla_prefill accepts
 
 
 def mla_attention(q_latent: jax.Array, q_rope: jax.Array, cache: MLACache, meta: AttentionMetadata,
@@ -182,3 +162,20 @@ def _attend(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array, row_
     probs = jnp.where(any_visible, probs / jnp.where(denom > 0, denom, 1.0), 0.0)
     out = jnp.einsum("bkgcs,bskd->bckgd", probs.astype(v.dtype), v, preferred_element_type=jnp.float32)
     return out.reshape(batch, rows, num_q_heads, v.shape[-1])
+
+
+# The reference: every call each op accepts, on any device; auto's last resort.
+_DTYPES = ("float32", "bfloat16", "float16")
+_MLA = Capabilities(dtypes=_DTYPES, fp8_pages=True, layouts=(), options=("non_causal",))
+_LAST = constant_rank(RANK_REFERENCE)
+BACKEND = Backend(
+    name="xla",
+    kernel="gather pages + masked softmax in XLA (the reference)",
+    archs=("cpu", "gpu"),
+    ops={
+        "paged_attention": OpSupport(run=attention, capabilities=Capabilities(dtypes=_DTYPES, fp8_pages=True),
+                                     rank=_LAST),
+        "mla_paged_attention": OpSupport(run=mla_attention, capabilities=_MLA, rank=_LAST),
+        "mla_prefill": OpSupport(run=mla_prefill, capabilities=_MLA, rank=_LAST),
+    },
+)

@@ -1,0 +1,59 @@
+"""The one chooser: which registered backend runs a call, for every op.
+
+An explicit ``backend=`` runs that backend or raises ``ValueError`` naming it and why it cannot
+take the call. ``auto`` walks the backends that implement the op in the order of the ranks they
+give this call (``OpSupport.rank``; ties keep registry order) and takes the first that can run
+here and take it; the reference (``xla``) takes every valid call, so ``auto`` always finds one.
+Choices use static information only (shapes, dtypes, options, ``meta.max_q_len``, what is
+installed), and each distinct choice that skipped a backend is logged once with the reasons.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from jaxattn import backends
+from jaxattn.backends.base import NO_GPU, Call, gpu_devices
+
+logger = logging.getLogger("jaxattn")
+_logged: set[str] = set()
+
+
+def choose(call: Call, backend: str = "auto") -> str:
+    """The name of the backend that runs ``call``."""
+    if backend != "auto":
+        if backend not in backends.names(call.op):
+            raise ValueError(f"{call.op}: backend must be one of {('auto',) + backends.names(call.op)}, "
+                             f"got {backend!r}")
+        reason = backends.check(backend, call)
+        if reason is not None:
+            raise ValueError(f"{call.op}: backend {backend!r} cannot take this call: {reason}")
+        return backend
+    skipped = []
+    for name in ranking(call):
+        reason = backends.check(name, call)
+        if reason is None:
+            if skipped and name == "xla" and not gpu_devices():   # nothing to fix: only xla runs on CPU
+                log_once(f"jaxattn auto ({call.op}): running the xla backend: {NO_GPU}", logging.INFO)
+            elif skipped:
+                log_once(f"jaxattn auto ({call.op}): using {name!r}; " + "; ".join(skipped))
+            return name
+        skipped.append(f"{name} skipped ({reason})")
+    raise ValueError(f"{call.op}: no backend takes this call: " + "; ".join(skipped))
+
+
+def ranking(call: Call) -> list[str]:
+    """The backends ``auto`` tries for ``call``, best first (those that rank it)."""
+    ranked = []
+    for order, name in enumerate(backends.names(call.op)):
+        rank = backends.REGISTRY[name].ops[call.op].rank(call)
+        if rank is not None:
+            ranked.append((rank, order, name))
+    return [name for _, _, name in sorted(ranked)]
+
+
+def log_once(message: str, level: int = logging.WARNING) -> None:
+    """A record on the ``jaxattn`` logger (a warning by default), the first time this message comes."""
+    if message not in _logged:
+        _logged.add(message)
+        logger.log(level, message)
