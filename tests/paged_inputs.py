@@ -167,3 +167,11 @@ def rel_error(x, ref) -> float:
 
 
 TOLERANCE = {jnp.dtype(jnp.float32): 1e-5, jnp.dtype(jnp.bfloat16): 2e-2, jnp.dtype(jnp.float16): 4e-3}
+
+# Elementwise tolerances (np.testing.assert_allclose keywords) for two computations of the same
+# attention output that may sum in different orders: another CPU's vector width, a sharded vs an
+# unsharded call, another batch shape. float32 over tens to hundreds of terms (scores, softmax sum,
+# weighted values of magnitude ~1) drifts by a few 1e-7 to a few 1e-6 between such orders, so 1e-5
+# relative plus 1e-5 absolute (for outputs near zero); bf16/fp16: the output's own rounding.
+ALLCLOSE = {jnp.dtype(jnp.float32): dict(rtol=1e-5, atol=1e-5), jnp.dtype(jnp.bfloat16): dict(rtol=2e-2, atol=2e-2),
+            jnp.dtype(jnp.float16): dict(rtol=4e-3, atol=4e-3)}

@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 
 import jaxattn
 from jaxattn import KVCache, MLACache, PageTable
+from tests.paged_inputs import ALLCLOSE
 
 NUM_PAGES, MAX_SEQS, MAX_PAGES, PAGE = 24, 6, 5, 4
 N = 3          # requests per call (static)
@@ -315,9 +316,13 @@ def test_end_to_end_step_matches_reference():
     for s, n in enumerate(q_lens):
         kv = len(keys[s])
         mask = (np.arange(n)[:, None] + kv - n) >= np.arange(kv)[None]
-        ref = jax.nn.dot_product_attention(q[None, start:start + n], keys[s][None].astype(np.float32),
-                                           vals[s][None].astype(np.float32), mask=mask[None, None])
-        np.testing.assert_allclose(out[start:start + n], ref[0], rtol=1e-5, atol=1e-5)
+        # Dense float64 attention (GQA: query head h reads KV head h // 2) from the float32 inputs.
+        k_h, v_h = (np.repeat(x.astype(np.float32).astype(np.float64), 2, axis=1) for x in (keys[s], vals[s]))
+        logits = np.einsum("qhd,khd->hqk", q[start:start + n].astype(np.float64), k_h) / np.sqrt(16)
+        logits = np.where(mask[None], logits, -np.inf)
+        weights = np.exp(logits - logits.max(axis=-1, keepdims=True))
+        ref = np.einsum("hqk,khd->qhd", weights / weights.sum(axis=-1, keepdims=True), v_h)
+        np.testing.assert_allclose(out[start:start + n], ref, **ALLCLOSE[jnp.dtype(jnp.float32)])
         start += n
     np.testing.assert_array_equal(out[start:], 0)
 
