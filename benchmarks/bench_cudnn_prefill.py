@@ -27,13 +27,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
 import math
 import os
 import statistics
-import sys
 import time
-import traceback
 from collections.abc import Callable
 
 # JAX and torch share the GPU: leave torch (flashinfer workspaces, fa3) room.
@@ -44,37 +41,17 @@ import jax.numpy as jnp  # noqa: E402
 
 import jaxattn  # noqa: E402
 from benchmarks.common import (  # noqa: E402
-    HKV, HQ, PAGE, D, Inputs, device_name, make_inputs, rel_error, write_section)
+    HKV, HQ, MATH_RATE, PAGE, D, Budget, Case, Inputs, add_torch_peer, command_line, device_name, make_inputs,
+    notes_line, rel_error, repeats_for, require_backend, torch_peers, torch_replay, utc_now, write_section)
 from jaxattn import _ffi_cudnn  # noqa: E402
 
 PEERS = ("jaxattn cudnn", "flashinfer cudnn", "flashinfer fa3", "jaxattn xla")
 
 
-@dataclasses.dataclass(frozen=True)
-class Case:
-    batch: int
-    q_len: int      # new tokens per sequence
-    kv_len: int     # total tokens per sequence (context + new)
-
-    @property
-    def flops(self) -> float:
-        pairs = self.q_len * self.kv_len - self.q_len * (self.q_len - 1) / 2
-        return 4.0 * D * HQ * pairs * self.batch
-
-    def __str__(self) -> str:
-        ctx = "" if self.q_len == self.kv_len else f" over {self.kv_len}"
-        return f"B={self.batch} x {self.q_len}{ctx}"
-
-
 # The issue's point first, then prefill lengths 512..8192 x batch 1..16, then a chunked prefill.
-SWEEP = [Case(8, 4096, 4096)] + [Case(b, n, n) for n in (512, 2048, 4096, 8192) for b in (1, 4, 8, 16)
-                                 if (b, n) != (8, 4096)] + [Case(4, 300, 1200)]
-QUICK = [Case(8, 4096, 4096), Case(1, 512, 512), Case(4, 300, 1200)]
-
-
-def repeats_for(case: Case, rate: float = 4e14, target_s: float = 2e-3) -> int:
-    """Prefills per timed call: enough work to hide one dispatch."""
-    return int(min(32, max(1, math.ceil(target_s / (case.flops / rate)))))
+SWEEP = [Case.prefill(8, 4096)] + [Case.prefill(b, n) for n in (512, 2048, 4096, 8192) for b in (1, 4, 8, 16)
+                                   if (b, n) != (8, 4096)] + [Case.prefill(4, 300, 1200)]
+QUICK = [Case.prefill(8, 4096), Case.prefill(1, 512), Case.prefill(4, 300, 1200)]
 
 
 @dataclasses.dataclass
@@ -106,28 +83,11 @@ def jax_runner(x: Inputs, backend: str, repeats: int) -> Runner:
 
 
 def torch_runner(fn: Callable[[], object], repeats: int) -> tuple[Runner, str]:
-    """`fn` (already warmed up) `repeats` times per call: a CUDA graph, else eagerly."""
+    """`fn` (already warmed up) `repeats` times per call: a CUDA graph, else eagerly (``torch_replay``)."""
     import torch
 
-    try:
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            fn()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for _ in range(repeats):
-                fn()
-        call, mode = graph.replay, "graph"
-        call()
-    except Exception as err:  # a peer that cannot be captured is timed eagerly
-        print(f"    (CUDA graph capture failed: {str(err)[:160]}; timing eagerly)")
-        mode = "eager"
-
-        def call():
-            for _ in range(repeats):
-                fn()
+    call, mode = torch_replay(fn, repeats)
+    call()
     torch.cuda.synchronize()
     return Runner(call, torch.cuda.synchronize), mode
 
@@ -164,17 +124,17 @@ def flashinfer_runners(case: Case, x: Inputs):
     v = torch.from_dlpack(x.cache.v_pages)
     tables = torch.from_dlpack(x.meta.block_tables)
     dev = q.device
-    b = case.batch
-    seq_q = torch.full((b, 1, 1, 1), case.q_len, dtype=torch.int32, device=dev)
-    seq_kv = torch.full((b, 1, 1, 1), case.kv_len, dtype=torch.int32, device=dev)
-    indptr = torch.arange(b + 1, dtype=torch.int32, device=dev) * case.q_len
+    b, q_len, kv_len = case.batch, case.max_q_len, case.max_kv_len   # every sequence alike
+    seq_q = torch.full((b, 1, 1, 1), q_len, dtype=torch.int32, device=dev)
+    seq_kv = torch.full((b, 1, 1, 1), kv_len, dtype=torch.int32, device=dev)
+    indptr = torch.arange(b + 1, dtype=torch.int32, device=dev) * q_len
     scale = 1 / math.sqrt(D)
     workspace = torch.zeros(256 << 20, dtype=torch.uint8, device=dev)
     runners = {}
 
     def cudnn_call():
         return cudnn_batch_prefill_with_kv_cache(
-            q, k, v, scale, workspace, max_token_per_sequence=case.q_len, max_sequence_kv=case.kv_len,
+            q, k, v, scale, workspace, max_token_per_sequence=q_len, max_sequence_kv=kv_len,
             actual_seq_lens_q=seq_q, actual_seq_lens_kv=seq_kv, block_tables=tables, causal=True,
             return_lse=False, batch_offsets_q=indptr, batch_offsets_o=indptr, batch_offsets_units="tokens",
             is_cuda_graph_compatible=True)[0]
@@ -183,7 +143,7 @@ def flashinfer_runners(case: Case, x: Inputs):
     def fa3():   # plans (and JIT-compiles the kernel on first use)
         pages_per_seq = tables.shape[1]
         kv_indptr = torch.arange(b + 1, dtype=torch.int32, device=dev) * pages_per_seq
-        last = torch.full((b,), (case.kv_len - 1) % PAGE + 1, dtype=torch.int32, device=dev)
+        last = torch.full((b,), (kv_len - 1) % PAGE + 1, dtype=torch.int32, device=dev)
         fa3_workspace = torch.zeros(256 << 20, dtype=torch.uint8, device=dev)
         wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(fa3_workspace, "HND", backend="fa3")
         wrapper.plan(indptr, kv_indptr, tables.reshape(-1), last, HQ, HKV, D, PAGE, causal=True,
@@ -214,31 +174,12 @@ def compile_fa3() -> None:
 
 def bench_case(case: Case, with_xla: bool, row: dict, save) -> None:
     """Fills `row`, calling save() after each measurement (a run cut off keeps what it measured)."""
-    import torch
-
-    x = make_inputs(case.batch, case.q_len, case.kv_len)
-    repeats = repeats_for(case)
+    x = make_inputs(case)
+    repeats = repeats_for(case.flops / MATH_RATE, target_s=2e-3, least=1, most=32)
     out = jax.jit(lambda q, c, m: jaxattn.paged_attention(q, c, m, backend="cudnn"))(x.q, x.cache, x.meta)
-    out_torch = torch.from_dlpack(out)
     runners = {"jaxattn cudnn": jax_runner(x, "cudnn", repeats)}
-    try:
-        factories = flashinfer_runners(case, x)
-    except Exception as err:
-        factories = {}
-        row["notes"].append(f"flashinfer setup failed: {err!r}"[:200])
-    for name, factory in factories.items():
-        try:
-            fn = factory()
-            peer_out = fn()
-            torch.cuda.synchronize()
-            err = (peer_out.float() - out_torch.float()).norm() / peer_out.float().norm()
-            row["notes"].append(f"{name} vs jaxattn rel err {err.item():.1e}")
-            runners[name], mode = torch_runner(fn, repeats)
-            if mode != "graph":
-                row["notes"].append(f"{name} timed eagerly")
-        except Exception as err:
-            row["notes"].append(f"{name} failed: {err!r}"[:300])
-            traceback.print_exc(limit=2)
+    for name, factory in torch_peers(row, lambda: flashinfer_runners(case, x)).items():
+        add_torch_peer(row, name, factory, repeats, reference=out, timer=torch_runner, into=runners)
     row["seconds"].update(time_peers(runners, repeats))
     save()
     if with_xla:
@@ -286,7 +227,7 @@ def write_results(rows: list[dict], command: str) -> str:
     lib = _ffi_cudnn
     text = "\n".join([
         f"- device: {device_name()}; cuDNN {lib.format_version(lib.cudnn_version() or 0)}, jax {jax.__version__}",
-        f"- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC; command: `{command}`",
+        f"- date: {utc_now()}; command: `{command}`",
         f"- bf16, causal (bottom-right), Hq={HQ}, Hkv={HKV}, D={D}, page {PAGE}, HND, randomly permuted pool.",
         "- time per prefill in steady state, peers timed in turns (see the benchmark's docstring); ratios are",
         "  speed ratios (peer time / jaxattn cudnn time; > 1: jaxattn faster).",
@@ -295,7 +236,7 @@ def write_results(rows: list[dict], command: str) -> str:
         "",
         summary(rows),
         "",
-        "Notes: " + "; ".join(f"{r['case']}: " + ", ".join(r["notes"]) for r in rows if r["notes"]),
+        notes_line(rows),
     ])
     return write_section("cudnn-prefill", text, heading='cuDNN paged prefill (`backend="cudnn"`)')
 
@@ -310,18 +251,15 @@ def main() -> None:
     if args.compile_fa3:
         compile_fa3()
         return
-    reason = jaxattn.backends.unavailable_reason("cudnn")
-    if reason:
-        sys.exit(f"backend cudnn unavailable: {reason}")
-    command = " ".join(["python -m benchmarks.bench_cudnn_prefill"] + sys.argv[1:])
-    start, rows = time.time(), []
+    require_backend("cudnn")
+    command = command_line()
+    budget, rows = Budget(args.budget_s), []
     for case in QUICK if args.quick else SWEEP:
-        if time.time() - start > args.budget_s:
-            print(f"budget of {args.budget_s:.0f}s spent; skipping {case}")
+        if budget.spent(case):
             continue
         row = {"case": str(case), "flops": case.flops, "seconds": {}, "notes": []}
         rows.append(row)
-        bench_case(case, case.batch * case.q_len <= args.xla_max_tokens, row, lambda: write_results(rows, command))
+        bench_case(case, sum(case.q_lens) <= args.xla_max_tokens, row, lambda: write_results(rows, command))
         print(case, {k: f"{v * 1e6:.0f}us" for k, v in row["seconds"].items()}, row["notes"], flush=True)
     print(write_results(rows, command))
 

@@ -26,32 +26,16 @@ import argparse
 import datetime
 import functools
 import json
-import os
-import statistics
-import time
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 import jaxattn
-from benchmarks.common import device_busy_seconds, write_section
-from jaxattn.attention import backend_for
-from jaxattn.engine import make_engine_step
+from benchmarks.common import (PAGE, Budget, copy_bandwidth, device_free_bytes, profiled, time_steps, write_json,
+                               write_section)
+from benchmarks.engine_step import decode_step, fits, step_bytes
 from jaxattn.models.llama import PRESETS, Llama
-
-PAGE = 64
-
-
-def copy_bandwidth(nbytes: int = 4 << 30, trials: int = 10) -> float:
-    """Device copy bandwidth in bytes/s, counting bytes read plus bytes written; GPU time from the
-    profiler, so the ~0.3 ms from dispatch to completion of an isolated call is not counted."""
-    x = jnp.ones((nbytes // 4,), jnp.float32)
-    copy = jax.jit(lambda a: a * 1.0000001)
-    copy(x).block_until_ready()
-    return 2 * nbytes / device_busy_seconds(lambda: copy(x), trials)
 
 
 @functools.partial(jax.jit, donate_argnames=("caches", "table"))
@@ -64,88 +48,6 @@ def bookkeeping_step(caches, table, seq_ids, q_lens, k):
     slots = table.slot_mapping(seq_ids, q_lens, k.shape[0])
     caches = [c.write(k, k, slots) for c in caches]
     return meta.kv_lens, caches, table
-
-
-def fill(model: Llama, batch: int, context: int, steps: int, seed: int, mesh: Mesh | None = None):
-    """Caches with random KV, and a table where every sequence holds ``context - 1`` tokens; with
-    a ``mesh``, the pools split by KV heads and the table replicated (as ``Engine(mesh=)``)."""
-    pages_per_seq = -(-(context + steps) // PAGE)
-    num_pages = 1 + batch * pages_per_seq
-    caches = model.init_caches(num_pages, PAGE, "HND", mesh=mesh)
-    key = jax.random.key(seed)
-    caches = [jaxattn.KVCache(*(jax.device_put(jax.random.normal(k, c.k_pages.shape, c.dtype), c.k_pages.sharding)
-                                for k in keys), layout=c.layout)
-              for c, keys in zip(caches, jax.random.split(key, (len(caches), 2)))]
-    table = jaxattn.PageTable.create(num_pages, batch, pages_per_seq, PAGE)
-    if mesh is not None:
-        table = jax.device_put(table, NamedSharding(caches[0].k_pages.sharding.mesh, PartitionSpec()))
-    ids = jnp.arange(batch, dtype=jnp.int32)
-    table, ok = jax.jit(jaxattn.PageTable.extend)(table, ids, jnp.full((batch,), context - 1, jnp.int32))
-    assert bool(ok.all())
-    return caches, table
-
-
-def time_steps(fn, state, steps: int, runs: int = 3) -> tuple[float, float, object]:
-    """(seconds per step, median host seconds per call, final state) for ``steps`` calls issued
-    back to back, each run synchronized once at its end; the median over ``runs``."""
-    per_step, host_times = [], []
-    for _ in range(runs):
-        start = time.perf_counter()
-        for _ in range(steps):
-            t0 = time.perf_counter()
-            state = fn(state)
-            host_times.append(time.perf_counter() - t0)
-        jax.block_until_ready(state)
-        per_step.append((time.perf_counter() - start) / steps)
-    return statistics.median(per_step), statistics.median(host_times), state
-
-
-def profiled(fn, state, steps: int, measure=device_busy_seconds):
-    """(final state, ``measure(call, steps)``: by default GPU seconds per step) over ``steps``
-    chained calls of ``fn``."""
-    box = [state]
-
-    def call():
-        box[0] = fn(box[0])
-        return box[0]
-
-    measured = measure(call, steps)
-    return box[0], measured
-
-
-def decode_step(model: Llama, backend: str, batch: int, context: int, steps: int, mesh: Mesh | None = None):
-    """``(model_step, state, weights, plan)``: one greedy decode step of the engine as a function
-    of its state (next tokens, caches, table), chained calls of which decode ``batch`` sequences
-    from ``context - 1`` tokens on (room for ``7 * steps + 8`` steps); the first state; the
-    model's weights; what ``paged_attention`` runs. With a ``mesh`` (a model placed by
-    ``shard_model``), the caches and table are placed as ``Engine(mesh=)`` places them."""
-    cfg = model.cfg
-    step, weights = make_engine_step(model)
-    caches, table = fill(model, batch, context, 7 * steps + 8, seed=batch + context, mesh=mesh)
-    ids = jnp.arange(batch, dtype=jnp.int32)
-    ones = jnp.ones((batch,), jnp.int32)
-    no_release = jnp.full((batch,), -1, jnp.int32)
-    tokens = jnp.asarray(np.random.default_rng(0).integers(0, cfg.vocab_size, size=batch), jnp.int32)
-    q = jnp.zeros((batch, cfg.num_q_heads, cfg.head_dim), cfg.dtype)
-    meta = table.metadata(ids, ones, max_q_len=1)
-    plan = str(backend_for(q, caches[0], meta, backend=backend))
-
-    def model_step(state):
-        tok, caches, table = state
-        tok, ok, caches, table = step(weights, caches, table, no_release, tok, ids, ones, max_q_len=1,
-                                      backend=backend)
-        return tok, caches, table
-
-    return model_step, (tokens, caches, table), weights, plan
-
-
-def step_bytes(cfg, weights: list[jax.Array], batch: int, context: int) -> tuple[float, float]:
-    """(weight bytes, KV bytes) a decode step must read: every weight once (embedding: only the
-    ``batch`` rows read) and the K/V of every layer once."""
-    weight_bytes = sum(x.size * x.dtype.itemsize for x in weights) \
-        - cfg.vocab_size * cfg.dim * jnp.dtype(cfg.dtype).itemsize + batch * cfg.dim * 2   # embed: B rows
-    kv_bytes = 2 * cfg.num_layers * batch * context * cfg.num_kv_heads * cfg.head_dim * jnp.dtype(cfg.dtype).itemsize
-    return weight_bytes, kv_bytes
 
 
 def run_case(model: Llama, backend: str, batch: int, context: int, steps: int, bandwidth: float) -> dict:
@@ -176,12 +78,6 @@ def run_case(model: Llama, backend: str, batch: int, context: int, steps: int, b
                 bookkeeping_share=book_busy_s / step_s,
                 weight_gb=weight_bytes / 1e9, kv_gb=kv_bytes / 1e9, roofline_ms=roofline_s * 1e3,
                 roofline_share=roofline_s / step_s)
-
-
-def fits(cfg, batch: int, context: int, free_bytes: float) -> bool:
-    kv = 2 * cfg.num_layers * batch * (context + 64) * cfg.num_kv_heads * cfg.head_dim * 2
-    gather = 2 * batch * context * cfg.num_kv_heads * cfg.head_dim * 2   # the xla backend's per-layer gather
-    return kv + 2 * gather < 0.8 * free_bytes
 
 
 NOTES = """How to read it: step ms is the time per step of {steps} decode steps issued back to back (next
@@ -239,14 +135,13 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--budget-s", type=float, default=480, help="stop starting new cases after this")
     args = parser.parse_args()
-    start = time.perf_counter()
+    budget = Budget(args.budget_s)
     cfg = PRESETS[args.preset].replace(num_layers=args.layers)
     model = Llama(cfg, nnx.Rngs(0))
     device = jax.devices()[0]
     bandwidth = copy_bandwidth()
     print(f"{device.device_kind}: copy bandwidth {bandwidth / 1e12:.2f} TB/s (read + write)", flush=True)
-    stats = device.memory_stats() or {}
-    free = stats.get("bytes_limit", 80e9) - stats.get("bytes_in_use", 0)
+    free = device_free_bytes(device)
     backends = []
     for backend in args.backends.split(","):
         reason = None if backend == "auto" else jaxattn.backends.unavailable_reason(backend)
@@ -260,8 +155,7 @@ def main() -> None:
     rows = []
     for batch, context in cases:
         for backend in backends:
-            if time.perf_counter() - start > args.budget_s:
-                print(f"time budget reached: skip {backend} B={batch} ctx={context}", flush=True)
+            if budget.spent(f"{backend} B={batch} ctx={context}"):
                 continue
             if not fits(cfg, batch, context, free):
                 print(f"skip {backend} B={batch} ctx={context}: KV does not fit", flush=True)
@@ -269,10 +163,7 @@ def main() -> None:
             row = run_case(model, backend, batch, context, args.steps, bandwidth)
             rows.append(row)
             print(json.dumps(row), flush=True)
-    out_dir = os.environ.get("OUT") or os.path.join(os.path.dirname(os.path.abspath(__file__)), "out")
-    os.makedirs(out_dir, exist_ok=True)
-    with open(os.path.join(out_dir, "e2e.json"), "w") as f:
-        json.dump(dict(device=device.device_kind, bandwidth=bandwidth, layers=cfg.num_layers, rows=rows), f, indent=1)
+    write_json("e2e.json", dict(device=device.device_kind, bandwidth=bandwidth, layers=cfg.num_layers, rows=rows))
     header = (f"Device: {device.device_kind}; date {datetime.date.today()}; jax {jax.__version__}; "
               f"model {args.preset} shapes with {cfg.num_layers} layers, {cfg.dtype}, page {PAGE}, HND; copy bandwidth "
               f"{bandwidth / 1e12:.2f} TB/s (read + write), measured in the same run.\n"

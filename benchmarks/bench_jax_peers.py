@@ -53,28 +53,26 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 import jaxattn  # noqa: E402
-from benchmarks.bench_e2e import copy_bandwidth  # noqa: E402
-from benchmarks.bench_triton import D, HKV, HQ, Workload, make_inputs  # noqa: E402
-from benchmarks.bench_trtllm_decode import Case  # noqa: E402
-from benchmarks.common import device_busy_seconds, device_name, rel_error, write_section  # noqa: E402
+from benchmarks.common import (  # noqa: E402
+    HKV, HQ, D, Budget, Case, command_line, copy_bandwidth, device_busy_seconds, device_name, make_inputs, rel_error,
+    write_section)
 
 SCALE = 1 / math.sqrt(D)
 FA3_SPLITS = (1, 4, 16)
 SLOW_CALL_S = 0.2
 
 
-def decode(batch: int, kv_len: int, ragged: bool = False) -> Workload:
-    kv = tuple(int(n) for n in Case(batch, kv_len, ragged).lens())   # bench_trtllm_decode's lengths
-    label = f"U[{kv_len // 2},{kv_len}]" if ragged else str(kv_len)
-    return Workload(f"decode B={batch} kv={label}", (1,) * batch, kv, decode_only=True, repeats=1)
+def decode(batch: int, kv_len: int, ragged: bool = False) -> Case:
+    case = Case.decode(batch, kv_len, ragged)
+    return dataclasses.replace(case, name=f"decode {case.name}")
 
 
 WORKLOADS = [
     decode(64, 4096, ragged=True),
     decode(64, 4096),
-    Workload("prefill B=8 x 4096", (4096,) * 8, (4096,) * 8, repeats=1),
-    Workload("mixed 63 decodes + 8192 prefill", (1,) * 63 + (8192,), (4096,) * 63 + (8192,), repeats=1),
-    Workload("spec decode B=64 x 4 kv=4096", (4,) * 64, (4096,) * 64, repeats=1),
+    Case("prefill B=8 x 4096", (4096,) * 8, (4096,) * 8),
+    Case("mixed 63 decodes + 8192 prefill", (1,) * 63 + (8192,), (4096,) * 63 + (8192,)),
+    Case("spec decode B=64 x 4 kv=4096", (4,) * 64, (4096,) * 64),
     decode(1, 32768), decode(4, 32768), decode(1, 131072), decode(4, 131072), decode(2, 16384),
     decode(1, 4096), decode(256, 4096),
 ]
@@ -86,7 +84,7 @@ Call = Callable[[], jax.Array]
 @dataclasses.dataclass
 class Problem:
     """One workload's data in jaxattn's layout, and the views the peers take."""
-    w: Workload
+    w: Case
     q: jax.Array                          # [T, Hq, D]
     cache: jaxattn.KVCache                # HND
     meta: jaxattn.AttentionMetadata
@@ -134,7 +132,7 @@ def ejkernel_ragged_v2(p: Problem, optimized: bool) -> Call:
 
 def ejkernel_page_attention(p: Problem) -> Call:
     from ejkernel.kernels._triton.page_attention import page_attention
-    if not p.w.decode_only:
+    if p.w.max_q_len > 1:
         raise NotImplementedError("decode only")
     k, v = p.cache.k_pages, p.cache.v_pages      # it reads [pages, Hkv, page, D] (HND), whatever its hints say
     fn = jax.jit(lambda q, k, v, lens, tables: page_attention(
@@ -144,7 +142,7 @@ def ejkernel_page_attention(p: Problem) -> Call:
 
 def pallas_gpu(p: Problem) -> Call:
     from jax.experimental.pallas.ops.gpu import paged_attention as pallas_paged
-    if not p.w.decode_only:
+    if p.w.max_q_len > 1:
         raise NotImplementedError("decode only")
     k, v = p.head_major()
     q = p.q * jnp.asarray(SCALE, p.q.dtype)      # it applies no 1/sqrt(D)
@@ -183,13 +181,13 @@ def short(err: BaseException) -> str:
     return text[:160] + ("..." if len(text) > 160 else "")
 
 
-def bench_workload(w: Workload, rounds: int, copy_rate: float, peers: dict[str, Callable[[Problem], Call]],
+def bench_workload(w: Case, rounds: int, copy_rate: float, peers: dict[str, Callable[[Problem], Call]],
                    peer_timeout_s: float) -> list[dict]:
     """The workload's rows, each printed (to stderr) as soon as it is measured. A row (jaxattn's
     included) that takes longer than ``peer_timeout_s`` ends the run with every thread's traceback (a hung kernel
     cannot be interrupted from Python); leave it out with ``--skip-peers``."""
-    qs, cache, meta = make_inputs(w, 1)
-    p = Problem(w, qs[0], cache, meta)
+    x = make_inputs(w)
+    p = Problem(w, x.q, x.cache, x.meta)
     rows = []
     faulthandler.dump_traceback_later(peer_timeout_s, exit=True)
     ours = jaxattn_auto(p)
@@ -253,18 +251,17 @@ def main() -> None:
     peers = {name: make for name, make in PEERS.items()
              if (not wanted or any(re.search(x, name) for x in wanted)) and not any(re.search(x, name) for x in unwanted)}
     left_out = [name for name in PEERS if name not in peers]
-    start = time.perf_counter()
+    budget = Budget(args.budget_s)
     copy_rate = copy_bandwidth()
     print(f"device copy rate {copy_rate / 1e12:.2f} TB/s", flush=True)
     rows, skipped = [], []
     for w in QUICK if args.quick else WORKLOADS:
-        if time.perf_counter() - start > args.budget_s:
+        if budget.spent(w):
             skipped.append(w.name)
             continue
         rows += bench_workload(w, args.rounds, copy_rate, peers, args.peer_timeout_s)
         print(table([r for r in rows if r["workload"] == w.name]), flush=True)
-    command = "python -m benchmarks.bench_jax_peers " + " ".join(sys.argv[1:])
-    text = (f"Device: {device_name()}; jax {jax.__version__}; {datetime.date.today()}; `{command.strip()}`; "
+    text = (f"Device: {device_name()}; jax {jax.__version__}; {datetime.date.today()}; `{command_line()}`; "
             f"device copy rate {copy_rate / 1e12:.2f} TB/s (read + write).\n\n" + table(rows))
     if left_out:
         text += "\n\nLeft out of this run (`--skip-peers`/`--peers`): " + ", ".join(left_out) + "."

@@ -25,98 +25,44 @@ Writes one section of benchmarks/RESULTS.md per head count (mla-hq128, mla-hq16)
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import datetime
 import math
 import sys
-import time
 import traceback
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 import jaxattn
 from jaxattn import backends
-from benchmarks.bench_trtllm_decode import add_torch_peer, copy_bandwidth, time_chained_calls, time_torch
-from benchmarks.common import device_name, rel_error, write_section
-
-RANK, ROPE, NOPE, DV, PAGE = 512, 64, 128, 128, 64
-DTYPE = jnp.bfloat16
-SCALE = 1 / math.sqrt(NOPE + ROPE)
+from benchmarks.common import (DTYPE, MLA_DV, MLA_NOPE, MLA_RANK, MLA_ROPE, MLA_SCALE, PAGE, READ_RATE, Budget,
+                               MLACase, MLAInputs, add_torch_peer, command_line, copy_bandwidth, device_name,
+                               mla_inputs, notes_line, rel_error, repeats_for, time_chained_calls, utc_now,
+                               wall_seconds, write_section)
 
 
-@dataclasses.dataclass(frozen=True)
-class DecodeCase:
-    batch: int
-    kv_len: int
-    heads: int
-
-    @property
-    def latent_bytes(self) -> int:
-        return self.batch * self.kv_len * (RANK + ROPE) * jnp.dtype(DTYPE).itemsize
-
-    @property
-    def flops(self) -> int:
-        return 2 * self.batch * self.heads * self.kv_len * (RANK + ROPE + RANK)
-
-    def __str__(self) -> str:
-        return f"B={self.batch} kv={self.kv_len} Hq={self.heads}"
+SWEEP = [MLACase(b, n, h) for h in (128, 16) for b in (1, 16, 64, 128) for n in (1024, 4096, 16384)]
+KEY_CASE = MLACase(64, 4096, 128)   # the issue's target point
+QUICK = [KEY_CASE, MLACase(1, 16384, 128), MLACase(128, 4096, 16)]
+SMOKE = [MLACase(2, 256, 16), MLACase(1, 512, 128)]
 
 
-SWEEP = [DecodeCase(b, n, h) for h in (128, 16) for b in (1, 16, 64, 128) for n in (1024, 4096, 16384)]
-KEY_CASE = DecodeCase(64, 4096, 128)   # the issue's target point
-QUICK = [KEY_CASE, DecodeCase(1, 16384, 128), DecodeCase(128, 4096, 16)]
-SMOKE = [DecodeCase(2, 256, 16), DecodeCase(1, 512, 128)]
-
-
-@dataclasses.dataclass
-class DecodeInputs:
-    q_latent: jax.Array    # [B, Hq, R]
-    q_rope: jax.Array      # [B, Hq, Dr]
-    cache: jaxattn.MLACache
-    meta: jaxattn.AttentionMetadata
-
-
-def decode_inputs(case: DecodeCase, seed: int = 0) -> DecodeInputs:
-    rng = np.random.default_rng(seed)
-    pages_per_seq = -(-case.kv_len // PAGE)
-    num_pages = 1 + case.batch * pages_per_seq
-    tables = rng.permutation(np.arange(1, num_pages)).reshape(case.batch, pages_per_seq).astype(np.int32)
-    k1, k2, k3 = jax.random.split(jax.random.key(seed), 3)
-    cache = jaxattn.MLACache(jax.random.normal(k1, (num_pages, PAGE, RANK + ROPE), DTYPE), kv_lora_rank=RANK)
-    meta = jaxattn.AttentionMetadata(
-        cu_q_lens=jnp.arange(case.batch + 1, dtype=jnp.int32),
-        kv_lens=jnp.full((case.batch,), case.kv_len, jnp.int32),
-        block_tables=jnp.asarray(tables),
-        num_decodes=jnp.int32(case.batch),
-        max_q_len=1,
-    )
-    return DecodeInputs(jax.random.normal(k2, (case.batch, case.heads, RANK), DTYPE),
-                        jax.random.normal(k3, (case.batch, case.heads, ROPE), DTYPE), cache, meta)
-
-
-def repeats_for(case: DecodeCase, rate: float = 3e12, target_s: float = 5e-3) -> int:
-    return int(min(64, max(2, math.ceil(target_s / (case.latent_bytes / rate)))))
-
-
-def time_jaxattn(x: DecodeInputs, repeats: int, backend: str, trials: int = 9) -> tuple[float, jax.Array]:
+def time_jaxattn(x: MLAInputs, repeats: int, backend: str, trials: int = 9) -> tuple[float, jax.Array]:
     """Seconds per call of ``mla_paged_attention(backend=...)`` (R and 2R calls chained through
     their outputs, q_latent <- out, in one jit), and one call's output."""
     def attend(q_latent, q_rope, cache, meta):
-        return jaxattn.mla_paged_attention(q_latent, q_rope, cache, meta, scale=SCALE, backend=backend)
+        return jaxattn.mla_paged_attention(q_latent, q_rope, cache, meta, scale=MLA_SCALE, backend=backend)
 
     seconds, out, _ = time_chained_calls(attend, x.q_latent, (x.q_rope, x.cache, x.meta), repeats, trials)
     return seconds, out
 
 
-def flashinfer_decode(case: DecodeCase, x: DecodeInputs):
+def flashinfer_decode(case: MLACase, x: MLAInputs):
     """flashinfer's MLA wrapper on the same latents: (zero-argument callable -> [B, Hq, R], backend name)."""
     import torch
     import flashinfer
 
     pages = torch.from_dlpack(x.cache.pages)
-    ckv, kpe = pages[..., :RANK].contiguous(), pages[..., RANK:].contiguous()
+    ckv, kpe = pages[..., :MLA_RANK].contiguous(), pages[..., MLA_RANK:].contiguous()
     q_nope, q_pe = torch.from_dlpack(x.q_latent), torch.from_dlpack(x.q_rope)
     tables = torch.from_dlpack(x.meta.block_tables)
     dev = q_nope.device
@@ -127,15 +73,15 @@ def flashinfer_decode(case: DecodeCase, x: DecodeInputs):
         kv_indptr=torch.arange(case.batch + 1, dtype=torch.int32, device=dev) * pages_per_seq,
         kv_indices=tables.reshape(-1).contiguous(),
         kv_len_arr=torch.full((case.batch,), case.kv_len, dtype=torch.int32, device=dev),
-        num_heads=case.heads, head_dim_ckv=RANK, head_dim_kpe=ROPE, page_size=PAGE, causal=False,
-        sm_scale=SCALE, q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16)
+        num_heads=case.heads, head_dim_ckv=MLA_RANK, head_dim_kpe=MLA_ROPE, page_size=PAGE, causal=False,
+        sm_scale=MLA_SCALE, q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16)
     backend = getattr(wrapper, "_planned_backend_name", None) or "auto"
     return (lambda: wrapper.run(query=(q_nope, q_pe), kv_cache=(ckv, kpe))), backend
 
 
-def bench_decode(case: DecodeCase, with_torch: bool, with_xla: bool, with_triton: bool) -> dict:
-    x = decode_inputs(case)
-    repeats = repeats_for(case)
+def bench_decode(case: MLACase, with_torch: bool, with_xla: bool, with_triton: bool) -> dict:
+    x = mla_inputs(case)
+    repeats = repeats_for(case.latent_bytes / READ_RATE)
     row = {"case": case, "seconds": {}, "notes": []}
     row["seconds"]["jaxattn auto"], out = time_jaxattn(x, repeats, "auto")
     if with_triton and backends.unavailable_reason("triton") is None:
@@ -163,28 +109,23 @@ def prefill_seconds(heads: int, batch: int, q_len: int, with_torch: bool, peers:
     key = jax.random.split(jax.random.key(1), 5)
     tokens = batch * q_len
     pages_per_seq = -(-q_len // PAGE)
-    cache = jaxattn.MLACache(jax.random.normal(key[0], (1 + batch * pages_per_seq, PAGE, RANK + ROPE), DTYPE),
-                             kv_lora_rank=RANK)
+    cache = jaxattn.MLACache(jax.random.normal(key[0], (1 + batch * pages_per_seq, PAGE, MLA_RANK + MLA_ROPE), DTYPE),
+                             kv_lora_rank=MLA_RANK)
     meta = jaxattn.AttentionMetadata(
         cu_q_lens=jnp.arange(batch + 1, dtype=jnp.int32) * q_len, kv_lens=jnp.full((batch,), q_len, jnp.int32),
         block_tables=1 + jnp.arange(batch * pages_per_seq, dtype=jnp.int32).reshape(batch, pages_per_seq),
         num_decodes=jnp.int32(0), max_q_len=q_len)
-    q_nope = jax.random.normal(key[1], (tokens, heads, NOPE), DTYPE)
-    q_rope = jax.random.normal(key[2], (tokens, heads, ROPE), DTYPE)
-    w_uk = (jax.random.normal(key[3], (RANK, heads, NOPE), jnp.float32) / math.sqrt(RANK)).astype(DTYPE)
-    w_uv = (jax.random.normal(key[4], (RANK, heads, DV), jnp.float32) / math.sqrt(RANK)).astype(DTYPE)
+    q_nope = jax.random.normal(key[1], (tokens, heads, MLA_NOPE), DTYPE)
+    q_rope = jax.random.normal(key[2], (tokens, heads, MLA_ROPE), DTYPE)
+    w_uk = (jax.random.normal(key[3], (MLA_RANK, heads, MLA_NOPE), jnp.float32) / math.sqrt(MLA_RANK)).astype(DTYPE)
+    w_uv = (jax.random.normal(key[4], (MLA_RANK, heads, MLA_DV), jnp.float32) / math.sqrt(MLA_RANK)).astype(DTYPE)
     args = (q_nope, q_rope, cache, meta, w_uk, w_uv)
     result, outs = {"seconds": {}, "notes": []}, {}
     for backend in ("cudnn", "xla") if with_torch else ("xla",):
         try:
-            fn = jax.jit(lambda *a, backend=backend: jaxattn.mla_prefill(*a, scale=SCALE, backend=backend))
+            fn = jax.jit(lambda *a, backend=backend: jaxattn.mla_prefill(*a, scale=MLA_SCALE, backend=backend))
             outs[backend] = fn(*args).block_until_ready()
-            times = []
-            for _ in range(trials):
-                start = time.perf_counter()
-                fn(*args).block_until_ready()
-                times.append(time.perf_counter() - start)
-            result["seconds"][f"jaxattn {backend}"] = float(np.median(times))
+            result["seconds"][f"jaxattn {backend}"] = wall_seconds(lambda: fn(*args), trials)
         except Exception as err:  # e.g. out of memory: the others still count
             result["notes"].append(f"{backend} failed: {err!r}"[:300])
             traceback.print_exc(limit=2)
@@ -199,11 +140,11 @@ def prefill_seconds(heads: int, batch: int, q_len: int, with_torch: bool, peers:
         import flashinfer
 
         # The expanded keys and values of each sequence (its own tokens' latents), outside the timing.
-        latents = cache.pages[meta.block_tables].reshape(batch, pages_per_seq * PAGE, RANK + ROPE)[:, :q_len]
-        latents = latents.reshape(tokens, RANK + ROPE)
-        k_nope = jnp.einsum("tr,rhd->thd", latents[:, :RANK], w_uk)
-        k = jnp.concatenate([k_nope, jnp.broadcast_to(latents[:, None, RANK:], (tokens, heads, ROPE))], axis=-1)
-        v = jnp.einsum("tr,rhd->thd", latents[:, :RANK], w_uv)
+        latents = cache.pages[meta.block_tables].reshape(batch, pages_per_seq * PAGE, MLA_RANK + MLA_ROPE)[:, :q_len]
+        latents = latents.reshape(tokens, MLA_RANK + MLA_ROPE)
+        k_nope = jnp.einsum("tr,rhd->thd", latents[:, :MLA_RANK], w_uk)
+        k = jnp.concatenate([k_nope, jnp.broadcast_to(latents[:, None, MLA_RANK:], (tokens, heads, MLA_ROPE))], axis=-1)
+        v = jnp.einsum("tr,rhd->thd", latents[:, :MLA_RANK], w_uv)
         q = jnp.concatenate([q_nope, q_rope], axis=-1)
         tq, tk, tv = (torch.from_dlpack(a.astype(DTYPE)) for a in (q, k, v))
         indptr = torch.arange(batch + 1, dtype=torch.int32, device=tq.device) * q_len
@@ -212,41 +153,24 @@ def prefill_seconds(heads: int, batch: int, q_len: int, with_torch: bool, peers:
         traceback.print_exc(limit=2)
         return result
     if "fa3" in peers:
-        try:
+        def fa3():
             wrapper = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(
                 torch.empty(256 << 20, dtype=torch.uint8, device=tq.device), "NHD", backend="fa3")
-            wrapper.plan(indptr, indptr, heads, heads, NOPE + ROPE, head_dim_vo=DV, causal=True, sm_scale=SCALE,
-                         q_data_type=torch.bfloat16)
-            peer = wrapper.run(tq, tk, tv)
-            torch.cuda.synchronize()
-            result["notes"].append(
-                f"flashinfer fa3 vs jaxattn rel err {rel_error(jnp.asarray(peer.float().cpu().numpy()), out):.1e}")
-            result["seconds"]["flashinfer fa3"], _ = time_torch(lambda: wrapper.run(tq, tk, tv), 2)
-        except Exception as err:
-            result["notes"].append(f"flashinfer fa3 failed: {err!r}"[:300])
-            traceback.print_exc(limit=2)
-    if "cudnn" not in peers:
-        return result
-    try:   # the issue's peer: flashinfer's cuDNN prefill with MLA dims (d_qk 192, d_vo 128), ragged
-        from flashinfer.cudnn import cudnn_batch_prefill_with_kv_cache
+            wrapper.plan(indptr, indptr, heads, heads, MLA_NOPE + MLA_ROPE, head_dim_vo=MLA_DV, causal=True,
+                         sm_scale=MLA_SCALE, q_data_type=torch.bfloat16)
+            return lambda: wrapper.run(tq, tk, tv)
+        add_torch_peer(result, "flashinfer fa3", fa3, 2, reference=out)
+    if "cudnn" in peers:   # the issue's peer: flashinfer's cuDNN prefill with MLA dims (d_qk 192, d_vo 128), ragged
+        def cudnn():
+            from flashinfer.cudnn import cudnn_batch_prefill_with_kv_cache
 
-        lens = torch.full((batch, 1, 1, 1), q_len, dtype=torch.int32, device=tq.device)
-        workspace = torch.empty(256 << 20, dtype=torch.uint8, device=tq.device)
-
-        def cudnn_peer():
-            return cudnn_batch_prefill_with_kv_cache(
-                tq, tk, tv, SCALE, workspace, max_token_per_sequence=q_len, max_sequence_kv=q_len,
+            lens = torch.full((batch, 1, 1, 1), q_len, dtype=torch.int32, device=tq.device)
+            workspace = torch.empty(256 << 20, dtype=torch.uint8, device=tq.device)
+            return lambda: cudnn_batch_prefill_with_kv_cache(
+                tq, tk, tv, MLA_SCALE, workspace, max_token_per_sequence=q_len, max_sequence_kv=q_len,
                 actual_seq_lens_q=lens, actual_seq_lens_kv=lens, causal=True, return_lse=False,
                 batch_offsets_q=indptr, batch_offsets_k=indptr, batch_offsets_units="tokens")[0]
-
-        peer = cudnn_peer()
-        torch.cuda.synchronize()
-        result["notes"].append(
-            f"flashinfer cudnn vs jaxattn rel err {rel_error(jnp.asarray(peer.float().cpu().numpy()), out):.1e}")
-        result["seconds"]["flashinfer cudnn"], _ = time_torch(cudnn_peer, 2)
-    except Exception as err:
-        result["notes"].append(f"flashinfer cudnn failed: {err!r}"[:300])
-        traceback.print_exc(limit=2)
+        add_torch_peer(result, "flashinfer cudnn", cudnn, 2, reference=out)
     return result
 
 
@@ -272,16 +196,14 @@ def decode_table(rows: list[dict], copy_rate: float | None, peak_flops: float) -
 def section_text(heads: int, rows: list[dict], prefill: dict | None, copy_rate: float | None,
                  peak_tflops: float) -> str:
     """One head count's decode table and prefill line."""
-    command = "python -m benchmarks.bench_mla " + " ".join(sys.argv[1:])
-    text = [f"- device: {device_name()}; jax {jax.__version__}; "
-            f"date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC; command: `{command.strip()}`",
-            f"- Hq={heads}, bf16; latent {RANK} + RoPE {ROPE} per token, page {PAGE}, randomly permuted pool; "
+    text = [f"- device: {device_name()}; jax {jax.__version__}; date: {utc_now()}; command: `{command_line()}`",
+            f"- Hq={heads}, bf16; latent {MLA_RANK} + RoPE {MLA_ROPE} per token, page {PAGE}, randomly permuted pool; "
             "device copy rate " + (f"{copy_rate / 1e12:.2f} TB/s" if copy_rate else "not measured")
             + f"; bf16 peak taken as {peak_tflops:.0f} TFLOP/s.",
             "- decode: time per call (see the benchmark's docstring); ratios: peer time / jaxattn auto time.",
             "", decode_table(rows, copy_rate, peak_tflops * 1e12)]
     if prefill is not None:
-        flops = 2 * 8 * heads * 4096 * 4096 / 2 * (NOPE + ROPE + DV)   # causal: half the pairs
+        flops = 2 * 8 * heads * 4096 * 4096 / 2 * (MLA_NOPE + MLA_ROPE + MLA_DV)   # causal: half the pairs
         sec = prefill["seconds"]
         text.append(f"\n- prefill B=8 x 4096, Hq={heads}: " + ", ".join(
             f"{name} {t * 1e3:.3f} ms ({flops / t / 1e12:.0f} TFLOP/s)" for name, t in sec.items())
@@ -289,7 +211,7 @@ def section_text(heads: int, rows: list[dict], prefill: dict | None, copy_rate: 
                       for peer in ("flashinfer cudnn", "flashinfer fa3") for name in ("jaxattn cudnn", "jaxattn xla")
                       if peer in sec and name in sec)
             + ("; " + ", ".join(prefill["notes"]) if prefill["notes"] else ""))
-    text.append("\nNotes: " + "; ".join(f"{r['case']}: " + ", ".join(r["notes"]) for r in rows if r["notes"]))
+    text.append("\n" + notes_line(rows))
     return "\n".join(text)
 
 
@@ -311,15 +233,14 @@ def main() -> None:
     if not on_gpu and not args.smoke:
         sys.exit("bench_mla needs a GPU (or --smoke)")
     copy_rate = copy_bandwidth() if on_gpu else None
-    start = time.time()
+    budget = Budget(args.budget_s)
     batches = {int(b) for b in args.batches.split(",")}
     for heads in (int(h) for h in args.heads.split(",")):
         name, heading = f"mla-hq{heads}", f"MLA, {heads} query heads (benchmarks/bench_mla.py)"
         rows, prefill = [], None
         cases = [] if args.no_decode else (SMOKE if args.smoke else QUICK if args.quick else SWEEP)
         for case in (c for c in cases if c.heads == heads and c.batch in batches):
-            if time.time() - start > args.budget_s:
-                print(f"budget of {args.budget_s:.0f}s spent; skipping {case}")
+            if budget.spent(case):
                 continue
             try:
                 rows.append(bench_decode(case, with_torch=on_gpu, with_xla=case.latent_bytes <= args.xla_max_bytes,
@@ -331,13 +252,13 @@ def main() -> None:
                   flush=True)
             # Written after every case, so that a run cut short still leaves its table in $OUT.
             write_section(name, section_text(heads, rows, None, copy_rate, args.peak_tflops), heading=heading,
-                          update_results=False)
+                          update=False)
         if not (args.smoke or args.no_prefill or (args.quick and heads != 128)):
             prefill = prefill_seconds(heads, 8, 4096, with_torch=on_gpu, peers=tuple(args.prefill_peers.split(",")))
             print(f"prefill Hq={heads}", prefill, flush=True)
         if rows or prefill:
             print(write_section(name, section_text(heads, rows, prefill, copy_rate, args.peak_tflops),
-                                heading=heading, update_results=not args.smoke))
+                                heading=heading, update=not args.smoke))
 
 
 if __name__ == "__main__":

@@ -153,7 +153,7 @@ def main(argv: list[str] | None = None) -> None:
         f"near tie).",
     ]
     print(write_section("serving", "\n".join(lines), heading="Serving a trace with a shared system prompt",
-                        update_results=not args.smoke))
+                        update=not args.smoke))
 
 
 if __name__ == "__main__":

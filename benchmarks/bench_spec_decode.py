@@ -17,19 +17,15 @@ Writes the spec-decode section of benchmarks/RESULTS.md (and a copy under $OUT w
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import datetime
 import math
-import sys
-import time
 import traceback
 
 import jax
 import jax.numpy as jnp
 
-import jaxattn
-from benchmarks.bench_trtllm_decode import Case, add_torch_peer, repeats_for, time_chained, time_xla
-from benchmarks.common import HKV, HQ, PAGE, D, Inputs, device_name, make_inputs, rel_error, write_section
+from benchmarks.common import (HKV, HQ, PAGE, READ_RATE, D, Budget, Case, Inputs, add_torch_peer, command_line,
+                               device_name, make_inputs, notes_line, rel_error, repeats_for, require_backend,
+                               time_chained, time_single, utc_now, write_section)
 from jaxattn.attention import backend_for
 from jaxattn.backends import trtllm
 
@@ -38,20 +34,14 @@ CASES = [(b, q) for b in (8, 64) for q in (1, 2, 4, 8, 16)]
 PEERS = ("jaxattn trtllm", "flashinfer xqa", "jaxattn cudnn", "jaxattn triton", "jaxattn xla")
 
 
-def case_inputs(batch: int, q_len: int) -> tuple[Inputs, Case]:
-    case = Case(batch, KV_LEN, ragged=True)
-    x = make_inputs(batch, q_len, KV_LEN)
-    return dataclasses.replace(x, meta=dataclasses.replace(x.meta, kv_lens=jnp.asarray(case.lens()))), case
-
-
-def flashinfer_xqa(x: Inputs, q_len: int):
+def flashinfer_xqa(x: Inputs, case: Case):
     """flashinfer's ``trtllm_batch_decode_with_kv_cache(backend="xqa")`` on the same buffers: a
     zero-argument callable returning its output [B * q_len, Hq, D]; the causal draft mask is the
     one jaxattn builds (``trtllm.spec_inputs``), as flashinfer's uint16 [B, q_len, words]."""
     import torch
     import flashinfer
 
-    batch = x.meta.batch_size
+    batch, q_len = case.batch, case.max_q_len
     as_torch = torch.from_dlpack
     q, k, v = as_torch(x.q), as_torch(x.cache.k_pages), as_torch(x.cache.v_pages)
     tables, lens = as_torch(x.meta.block_tables), as_torch(x.meta.kv_lens)
@@ -63,13 +53,14 @@ def flashinfer_xqa(x: Inputs, q_len: int):
         mask16 = as_torch(jax.lax.bitcast_convert_type(mask16, jnp.int16)).view(torch.uint16)
         spec = dict(q_len_per_req=q_len, mask=mask16)
     return lambda: flashinfer.decode.trtllm_batch_decode_with_kv_cache(
-        q, (k, v), workspace, tables, lens, KV_LEN, bmm1_scale=1 / math.sqrt(D), bmm2_scale=1.0,
+        q, (k, v), workspace, tables, lens, case.max_kv_len, bmm1_scale=1 / math.sqrt(D), bmm2_scale=1.0,
         kv_layout="HND", backend="xqa", **spec)
 
 
 def bench_case(batch: int, q_len: int) -> dict:
-    x, case = case_inputs(batch, q_len)
-    repeats = repeats_for(case)
+    case = Case.decode(batch, KV_LEN, ragged=True, q_len=q_len)
+    x = make_inputs(case)
+    repeats = repeats_for(case.kv_bytes / READ_RATE)
     row = {"batch": batch, "q_len": q_len, "kv_bytes": case.kv_bytes, "seconds": {}, "notes": [],
            "auto": str(backend_for(x.q, x.cache, x.meta))}
     outs = {}
@@ -79,10 +70,10 @@ def bench_case(batch: int, q_len: int) -> dict:
         except Exception as err:
             row["notes"].append(f"{backend} failed: {err!r}"[:300])
             traceback.print_exc(limit=2)
-    add_torch_peer(row, "flashinfer xqa", lambda: flashinfer_xqa(x, q_len), repeats, reference=outs.get("trtllm"),
+    add_torch_peer(row, "flashinfer xqa", lambda: flashinfer_xqa(x, case), repeats, reference=outs.get("trtllm"),
                    against="trtllm")
     try:
-        row["seconds"]["jaxattn xla"], ref = time_xla(x)
+        row["seconds"]["jaxattn xla"], ref = time_single(x, "xla")
         row["notes"] += [f"{b} vs xla rel err {rel_error(out, ref):.1e}" for b, out in outs.items()]
     except Exception as err:
         row["notes"].append(f"xla failed: {err!r}"[:200])
@@ -108,21 +99,17 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--budget-s", type=float, default=200.0, help="stop starting new cases after this")
     args = parser.parse_args()
-    reason = jaxattn.backends.unavailable_reason("trtllm")
-    if reason:
-        sys.exit(f"backend trtllm unavailable: {reason}")
-    start, rows = time.time(), []
+    require_backend("trtllm")
+    budget, rows = Budget(args.budget_s), []
     for batch, q_len in CASES:
-        if time.time() - start > args.budget_s:
-            print(f"budget of {args.budget_s:.0f}s spent; skipping B={batch} q_len={q_len}")
+        if budget.spent(f"B={batch} q_len={q_len}"):
             continue
         rows.append(bench_case(batch, q_len))
         print(f"B={batch} q_len={q_len}", {k: f"{v * 1e6:.1f}us" for k, v in rows[-1]["seconds"].items()},
               rows[-1]["notes"], flush=True)
-    command = "python -m benchmarks.bench_spec_decode " + " ".join(sys.argv[1:])
     text = "\n".join([
         f"- device: {device_name()}; jax {jax.__version__}; flashinfer-python XQA sources (mha.cu, SPEC_DEC)",
-        f"- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC; command: `{command.strip()}`",
+        f"- date: {utc_now()}; command: `{command_line()}`",
         f"- bf16, Hq={HQ}, Hkv={HKV}, D={D}, page {PAGE}, HND, kv_len uniform in [{KV_LEN // 2}, {KV_LEN}], "
         "bottom-right causal; q_len draft tokens per sequence (1: plain decode).",
         "- time per call (see the benchmark's docstring); ratios are peer time / jaxattn trtllm time "
@@ -130,7 +117,7 @@ def main() -> None:
         "",
         table(rows),
         "",
-        "Notes: " + "; ".join(f"B={r['batch']} q={r['q_len']}: " + ", ".join(r["notes"]) for r in rows if r["notes"]),
+        notes_line(rows, lambda r: f"B={r['batch']} q={r['q_len']}"),
     ])
     print(write_section("spec-decode", text, heading='Speculative decode (`backend="trtllm"`, `max_q_len` 2..16)'))
 

@@ -38,8 +38,9 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
 import jaxattn
 
-from benchmarks.bench_e2e import copy_bandwidth, decode_step, fits, profiled, step_bytes, time_steps
-from benchmarks.common import device_event_seconds, make_inputs, write_section
+from benchmarks.common import (Case, copy_bandwidth, device_event_seconds, device_free_bytes, make_inputs, profiled,
+                               time_steps, write_json, write_section)
+from benchmarks.engine_step import decode_step, fits, step_bytes
 from jaxattn.kv_cache import pool_sharding
 from jaxattn.models.llama import PRESETS, Llama, LlamaConfig, shard_model
 
@@ -106,13 +107,13 @@ def attention_per_shard(cfg: LlamaConfig, mesh: jax.sharding.Mesh, backend: str,
     attend = jax.jit(lambda q, c, m: jaxattn.paged_attention(q, c, m, backend=backend))
     rows = []
     for context in contexts:
-        full = make_inputs(batch, 1, context, num_q_heads=cfg.num_q_heads, num_kv_heads=cfg.num_kv_heads)
+        full = make_inputs(Case.decode(batch, context), num_q_heads=cfg.num_q_heads, num_kv_heads=cfg.num_kv_heads)
         pools = pool_sharding(mesh, "tp", full.cache.layout)
         sharded = (jax.device_put(full.q, NamedSharding(mesh, PartitionSpec(None, "tp", None))),
                    jaxattn.KVCache(jax.device_put(full.cache.k_pages, pools), jax.device_put(full.cache.v_pages, pools)),
                    full.meta)
         del full
-        x = make_inputs(batch, 1, context, num_q_heads=cfg.num_q_heads // n, num_kv_heads=cfg.num_kv_heads // n)
+        x = make_inputs(Case.decode(batch, context), num_q_heads=cfg.num_q_heads // n, num_kv_heads=cfg.num_kv_heads // n)
         shard = (x.q, x.cache, x.meta)
         row = dict(context=context, batch=batch, gpus=n)
         for key, args, devices in (("sharded_ms", sharded, n), ("shard_heads_ms", shard, 1)):
@@ -203,8 +204,7 @@ def main(argv: list[str] | None = None) -> None:
                            [int(c) for c in args.big_contexts.split(",")]))
         bandwidth = copy_bandwidth()
         print(f"{device.device_kind}: copy bandwidth {bandwidth / 1e12:.2f} TB/s (read + write) per GPU", flush=True)
-        stats = device.memory_stats() or {}
-        free = stats.get("bytes_limit", 80e9) - stats.get("bytes_in_use", 0)
+        free = device_free_bytes(device)
     rows = []
     for name, cfg, contexts in models:
         rows += run_model(name, cfg, contexts, mesh, args, bandwidth, free)
@@ -213,11 +213,8 @@ def main(argv: list[str] | None = None) -> None:
         print(f"bench_tp smoke run: {len(rows)} step cases and {len(attention)} attention cases in "
               f"{time.perf_counter() - start:.0f} s")
         return
-    out_dir = os.environ.get("OUT") or os.path.join(os.path.dirname(os.path.abspath(__file__)), "out")
-    os.makedirs(out_dir, exist_ok=True)
-    with open(os.path.join(out_dir, "tp.json"), "w") as f:
-        json.dump(dict(device=device.device_kind, gpus=args.gpus, bandwidth=bandwidth, rows=rows, attention=attention),
-                  f, indent=1)
+    write_json("tp.json", dict(device=device.device_kind, gpus=args.gpus, bandwidth=bandwidth, rows=rows,
+                               attention=attention))
     header = (f"Device: {args.gpus} x {device.device_kind}; date {datetime.date.today()}; jax {jax.__version__}; "
               f"bf16, page 64, HND, backend {args.backend}; copy bandwidth {bandwidth / 1e12:.2f} TB/s per GPU "
               f"(read + write), measured in the same run.\n"

@@ -19,17 +19,15 @@ of a workload are compiled and warmed first, then timed in interleaved rounds (r
 row 1, ...); a row's time is the median of its rounds, its spread (max - min) / median. Each
 workload runs in a child process, so a crashing peer (the cudnn row once segfaulted here) costs
 only its own rows: the workload is then re-run without the peers. TFLOP/s count 4 * D * Hq *
-visible (query, key) pairs. Block sizes were chosen by ``benchmarks/tune_triton.py``.
+visible (query, key) pairs. Block sizes were chosen by ``benchmarks/tune_triton.py`` (benchmarks/TUNING.md).
 Writes the table into the triton section of benchmarks/RESULTS.md (and $OUT when set).
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import datetime
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -40,66 +38,25 @@ import jax.numpy as jnp
 import numpy as np
 
 import jaxattn
-from benchmarks.common import RESULTS, device_name, write_section
+from benchmarks.common import D, Case, command_line, device_name, make_inputs, write_section
 from jaxattn import backends
 from jaxattn.backends import triton as tb
 from jaxattn.backends.base import AttentionParams
 
-HQ, HKV, D, PAGE = 32, 8, 128, 64
-DTYPE = jnp.bfloat16
-# Where the triton section's block-size tables start (kept when this benchmark rewrites the section).
-TUNING_HEADING = "### Block sizes"
 VLLM_TILES = tb.PrefillConfig(block_m=16, block_n=32, num_warps=4, num_stages=2)
-
-
-@dataclasses.dataclass(frozen=True)
-class Workload:
-    name: str
-    q_lens: tuple[int, ...]
-    kv_lens: tuple[int, ...]
-    decode_only: bool = False
-    repeats: int = 5
-
-    @property
-    def flops(self) -> float:
-        pairs = sum(q * k - q * (q - 1) / 2 for q, k in zip(self.q_lens, self.kv_lens))
-        return 4.0 * D * HQ * pairs
-
-    @property
-    def kv_bytes(self) -> float:
-        return 2.0 * sum(self.kv_lens) * HKV * D * jnp.dtype(DTYPE).itemsize
-
-
-WORKLOADS = [
-    Workload("decode B=64 x kv 4096", (1,) * 64, (4096,) * 64, decode_only=True, repeats=20),
-    Workload("prefill B=8 x 4096", (4096,) * 8, (4096,) * 8, repeats=3),
-    Workload("mixed 63 decodes + 8192 prefill", (1,) * 63 + (8192,), (4096,) * 63 + (8192,), repeats=4),
-    Workload("batch-1 16k prompt", (16384,), (16384,), repeats=3),
+WORKLOADS = [  # (case, R: the row's calls in one timed jitted call)
+    (Case("decode B=64 x kv 4096", (1,) * 64, (4096,) * 64), 20),
+    (Case("prefill B=8 x 4096", (4096,) * 8, (4096,) * 8), 3),
+    (Case("mixed 63 decodes + 8192 prefill", (1,) * 63 + (8192,), (4096,) * 63 + (8192,)), 4),
+    (Case("batch-1 16k prompt", (16384,), (16384,)), 3),
 ]
 
 
-def make_inputs(w: Workload, repeats: int, seed: int = 0):
-    rng = np.random.default_rng(seed)
-    need = [-(-k // PAGE) for k in w.kv_lens]
-    width = max(need)
-    num_pages = 1 + sum(need)
-    perm = rng.permutation(np.arange(1, num_pages))
-    tables = np.zeros((len(need), width), np.int32)
-    start = 0
-    for b, n in enumerate(need):
-        tables[b, :n] = perm[start:start + n]
-        start += n
-    keys = jax.random.split(jax.random.key(seed), repeats + 2)
-    shape = (num_pages, HKV, PAGE, D)
-    cache = jaxattn.KVCache(jax.random.normal(keys[0], shape, DTYPE), jax.random.normal(keys[1], shape, DTYPE))
-    tokens = sum(w.q_lens)
-    qs = tuple(jax.random.normal(k, (tokens, HQ, D), DTYPE) for k in keys[2:])
-    meta = jaxattn.AttentionMetadata(
-        cu_q_lens=jnp.asarray(np.concatenate([[0], np.cumsum(w.q_lens)]), jnp.int32),
-        kv_lens=jnp.asarray(w.kv_lens, jnp.int32), block_tables=jnp.asarray(tables),
-        num_decodes=jnp.int32(sum(1 for q in w.q_lens if q == 1) if w.q_lens[0] == 1 else 0),
-        max_q_len=1 if w.decode_only else max(w.q_lens))
-    return qs, cache, meta
+def query_sets(w: Case, repeats: int, seed: int = 0) -> tuple:
+    """``(qs, cache, meta)``: ``w``'s inputs (``make_inputs``) with ``repeats`` independent query sets."""
+    x = make_inputs(w, seed)
+    keys = jax.random.split(jax.random.key(seed + 1), repeats - 1)
+    return (x.q, *(jax.random.normal(k, x.q.shape, x.q.dtype) for k in keys)), x.cache, x.meta
 
 
 def runner(kind: str, **kw):
@@ -130,14 +87,15 @@ def timed_rounds(fns: dict, qs, cache, meta, rounds: int) -> dict[str, list[floa
     return times
 
 
-def rows_for(w: Workload) -> list[tuple[str, str, dict]]:
+def rows_for(w: Case) -> list[tuple[str, str, dict]]:
     rows = [("triton split", "triton", dict(launch="split")), ("triton single", "triton", dict(launch="single")),
             ("triton single, vLLM tiles", "triton", dict(launch="single", prefill=VLLM_TILES))]
     # cuDNN is the prefill peer (its decode-only run crashed the process on the H200, 2026-11-22).
-    rows.append(("trtllm", "trtllm", {}) if w.decode_only else ("cudnn", "cudnn", {}))
-    if w.q_lens[0] == 1 and not w.decode_only:
+    decode_only = w.max_q_len == 1
+    rows.append(("trtllm", "trtllm", {}) if decode_only else ("cudnn", "cudnn", {}))
+    if w.q_lens[0] == 1 and not decode_only:
         rows.append(("auto (trtllm decodes + cudnn rest)", "auto", {}))
-    if w.decode_only or len(w.q_lens) == 8:
+    if decode_only or w.batch == 8:
         rows.append(("xla", "xla", {}))
     return rows
 
@@ -152,15 +110,15 @@ def check(fn, qs, cache, meta) -> float:
 def run_workload(index: int, rows: list[int], rounds: int) -> list[dict]:
     """Times ``rows`` (indices into ``rows_for``) of workload ``index`` in this process; one dict
     per row."""
-    w = WORKLOADS[index]
-    qs, cache, meta = make_inputs(w, w.repeats)
+    w, repeats = WORKLOADS[index]
+    qs, cache, meta = query_sets(w, repeats)
     fns, results = {}, []
     for label, kind, kw in (rows_for(w)[i] for i in rows):
         reason = None if kind in ("triton", "auto") else backends.unavailable_reason(kind)
         if reason is not None:
             results.append(dict(label=label, error=reason[:80]))
             continue
-        fns[label] = (runner(kind, **kw), 1 if kind == "xla" else w.repeats)
+        fns[label] = (runner(kind, **kw), 1 if kind == "xla" else repeats)
     times = timed_rounds(fns, qs, cache, meta, rounds)
     for label, (fn, _) in fns.items():
         results.append(dict(label=label, times=times[label], err=check(fn, qs, cache, meta)))
@@ -173,7 +131,7 @@ _RESULT = "RESULT "
 def workload_in_child(index: int, labels: list[str], rounds: int) -> list[dict]:
     """``run_workload`` in a child process; if the child dies, the workload runs again without the
     peers, which are reported with the exit code."""
-    all_labels = [label for label, _, _ in rows_for(WORKLOADS[index])]
+    all_labels = [label for label, _, _ in rows_for(WORKLOADS[index][0])]
     cmd = [sys.executable, "-m", "benchmarks.bench_triton", "--child", str(index), "--rounds", str(rounds),
            "--child-rows", ",".join(str(all_labels.index(label)) for label in labels)]
     proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True)
@@ -204,14 +162,14 @@ def main() -> None:
         for result in run_workload(args.child, [int(i) for i in args.child_rows.split(",")], args.rounds):
             print(_RESULT + json.dumps(result), flush=True)
         return
-    command = " ".join(["python -m benchmarks.bench_triton"] + sys.argv[1:])
+    command = command_line()
     # The parent never touches the GPU (JAX would take most of its memory): the children time.
     lines = [f"Device: {device_name()}; jax {jax.__version__}; "
              f"{datetime.date.today().isoformat()}; command: `{command}`; {args.rounds} interleaved rounds\n",
              "| workload | row | time (median) | spread | TFLOP/s | KV TB/s | vs triton split | rel. err vs split |",
              "|---|---|---|---|---|---|---|---|"]
     summary = {}
-    for index, w in enumerate(WORKLOADS):
+    for index, (w, _) in enumerate(WORKLOADS):
         if args.quick and index not in (0, 2):
             continue
         labels = [label for label, _, _ in rows_for(w) if label not in skip and (not only or label in only)]
@@ -232,16 +190,7 @@ def main() -> None:
     lines += _targets(summary)
     text = "\n".join(lines)
     print(text)
-    write_section("triton", text + _kept_tuning_tables(), heading="triton (jaxattn's Triton kernels)",
-                  update_results=not only)
-
-
-def _kept_tuning_tables() -> str:
-    """The section's block-size tables (from benchmarks/tune_triton.py), which this run keeps."""
-    old = open(RESULTS).read() if os.path.exists(RESULTS) else ""
-    begin, end = old.find("<!-- triton:begin -->"), old.find("<!-- triton:end -->")
-    start = old.find(TUNING_HEADING, begin)
-    return "\n\n" + old[start:end].strip("\n") if 0 <= begin < start < end else ""
+    write_section("triton", text, heading="triton (jaxattn's Triton kernels)", update=not only)
 
 
 def _targets(s: dict) -> list[str]:
@@ -250,7 +199,7 @@ def _targets(s: dict) -> list[str]:
     def ratio(a, b):
         return s[a] / s[b] if a in s and b in s else None
 
-    decode, prefill, mixed = (w.name for w in WORKLOADS[:3])
+    decode, prefill, mixed = (w.name for w, _ in WORKLOADS[:3])
     r = ratio((decode, "triton split"), (decode, "trtllm"))
     out.append(f"- decode: triton / XQA time = {r:.2f} (target <= 1.25)" if r else "- decode: XQA not measured")
     r = ratio((prefill, "cudnn"), (prefill, "triton split"))

@@ -15,7 +15,8 @@ torch share through dlpack; every sequence at kv_len, or uniform in [kv_len / 2,
     its default PDL setting) and ``BatchDecodeWithPagedKVCacheWrapper`` (fa2): R calls in a
     CUDA graph, timed with CUDA events, (t(2R) - t(R)) / R likewise.
   * jaxattn ``backend="xla"`` (gather + attention): median wall time of single jitted calls.
-  * device copy bandwidth: torch device-to-device copy of 4 GiB, (read + write bytes) / time.
+  * device copy bandwidth: a jitted elementwise pass over 4 GiB, (read + write bytes) / GPU time
+    (``benchmarks.common.copy_bandwidth``).
 ``--frontier`` runs the low-batch long-context points instead (B in {1, 2, 4} x kv in {16k, 32k,
 128k}) with jaxattn's ``triton`` and ``auto`` backends too (chained like trtllm), without the xla
 backend, and writes the decode-frontier section. ``--fp8`` runs B=64 (kv U[2048,4096] and 4096),
@@ -29,13 +30,8 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import dataclasses
-import datetime
 import math
 import os
-import statistics
-import sys
-import time
 import traceback
 
 # JAX and torch share the GPU (and the cache, through dlpack): leave torch room for workspaces.
@@ -45,59 +41,23 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-import jaxattn  # noqa: E402
 from benchmarks.common import (  # noqa: E402
-    DTYPE, HKV, HQ, PAGE, D, Inputs, device_name, make_inputs, rel_error, write_section)
+    HKV, HQ, PAGE, READ_RATE, D, Budget, Case, Inputs, add_torch_peer, command_line, copy_bandwidth, device_name,
+    fp8_inputs, make_inputs, notes_line, rel_error, repeats_for, require_backend, time_chained, time_single,
+    torch_peers, utc_now, write_section)
 from jaxattn.backends import _xqa_build, trtllm  # noqa: E402
 from jaxattn.backends.base import AttentionParams  # noqa: E402
 
 PEERS = ("jaxattn trtllm", "jaxattn triton", "jaxattn auto", "flashinfer xqa", "flashinfer fa2", "jaxattn xla",
          "jaxattn trtllm fp8", "flashinfer xqa fp8")
-KEY_CASE = (64, 4096)
-
-
-@dataclasses.dataclass(frozen=True)
-class Case:
-    batch: int
-    kv_len: int
-    ragged: bool = False   # lengths uniform in [kv_len / 2, kv_len] instead of all kv_len
-
-    def lens(self) -> np.ndarray:
-        if not self.ragged:
-            return np.full(self.batch, self.kv_len, np.int32)
-        return np.random.default_rng(1).integers(self.kv_len // 2, self.kv_len + 1, self.batch).astype(np.int32)
-
-    @property
-    def kv_bytes(self) -> int:
-        return 2 * int(self.lens().sum()) * HKV * D * jnp.dtype(DTYPE).itemsize
-
-    def __str__(self) -> str:
-        return f"B={self.batch} kv={f'U[{self.kv_len // 2},{self.kv_len}]' if self.ragged else self.kv_len}"
-
-
-TARGET_CASE = Case(*KEY_CASE, ragged=True)
-SWEEP = [TARGET_CASE, Case(*KEY_CASE)] + [Case(b, n) for b in (1, 8, 64, 256) for n in (512, 4096, 32768)
-                                          if (b, n) != KEY_CASE]
-QUICK = [TARGET_CASE, Case(*KEY_CASE), Case(1, 512), Case(256, 32768)]
+KEY_CASE = Case.decode(64, 4096)
+TARGET_CASE = Case.decode(64, 4096, ragged=True)
+SWEEP = [TARGET_CASE, KEY_CASE] + [Case.decode(b, n) for b in (1, 8, 64, 256) for n in (512, 4096, 32768)
+                                   if (b, n) != (64, 4096)]
+QUICK = [TARGET_CASE, KEY_CASE, Case.decode(1, 512), Case.decode(256, 32768)]
 # Low batch, long context: too few (request, KV head) pairs to fill the GPU without splitting keys.
-FRONTIER = [Case(b, n) for b in (1, 2, 4) for n in (16384, 32768, 131072)]
-FP8_CASES = [TARGET_CASE, Case(*KEY_CASE), Case(256, 4096), Case(8, 32768)]
-
-
-def case_inputs(case: Case) -> Inputs:
-    """The shared inputs, with the case's (possibly ragged) lengths; tables keep kv_len's pages."""
-    x = make_inputs(case.batch, 1, case.kv_len)
-    return dataclasses.replace(x, meta=dataclasses.replace(x.meta, kv_lens=jnp.asarray(case.lens())))
-
-
-def fp8_inputs(x: Inputs) -> Inputs:
-    """``x`` with its pages stored as float8_e4m3fn, each pool scaled so that its largest magnitude is 448."""
-    def quantize(pages: jax.Array) -> tuple[jax.Array, jax.Array]:
-        scale = jnp.max(jnp.abs(pages.astype(jnp.float32))) / 448.0
-        return (pages.astype(jnp.float32) / scale).astype(jnp.float8_e4m3fn), scale
-
-    (k, k_scale), (v, v_scale) = quantize(x.cache.k_pages), quantize(x.cache.v_pages)
-    return dataclasses.replace(x, cache=jaxattn.KVCache(k, v, layout="HND", k_scale=k_scale, v_scale=v_scale))
+FRONTIER = [Case.decode(b, n) for b in (1, 2, 4) for n in (16384, 32768, 131072)]
+FP8_CASES = [TARGET_CASE, KEY_CASE, Case.decode(256, 4096), Case.decode(8, 32768)]
 
 
 def host_executions(x: Inputs) -> int:
@@ -108,141 +68,12 @@ def host_executions(x: Inputs) -> int:
     return lib.jaxattn_xqa_host_executions()
 
 
-def repeats_for(case: Case, rate: float = 3e12, target_s: float = 5e-3) -> int:
-    """Decodes per timed call: enough work to dwarf a launch."""
-    return int(min(64, max(2, math.ceil(target_s / (case.kv_bytes / rate)))))
-
-
-def _difference(run_r, run_2r, repeats: int, trials: int) -> float:
-    """Seconds per call from interleaved medians of R and 2R calls."""
-    t_r, t_2r = [], []
-    for _ in range(trials):
-        t_r.append(run_r())
-        t_2r.append(run_2r())
-    per_call = (statistics.median(t_2r) - statistics.median(t_r)) / repeats
-    return per_call if per_call > 0 else statistics.median(t_2r) / (2 * repeats)
-
-
 def time_trtllm(x: Inputs, repeats: int, trials: int = 9) -> tuple[float, jax.Array, str]:
     """Seconds per decode of jaxattn trtllm, one call's output, and how often the handler's host
     code ran for how many calls."""
     recorded = host_executions(x)
     seconds, out, calls = time_chained(x, repeats, "trtllm", trials)
     return seconds, out, f"handler host runs {host_executions(x) - recorded} for {calls} calls"
-
-
-def time_chained(x: Inputs, repeats: int, backend: str, trials: int = 9) -> tuple[float, jax.Array, int]:
-    """Seconds per call of jaxattn ``backend`` (R and 2R calls chained through their outputs in
-    one jit), one call's output, and the number of calls run."""
-    return time_chained_calls(lambda q, cache, meta: jaxattn.paged_attention(q, cache, meta, backend=backend),
-                              x.q, (x.cache, x.meta), repeats, trials)
-
-
-def time_chained_calls(attend, q: jax.Array, operands: tuple, repeats: int, trials: int = 9
-                       ) -> tuple[float, jax.Array, int]:
-    """Seconds per call of ``attend(q, *operands)``, whose output has ``q``'s shape: R and 2R calls
-    chained through their outputs (q <- out) in one jit, (t(2R) - t(R)) / R of wall-clock
-    medians. Also one call's output and the number of calls run."""
-
-    def chain(r):
-        @jax.jit
-        def run(q, *operands):
-            for _ in range(r):
-                q = attend(q, *operands)
-            return q
-        return run
-
-    one, short, long = chain(1), chain(repeats), chain(2 * repeats)
-    out = one(q, *operands).block_until_ready()
-    calls = [1]
-
-    def timed(fn, r):
-        def run():
-            start = time.perf_counter()
-            fn(q, *operands).block_until_ready()
-            calls[0] += r
-            return time.perf_counter() - start
-        for _ in range(3):
-            run()
-        return run
-
-    seconds = _difference(timed(short, repeats), timed(long, 2 * repeats), repeats, trials)
-    return seconds, out, calls[0]
-
-
-def time_xla(x: Inputs, trials: int = 5) -> tuple[float, jax.Array]:
-    fn = jax.jit(lambda q, c, m: jaxattn.paged_attention(q, c, m, backend="xla"))
-    out = fn(x.q, x.cache, x.meta).block_until_ready()
-    times = []
-    for _ in range(trials):
-        start = time.perf_counter()
-        fn(x.q, x.cache, x.meta).block_until_ready()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times), out
-
-
-def time_torch(fn, repeats: int, trials: int = 7) -> tuple[float, str]:
-    """Seconds per call of ``fn`` (warmed up): CUDA graphs of R and 2R calls, else eager."""
-    import torch
-
-    def graph_of(r):
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for _ in range(r):
-                fn()
-        return graph.replay
-
-    try:
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            fn()
-        torch.cuda.current_stream().wait_stream(side)
-        runs, mode = (graph_of(repeats), graph_of(2 * repeats)), "graph"
-    except Exception as err:  # a peer that cannot be captured is timed eagerly
-        print(f"    (CUDA graph capture failed: {str(err)[:160]}; timing eagerly)")
-
-        def eager(r):
-            def run():
-                for _ in range(r):
-                    fn()
-            return run
-        runs, mode = (eager(repeats), eager(2 * repeats)), "eager"
-
-    def timed(run):
-        def measure():
-            start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            run()
-            stop.record()
-            stop.synchronize()
-            return start.elapsed_time(stop) * 1e-3
-        measure()
-        return measure
-
-    return _difference(timed(runs[0]), timed(runs[1]), repeats, trials), mode
-
-
-def add_torch_peer(row: dict, name: str, make, repeats: int, reference: jax.Array | None = None,
-                   against: str = "jaxattn") -> None:
-    """Times a torch peer into ``row["seconds"][name]`` (``time_torch``): ``make()`` gives its
-    zero-argument call returning a tensor. Its relative error against ``reference`` (``against``'s
-    output), eager timing, or its failure (a peer failing is a result) go to ``row["notes"]``."""
-    import torch
-
-    try:
-        fn = make()
-        out = fn()
-        torch.cuda.synchronize()
-        if reference is not None:
-            err = rel_error(jnp.asarray(out.float().cpu().numpy()), reference)
-            row["notes"].append(f"{name} vs {against} rel err {err:.1e}")
-        row["seconds"][name], mode = time_torch(fn, repeats)
-        if mode != "graph":
-            row["notes"].append(f"{name} timed eagerly")
-    except Exception as err:
-        row["notes"].append(f"{name} failed: {err!r}"[:300])
-        traceback.print_exc(limit=2)
 
 
 def flashinfer_runners(case: Case, x: Inputs) -> dict:
@@ -261,10 +92,10 @@ def flashinfer_runners(case: Case, x: Inputs) -> dict:
 
     def xqa(enable_pdl=None):
         return lambda: flashinfer.decode.trtllm_batch_decode_with_kv_cache(
-            q, (k, v), workspace, tables, lens, case.kv_len, bmm1_scale=scale, bmm2_scale=1.0,
+            q, (k, v), workspace, tables, lens, case.max_kv_len, bmm1_scale=scale, bmm2_scale=1.0,
             kv_layout="HND", backend="xqa", enable_pdl=enable_pdl)
 
-    lens_host = case.lens()
+    lens_host = np.asarray(case.kv_lens)
     pages = -(-lens_host // PAGE)
     indptr = torch.tensor(np.concatenate([[0], np.cumsum(pages)]), dtype=torch.int32, device=dev)
     indices = torch.cat([tables[b, :n] for b, n in enumerate(pages)])
@@ -291,36 +122,16 @@ def flashinfer_fp8_runner(case: Case, x8: Inputs):
     workspace = torch.zeros(256 << 20, dtype=torch.uint8, device=q.device)
     k_scale, v_scale = float(x8.cache.k_scale), float(x8.cache.v_scale)
     return lambda: flashinfer.decode.trtllm_batch_decode_with_kv_cache(
-        q, (k, v), workspace, tables, lens, case.kv_len, bmm1_scale=k_scale / math.sqrt(D), bmm2_scale=v_scale,
+        q, (k, v), workspace, tables, lens, case.max_kv_len, bmm1_scale=k_scale / math.sqrt(D), bmm2_scale=v_scale,
         kv_layout="HND", backend="xqa")
-
-
-def copy_bandwidth(gib: int = 4, trials: int = 9) -> float:
-    """Device-to-device copy rate in bytes/s, counting bytes read plus bytes written."""
-    import torch
-
-    src = torch.randint(0, 255, (gib << 30,), dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    dst.copy_(src)
-    times = []
-    for _ in range(trials):
-        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        dst.copy_(src)
-        stop.record()
-        stop.synchronize()
-        times.append(start.elapsed_time(stop) * 1e-3)
-    del src, dst
-    torch.cuda.empty_cache()
-    return 2 * (gib << 30) / statistics.median(times)
 
 
 def bench_case(case: Case, with_xla: bool, backends: tuple[str, ...] = (), fp8: bool = False) -> dict:
     """One row: jaxattn trtllm, the other jaxattn ``backends`` (chained like trtllm), the torch
     peers, (``with_xla``) the xla backend and (``fp8``) jaxattn trtllm and flashinfer xqa on the
     same pages in float8_e4m3fn."""
-    x = case_inputs(case)
-    repeats = repeats_for(case)
+    x = make_inputs(case)
+    repeats = repeats_for(case.kv_bytes / READ_RATE)
     row = {"case": case, "seconds": {}, "notes": []}
     row["seconds"]["jaxattn trtllm"], out, host_note = time_trtllm(x, repeats)
     row["notes"].append(host_note)
@@ -333,12 +144,7 @@ def bench_case(case: Case, with_xla: bool, backends: tuple[str, ...] = (), fp8: 
     for backend in backends:
         row["seconds"][f"jaxattn {backend}"], other, _ = time_chained(x, repeats, backend)
         row["notes"].append(f"{backend} vs trtllm rel err {rel_error(other, out):.1e}")
-    try:
-        runners = flashinfer_runners(case, x)
-    except Exception as err:
-        runners = {}
-        row["notes"].append(f"flashinfer setup failed: {err!r}"[:200])
-    for name, fn in runners.items():
+    for name, fn in torch_peers(row, lambda: flashinfer_runners(case, x)).items():
         add_torch_peer(row, name, lambda fn=fn: fn, repeats, reference=out if name == "flashinfer xqa" else None,
                        against="jaxattn trtllm")
     if fp8:
@@ -349,7 +155,7 @@ def bench_case(case: Case, with_xla: bool, backends: tuple[str, ...] = (), fp8: 
                        against="jaxattn trtllm fp8")
     if with_xla:
         try:
-            row["seconds"]["jaxattn xla"], ref = time_xla(x)
+            row["seconds"]["jaxattn xla"], ref = time_single(x, "xla")
             row["notes"].append(f"trtllm vs xla rel err {rel_error(out, ref):.1e}")
         except Exception as err:
             row["notes"].append(f"xla failed: {err!r}"[:200])
@@ -401,15 +207,15 @@ def summary(rows: list[dict], copy_rate: float) -> list[str]:
     return lines
 
 
-def write_results(rows: list[dict], copy_rate: float, command: str, update_results: bool = True) -> str:
+def write_results(rows: list[dict], copy_rate: float, command: str, update: bool = True) -> str:
     pdl = {name: [f"{r['case']}: {r['seconds'][name] * 1e6:.1f}" for r in rows if name in r["seconds"]]
            for name in ("flashinfer xqa, PDL off", "jaxattn trtllm, PDL off")}
     text = "\n".join([
         f"- device: {device_name()}; jax {jax.__version__}; flashinfer-python XQA sources, SM90 generic kernel (mha.cu)",
-        f"- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC; command: `{command}`",
+        f"- date: {utc_now()}; command: `{command}`",
         f"- bf16, Hq={HQ}, Hkv={HKV}, D={D}, page {PAGE}, HND, randomly permuted pool, every sequence at kv_len",
         f"  (U[a,b]: lengths uniform in [a, b], the issue's target point {TARGET_CASE}).",
-        f"- device copy bandwidth (read + write, torch D2D copy of 4 GiB): {copy_rate / 1e12:.2f} TB/s.",
+        f"- device copy bandwidth (read + write, a jitted pass over 4 GiB): {copy_rate / 1e12:.2f} TB/s.",
         "- time per decode (median; see the benchmark's docstring); TB/s = K+V bytes read / time;",
         "  ratios are speed ratios (peer time / jaxattn trtllm time: > 1 means jaxattn is faster);",
         "  trtllm / copy = jaxattn's KV read rate over the copy rate.",
@@ -422,10 +228,10 @@ def write_results(rows: list[dict], copy_rate: float, command: str, update_resul
         "",
         *summary(rows, copy_rate),
         "",
-        "Notes: " + "; ".join(f"{r['case']}: " + ", ".join(r["notes"]) for r in rows if r["notes"]),
+        notes_line(rows),
     ])
     return write_section("trtllm-decode", text, heading='TRTLLM / XQA paged decode (`backend="trtllm"`)',
-                         update_results=update_results)
+                         update=update)
 
 
 def write_comparison(rows: list[dict], copy_rate: float, command: str, *, section: str, heading: str, ours: str,
@@ -443,7 +249,7 @@ def write_comparison(rows: list[dict], copy_rate: float, command: str, *, sectio
                      f"rate{vs_peer}; fastest jaxattn row: {fastest}")
     text = "\n".join([
         f"- device: {device_name()}; jax {jax.__version__}; "
-        f"date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC; command: `{command}`",
+        f"date: {utc_now()}; command: `{command}`",
         f"- {setup}; device copy bandwidth {copy_rate / 1e12:.2f} TB/s; time per decode as in the trtllm section",
         f"  (jaxattn backends chained in one jit, flashinfer in a CUDA graph); ratios: peer time / {ours} time.",
         "",
@@ -451,7 +257,7 @@ def write_comparison(rows: list[dict], copy_rate: float, command: str, *, sectio
         "",
         *lines,
         "",
-        "Notes: " + "; ".join(f"{r['case']}: " + ", ".join(r["notes"]) for r in rows if r["notes"]),
+        notes_line(rows),
     ])
     return write_section(section, text, heading=heading)
 
@@ -470,43 +276,40 @@ def main() -> None:
                         help="the low-batch long-context points instead, with jaxattn's triton and auto backends too "
                              "(the decode-frontier section)")
     args = parser.parse_args()
-    reason = jaxattn.backends.unavailable_reason("trtllm")
-    if reason:
-        sys.exit(f"backend trtllm unavailable: {reason}")
+    require_backend("trtllm")
     copy_rate = copy_bandwidth()
     print(f"device copy bandwidth: {copy_rate / 1e12:.2f} TB/s", flush=True)
-    start, rows = time.time(), []
+    budget, rows = Budget(args.budget_s), []
     cases = FRONTIER if args.frontier else FP8_CASES if args.fp8 else QUICK if args.quick else SWEEP
     if args.cases:
-        wanted = {tuple(int(n) for n in c.split("x")) for c in args.cases.split(",")}
-        cases = [c for c in SWEEP if (c.batch, c.kv_len) in wanted and not c.ragged]
+        wanted = {str(Case.decode(*(int(n) for n in c.split("x")))) for c in args.cases.split(",")}
+        cases = [c for c in SWEEP if str(c) in wanted]
     for case in cases:
-        if time.time() - start > args.budget_s:
-            print(f"budget of {args.budget_s:.0f}s spent; skipping {case}")
+        if budget.spent(case):
             continue
         try:
-            with_xla = not (args.frontier or args.fp8) and case.batch * case.kv_len <= args.xla_max_tokens
+            with_xla = not (args.frontier or args.fp8) and sum(case.kv_lens) <= args.xla_max_tokens
             row = bench_case(case, with_xla=with_xla, backends=("triton", "auto") if args.frontier else (), fp8=args.fp8)
         except Exception:  # e.g. out of memory: report the others
             traceback.print_exc(limit=3)
             continue
         rows.append(row)
         print(case, {k: f"{v * 1e6:.1f}us" for k, v in row["seconds"].items()}, row["notes"], flush=True)
-    command = "python -m benchmarks.bench_trtllm_decode " + " ".join(sys.argv[1:])
+    command = command_line()
     setup = f"bf16 q, Hq={HQ}, Hkv={HKV}, D={D}, page {PAGE}, HND, randomly permuted pool"
     if args.frontier:
-        print(write_comparison(rows, copy_rate, command.strip(), section="decode-frontier",
+        print(write_comparison(rows, copy_rate, command, section="decode-frontier",
                                heading="Decode frontier (low batch, long context)", ours="jaxattn auto",
                                peer="flashinfer xqa", setup=f"{setup}, bf16 pages"))
     elif args.fp8:
-        print(write_comparison(rows, copy_rate, command.strip(), section="fp8-decode",
+        print(write_comparison(rows, copy_rate, command, section="fp8-decode",
                                heading="FP8 KV decode (`backend=\"trtllm\"`, float8_e4m3fn pages)",
                                ours="jaxattn trtllm fp8", peer="flashinfer xqa fp8",
                                setup=f"{setup}; fp8 rows: the bf16 pages scaled per pool to a largest "
                                      "magnitude of 448 and stored as float8_e4m3fn (half the bytes; TB/s "
                                      "counts the bytes read)"))
     else:
-        print(write_results(rows, copy_rate, command.strip(), update_results=not args.cases))
+        print(write_results(rows, copy_rate, command, update=not args.cases))
 
 
 if __name__ == "__main__":

@@ -2,7 +2,7 @@
 
     python -m benchmarks.tune_mla [--quick] [--budget-s 360] [--compile-only]
 
-Points (bf16, latent 512 + RoPE 64, page 64, randomly permuted pool; ``bench_mla.decode_inputs``):
+Points (bf16, latent 512 + RoPE 64, page 64, randomly permuted pool; ``benchmarks.common.mla_inputs``):
 B=64 x kv 4096 x Hq 128 (the issue's target), B=128 x kv 4096 x Hq 16 and B=1 x kv 16384 x Hq 128.
 Candidates: ``MLAConfig`` tiles (heads per tile, keys per tile, warps, stages) and KV segment
 counts around ``mla_config``'s choice, which is always a candidate. Every candidate is first
@@ -10,8 +10,8 @@ compiled for sm_90 in parallel CPU processes (``triton_call._compile`` fills Tri
 cache, so the timed process only loads), then timed as the GPU time of the decode and reduce
 kernels per call (profiler, median of 3 rounds of 20 calls); a candidate whose output is more than
 2e-2 (relative) from the xla backend's fails, as do those that do not compile or launch.
-``--compile-only`` stops after the compile phase (any machine). Writes ``$OUT/tune_mla.md`` (and
-prints it).
+``--compile-only`` stops after the compile phase (any machine). Writes the mla-tiles section of
+benchmarks/TUNING.md (``--quick``: only ``$OUT``) and prints it.
 """
 
 from __future__ import annotations
@@ -29,15 +29,16 @@ import time
 import jax
 
 import jaxattn
-from benchmarks.bench_mla import SCALE, DecodeCase, decode_inputs
-from benchmarks.common import device_event_seconds, device_name, rel_error
+from benchmarks.common import (MLA_SCALE, TUNING, MLACase, command_line, device_event_seconds, device_name,
+                               mla_inputs, rel_error, utc_now, write_section)
 from jaxattn.backends import triton as tb
 from jaxattn.backends.base import AttentionParams
 
-POINTS = (DecodeCase(64, 4096, 128), DecodeCase(128, 4096, 16), DecodeCase(1, 16384, 128))
+SECTION, HEADING = "mla-tiles", "MLA decode tiles (benchmarks/tune_mla.py)"
+POINTS = (MLACase(64, 4096, 128), MLACase(128, 4096, 16), MLACase(1, 16384, 128))
 
 
-def candidates(case: DecodeCase, quick: bool) -> list[tb.MLAConfig]:
+def candidates(case: MLACase, quick: bool) -> list[tb.MLAConfig]:
     """mla_config's choice first, then the tile grid at its segment count, then segment counts."""
     default = tb.mla_config(case.batch, case.heads, 512, case.kv_len, 1)
     if quick:
@@ -54,16 +55,16 @@ def candidates(case: DecodeCase, quick: bool) -> list[tb.MLAConfig]:
     return list(dict.fromkeys([default] + tiles + segments))
 
 
-PARAMS = AttentionParams(scale=SCALE, causal=True, sliding_window=None, softcap=None, has_sinks=False)
+PARAMS = AttentionParams(scale=MLA_SCALE, causal=True, sliding_window=None, softcap=None, has_sinks=False)
 
 
-def _compile_worker(case: DecodeCase, cfg: tb.MLAConfig) -> str | None:
+def _compile_worker(case: MLACase, cfg: tb.MLAConfig) -> str | None:
     """Compiles the launches of one candidate into Triton's cache (CPU process); an error line or None."""
     from jaxattn.kernels.triton_call import _compile
     jax.config.update("jax_platforms", "cpu")
     tb._interpreting = lambda: False                                 # the launches a GPU gets
     try:
-        shapes = jax.eval_shape(lambda: (lambda x: (x.q_latent, x.q_rope, x.cache, x.meta))(decode_inputs(case)))
+        shapes = jax.eval_shape(lambda: (lambda x: (x.q_latent, x.q_rope, x.cache, x.meta))(mla_inputs(case)))
         jaxpr = jax.make_jaxpr(lambda ql, qr, c, m: tb.mla_attention(ql, qr, c, m, PARAMS, config=cfg))(
             *shapes)
         for eqn in (e for e in jaxpr.eqns if e.primitive.name == "jaxattn_triton_call"):
@@ -75,7 +76,7 @@ def _compile_worker(case: DecodeCase, cfg: tb.MLAConfig) -> str | None:
         return f"{type(err).__name__}: {str(err).splitlines()[0][:100] if str(err) else ''}"
 
 
-def compile_all(jobs: list[tuple[DecodeCase, tb.MLAConfig]]) -> dict:
+def compile_all(jobs: list[tuple[MLACase, tb.MLAConfig]]) -> dict:
     """{(case, config): error or None}, compiled in parallel processes."""
     context = multiprocessing.get_context("spawn")
     workers = max(1, min(len(jobs), (os.cpu_count() or 2) - 1))
@@ -83,7 +84,7 @@ def compile_all(jobs: list[tuple[DecodeCase, tb.MLAConfig]]) -> dict:
         return dict(zip(jobs, pool.map(_compile_worker, *zip(*jobs))))
 
 
-def kernel_seconds(case: DecodeCase, cfg: tb.MLAConfig, x, reference: jax.Array) -> tuple[float, float]:
+def kernel_seconds(case: MLACase, cfg: tb.MLAConfig, x, reference: jax.Array) -> tuple[float, float]:
     """(GPU seconds per call, relative error against ``reference``)."""
     fn = jax.jit(lambda ql, qr, c, m: tb.mla_attention(ql, qr, c, m, PARAMS, config=cfg))
     call = lambda: fn(x.q_latent, x.q_rope, x.cache, x.meta)   # noqa: E731
@@ -113,14 +114,14 @@ def main() -> None:
         failed = {f"{case} {describe(cfg)}": error for (case, cfg), error in errors.items() if error}
         print(f"{len(jobs)} candidates compiled for sm_90; failed: {failed or 'none'}")
         sys.exit(1 if failed else 0)
-    lines = [f"Device: {device_name()}; jax {jax.__version__}; {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; "
-             f"command: `python -m benchmarks.tune_mla{' --quick' if args.quick else ''}`; {len(jobs)} candidates "
+    lines = [f"Device: {device_name()}; jax {jax.__version__}; {utc_now()}; "
+             f"command: `{command_line()}`; {len(jobs)} candidates "
              f"compiled in {time.time() - start:.0f} s. GPU time per call of the decode and reduce kernels, us; "
              f"first row: mla_config's choice."]
     for i, case in enumerate(POINTS):
-        x = decode_inputs(case)
+        x = mla_inputs(case)
         reference = jax.jit(lambda ql, qr, c, m: jaxattn.mla_paged_attention(
-            ql, qr, c, m, scale=SCALE, backend="xla"))(x.q_latent, x.q_rope, x.cache, x.meta)
+            ql, qr, c, m, scale=MLA_SCALE, backend="xla"))(x.q_latent, x.q_rope, x.cache, x.meta)
         results = []
         for cfg in candidates(case, args.quick):
             if time.time() - start > args.budget_s * (i + 1) / len(POINTS):
@@ -147,10 +148,8 @@ def main() -> None:
                 lines.append(f"| {describe(cfg)}{' (mla_config)' if cfg == results[0][0] else ''} | "
                              f"{sec * 1e6:.1f} | {default_s / sec:.2f}x | {case.latent_bytes / sec / 1e12:.2f} |")
         print("\n".join(lines[-len(results) - 4:]), flush=True)
-        if os.environ.get("OUT"):
-            with open(os.path.join(os.environ["OUT"], "tune_mla.md"), "w") as f:
-                f.write("\n".join(lines) + "\n")
-    print("\n".join(lines))
+        write_section(SECTION, "\n".join(lines), heading=HEADING, path=TUNING, update=False)   # a cut run keeps $OUT's
+    print(write_section(SECTION, "\n".join(lines), heading=HEADING, path=TUNING, update=not args.quick))
 
 
 if __name__ == "__main__":

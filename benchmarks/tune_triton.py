@@ -18,7 +18,8 @@ Points (bf16, Hq=32, Hkv=8, page 64, HND pool randomly permuted, causal):
            launch over the whole batch with our prefill tiles and with vLLM's decode tiles.
   short    (``--short``, instead of the above) B=64 and B=8 sequences verifying 4 or 16 draft
            tokens at kv 4096: the 2D kernel's tiles for speculative-decode steps.
-Writes ``$OUT/tune_triton.md`` (and prints it).
+Writes the triton-tiles (``--short``: triton-short-tiles) section of benchmarks/TUNING.md
+(``--quick``: only ``$OUT``) and prints it.
 """
 
 from __future__ import annotations
@@ -33,7 +34,8 @@ import os
 import statistics
 import time
 
-HQ, HKV, PAGE = 32, 8, 64
+from benchmarks.common import HKV, HQ, PAGE, TUNING, block_tables, command_line, utc_now, write_section
+
 # vLLM's unified kernel: BLOCK_M 16 for every batch, 32-key tiles (block_m, block_n, warps, stages).
 VLLM_TILES = (16, 32, 4, 2)
 
@@ -152,14 +154,7 @@ class Problem:
     def __init__(self, batch: Batch, num_decodes: int, seed: int = 0):
         import numpy as np
         import torch
-        rng = np.random.default_rng(seed)
-        need = [-(-k // PAGE) for k in batch.kv_lens]
-        perm = rng.permutation(np.arange(1, batch.num_pages))
-        tables = np.zeros((len(need), batch.width), np.int32)
-        start = 0
-        for b, n in enumerate(need):
-            tables[b, :n] = perm[start:start + n]
-            start += n
+        tables = block_tables(batch.kv_lens, seed)
         gen = torch.Generator("cuda").manual_seed(seed)
         dev = dict(device="cuda")
         shape = (batch.num_pages, HKV, PAGE, batch.head_dim)
@@ -366,19 +361,19 @@ def main() -> None:
     import torch
     import triton
     lines = [f"Device: {torch.cuda.get_device_name()}; torch {torch.__version__}; triton {triton.__version__}; "
-             f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; command: `python -m benchmarks.tune_triton "
-             f"--head-dims {args.head_dims}{' --short' if args.short else ''}`. Times are do_bench medians in ms; the best 6 of each table are "
+             f"{utc_now()}; command: `{command_line()}`. Times are do_bench medians in ms; the best 6 of each table are "
              f"re-timed in {args.rounds} interleaved rounds (median of rounds, spread = (max - min) / median); "
              f"bold: the winner."]
 
-    def save():
-        if os.environ.get("OUT"):
-            with open(os.path.join(os.environ["OUT"], "tune_triton.md"), "w") as f:
-                f.write("\n".join(lines) + "\n")
+    name, heading = (("triton-short-tiles", "Triton short-query tiles (benchmarks/tune_triton.py --short)")
+                     if args.short else ("triton-tiles", "Triton block sizes (benchmarks/tune_triton.py)"))
+
+    def save(update: bool = False) -> str:
+        return write_section(name, "\n".join(lines), heading=heading, path=TUNING, update=update)
 
     for d in (int(x) for x in args.head_dims.split(",")):
         (tune_short if args.short else tune_head_dim)(d, args.quick, args.rounds, lines, save)
-    print("\n".join(lines))
+    print(save(update=not args.quick))
 
 
 if __name__ == "__main__":

@@ -13,8 +13,9 @@ table gives the GPU time per call of the whole ``backend="trtllm"`` call and of 
 ``zero_rows_without_keys`` kernel follows XQA with programmatic dependent launch, so it starts
 early, waits for XQA, and its duration (part of the whole call's sum) repeats most of XQA's. The
 last table breaks one point's call into its kernels. ``--fp8`` runs the same points with the pages in float8_e4m3fn
-(``bench_trtllm_decode.fp8_inputs``), which XQA's Hopper kernel serves: its split formula gives a
+(``benchmarks.common.fp8_inputs``), which XQA's Hopper kernel serves: its split formula gives a
 quarter of the CTAs the generic kernel's does, so larger multiples matter there.
+Writes the xqa-splits (``--fp8``: xqa-splits-fp8) section of benchmarks/TUNING.md.
 """
 
 from __future__ import annotations
@@ -25,10 +26,8 @@ import statistics
 import jax
 
 import jaxattn
-from benchmarks.bench_e2e import copy_bandwidth
-from benchmarks.bench_triton import Workload, make_inputs
-from benchmarks.bench_trtllm_decode import fp8_inputs
-from benchmarks.common import Inputs, device_event_seconds, device_name
+from benchmarks.common import (HKV, HQ, PAGE, TUNING, D, Case, command_line, copy_bandwidth, device_event_seconds,
+                               device_name, fp8_inputs, make_inputs, utc_now, write_section)
 from jaxattn.backends import trtllm
 
 FRONTIER = [(b, kv) for b in (1, 2, 4) for kv in (4096, 16384, 32768, 131072)]
@@ -54,17 +53,19 @@ def main() -> None:
     multiples = [float(m) for m in (args.multiples or ("1,2,4,8,16,32" if args.fp8 else "1,2,3,4,6,8")).split(",")]
     sms = trtllm._sm_count()
     copy_rate = copy_bandwidth()
-    print(f"{device_name()}; {sms} SMs; copy rate {copy_rate / 1e12:.2f} TB/s; {'fp8' if args.fp8 else 'bf16'} pages")
-    print("| B | kv | SM count given | whole call us | XQA us | of copy rate (whole) |")
-    print("|---|---|---|---|---|---|")
+    lines = [f"Device: {device_name()} ({sms} SMs); jax {jax.__version__}; {utc_now()}; command: `{command_line()}`; "
+             f"copy rate {copy_rate / 1e12:.2f} TB/s; {'float8_e4m3fn' if args.fp8 else 'bf16'} pages, bf16 q, "
+             f"Hq={HQ}, Hkv={HKV}, D={D}, page {PAGE}. GPU time per call (profiler, median of 3 rounds of 20 calls).",
+             "", "| B | kv | SM count given | whole call us | XQA us | of copy rate (whole) |",
+             "|---|---|---|---|---|---|"]
+    print("\n".join(lines), flush=True)
     default_split = trtllm.split_sm_count
     breakdown = None
     for batch, kv in FRONTIER if args.points == "frontier" else ALL:
-        w = Workload(f"B={batch} kv={kv}", (1,) * batch, (kv,) * batch, decode_only=True)
-        (q,), cache, meta = make_inputs(w, 1)
-        if args.fp8:
-            cache = fp8_inputs(Inputs(q, cache, meta)).cache
-        kv_bytes = w.kv_bytes // 2 if args.fp8 else w.kv_bytes
+        case = Case.decode(batch, kv)
+        x = make_inputs(case)
+        q, cache, meta = x.q, fp8_inputs(x).cache if args.fp8 else x.cache, x.meta
+        kv_bytes = case.kv_bytes // 2 if args.fp8 else case.kv_bytes
         for m in [None] + multiples:       # None: split_sm_count's own choice, recorded as the call makes it
             chosen = []
             pick = default_split if m is None else (lambda *_, count=int(round(m * sms)): count)
@@ -72,16 +73,19 @@ def main() -> None:
             fn = jax.jit(lambda q, c, mt: jaxattn.paged_attention(q, c, mt, backend="trtllm"))
             whole, xqa, events = profile(lambda: fn(q, cache, meta))
             label = f"{chosen[-1]} (split_sm_count)" if m is None else str(chosen[-1])
-            print(f"| {batch} | {kv} | {label} | {whole * 1e6:.1f} | {xqa * 1e6:.1f} | "
-                  f"{kv_bytes / whole / copy_rate:.0%} |", flush=True)
+            lines.append(f"| {batch} | {kv} | {label} | {whole * 1e6:.1f} | {xqa * 1e6:.1f} | "
+                         f"{kv_bytes / whole / copy_rate:.0%} |")
+            print(lines[-1], flush=True)
             if m == 1 and batch == 1 and kv == 32768:
                 breakdown = events
             jax.clear_caches()
         trtllm.split_sm_count = default_split
     if breakdown:
-        print("\nB=1 kv=32768, the device's SM count: kernels of one call")
-        for name, t in sorted(breakdown.items(), key=lambda x: -x[1]):
-            print(f"  {t * 1e6:7.2f} us  {name[:120]}")
+        lines += ["", "B=1 kv=32768, the device's SM count: kernels of one call", "", "| us | kernel |", "|---|---|"]
+        lines += [f"| {t * 1e6:.2f} | `{name[:120]}` |" for name, t in sorted(breakdown.items(), key=lambda x: -x[1])]
+    name, heading = ("xqa-splits-fp8", "XQA split count, fp8 pages (benchmarks/tune_xqa_splits.py --fp8)") if args.fp8 \
+        else ("xqa-splits", "XQA split count (benchmarks/tune_xqa_splits.py)")
+    print(write_section(name, "\n".join(lines), heading=heading, path=TUNING))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,76 @@
+"""The engine's jitted decode step on random caches, and the bytes it must read: shared by the
+whole-step benchmarks (bench_e2e, bench_tp)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+import jaxattn
+from benchmarks.common import PAGE
+from jaxattn.attention import backend_for
+from jaxattn.engine_step import make_engine_step
+from jaxattn.models.llama import Llama
+
+
+def fill(model: Llama, batch: int, context: int, steps: int, seed: int, mesh: Mesh | None = None):
+    """Caches with random KV, and a table where every sequence holds ``context - 1`` tokens; with
+    a ``mesh``, the pools split by KV heads and the table replicated (as ``Engine(mesh=)``)."""
+    pages_per_seq = -(-(context + steps) // PAGE)
+    num_pages = 1 + batch * pages_per_seq
+    caches = model.init_caches(num_pages, PAGE, "HND", mesh=mesh)
+    key = jax.random.key(seed)
+    caches = [jaxattn.KVCache(*(jax.device_put(jax.random.normal(k, c.k_pages.shape, c.dtype), c.k_pages.sharding)
+                                for k in keys), layout=c.layout)
+              for c, keys in zip(caches, jax.random.split(key, (len(caches), 2)))]
+    table = jaxattn.PageTable.create(num_pages, batch, pages_per_seq, PAGE)
+    if mesh is not None:
+        table = jax.device_put(table, NamedSharding(caches[0].k_pages.sharding.mesh, PartitionSpec()))
+    ids = jnp.arange(batch, dtype=jnp.int32)
+    table, ok = jax.jit(jaxattn.PageTable.extend)(table, ids, jnp.full((batch,), context - 1, jnp.int32))
+    assert bool(ok.all())
+    return caches, table
+
+
+def decode_step(model: Llama, backend: str, batch: int, context: int, steps: int, mesh: Mesh | None = None):
+    """``(model_step, state, weights, plan)``: one greedy decode step of the engine as a function
+    of its state (next tokens, caches, table), chained calls of which decode ``batch`` sequences
+    from ``context - 1`` tokens on (room for ``7 * steps + 8`` steps); the first state; the
+    model's weights; what ``paged_attention`` runs. With a ``mesh`` (a model placed by
+    ``shard_model``), the caches and table are placed as ``Engine(mesh=)`` places them."""
+    cfg = model.cfg
+    step, weights = make_engine_step(model)
+    caches, table = fill(model, batch, context, 7 * steps + 8, seed=batch + context, mesh=mesh)
+    ids = jnp.arange(batch, dtype=jnp.int32)
+    ones = jnp.ones((batch,), jnp.int32)
+    no_release = jnp.full((batch,), -1, jnp.int32)
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, cfg.vocab_size, size=batch), jnp.int32)
+    q = jnp.zeros((batch, cfg.num_q_heads, cfg.head_dim), cfg.dtype)
+    meta = table.metadata(ids, ones, max_q_len=1)
+    plan = str(backend_for(q, caches[0], meta, backend=backend))
+
+    def model_step(state):
+        tok, caches, table = state
+        tok, ok, caches, table = step(weights, caches, table, no_release, tok, ids, ones, max_q_len=1,
+                                      backend=backend)
+        return tok, caches, table
+
+    return model_step, (tokens, caches, table), weights, plan
+
+
+def step_bytes(cfg, weights: list[jax.Array], batch: int, context: int) -> tuple[float, float]:
+    """(weight bytes, KV bytes) a decode step must read: every weight once (embedding: only the
+    ``batch`` rows read) and the K/V of every layer once."""
+    weight_bytes = sum(x.size * x.dtype.itemsize for x in weights) \
+        - cfg.vocab_size * cfg.dim * jnp.dtype(cfg.dtype).itemsize + batch * cfg.dim * 2   # embed: B rows
+    kv_bytes = 2 * cfg.num_layers * batch * context * cfg.num_kv_heads * cfg.head_dim * jnp.dtype(cfg.dtype).itemsize
+    return weight_bytes, kv_bytes
+
+
+def fits(cfg, batch: int, context: int, free_bytes: float) -> bool:
+    """Whether the KV of ``batch`` sequences at ``context`` (and the xla backend's per-layer gather) fit."""
+    kv = 2 * cfg.num_layers * batch * (context + 64) * cfg.num_kv_heads * cfg.head_dim * 2
+    gather = 2 * batch * context * cfg.num_kv_heads * cfg.head_dim * 2   # the xla backend's per-layer gather
+    return kv + 2 * gather < 0.8 * free_bytes
