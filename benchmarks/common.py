@@ -485,7 +485,7 @@ def write_section(name: str, text: str, *, heading: str, path: str = RESULTS, up
     """Puts ``text`` between ``<!-- name:begin/end -->`` markers in the results file ``path``
     (RESULTS.md, or TUNING.md for a parameter sweep), replacing the section or appending it under
     ``## heading``, unless not ``update``; and a copy in ``$OUT/<name>_results.md``. Returns the
-    section."""
+    section. RESULTS.md's headline table is then stale: ``python -m benchmarks.headline``."""
     section = f"<!-- {name}:begin -->\n{text}\n<!-- {name}:end -->"
     if os.environ.get("OUT"):
         with open(os.path.join(os.environ["OUT"], f"{name}_results.md"), "w") as f:
@@ -497,6 +497,8 @@ def write_section(name: str, text: str, *, heading: str, path: str = RESULTS, up
             new = old.rstrip("\n") + f"\n\n## {heading}\n\n" + section + "\n"
         with open(path, "w") as f:
             f.write(new)
+        if path == RESULTS:
+            print("benchmarks/RESULTS.md changed: refresh its headline table with python -m benchmarks.headline")
     return section
 
 

@@ -365,7 +365,8 @@ def main() -> None:
              f"re-timed in {args.rounds} interleaved rounds (median of rounds, spread = (max - min) / median); "
              f"bold: the winner."]
 
-    name, heading = (("triton-short-tiles", "Triton short-query tiles (benchmarks/tune_triton.py --short)")
+    name, heading = (("triton-short-tiles",
+                      "Triton short-query tiles (speculative decode; `benchmarks/tune_triton.py --short`)")
                      if args.short else ("triton-tiles", "Triton block sizes (benchmarks/tune_triton.py)"))
 
     def save(update: bool = False) -> str:

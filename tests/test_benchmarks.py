@@ -1,5 +1,6 @@
 """The benchmarks' CPU smoke modes run (each in a fresh Python, as on the device): they measure
-nothing, but keep the benchmarks from breaking between GPU sessions."""
+nothing, but keep the benchmarks from breaking between GPU sessions. And RESULTS.md's headline
+table is the one its sections give."""
 from __future__ import annotations
 
 import os
@@ -18,6 +19,27 @@ def test_smoke_run(module, tmp_path):
                             capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
 
+
+def test_headline_is_up_to_date(tmp_path):
+    """The committed RESULTS.md's headline table is what ``benchmarks.headline`` generates from its
+    sections: on a copy, ``--check`` passes and a rewrite changes nothing; once a number in a
+    section changes, ``--check`` fails and a rewrite carries the new number into the table."""
+    from benchmarks import headline
+
+    committed = open(os.path.join(REPO, "benchmarks", "RESULTS.md")).read()
+    copy = tmp_path / "RESULTS.md"
+    copy.write_text(committed)
+    headline.main(["--check", "--file", str(copy)])
+    headline.main(["--file", str(copy)])
+    assert copy.read_text() == committed
+
+    row = "| B=64 kv=U[2048,4096] | 192.1 (4.15) |"   # the trtllm-decode section's target point
+    assert committed.count(row) == 1
+    copy.write_text(committed.replace(row, "| B=64 kv=U[2048,4096] | 180.0 (4.15) |"))
+    with pytest.raises(SystemExit, match="stale"):
+        headline.main(["--check", "--file", str(copy)])
+    headline.main(["--file", str(copy)])
+    assert "| 180.0 us, trtllm | flashinfer xqa 196.8 us | 1.09x |" in copy.read_text()
 
 
 def test_tune_mla_candidates_compile_for_sm90(tmp_path):
