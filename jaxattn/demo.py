@@ -24,7 +24,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import time
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -34,7 +36,7 @@ from jax.sharding import AxisType
 
 import jaxattn
 from jaxattn.attention import backend_for
-from jaxattn.engine import Engine, progress_bar
+from jaxattn.engine import Engine
 from jaxattn.models import from_pretrained
 from jaxattn.models.llama import PRESETS, Llama, LlamaConfig, shard_model
 
@@ -54,6 +56,24 @@ def attention_plans(cfg: LlamaConfig, engine: Engine) -> dict[str, str]:
         q = jnp.zeros((num_tokens, cfg.num_q_heads, cfg.head_dim), cfg.dtype)
         plans[phase] = str(backend_for(q, cache, meta, backend=engine.backend))
     return plans
+
+
+def progress_bar(width: int = 30) -> Callable[[int, int], None]:
+    """A one-line progress bar on stderr: requests done / total, elapsed time."""
+    start = time.perf_counter()
+    interactive = sys.stderr.isatty()
+
+    def show(done: int, total: int) -> None:
+        if not interactive and done < total:
+            return
+        filled = width * done // max(total, 1)
+        sys.stderr.write(f"\r  [{'#' * filled}{'.' * (width - filled)}] {done}/{total} requests "
+                         f"{time.perf_counter() - start:6.1f}s")
+        if done == total:
+            sys.stderr.write("\n")
+        sys.stderr.flush()
+
+    return show
 
 
 def positive_int(text: str) -> int:
@@ -132,7 +152,7 @@ def build_parser(on_gpu: bool) -> argparse.ArgumentParser:
                        help="override the preset's number of layers")
     model.add_argument("--dtype", choices=DTYPES, default=None,
                        help="weights and activations (default: the checkpoint's, or the preset's)")
-    model.add_argument("--backend", default="auto", choices=("auto",) + jaxattn.backends.BACKENDS,
+    model.add_argument("--backend", default="auto", choices=("auto",) + jaxattn.backends.ALL_BACKENDS,
                        help="paged_attention backend (default: auto)")
     prompts = parser.add_argument_group("requests")
     prompts.add_argument("--prompt-ids", metavar="FILE",
@@ -244,8 +264,8 @@ def main(argv: list[str] | None = None) -> None:
           f"{args.new_tokens} new tokens each, {args.max_seqs} sequences in flight, prefill chunk "
           f"{args.chunk_size}, page {args.page_size}; tensor parallel over {tp} devices, "
           f"{jax.process_count()} processes")
-    engine = make_engine()
     try:
+        engine = make_engine()
         plans = attention_plans(cfg, engine)
     except ValueError as err:                    # a backend that cannot run here, or not these shapes
         parser.error(f"--backend {args.backend}: {err}")

@@ -50,7 +50,7 @@ def test_a_backend_that_cannot_run_here_is_a_usage_error(capsys):
     with pytest.raises(SystemExit) as exit_info:
         demo.main(["--backend", "cudnn", "--layers", "1", "--requests", "1"])
     assert exit_info.value.code == 2
-    assert "--backend cudnn: paged_attention: backend 'cudnn' is not available: no NVIDIA GPU" in capsys.readouterr().err
+    assert "--backend cudnn: Engine: backend 'cudnn' cannot run here: no NVIDIA GPU" in capsys.readouterr().err
 
 
 @pytest.fixture(scope="module")

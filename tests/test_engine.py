@@ -14,10 +14,14 @@ from hypothesis import strategies as st
 
 import jaxattn
 from jaxattn import attention as attention_module
-from jaxattn.engine import Engine, PrefixOps
+from jaxattn.engine import Engine
+from jaxattn.models.deepseek import PRESETS as DEEPSEEK_PRESETS
+from jaxattn.models.deepseek import DeepSeek
 from jaxattn.models.llama import PRESETS, Llama, forward_paged
-from jaxattn.sampling import SamplingBatch, SamplingParams
+from jaxattn.sampling import SamplingParams
+from tests.conftest import HAS_GPU
 from tests.models.test_llama import dense_greedy
+from tests.test_engine_step import trace_step
 from tests.paged_inputs import rel_error
 from tests.test_sharding import run_on_cpu_devices
 from tests.xla_dump import run_with_dump, thunk_sequences, top_level_thunks
@@ -45,21 +49,21 @@ def check_host_view(engine: Engine) -> None:
     """Between steps: each running request's pages and length are the device table's, and the
     cached pages are the host's (less those it marks in the next step)."""
     tables, lens = np.asarray(engine.table.block_tables), np.asarray(engine.table.seq_lens)
-    for r in engine.running:
+    for r in engine.scheduler.running:
         assert lens[r.slot] == r.computed and len(r.blocks) == -(-r.computed // engine.page_size)
         known = np.asarray(r.blocks) > 0
         np.testing.assert_array_equal(tables[r.slot, :len(r.blocks)][known], np.asarray(r.blocks)[known])
     cached = set(np.nonzero(np.asarray(engine.table.cached))[0].tolist())
-    assert cached == set(engine.pool.key_of) - set(engine._to_mark)
+    assert cached == set(engine.scheduler.pool.key_of) - set(engine.scheduler.to_mark)
 
 
 def check_drained(engine: Engine) -> None:
     """After an idle step: no page is held, and the host's view of the pool is the device's."""
-    table = engine.table
+    table, pool = engine.table, engine.scheduler.pool
     cached = np.asarray(table.cached)
     assert not np.asarray(table.refcount).any() and not np.asarray(table.seq_lens).any()
-    assert int(table.num_free) == engine.pool.free
-    assert set(np.nonzero(cached)[0].tolist()) == set(engine.pool.evictable) == set(engine.pool.key_of)
+    assert int(table.num_free) == pool.free
+    assert set(np.nonzero(cached)[0].tolist()) == set(pool.evictable) == set(pool.key_of)
     assert int(table.num_free) + int(cached.sum()) == table.num_pages - 1
 
 
@@ -232,49 +236,110 @@ def _tiny_model() -> Llama:
     return Llama(PRESETS["tiny"], nnx.Rngs(0))
 
 
-def test_add_request_errors():
-    engine = Engine(Llama(PRESETS["tiny"], nnx.Rngs(0)), max_seqs=2, max_seq_len=16, page_size=8, chunk_size=8)
-    with pytest.raises(ValueError, match="max_seq_len=16"):
-        engine.add_request(np.arange(10), 7)
-    with pytest.raises(ValueError, match="non-empty prompt"):
-        engine.add_request([], 3)
-    vocab = PRESETS["tiny"].vocab_size
-    for bad in ([1, vocab], [-1, 2]):
-        with pytest.raises(ValueError, match=rf"prompt token ids must be in \[0, {vocab}\)"):
-            engine.add_request(bad, 3)
+_ARGS = dict(max_seqs=2, max_seq_len=16, page_size=8, chunk_size=8)
 
 
-@pytest.mark.parametrize("name, value", [("page_size", 0), ("max_seqs", 0), ("num_pages", 0), ("chunk_size", 1.5)])
-def test_engine_argument_errors(name, value):
-    with pytest.raises(ValueError, match=f"Engine: {name} must be"):
-        Engine(_tiny_model(), **{**dict(max_seqs=2, max_seq_len=16, page_size=8, chunk_size=8), name: value})
+@pytest.mark.parametrize("prompt, max_new_tokens, match", [
+    ([1, 2], 2.5, "max_new_tokens must be an int >= 1, got 2.5"),
+    ([1, 2], True, "max_new_tokens must be an int >= 1, got True"),
+    ([1, 2], 0, "max_new_tokens must be an int >= 1, got 0"),
+    ([1, 2], -1, "max_new_tokens must be an int >= 1, got -1"),
+    ([1, 2], np.float32(3), "max_new_tokens must be an int >= 1"),
+    ([1.7, 2.9], 3, r"prompt must be a non-empty 1-D sequence of int token ids, got float64\[2\]"),
+    ([[1, 2], [3, 4]], 3, r"prompt must be .*, got int64\[2, 2\]"),
+    ([[1, 2], [3]], 3, r"prompt must be .*, got list"),
+    ([], 3, r"prompt must be a non-empty .*, got float64\[0\]"),
+    (np.zeros(0, np.int32), 3, r"prompt must be a non-empty .*, got int32\[0\]"),
+    (5, 3, r"prompt must be .*, got int64\[\]"),
+    ([True, False], 3, r"prompt must be .*, got bool\[2\]"),
+    ("hello", 3, r"prompt must be .*, got <U5\[\]"),
+    ([1, 512], 3, r"prompt token ids must be in \[0, 512\) \(the model's vocab_size\), got ids from 1 to 512"),
+    ([-1, 2], 3, r"prompt token ids must be in \[0, 512\)"),
+    ([2**40], 3, r"prompt token ids must be in \[0, 512\)"),
+    (np.arange(10), 7, r"len\(prompt\) \+ max_new_tokens must be <= max_seq_len=16, got 10 \+ 7"),
+])
+def test_add_request_errors(prompt, max_new_tokens, match):
+    engine = Engine(_tiny_model(), **_ARGS)
+    with pytest.raises(ValueError, match=f"Engine.add_request: {match}"):
+        engine.add_request(prompt, max_new_tokens)
+    assert not engine.has_work and engine.stats["prompt_tokens"] == 0
 
 
-def trace_step(engine: Engine, max_q_len: int):
-    """The engine's jitted step traced for one of its two step shapes (decode-only: ``max_q_len``
-    1; mixed: ``chunk_size``) with operands of the shapes ``Engine.step`` passes, sampling and
-    prefix-caching operations included."""
-    rows = engine.max_seqs
-    num_tokens = rows if max_q_len == 1 else rows + engine.chunk_size
-    sampling = SamplingBatch.from_params([SamplingParams(temperature=0.7, top_k=5, top_p=0.9)] * rows,
-                                         list(range(1, rows + 1)))
-    prefix = PrefixOps(mark=np.full(engine._step_pages, -1, np.int32), evict=np.full(engine._step_pages, -1, np.int32),
-                       attach=np.zeros((rows, engine.table.max_pages_per_seq), np.int32))
-    return engine._step.trace(
-        engine._weights, engine.caches, engine.table, jnp.full((rows,), -1, jnp.int32),
-        jnp.zeros((num_tokens,), jnp.int32), jnp.arange(rows, dtype=jnp.int32), jnp.ones((rows,), jnp.int32),
-        sampling, prefix, max_q_len=max_q_len, backend=engine.backend)
+def test_add_request_takes_int_sequences_and_numpy_ints():
+    engine = Engine(_tiny_model(), **_ARGS)
+    for prompt in ([1, 2, 3], (1, 2, 3), np.asarray([1, 2, 3], np.uint16), jnp.asarray([1, 2, 3]),
+                   [np.int64(1), 2, 3]):
+        request = engine.add_request(prompt, np.int64(4))
+        assert request.prompt.dtype == np.int32 and request.prompt.tolist() == [1, 2, 3], prompt
+        assert type(request.max_new_tokens) is int and request.max_new_tokens == 4
+    assert engine.add_request(np.arange(12), 4).prompt.size == 12        # exactly max_seq_len
+    with pytest.raises(ValueError, match="sampling must be a SamplingParams, got dict"):
+        engine.add_request([1], 2, sampling={"temperature": 1.0})
 
 
-def test_step_has_no_loops():
-    """The engine step lowers to straight-line code for the GPU: a while loop (e.g.
-    jnp.searchsorted's default method) would not be captured into command buffers and would sync
-    the host. (The GPU lowering: on the CPU, jax.random's threefry is a rolled loop.)"""
+@pytest.mark.parametrize("name, value, match", [
+    ("page_size", 0, "an int >= 1, got 0"),
+    ("max_seqs", 0, "an int >= 1, got 0"),
+    ("max_seq_len", True, "an int >= 1, got True"),
+    ("chunk_size", 1.5, "an int >= 1, got 1.5"),
+    ("num_pages", 0, "None or an int >= 1, got 0"),
+    ("num_pages", 2, r">= 3 \(the null page and one sequence of max_seq_len=16\), got 2"),
+    ("layout", "NCHW", r"one of \('HND', 'NHD'\), got 'NCHW'"),
+    ("kv_dtype", "float99", r"None \(the model's dtype\) or a dtype, got 'float99'"),
+    ("enable_prefix_caching", "yes", "a bool, got 'yes'"),
+    ("mesh", ("tp",), "None or a jax.sharding.Mesh, got tuple"),
+    ("backend", "fastest", r"'auto' or one of \(.*\), got 'fastest'"),
+    ("backend", None, r"'auto' or one of \(.*\), got None"),
+])
+def test_engine_argument_errors(name, value, match):
+    with pytest.raises(ValueError, match=f"Engine: {name} must be {match}"):
+        Engine(_tiny_model(), **{**_ARGS, name: value})
+
+
+@pytest.mark.parametrize("model, backend, match", [
+    ("deepseek", "flashinfer", "does not implement mla_prefill"),
+    ("deepseek", "triton", "does not implement mla_prefill"),
+    ("deepseek", "trtllm", "does not implement mla_paged_attention, mla_prefill"),
+    ("llama", "flashinfer", "does not implement paged_attention"),
+])
+def test_a_backend_must_implement_every_op_the_model_runs(model, backend, match):
+    model = _tiny_model() if model == "llama" else _tiny_deepseek()
+    with pytest.raises(ValueError, match=f"Engine: backend '{backend}' {match}"):
+        Engine(model, **_ARGS, backend=backend)
+
+
+@pytest.mark.skipif(HAS_GPU, reason="a GPU is visible")
+@pytest.mark.parametrize("backend", ["cudnn", "trtllm", "triton"])
+def test_a_gpu_backend_on_a_cpu_machine_is_refused_at_construction(backend):
+    with pytest.raises(ValueError, match=f"Engine: backend '{backend}' cannot run here: no NVIDIA GPU"):
+        Engine(_tiny_model(), **_ARGS, backend=backend)
+
+
+def test_the_model_must_implement_the_protocol():
+    with pytest.raises(ValueError, match="Engine: model must be an nnx.Module implementing "
+                                         "jaxattn.models.base.PagedModel .*, got Linear"):
+        Engine(nnx.Linear(2, 2, rngs=nnx.Rngs(0)), **_ARGS)
     model = Llama(PRESETS["tiny"], nnx.Rngs(0))
-    engine = Engine(model, max_seqs=4, max_seq_len=64, page_size=8, chunk_size=16, backend="xla")
-    for max_q_len in (1, engine.chunk_size):
-        hlo = trace_step(engine, max_q_len).lower(lowering_platforms=("cuda",)).as_text()
-        assert "stablehlo.while" not in hlo and "stablehlo.sort" not in hlo, max_q_len
+    model.attention_ops = ("paged_attention", "flash_attention")
+    with pytest.raises(ValueError, match=r"Engine: model.attention_ops must be a non-empty tuple of ops from "
+                                         r"\('paged_attention', .*\), got \('paged_attention', 'flash_attention'\)"):
+        Engine(model, **_ARGS)
+
+
+def test_models_implement_the_protocol():
+    from jaxattn.backends import OPS
+    from jaxattn.models.base import PagedModel
+
+    for model, ops in ((_tiny_model(), ("paged_attention",)),
+                       (_tiny_deepseek(), ("mla_paged_attention", "mla_prefill"))):
+        assert isinstance(model, PagedModel) and model.attention_ops == ops and set(ops) <= set(OPS)
+    with pytest.raises(ValueError, match="DeepSeek.init_caches: mesh must be None"):
+        Engine(_tiny_deepseek(), **_ARGS, mesh=jax.make_mesh((1,), ("tp",)))
+
+
+@functools.cache
+def _tiny_deepseek() -> DeepSeek:
+    return DeepSeek(DEEPSEEK_PRESETS["tiny"], nnx.Rngs(0))
 
 
 def _greedy_outputs(engine: Engine, prompts: list[np.ndarray], new_tokens: int) -> list[list[int]]:

@@ -3,9 +3,11 @@ per layer RMSNorm, MLA (no query compression, as in V2-Lite), RMSNorm, and a den
 place of the mixture of experts (V2-Lite preset: the size of its active experts, 6 routed + 2
 shared of 1408). RoPE is plain (no YaRN) in the half-split convention; weights are random.
 
-Attention is supplied by the caller, as in ``jaxattn.models.llama``: paged over an ``MLACache``
-per layer in serving (``forward_paged``: absorbed ``mla_paged_attention`` for decode-sized steps,
-``mla_prefill`` for the rest; ``jaxattn.engine.Engine`` serves it), or dense in tests.
+The layers around attention are Llama's (``jaxattn.models.layers``). Attention is supplied by the
+caller, as in ``jaxattn.models.llama``: paged over an ``MLACache`` per layer in serving
+(``forward_paged``: absorbed ``mla_paged_attention`` for decode-sized steps, ``mla_prefill`` for
+the rest, both on the one ``backend`` given; ``jaxattn.engine.Engine`` serves it), or dense in
+tests.
 """
 
 from __future__ import annotations
@@ -16,11 +18,13 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import Mesh
 
 import jaxattn
 from jaxattn.kv_cache import LAYOUTS
 from jaxattn.mla import MAX_DECODE_Q_LEN, absorb_query, project_values
-from jaxattn.models.llama import Llama, _linear, _rms_norm, rope, rope_frequencies
+from jaxattn.models import layers
+from jaxattn.models.layers import rope, rope_frequencies
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,12 +69,12 @@ class Attention(nnx.Module):
         self.cfg = cfg
         heads = cfg.num_q_heads
         # Logical axes as Llama's (heads split, the shared latent replicated), for a future mesh.
-        self.q_proj = _linear(cfg, cfg.dim, heads * (cfg.qk_nope_dim + cfg.qk_rope_dim), rngs, (None, "heads"))
-        self.kv_a_proj = _linear(cfg, cfg.dim, cfg.kv_lora_rank + cfg.qk_rope_dim, rngs, (None, None))
-        self.kv_a_norm = _rms_norm(cfg, cfg.kv_lora_rank, rngs)
-        self.kv_b_proj = _linear(cfg, cfg.kv_lora_rank, heads * (cfg.qk_nope_dim + cfg.v_head_dim), rngs,
-                                 (None, "heads"))
-        self.o_proj = _linear(cfg, heads * cfg.v_head_dim, cfg.dim, rngs, ("heads", None))
+        self.q_proj = layers.linear(cfg, cfg.dim, heads * (cfg.qk_nope_dim + cfg.qk_rope_dim), rngs, (None, "heads"))
+        self.kv_a_proj = layers.linear(cfg, cfg.dim, cfg.kv_lora_rank + cfg.qk_rope_dim, rngs, (None, None))
+        self.kv_a_norm = layers.rms_norm(cfg, cfg.kv_lora_rank, rngs)
+        self.kv_b_proj = layers.linear(cfg, cfg.kv_lora_rank, heads * (cfg.qk_nope_dim + cfg.v_head_dim), rngs,
+                                       (None, "heads"))
+        self.o_proj = layers.linear(cfg, heads * cfg.v_head_dim, cfg.dim, rngs, ("heads", None))
 
     def up_projections(self) -> tuple[jax.Array, jax.Array]:
         """``w_uk: [R, Hq, Dn]`` and ``w_uv: [R, Hq, Dv]``, the halves of ``kv_b_proj``."""
@@ -91,11 +95,28 @@ class Attention(nnx.Module):
         return self.o_proj(out.reshape(x.shape[0], -1))
 
 
-class DeepSeek(Llama):
-    """Decoder over packed tokens: ``tokens int32[T]`` -> logits ``[T, vocab]`` (float32); Llama's
-    structure with MLA blocks (``hidden`` takes an ``AttendFn`` of this module)."""
+class DeepSeek(nnx.Module):
+    """Decoder over packed tokens: ``tokens int32[T]`` -> logits ``[T, vocab]`` (float32), the
+    shared layers (``jaxattn.models.layers``) around MLA blocks; a ``PagedModel``
+    (``jaxattn.models.base``) served through ``mla_paged_attention`` and ``mla_prefill``."""
 
-    attention = Attention
+    attention_ops: tuple[str, ...] = ("mla_paged_attention", "mla_prefill")
+
+    def __init__(self, cfg: DeepSeekConfig, rngs: nnx.Rngs):
+        self.cfg = cfg
+        self.embed = layers.embedding(cfg, rngs)
+        self.layers = layers.blocks(cfg, rngs, Attention)
+        self.norm = layers.rms_norm(cfg, cfg.dim, rngs)
+        if not cfg.tie_embeddings:
+            self.lm_head = layers.lm_head(cfg, rngs)
+
+    def hidden(self, tokens: jax.Array, positions: jax.Array, attend: AttendFn) -> jax.Array:
+        """Final normalized hidden states ``[T, dim]`` of ``tokens int32[T]`` at ``positions int32[T]``."""
+        return layers.hidden(self, tokens, positions, attend)
+
+    def logits(self, hidden: jax.Array) -> jax.Array:
+        """``[T, dim]`` -> float32 ``[T, vocab]``."""
+        return layers.logits(self, hidden)
 
     def forward_paged(self, tokens: jax.Array, caches: list[jaxattn.MLACache], meta: jaxattn.AttentionMetadata,
                       slots: jax.Array, backend: str = "auto") -> tuple[jax.Array, list[jaxattn.MLACache]]:
@@ -103,7 +124,7 @@ class DeepSeek(Llama):
         return forward_paged(self, tokens, caches, meta, slots, backend)
 
     def init_caches(self, num_pages: int, page_size: int, layout: str = "HND", dtype=None,
-                    mesh=None) -> list[jaxattn.MLACache]:
+                    mesh: Mesh | None = None) -> list[jaxattn.MLACache]:
         """One zeroed latent pool per layer (``dtype`` defaults to the model's). ``layout`` is
         accepted for the engine: with one latent "KV head", HND and NHD are the same pool.
         ``mesh`` must be None: MLA is not split over devices yet."""
@@ -114,6 +135,10 @@ class DeepSeek(Llama):
         cfg = self.cfg
         return [jaxattn.MLACache.create(num_pages, page_size, cfg.kv_lora_rank, cfg.qk_rope_dim,
                                         dtype=dtype or cfg.dtype) for _ in range(cfg.num_layers)]
+
+    def param_shardings(self, mesh: Mesh) -> nnx.State:
+        """Raises ValueError: MLA is not split over devices yet."""
+        raise ValueError("DeepSeek.param_shardings: tensor parallelism of MLA is not supported yet")
 
 
 def forward_paged(model: DeepSeek, tokens: jax.Array, caches: list[jaxattn.MLACache], meta: jaxattn.AttentionMetadata,
@@ -133,7 +158,6 @@ def forward_paged(model: DeepSeek, tokens: jax.Array, caches: list[jaxattn.MLACa
             out = jaxattn.mla_paged_attention(absorb_query(q_nope, w_uk), q_rope, cache, meta, scale=scale,
                                               backend=backend)
             return project_values(out, w_uv)
-        prefill_backend = "auto" if backend == "triton" else backend   # mla_prefill has no triton path
-        return jaxattn.mla_prefill(q_nope, q_rope, cache, meta, w_uk, w_uv, scale=scale, backend=prefill_backend)
+        return jaxattn.mla_prefill(q_nope, q_rope, cache, meta, w_uk, w_uv, scale=scale, backend=backend)
 
     return model.hidden(tokens, meta.positions(tokens.shape[0]), attend), new_caches

@@ -1,8 +1,8 @@
-"""A Llama-family decoder in Flax NNX (RMSNorm, RoPE, GQA attention, SwiGLU MLP) over packed
-tokens, with attention supplied by the caller: paged through ``jaxattn.paged_attention`` in
-serving (``forward_paged``), or dense in tests. The config covers Llama 2/3/3.1, Mistral, Qwen2
-(q/k/v biases) and Qwen3 (per-head q/k norms); weights are random unless loaded with
-``jaxattn.models.from_pretrained``.
+"""A Llama-family decoder in Flax NNX (RMSNorm, RoPE, GQA attention, SwiGLU MLP: the shared layers
+of ``jaxattn.models.layers``, re-exported here) over packed tokens, with attention supplied by the
+caller: paged through ``jaxattn.paged_attention`` in serving (``forward_paged``), or dense in
+tests. The config covers Llama 2/3/3.1, Mistral, Qwen2 (q/k/v biases) and Qwen3 (per-head q/k
+norms); weights are random unless loaded with ``jaxattn.models.from_pretrained``.
 
 Tensor parallelism (as in vLLM/Megatron): the weights carry Flax partitioning metadata in logical
 axis names, "heads" (q projection columns, o projection rows), "kv_heads" (k/v projection
@@ -19,25 +19,17 @@ import dataclasses
 from typing import Callable
 
 import jax
-import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
 import jaxattn
 from jaxattn.kv_cache import pool_sharding
+from jaxattn.models import layers
+from jaxattn.models.layers import MLP, Block, Llama3RopeScaling, rope, rope_frequencies
 from jaxattn.sharding import MeshAxes, num_head_shards, replicate_kv_heads, tensor_parallel_mesh
 
-
-@dataclasses.dataclass(frozen=True)
-class Llama3RopeScaling:
-    """Llama 3.1's rope scaling: long wavelengths are slowed by ``factor``, short ones kept, and
-    the band between ``original_max_position_embeddings / high_freq_factor`` and ``... /
-    low_freq_factor`` interpolated smoothly."""
-    factor: float
-    low_freq_factor: float
-    high_freq_factor: float
-    original_max_position_embeddings: int
+__all__ = ["AttendFn", "Attention", "Block", "Llama", "Llama3RopeScaling", "LlamaConfig", "MLP", "PRESETS",
+           "forward_paged", "param_shardings", "rope", "rope_frequencies", "shard_model", "tensor_parallel_rules"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,59 +70,19 @@ PRESETS: dict[str, LlamaConfig] = {
 AttendFn = Callable[[int, jax.Array, jax.Array, jax.Array], jax.Array]
 
 
-def rope_frequencies(head_dim: int, theta: float, scaling: Llama3RopeScaling | None = None) -> np.ndarray:
-    """Rotary inverse frequencies float32[head_dim // 2] (in float64 before the cast, so they
-    are the correctly rounded values)."""
-    inv_freq = theta ** (-np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
-    if scaling is not None:
-        wavelen = 2 * np.pi / inv_freq
-        context = scaling.original_max_position_embeddings
-        # 0 at the low-frequency edge (wavelen = context / low_freq_factor), 1 at the high one
-        smooth = (context / wavelen - scaling.low_freq_factor) / (scaling.high_freq_factor - scaling.low_freq_factor)
-        smooth = np.clip(smooth, 0.0, 1.0)
-        inv_freq = (1 - smooth) * inv_freq / scaling.factor + smooth * inv_freq
-    return inv_freq.astype(np.float32)
-
-
-def rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.Array:
-    """Rotary embedding, half-split convention (dimension ``j`` pairs with ``j + D/2``, as in
-    Hugging Face's ``rotate_half``). x: [T, H, D], positions: int32[T], inv_freq: [D/2]."""
-    half = x.shape[-1] // 2
-    angle = positions[:, None, None].astype(jnp.float32) * jnp.asarray(inv_freq)
-    x1, x2 = x[..., :half].astype(jnp.float32), x[..., half:].astype(jnp.float32)
-    cos, sin = jnp.cos(angle), jnp.sin(angle)
-    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1).astype(x.dtype)
-
-
-def _partitioned(init: Callable, axes: tuple[str | None, ...]) -> Callable:
-    """``init`` annotated with logical ``axes``; placed by ``shard_model``, not at creation (Flax's
-    eager sharding would need a mesh here)."""
-    return nnx.with_partitioning(init, axes, eager_sharding=False)
-
-
-def _linear(cfg: LlamaConfig, fan_in: int, fan_out: int, rngs: nnx.Rngs, axes: tuple[str | None, str | None],
-            bias: bool = False) -> nnx.Linear:
-    """A linear layer whose kernel ``[fan_in, fan_out]`` is split on the logical ``axes`` (and its
-    bias like the output columns)."""
-    return nnx.Linear(fan_in, fan_out, use_bias=bias, dtype=cfg.dtype, param_dtype=cfg.dtype, rngs=rngs,
-                      kernel_init=_partitioned(nnx.initializers.normal(fan_in ** -0.5), axes),
-                      bias_init=_partitioned(nnx.initializers.zeros_init(), axes[1:]))
-
-
-def _rms_norm(cfg: LlamaConfig, size: int, rngs: nnx.Rngs) -> nnx.RMSNorm:
-    return nnx.RMSNorm(size, epsilon=cfg.norm_eps, dtype=cfg.dtype, param_dtype=cfg.dtype, rngs=rngs)
-
-
 class Attention(nnx.Module):
     def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs):
         self.cfg = cfg
-        self.q_proj = _linear(cfg, cfg.dim, cfg.num_q_heads * cfg.head_dim, rngs, (None, "heads"), cfg.qkv_bias)
-        self.k_proj = _linear(cfg, cfg.dim, cfg.num_kv_heads * cfg.head_dim, rngs, (None, "kv_heads"), cfg.qkv_bias)
-        self.v_proj = _linear(cfg, cfg.dim, cfg.num_kv_heads * cfg.head_dim, rngs, (None, "kv_heads"), cfg.qkv_bias)
-        self.o_proj = _linear(cfg, cfg.num_q_heads * cfg.head_dim, cfg.dim, rngs, ("heads", None))
+        self.q_proj = layers.linear(cfg, cfg.dim, cfg.num_q_heads * cfg.head_dim, rngs, (None, "heads"),
+                                    cfg.qkv_bias)
+        self.k_proj = layers.linear(cfg, cfg.dim, cfg.num_kv_heads * cfg.head_dim, rngs, (None, "kv_heads"),
+                                    cfg.qkv_bias)
+        self.v_proj = layers.linear(cfg, cfg.dim, cfg.num_kv_heads * cfg.head_dim, rngs, (None, "kv_heads"),
+                                    cfg.qkv_bias)
+        self.o_proj = layers.linear(cfg, cfg.num_q_heads * cfg.head_dim, cfg.dim, rngs, ("heads", None))
         if cfg.qk_norm:
-            self.q_norm = _rms_norm(cfg, cfg.head_dim, rngs)
-            self.k_norm = _rms_norm(cfg, cfg.head_dim, rngs)
+            self.q_norm = layers.rms_norm(cfg, cfg.head_dim, rngs)
+            self.k_norm = layers.rms_norm(cfg, cfg.head_dim, rngs)
 
     def __call__(self, x: jax.Array, positions: jax.Array, attend: Callable) -> jax.Array:
         """x: [T, dim], positions: int32[T] -> [T, dim]."""
@@ -145,54 +97,28 @@ class Attention(nnx.Module):
         return self.o_proj(attend(q, k, v).reshape(x.shape[0], -1))
 
 
-class MLP(nnx.Module):
-    def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs):
-        self.gate_proj = _linear(cfg, cfg.dim, cfg.hidden_dim, rngs, (None, "mlp"))
-        self.up_proj = _linear(cfg, cfg.dim, cfg.hidden_dim, rngs, (None, "mlp"))
-        self.down_proj = _linear(cfg, cfg.hidden_dim, cfg.dim, rngs, ("mlp", None))
-
-    def __call__(self, x: jax.Array) -> jax.Array:
-        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
-class Block(nnx.Module):
-    def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs, attention: type[nnx.Module] = Attention):
-        self.attn_norm = _rms_norm(cfg, cfg.dim, rngs)
-        self.attn = attention(cfg, rngs)
-        self.mlp_norm = _rms_norm(cfg, cfg.dim, rngs)
-        self.mlp = MLP(cfg, rngs)
-
-    def __call__(self, x: jax.Array, positions: jax.Array, attend: Callable) -> jax.Array:
-        x = x + self.attn(self.attn_norm(x), positions, attend)
-        return x + self.mlp(self.mlp_norm(x))
-
-
 class Llama(nnx.Module):
-    """Decoder over packed tokens: ``tokens int32[T]`` -> logits ``[T, vocab]`` (float32)."""
+    """Decoder over packed tokens: ``tokens int32[T]`` -> logits ``[T, vocab]`` (float32), the
+    shared layers (``jaxattn.models.layers``) around GQA attention; a ``PagedModel``
+    (``jaxattn.models.base``) served through ``paged_attention``."""
 
-    attention: type[nnx.Module] = Attention   # each block's attention module, built from (cfg, rngs)
+    attention_ops: tuple[str, ...] = ("paged_attention",)
 
     def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs):
         self.cfg = cfg
-        self.embed = nnx.Embed(cfg.vocab_size, cfg.dim, dtype=cfg.dtype, param_dtype=cfg.dtype, rngs=rngs,
-                               embedding_init=_partitioned(nnx.initializers.variance_scaling(
-                                   1.0, "fan_in", "normal", out_axis=0), ("vocab", None)))
-        self.layers = nnx.List([Block(cfg, rngs, self.attention) for _ in range(cfg.num_layers)])
-        self.norm = _rms_norm(cfg, cfg.dim, rngs)
+        self.embed = layers.embedding(cfg, rngs)
+        self.layers = layers.blocks(cfg, rngs, Attention)
+        self.norm = layers.rms_norm(cfg, cfg.dim, rngs)
         if not cfg.tie_embeddings:
-            self.lm_head = _linear(cfg, cfg.dim, cfg.vocab_size, rngs, (None, "vocab"))
+            self.lm_head = layers.lm_head(cfg, rngs)
 
     def hidden(self, tokens: jax.Array, positions: jax.Array, attend: AttendFn) -> jax.Array:
-        """Final normalized hidden states ``[T, dim]``."""
-        x = self.embed(tokens)
-        for i, block in enumerate(self.layers):
-            x = block(x, positions, lambda *args, i=i: attend(i, *args))
-        return self.norm(x)
+        """Final normalized hidden states ``[T, dim]`` of ``tokens int32[T]`` at ``positions int32[T]``."""
+        return layers.hidden(self, tokens, positions, attend)
 
     def logits(self, hidden: jax.Array) -> jax.Array:
         """``[T, dim]`` -> float32 ``[T, vocab]``."""
-        head = self.embed.attend if self.cfg.tie_embeddings else self.lm_head
-        return head(hidden).astype(jnp.float32)
+        return layers.logits(self, hidden)
 
     def forward_paged(self, tokens: jax.Array, caches: list[jaxattn.KVCache], meta: jaxattn.AttentionMetadata,
                       slots: jax.Array, backend: str = "auto") -> tuple[jax.Array, list[jaxattn.KVCache]]:
@@ -213,6 +139,10 @@ class Llama(nnx.Module):
             sharding = pool_sharding(mesh, axes, layout)
         return [jaxattn.KVCache.create(num_pages, page_size, num_kv_heads, cfg.head_dim, dtype=dtype or cfg.dtype,
                                        layout=layout, sharding=sharding) for _ in range(cfg.num_layers)]
+
+    def param_shardings(self, mesh: Mesh, axes: MeshAxes = None) -> nnx.State:
+        """``param_shardings(self, mesh, axes)`` (module function)."""
+        return param_shardings(self, mesh, axes)
 
 
 def tensor_parallel_rules(cfg: LlamaConfig, mesh: Mesh,

@@ -1,0 +1,63 @@
+"""What ``jaxattn.engine.Engine`` needs from a model: ``PagedModel``.
+
+A served model is an ``nnx.Module`` (the engine splits it into its structure, closed over by the
+jitted step, and its weights) that creates its paged caches, runs one step over packed tokens on
+them, and maps hidden states to logits. ``attention_ops`` names the ``jaxattn`` ops its step
+calls (from ``jaxattn.backends.OPS``): the engine's ``backend`` must serve every one of them.
+``Llama`` and ``DeepSeek`` implement it (``jaxattn.models.llama``, ``jaxattn.models.deepseek``).
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
+
+import jax
+from flax import nnx
+from jax.sharding import Mesh
+
+import jaxattn
+
+Cache = jaxattn.KVCache | jaxattn.MLACache
+
+
+@runtime_checkable
+class ModelConfig(Protocol):
+    """The config fields the engine reads."""
+
+    @property
+    def vocab_size(self) -> int:
+        """Token ids of a prompt are in ``[0, vocab_size)``; logits have ``vocab_size`` columns."""
+        ...
+
+
+@runtime_checkable
+class PagedModel(Protocol):
+    """A decoder the engine can serve (over packed tokens: T tokens of up to B sequences)."""
+
+    cfg: ModelConfig
+    attention_ops: tuple[str, ...]   # e.g. ("paged_attention",); names from jaxattn.backends.OPS
+
+    def init_caches(self, num_pages: int, page_size: int, layout: str = "HND", dtype=None,
+                    mesh: Mesh | None = None) -> list[Cache]:
+        """One zeroed cache per layer of ``num_pages`` pages of ``page_size`` tokens (``layout``
+        "HND" or "NHD"; ``dtype`` None: the model's); with a ``mesh``, split for tensor parallelism
+        over all its devices as ``param_shardings`` splits the weights (ValueError if the model
+        cannot be split)."""
+        ...
+
+    def forward_paged(self, tokens: jax.Array, caches: list[Cache], meta: jaxattn.AttentionMetadata,
+                      slots: jax.Array, backend: str = "auto") -> tuple[jax.Array, list[Cache]]:
+        """One jittable step: ``tokens int32[T]`` (packed as ``meta`` says, at positions
+        ``meta.positions(T)``) write their K/V (or latents) at ``slots int32[T]`` (-1: padding) of
+        every layer's cache and attend through ``attention_ops`` with ``backend``; returns (final
+        hidden states ``[T, dim]``, the updated caches)."""
+        ...
+
+    def logits(self, hidden: jax.Array) -> jax.Array:
+        """Hidden states ``[N, dim]`` -> float32 logits ``[N, cfg.vocab_size]``."""
+        ...
+
+    def param_shardings(self, mesh: Mesh) -> nnx.State:
+        """The ``NamedSharding`` of each of ``nnx.state(model)``'s weights for tensor parallelism
+        over all of ``mesh``'s devices; ValueError if the model cannot be split."""
+        ...

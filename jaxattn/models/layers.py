@@ -1,0 +1,161 @@
+"""The layers the reference decoders share (``Llama``, ``DeepSeek``): linear and RMSNorm helpers
+with Flax logical axes, RoPE, the SwiGLU MLP, the pre-norm residual block around a model's own
+attention module, and the embedding / LM head ends of the stack.
+
+A model holds the stack as attributes ``embed``, ``layers``, ``norm`` and (without tied
+embeddings) ``lm_head``, so its weights keep the same paths whatever the attention; ``hidden``
+and ``logits`` run them."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Callable, Protocol
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+Axes = tuple[str | None, ...]
+
+
+class DecoderConfig(Protocol):
+    """The config fields these layers read (``LlamaConfig`` and ``DeepSeekConfig`` have them)."""
+
+    @property
+    def vocab_size(self) -> int: ...
+    @property
+    def dim(self) -> int: ...
+    @property
+    def num_layers(self) -> int: ...
+    @property
+    def hidden_dim(self) -> int: ...
+    @property
+    def norm_eps(self) -> float: ...
+    @property
+    def dtype(self) -> str: ...
+    @property
+    def tie_embeddings(self) -> bool: ...
+
+
+class Decoder(Protocol):
+    """A model made of these layers: what ``hidden`` and ``logits`` run."""
+
+    cfg: DecoderConfig
+    embed: nnx.Embed
+    layers: nnx.List
+    norm: nnx.RMSNorm
+
+
+@dataclasses.dataclass(frozen=True)
+class Llama3RopeScaling:
+    """Llama 3.1's rope scaling: long wavelengths are slowed by ``factor``, short ones kept, and
+    the band between ``original_max_position_embeddings / high_freq_factor`` and ``... /
+    low_freq_factor`` interpolated smoothly."""
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position_embeddings: int
+
+
+def rope_frequencies(head_dim: int, theta: float, scaling: Llama3RopeScaling | None = None) -> np.ndarray:
+    """Rotary inverse frequencies float32[head_dim // 2] (in float64 before the cast, so they
+    are the correctly rounded values)."""
+    inv_freq = theta ** (-np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    if scaling is not None:
+        wavelen = 2 * np.pi / inv_freq
+        context = scaling.original_max_position_embeddings
+        # 0 at the low-frequency edge (wavelen = context / low_freq_factor), 1 at the high one
+        smooth = (context / wavelen - scaling.low_freq_factor) / (scaling.high_freq_factor - scaling.low_freq_factor)
+        smooth = np.clip(smooth, 0.0, 1.0)
+        inv_freq = (1 - smooth) * inv_freq / scaling.factor + smooth * inv_freq
+    return inv_freq.astype(np.float32)
+
+
+def rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.Array:
+    """Rotary embedding, half-split convention (dimension ``j`` pairs with ``j + D/2``, as in
+    Hugging Face's ``rotate_half``). x: [T, H, D], positions: int32[T], inv_freq: [D/2]."""
+    half = x.shape[-1] // 2
+    angle = positions[:, None, None].astype(jnp.float32) * jnp.asarray(inv_freq)
+    x1, x2 = x[..., :half].astype(jnp.float32), x[..., half:].astype(jnp.float32)
+    cos, sin = jnp.cos(angle), jnp.sin(angle)
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1).astype(x.dtype)
+
+
+def partitioned(init: Callable, axes: Axes) -> Callable:
+    """``init`` annotated with logical ``axes``; placed by ``shard_model``, not at creation (Flax's
+    eager sharding would need a mesh here)."""
+    return nnx.with_partitioning(init, axes, eager_sharding=False)
+
+
+def linear(cfg: DecoderConfig, fan_in: int, fan_out: int, rngs: nnx.Rngs, axes: Axes, bias: bool = False) -> nnx.Linear:
+    """A linear layer whose kernel ``[fan_in, fan_out]`` is split on the logical ``axes`` (and its
+    bias like the output columns)."""
+    return nnx.Linear(fan_in, fan_out, use_bias=bias, dtype=cfg.dtype, param_dtype=cfg.dtype, rngs=rngs,
+                      kernel_init=partitioned(nnx.initializers.normal(fan_in ** -0.5), axes),
+                      bias_init=partitioned(nnx.initializers.zeros_init(), axes[1:]))
+
+
+def rms_norm(cfg: DecoderConfig, size: int, rngs: nnx.Rngs) -> nnx.RMSNorm:
+    return nnx.RMSNorm(size, epsilon=cfg.norm_eps, dtype=cfg.dtype, param_dtype=cfg.dtype, rngs=rngs)
+
+
+def embedding(cfg: DecoderConfig, rngs: nnx.Rngs) -> nnx.Embed:
+    """The token embedding ``[vocab, dim]``, split by vocabulary rows."""
+    return nnx.Embed(cfg.vocab_size, cfg.dim, dtype=cfg.dtype, param_dtype=cfg.dtype, rngs=rngs,
+                     embedding_init=partitioned(nnx.initializers.variance_scaling(1.0, "fan_in", "normal", out_axis=0),
+                                                ("vocab", None)))
+
+
+def lm_head(cfg: DecoderConfig, rngs: nnx.Rngs) -> nnx.Linear:
+    """The untied LM head ``[dim, vocab]``, split by vocabulary columns."""
+    return linear(cfg, cfg.dim, cfg.vocab_size, rngs, (None, "vocab"))
+
+
+class MLP(nnx.Module):
+    """SwiGLU: ``down(silu(gate(x)) * up(x))``, hidden columns split on the logical axis "mlp"."""
+
+    def __init__(self, cfg: DecoderConfig, rngs: nnx.Rngs):
+        self.gate_proj = linear(cfg, cfg.dim, cfg.hidden_dim, rngs, (None, "mlp"))
+        self.up_proj = linear(cfg, cfg.dim, cfg.hidden_dim, rngs, (None, "mlp"))
+        self.down_proj = linear(cfg, cfg.hidden_dim, cfg.dim, rngs, ("mlp", None))
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Block(nnx.Module):
+    """Pre-norm residual block: ``x + attn(norm(x))``, then ``x + mlp(norm(x))``. ``attention``
+    builds the model's attention module from ``(cfg, rngs)``; it is called as
+    ``attn(x [T, dim], positions int32[T], attend) -> [T, dim]``."""
+
+    def __init__(self, cfg: DecoderConfig, rngs: nnx.Rngs, attention: Callable[[Any, nnx.Rngs], nnx.Module]):
+        self.attn_norm = rms_norm(cfg, cfg.dim, rngs)
+        self.attn = attention(cfg, rngs)
+        self.mlp_norm = rms_norm(cfg, cfg.dim, rngs)
+        self.mlp = MLP(cfg, rngs)
+
+    def __call__(self, x: jax.Array, positions: jax.Array, attend: Callable) -> jax.Array:
+        x = x + self.attn(self.attn_norm(x), positions, attend)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+def blocks(cfg: DecoderConfig, rngs: nnx.Rngs, attention: Callable[[Any, nnx.Rngs], nnx.Module]) -> nnx.List:
+    """``cfg.num_layers`` blocks around ``attention`` modules."""
+    return nnx.List([Block(cfg, rngs, attention) for _ in range(cfg.num_layers)])
+
+
+def hidden(model: Decoder, tokens: jax.Array, positions: jax.Array, attend: Callable) -> jax.Array:
+    """Final normalized hidden states ``[T, dim]`` of ``tokens int32[T]`` at ``positions int32[T]``;
+    layer ``i``'s attention module calls ``attend(i, ...)``."""
+    x = model.embed(tokens)
+    for i, block in enumerate(model.layers):
+        x = block(x, positions, functools.partial(attend, i))
+    return model.norm(x)
+
+
+def logits(model: Decoder, hidden_states: jax.Array) -> jax.Array:
+    """``[T, dim]`` -> float32 ``[T, vocab]`` through the LM head (the embedding when tied)."""
+    head = model.embed.attend if model.cfg.tie_embeddings else model.lm_head
+    return head(hidden_states).astype(jnp.float32)
