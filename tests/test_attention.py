@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import jax
@@ -12,7 +13,7 @@ import pytest
 import jaxattn
 from jaxattn import AttentionMetadata, KVCache
 from jaxattn import attention as attention_module
-from jaxattn import backends
+from jaxattn import backends, dispatch
 from tests.conftest import HAS_GPU
 
 
@@ -29,10 +30,7 @@ def _inputs(num_q_heads=4, head_dim=64, dtype=jnp.bfloat16, batch=2, tokens=5, p
 
 
 def _with(meta: AttentionMetadata, **fields) -> AttentionMetadata:
-    values = dict(cu_q_lens=meta.cu_q_lens, kv_lens=meta.kv_lens, block_tables=meta.block_tables,
-                  num_decodes=meta.num_decodes, max_q_len=meta.max_q_len)
-    values.update(fields)
-    return AttentionMetadata(**values)
+    return dataclasses.replace(meta, **fields)
 
 
 q0, cache0, meta0 = _inputs()
@@ -65,6 +63,11 @@ BAD_CALLS = [
     (dict(sinks=jnp.zeros((4,), jnp.int32)), "sinks must be float32\\[4\\]"),
     (dict(return_status=1), "return_status must be a bool"),
     (dict(backend="flash"), "backend must be one of \\('auto', 'xla', 'cudnn', 'trtllm', 'triton'\\)"),
+    (dict(backend="flashinfer"), "backend must be one of \\('auto', 'xla', 'cudnn', 'trtllm', 'triton'\\)"),
+    (dict(meta=_with(meta0, page_size=4)),
+     "meta was built by a PageTable with page_size=4, but the cache has page_size=16"),
+    (dict(meta=_with(meta0, num_pages=16)),
+     "meta was built by a PageTable with num_pages=16, but the cache has num_pages=8"),
 ]
 
 
@@ -86,20 +89,41 @@ def test_unavailable_backend_names_itself_and_the_reason(name):
     reason = backends.unavailable_reason(name)
     if reason is None:
         pytest.skip(f"{name} is available here")
-    with pytest.raises(ValueError, match=f"backend '{name}' is not available: "):
+    with pytest.raises(ValueError, match=f"paged_attention: backend '{name}' cannot take this call: "):
         jaxattn.paged_attention(q0, cache0, meta0, backend=name)
+
+
+def test_page_table_and_cache_of_different_pools_raise():
+    """A PageTable of 4-token pages feeding a cache of 16-token pages is caught at trace time (it
+    would read the wrong rows of every page)."""
+    table = jaxattn.PageTable.create(num_pages=8, max_seqs=2, max_pages_per_seq=4, page_size=4)
+    table, ok = table.extend(jnp.asarray([0], jnp.int32), jnp.asarray([3], jnp.int32))
+    meta = table.metadata(jnp.asarray([0], jnp.int32), jnp.asarray([3], jnp.int32))
+    with pytest.raises(ValueError, match="page_size=4, but the cache has page_size=16"):
+        jaxattn.paged_attention(q0[:3], cache0, meta)
+
+
+def _only(monkeypatch, *available, checks=None):
+    """Backends other than ``available`` are switched off for this test; ``checks`` replaces a
+    backend's paged_attention check (its other limits stay)."""
+    monkeypatch.setattr(backends, "unavailable_reason",
+                        lambda name: None if name in available else f"{name} is switched off for this test")
+    monkeypatch.setattr(dispatch, "_logged", set())
+    for name, check in (checks or {}).items():
+        backend = backends.REGISTRY[name]
+        support = dataclasses.replace(backend.ops["paged_attention"], check=check)
+        monkeypatch.setitem(backends.REGISTRY, name,
+                            dataclasses.replace(backend, ops={**backend.ops, "paged_attention": support}))
 
 
 def _as_if_on_a_gpu(monkeypatch):
     """The fallback logs of a GPU machine: a GPU is visible (backends are faked by each test)."""
-    monkeypatch.setattr(attention_module, "gpu_devices", lambda: ["a GPU"])
+    monkeypatch.setattr(dispatch, "gpu_devices", lambda: ["a GPU"])
 
 
 def test_auto_falls_back_with_one_warning_line(caplog, monkeypatch):
     _as_if_on_a_gpu(monkeypatch)
-    monkeypatch.setattr(backends, "unavailable_reason",
-                        lambda name: None if name == "xla" else f"{name} is switched off for this test")
-    monkeypatch.setattr(attention_module, "_logged", set())
+    _only(monkeypatch, "xla")
     with caplog.at_level(logging.WARNING, logger="jaxattn"):
         for _ in range(3):
             assert attention_module.backend_for(q0, cache0, meta0) == attention_module.Plan("xla")
@@ -112,13 +136,49 @@ def test_auto_falls_back_with_one_warning_line(caplog, monkeypatch):
 def test_auto_without_a_gpu_logs_one_info_line(caplog, monkeypatch):
     if HAS_GPU:
         pytest.skip("a GPU is visible")
-    monkeypatch.setattr(attention_module, "_logged", set())
+    monkeypatch.setattr(dispatch, "_logged", set())
     with caplog.at_level(logging.DEBUG, logger="jaxattn"):
         for max_q_len in (None, 1, 4, None):
             assert attention_module.backend_for(q0, cache0, _with(meta0, max_q_len=max_q_len)).main == "xla"
     assert [(r.levelno, r.getMessage()) for r in caplog.records] == [
-        (logging.INFO, "jaxattn auto: running the xla backend: no NVIDIA GPU is visible to JAX "
+        (logging.INFO, "jaxattn auto (paged_attention): running the xla backend: no NVIDIA GPU is visible to JAX "
                        "(jax.devices('gpu') is empty)")]
+
+
+def test_every_op_has_the_reference_backend_and_a_known_ranking():
+    """The registry is data: every backend declares ops it runs; xla implements every op and is
+    auto's last resort, whatever else ranks a call."""
+    for op in backends.OPS:
+        assert "xla" in backends.names(op)
+    for name, backend in backends.REGISTRY.items():
+        assert backend.name == name and set(backend.ops) <= set(backends.OPS) and backend.archs
+    call = backends.Call("paged_attention", q0, cache0, meta0, attention_module._check_args(q0, cache0, meta0))
+    assert dispatch.ranking(call) == ["cudnn", "triton", "xla"]
+    assert dispatch.ranking(dataclasses.replace(call, meta=_with(meta0, max_q_len=1))) == ["trtllm", "triton", "xla"]
+    assert dispatch.ranking(dataclasses.replace(call, meta=_with(meta0, max_q_len=4))) == [
+        "trtllm", "triton", "cudnn", "xla"]
+
+
+def test_a_new_backend_is_one_registry_entry(monkeypatch):
+    """A trial backend registered with one entry is chosen by auto by its rank, and an explicit
+    backend that cannot take a call names itself and the reason."""
+    from jaxattn.backends.base import Backend, Capabilities, OpSupport, constant_rank
+    calls = []
+
+    def attention(q, cache, meta, params, sinks):
+        calls.append(meta.max_q_len)
+        return jnp.zeros_like(q)
+
+    trial = Backend(name="trial", kernel="zeros", archs=("cpu", "gpu"), ops={
+        "paged_attention": OpSupport(run=attention, capabilities=Capabilities(dtypes=("bfloat16",), max_q_len=1),
+                                     rank=constant_rank(-1))})
+    monkeypatch.setitem(backends.REGISTRY, "trial", trial)
+    monkeypatch.setattr(dispatch, "_logged", set())
+    decode = _with(meta0, cu_q_lens=jnp.asarray([0, 1, 2], jnp.int32), max_q_len=1)
+    jaxattn.paged_attention(q0[:2], cache0, decode)
+    assert calls == [1]
+    with pytest.raises(ValueError, match="backend 'trial' cannot take this call: meta.max_q_len=None is not supported"):
+        jaxattn.paged_attention(q0, cache0, meta0, backend="trial")
 
 
 def test_auto_matches_xla():
@@ -155,20 +215,16 @@ def test_split_of_a_mixed_batch_matches_a_single_call(monkeypatch, claimed_decod
     assert rel_error(out, reference(problem, sliding_window=25)) < 1e-5
 
 
+def _decode_only(call):
+    return None if call.meta.max_q_len == 1 else "decode only"
+
+
 def test_auto_plans_a_split_when_decode_and_prefill_backends_differ(monkeypatch):
-    monkeypatch.setattr(backends, "unavailable_reason", lambda name: None if name in ("xla", "trtllm") else "off")
-    monkeypatch.setattr(attention_module, "_logged", set())
-
-    class FakeTrtllm:
-        @staticmethod
-        def check_supported(q, cache, meta, params):
-            if meta.max_q_len != 1:
-                raise ValueError("decode only")
-
-    real_get = backends.get
-    monkeypatch.setattr(backends, "get", lambda name: FakeTrtllm if name == "trtllm" else real_get(name))
-    mixed = attention_module.backend_for(q0, cache0, _with(meta0, max_q_len=4))
+    _only(monkeypatch, "xla", "trtllm", checks={"trtllm": _decode_only})
+    mixed = attention_module.backend_for(q0, cache0, meta0)
     assert mixed == attention_module.Plan("xla", "trtllm") and str(mixed) == "trtllm (decodes) + xla (the rest)"
+    # A speculative-decode step goes whole to a backend that also runs decodes.
+    assert attention_module.backend_for(q0, cache0, _with(meta0, max_q_len=4)) == attention_module.Plan("xla")
     assert attention_module.backend_for(q0[:2], cache0, _with(meta0, max_q_len=1)) == attention_module.Plan("trtllm")
 
 
@@ -176,19 +232,13 @@ def test_auto_sends_speculative_decode_steps_to_trtllm_whole(monkeypatch, caplog
     """2 <= max_q_len <= 16: one trtllm call when it takes the step; otherwise the prefill plan,
     with the reason logged. Longer steps never ask trtllm for the whole batch."""
     _as_if_on_a_gpu(monkeypatch)
-    monkeypatch.setattr(backends, "unavailable_reason", lambda name: None if name in ("xla", "trtllm") else "off")
-    monkeypatch.setattr(attention_module, "_logged", set())
     asked = []
 
-    class FakeTrtllm:
-        @staticmethod
-        def check_supported(q, cache, meta, params):
-            asked.append(meta.max_q_len)
-            if params.softcap is not None:
-                raise ValueError("no softcap")
+    def check(call):
+        asked.append(call.meta.max_q_len)
+        return None
 
-    real_get = backends.get
-    monkeypatch.setattr(backends, "get", lambda name: FakeTrtllm if name == "trtllm" else real_get(name))
+    _only(monkeypatch, "xla", "trtllm", checks={"trtllm": check})
     for max_q_len in (2, 4, 16):
         plan = attention_module.backend_for(q0, cache0, _with(meta0, max_q_len=max_q_len))
         assert plan == attention_module.Plan("trtllm")
@@ -199,22 +249,12 @@ def test_auto_sends_speculative_decode_steps_to_trtllm_whole(monkeypatch, caplog
     with caplog.at_level(logging.WARNING, logger="jaxattn"):
         plan = attention_module.backend_for(q0, cache0, _with(meta0, max_q_len=4), softcap=30.0)
     assert plan == attention_module.Plan("xla")
-    assert any("trtllm skipped for speculative decode (no softcap)" in r.getMessage() for r in caplog.records)
+    assert any("trtllm skipped (softcap not supported" in r.getMessage() for r in caplog.records)
 
 
 def test_auto_sends_long_drafts_to_triton_first(monkeypatch):
     """Above one XQA tile (max_q_len * group > 32 rows) triton goes before trtllm."""
-    monkeypatch.setattr(backends, "unavailable_reason",
-                        lambda name: None if name in ("xla", "trtllm", "triton") else "off")
-    monkeypatch.setattr(attention_module, "_logged", set())
-
-    class FakeTrtllm:
-        @staticmethod
-        def check_supported(q, cache, meta, params):
-            pass
-
-    real_get = backends.get
-    monkeypatch.setattr(backends, "get", lambda name: FakeTrtllm if name == "trtllm" else real_get(name))
+    _only(monkeypatch, "xla", "trtllm", "triton")
     q = jnp.zeros((5, 8, 64), jnp.bfloat16)                          # group 4
     plan = lambda max_q_len: attention_module.backend_for(q, cache0, _with(meta0, max_q_len=max_q_len))  # noqa: E731
     assert plan(8) == attention_module.Plan("trtllm")                # 32 rows

@@ -19,7 +19,18 @@ def test_report_lists_every_backend_with_a_reason():
         line = next(l for l in backend_lines if l.strip().startswith(name + " "))
         reason = backends.unavailable_reason(name)
         assert ("available" in line) if reason is None else (reason in line)
-    assert "jax " in text and "xla     available" in text
+    assert "jax " in text and "xla        available" in text
+
+
+def test_report_lists_ops_by_backends_from_the_registry():
+    listed, op = {}, None
+    for line in info.report().split("Ops x backends")[1].splitlines()[1:]:
+        if line.startswith("    "):
+            listed[op].append(line.split()[0])
+        else:
+            op = line.strip().rstrip(":")
+            listed[op] = []
+    assert listed == {op: list(backends.names(op)) for op in backends.OPS}
 
 
 def test_without_a_gpu_every_gpu_backend_says_so():
@@ -27,8 +38,9 @@ def test_without_a_gpu_every_gpu_backend_says_so():
         pytest.skip("a GPU is visible")
     text = info.report()
     for name in backends.ALL_BACKENDS[1:]:
-        assert f"  {name:<7} unavailable: {NO_GPU}" in text
-    assert "  cuDNN handler  " in text
+        assert f"  {name:<10} unavailable: {NO_GPU}" in text
+    handler = next(line for line in text.splitlines() if "cuDNN handler" in line)
+    assert "install" not in handler, "no install advice for the GPU handler on a machine without a GPU"
 
 
 def test_runs_as_a_module():

@@ -42,10 +42,16 @@ def unavailable_reason(name: str) -> str | None:
 
 def check(name: str, call: Call) -> str | None:
     """None when backend ``name`` runs here and takes ``call``, else why not (no prefix)."""
+    return unavailable_reason(name) or takes(name, call)
+
+
+def takes(name: str, call: Call) -> str | None:
+    """None when backend ``name`` takes ``call`` wherever it runs (its op, capabilities and
+    limits; not whether it runs on this machine), else why not."""
     support = get(name).ops.get(call.op)
     if support is None:
         return f"it does not implement {call.op} (it implements {', '.join(get(name).ops)})"
-    return unavailable_reason(name) or support.capabilities.reason(call) or support.check(call)
+    return support.capabilities.reason(call) or support.check(call)
 
 
 def check_serves(backend: str, ops: Iterable[str], *, where: str) -> None:
@@ -66,4 +72,4 @@ def check_serves(backend: str, ops: Iterable[str], *, where: str) -> None:
 
 
 __all__ = ["ALL_BACKENDS", "OPS", "REGISTRY", "AttentionParams", "Backend", "Call", "check", "check_serves", "get",
-           "names", "unavailable_reason"]
+           "names", "takes", "unavailable_reason"]

@@ -127,6 +127,8 @@ class Capabilities:
             return f"{dtype} queries are not supported; supported: {self.dtypes}"
         if call.cache.is_fp8 and not self.fp8_pages:
             return f"{call.cache.dtype} pages are not supported; supported: pages like the query ({self.dtypes})"
+        if not call.cache.is_fp8 and call.cache.dtype != call.q.dtype:
+            return f"{call.cache.dtype} pages with {dtype} queries are not supported; pages must be like the query"
         layout = getattr(call.cache, "layout", None)
         if layout is not None and layout not in self.layouts:
             return f"layout {layout!r} is not supported; supported: {self.layouts}"

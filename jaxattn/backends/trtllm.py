@@ -90,8 +90,8 @@ def rank(call: Call) -> int | None:
     """auto: decodes first; speculative decode first while each sequence's (token, head) rows fit
     one XQA tile (one CTA each, each reading the keys), behind triton when they do not
     (benchmarks/RESULTS.md, speculative decode)."""
-    if call.phase == "decode":
-        return RANK_FIRST
+    if call.phase != "spec_decode":
+        return RANK_FIRST if call.phase == "decode" else None
     rows = call.meta.max_q_len * call.group_size
     return RANK_FIRST if rows <= SPEC_TILE_ROWS else 2 * RANK_GENERAL
 

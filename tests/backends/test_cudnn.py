@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -25,7 +26,7 @@ import pytest
 import jaxattn
 from jaxattn import _ffi_cudnn, backends
 from jaxattn.backends import cudnn
-from jaxattn.backends.base import AttentionParams
+from jaxattn.backends.base import AttentionParams, Call
 from tests.xla_dump import REPO, run_with_dump, thunk_sequences, top_level_thunks
 from tests.paged_inputs import (TOLERANCE, dot_product_attention_reference, make_problem, reference,
                                 rel_error)
@@ -48,7 +49,7 @@ def _params(**kw) -> AttentionParams:
 
 
 def _abstract_case(dtype=BF16, kv_dtype=None, head_dim=64, page_size=16, num_tokens=32, num_q_heads=8):
-    """Shapes only (no device memory): q, cache, meta for check_supported."""
+    """Shapes only (no device memory): q, cache, meta for the registry's checks."""
     kv_dtype = dtype if kv_dtype is None else kv_dtype
     pages = jax.ShapeDtypeStruct((9, 2, page_size, head_dim), kv_dtype)
     scale = jnp.float32(1.0) if jnp.dtype(kv_dtype) == jnp.float8_e4m3fn else None
@@ -96,13 +97,17 @@ def test_unavailable_without_gpu_says_why():
     q, cache, meta = (jnp.zeros((4, 2, 8), BF16), jaxattn.KVCache.create(3, 16, 2, 8, BF16),
                       jaxattn.AttentionMetadata(jnp.array([0, 4], jnp.int32), jnp.array([4], jnp.int32),
                                                 jnp.array([[1]], jnp.int32), jnp.zeros((), jnp.int32)))
-    with pytest.raises(ValueError, match="backend 'cudnn' is not available"):
+    with pytest.raises(ValueError, match="backend 'cudnn' cannot take this call: no NVIDIA GPU"):
         jaxattn.paged_attention(q, cache, meta, backend="cudnn")
 
 
+def _takes(q, cache, meta, params, **call) -> str | None:
+    return backends.takes("cudnn", Call("paged_attention", q, cache, meta, params, **call))
+
+
 @pytest.mark.parametrize("case, message", [
-    (dict(dtype=jnp.float32), "q.dtype float32 is not supported; supported: .*bfloat16"),
-    (dict(kv_dtype=jnp.float8_e4m3fn), "cache dtype float8_e4m3fn is not supported"),
+    (dict(dtype=jnp.float32), "float32 queries are not supported; supported: .*bfloat16"),
+    (dict(kv_dtype=jnp.float8_e4m3fn), "float8_e4m3fn pages are not supported"),
     (dict(head_dim=12), "head_dim=12 is not supported; supported: multiples of 8 up to 256"),
     (dict(head_dim=512), "head_dim=512 is not supported"),
     (dict(page_size=24), "page_size=24 is not supported; supported: powers of 2"),
@@ -110,18 +115,16 @@ def test_unavailable_without_gpu_says_why():
 ])
 def test_unsupported_configurations_raise(case, message):
     q, cache, meta = _abstract_case(**case)
-    with pytest.raises(ValueError, match=r"backend='cudnn'.*" + message):
-        cudnn.check_supported(q, cache, meta, _params())
+    assert re.search(message, _takes(q, cache, meta, _params()))
 
 
 def test_softcap_is_rejected_with_the_reason():
     q, cache, meta = _abstract_case()
-    with pytest.raises(ValueError, match="softcap=30.0 is not supported.*supported: softcap=None"):
-        cudnn.check_supported(q, cache, meta, _params(softcap=30.0))
+    assert re.search("softcap not supported; supported options: .*sinks", _takes(q, cache, meta, _params(softcap=30.0)))
 
 
 @pytest.mark.parametrize("case, message", [
-    (dict(dtype=jnp.float32), "q_nope.dtype float32 is not supported"),
+    (dict(dtype=jnp.float32), "float32 queries are not supported"),
     (dict(nope_dim=100), r"max\(Dn \+ Dr, Dv\)=164 is not supported; supported: multiples of 8 up to 256"),
     (dict(v_dim=512), r"max\(Dn \+ Dr, Dv\)=512 is not supported"),
     (dict(page_size=24), "page_size=24 is not supported; supported: powers of 2"),
@@ -131,16 +134,16 @@ def test_unsupported_mla_prefill_configurations_raise(case, message):
     shape = dict(dtype=BF16, nope_dim=128, v_dim=128, page_size=64, num_tokens=32, num_q_heads=16) | case
     tokens, heads, dtype = shape["num_tokens"], shape["num_q_heads"], shape["dtype"]
     cache = jaxattn.MLACache(jax.ShapeDtypeStruct((9, shape["page_size"], 512 + 64), BF16))
-    with pytest.raises(ValueError, match=r"mla_prefill\(backend='cudnn'\): .*" + message):
-        cudnn.mla_prefill_check_supported(jax.ShapeDtypeStruct((tokens, heads, shape["nope_dim"]), dtype),
-                                          jax.ShapeDtypeStruct((tokens, heads, 64), dtype), cache,
-                                          jax.ShapeDtypeStruct((512, heads, shape["v_dim"]), dtype), _params())
+    call = Call("mla_prefill", jax.ShapeDtypeStruct((tokens, heads, shape["nope_dim"]), dtype), cache,
+                _abstract_case()[2], _params(), q_rope=jax.ShapeDtypeStruct((tokens, heads, 64), dtype),
+                w_uv=jax.ShapeDtypeStruct((512, heads, shape["v_dim"]), dtype))
+    assert re.search(message, backends.takes("cudnn", call))
 
 
 def test_supported_configuration_passes_checks():
     for layout_case in (dict(), dict(dtype=F16, head_dim=256, page_size=64)):
         q, cache, meta = _abstract_case(**layout_case)
-        cudnn.check_supported(q, cache, meta, _params(sliding_window=8))
+        assert _takes(q, cache, meta, _params(sliding_window=8)) is None
 
 
 # ----------------------------------------------------------------------------------------- GPU

@@ -18,9 +18,10 @@ import numpy as np
 import pytest
 
 import jaxattn
+from jaxattn import backends
 from jaxattn.backends import _mla_build, _nvcc
 from jaxattn.backends import flashinfer as fb
-from jaxattn.backends.base import AttentionParams
+from jaxattn.backends.base import AttentionParams, Call
 from tests.conftest import unpacked_flashinfer_data
 from tests.mla_inputs import (break_metadata, check_captured_in_command_buffer, check_deepseek_broken_sequences,
                                check_deepseek_decode, check_deepseek_fp8_pool, make_mla_problem)
@@ -150,14 +151,16 @@ def test_broken_sequences_schedule():
 def test_check_supported():
     problem = make_mla_problem(np.random.default_rng(4), q_lens=[1], kv_lens=[4], num_q_heads=4,
                                dtype=jnp.bfloat16, **SMALL)
-    check = lambda q, cache: fb.mla_check_supported(q, problem.q_rope, cache, problem.meta, _params(problem))  # noqa: E731
-    with pytest.raises(ValueError, match=r"\(kv_lora_rank, rope_dim\) must be \(512, 64\), got \(32, 16\)"):
-        check(problem.q_latent, problem.cache)
-    with pytest.raises(ValueError, match="q_latent.dtype must be one of"):
-        check(problem.q_latent.astype(jnp.float32), problem.cache)
+
+    def takes(q, cache):
+        call = Call("mla_paged_attention", q, cache, problem.meta, _params(problem), q_rope=problem.q_rope)
+        return backends.takes("flashinfer", call)
+
+    assert takes(problem.q_latent, problem.cache) == ("the cache's (kv_lora_rank, rope_dim) must be (512, 64), "
+                                                      "got (32, 16)")
+    assert "float32 queries are not supported" in takes(problem.q_latent.astype(jnp.float32), problem.cache)
     f16 = jaxattn.MLACache.create(4, 8, 512, 64, dtype=jnp.float16)
-    with pytest.raises(ValueError, match="pages must be bfloat16 like q_latent or float8_e4m3fn, got float16"):
-        check(problem.q_latent, f16)
+    assert "float16 pages with bfloat16 queries are not supported" in takes(problem.q_latent, f16)
 
 
 def test_unknown_to_paged_attention():

@@ -18,7 +18,7 @@ import pytest
 import jaxattn
 from jaxattn import backends
 from jaxattn.backends import xla
-from jaxattn.backends.base import AttentionParams
+from jaxattn.backends.base import AttentionParams, Call
 from tests.conftest import HAS_GPU
 from tests.paged_inputs import TOLERANCE, make_problem, reference, rel_error
 from tests.xla_dump import run_with_dump, thunk_sequences, top_level_thunks
@@ -143,13 +143,11 @@ def test_short_query_tiles(monkeypatch):
 def test_unsupported_configurations_raise():
     problem = make_problem(np.random.default_rng(6), q_lens=[2], kv_lens=[4], num_q_heads=2, num_kv_heads=2,
                            head_dim=8, page_size=4)
-    with pytest.raises(ValueError, match="backend 'triton': head_dim must be in 16..256, got 8"):
-        tb.check_supported(problem.q, problem.cache, problem.meta, _params(8))
+    call = Call("paged_attention", problem.q, problem.cache, problem.meta, _params(8))
+    assert backends.takes("triton", call) == "head_dim must be in 16..256, got 8"
     problem = make_problem(np.random.default_rng(6), q_lens=[2], kv_lens=[4], num_q_heads=2, num_kv_heads=2,
                            head_dim=16, page_size=4, dtype=BF16)
-    cache = jaxattn.KVCache(problem.cache.k_pages.astype(jnp.float16), problem.cache.v_pages.astype(jnp.float16))
-    with pytest.raises(ValueError, match="cache pages must be bfloat16"):
-        tb.check_supported(problem.q, cache, problem.meta, _params(16))
+    assert backends.takes("triton", Call("paged_attention", problem.q, problem.cache, problem.meta, _params(16))) is None
     with pytest.raises(ValueError, match="launch must be one of"):
         tb.attention(problem.q, problem.cache, problem.meta, _params(16), None, launch="both")
 
@@ -158,7 +156,7 @@ def test_unsupported_configurations_raise():
 def test_unavailable_without_gpu():
     reason = backends.unavailable_reason("triton")
     assert reason is not None and "GPU" in reason
-    with pytest.raises(ValueError, match="backend 'triton' is not available"):
+    with pytest.raises(ValueError, match="backend 'triton' cannot take this call: no NVIDIA GPU"):
         problem = make_problem(np.random.default_rng(7), q_lens=[1], kv_lens=[3], num_q_heads=2, num_kv_heads=2,
                                head_dim=16, page_size=4)
         jaxattn.paged_attention(problem.q, problem.cache, problem.meta, backend="triton")

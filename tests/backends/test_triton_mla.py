@@ -7,6 +7,7 @@ tests take DeepSeek's shapes (R 512, Dr 64, page 64) in bfloat16.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -20,10 +21,9 @@ import numpy as np
 import pytest
 
 import jaxattn
-from jaxattn import attention as attention_module
-from jaxattn import backends, mla
+from jaxattn import backends, dispatch
 from jaxattn.backends import xla
-from jaxattn.backends.base import AttentionParams, gpu_devices
+from jaxattn.backends.base import AttentionParams, Call, gpu_devices
 from tests.mla_inputs import (break_metadata, check_captured_in_command_buffer, check_deepseek_broken_sequences,
                                check_deepseek_decode, check_deepseek_fp8_pool, make_mla_problem)
 from tests.paged_inputs import TOLERANCE, rel_error
@@ -123,25 +123,28 @@ def test_broken_sequences_are_zero_and_flagged(triton_runs_here, max_q_len):
 def test_check_supported():
     problem = make_mla_problem(np.random.default_rng(4), q_lens=[1], kv_lens=[4], num_q_heads=4,
                                **dict(SMALL, kv_lora_rank=24))
-    with pytest.raises(ValueError, match="kv_lora_rank must be a power of 2 >= 16, got 24"):
-        tb.mla_check_supported(problem.q_latent, problem.q_rope, problem.cache, problem.meta, _params(problem))
+    call = Call("mla_paged_attention", problem.q_latent, problem.cache, problem.meta, _params(problem),
+                q_rope=problem.q_rope)
+    assert backends.takes("triton", call) == "the cache's kv_lora_rank must be a power of 2 >= 16, got 24"
 
 
 def _record_backend_calls(monkeypatch) -> list[str]:
     calls = []
     for name in ("xla", "triton"):
-        module = backends.get(name) if name == "xla" else tb
-        real = module.mla_attention
-        monkeypatch.setattr(module, "mla_attention", lambda *a, _n=name, _r=real, **k: calls.append(_n) or _r(*a, **k))
+        backend = backends.REGISTRY[name]
+        support = backend.ops["mla_paged_attention"]
+        recorded = dataclasses.replace(support, run=lambda *a, _n=name, _r=support.run: calls.append(_n) or _r(*a))
+        monkeypatch.setitem(backends.REGISTRY, name,
+                            dataclasses.replace(backend, ops={**backend.ops, "mla_paged_attention": recorded}))
     return calls
 
 
 def test_auto_uses_triton_where_it_runs_else_xla_with_a_log_line(monkeypatch, caplog):
     calls = _record_backend_calls(monkeypatch)
-    # 4 tokens (2 of them padding) x a 1024-page table of 8 keys: past XLA_MAX_DECODE_KEYS.
+    # 4 tokens (2 of them padding) x a 1024-page table of 8 keys: past MLA_XLA_MAX_DECODE_KEYS.
     problem = make_mla_problem(np.random.default_rng(5), q_lens=[1, 1], kv_lens=[4, 9], num_q_heads=4, max_q_len=1,
                                pages_per_seq=1024, **SMALL)
-    monkeypatch.setattr(attention_module, "_logged", set())
+    monkeypatch.setattr(dispatch, "_logged", set())
     caplog.set_level(logging.INFO, logger="jaxattn")
     jax.jit(lambda *a: jaxattn.mla_paged_attention(*a, scale=problem.scale))(
         problem.q_latent, problem.q_rope, problem.cache, problem.meta)
@@ -153,11 +156,11 @@ def test_auto_uses_triton_where_it_runs_else_xla_with_a_log_line(monkeypatch, ca
 
 
 def test_auto_runs_tiny_decode_steps_on_xla(monkeypatch):
-    """T times the table's width in keys at most XLA_MAX_DECODE_KEYS: xla, wherever triton runs."""
+    """T times the table's width in keys at most MLA_XLA_MAX_DECODE_KEYS: xla, wherever triton runs."""
     calls = _record_backend_calls(monkeypatch)
     problem = make_mla_problem(np.random.default_rng(5), q_lens=[1, 1], kv_lens=[4, 9], num_q_heads=4, max_q_len=1,
                                **SMALL)
-    assert problem.q_latent.shape[0] * problem.meta.max_pages_per_seq * 8 <= mla.XLA_MAX_DECODE_KEYS
+    assert problem.q_latent.shape[0] * problem.meta.max_pages_per_seq * 8 <= tb.MLA_XLA_MAX_DECODE_KEYS
     jax.jit(lambda *a: jaxattn.mla_paged_attention(*a, scale=problem.scale))(
         problem.q_latent, problem.q_rope, problem.cache, problem.meta)
     assert calls == ["xla"]

@@ -11,6 +11,7 @@ import dataclasses
 import importlib.util
 import math
 import os
+import re
 import textwrap
 
 import jax
@@ -19,8 +20,9 @@ import numpy as np
 import pytest
 
 import jaxattn
+from jaxattn import backends
 from jaxattn.backends import _nvcc, _xqa_build, trtllm
-from jaxattn.backends.base import AttentionParams
+from jaxattn.backends.base import AttentionParams, Call
 from tests.conftest import unpacked_flashinfer_data
 from tests.xla_dump import run_with_dump, thunk_sequences, top_level_thunks
 from tests.paged_inputs import make_problem, rel_error
@@ -115,29 +117,27 @@ _SINKS = AttentionParams(scale=0.1, causal=True, sliding_window=None, softcap=No
 
 
 @pytest.mark.parametrize("kwargs,params,match", [
-    (dict(max_q_len=None), _PARAMS, r"meta.max_q_len must be an int in 1..16 .*got None"),
-    (dict(max_q_len=17, tokens=40), _PARAMS, r"meta.max_q_len must be an int in 1..16 .*got 17"),
-    (dict(max_q_len=0), _PARAMS, r"meta.max_q_len must be an int in 1..16"),
+    (dict(max_q_len=None), _PARAMS, r"meta.max_q_len=None is not supported: .*at most 16 tokens"),
+    (dict(max_q_len=17, tokens=40), _PARAMS, r"meta.max_q_len=17 is not supported"),
     # sinks + spec decode: XQA's sink lookup is wrong when a 32-row block splits a token's heads
     (dict(max_q_len=6, num_q_heads=12, num_kv_heads=2, tokens=12), _SINKS,
      r"sinks with speculative decode need .*Hq // Hkv = 6.* dividing 32"),
     (dict(max_q_len=11, num_q_heads=6, num_kv_heads=2, tokens=20), _SINKS, "sinks with speculative decode"),
-    (dict(dtype=jnp.float32), _PARAMS, "q.dtype must be one of"),
-    (dict(kv_dtype=jnp.float16), _PARAMS, "cache pages must be bfloat16"),
+    (dict(dtype=jnp.float32), _PARAMS, "float32 queries are not supported"),
+    (dict(kv_dtype=jnp.float16), _PARAMS, "float16 pages with bfloat16 queries are not supported"),
     (dict(page_size=8), _PARAMS, r"page_size must be one of \(16, 32, 64, 128\)"),
     (dict(head_dim=96), _PARAMS, r"head_dim must be one of \(64, 128, 256\)"),
     (dict(num_q_heads=64, num_kv_heads=2), _PARAMS, r"must be in 1..16, got 64 // 2 = 32"),
-    (dict(), AttentionParams(0.1, True, None, 30.0, False), "softcap must be None"),
+    (dict(), AttentionParams(0.1, True, None, 30.0, False), "softcap not supported"),
 ])
 def test_unsupported_configurations_raise(kwargs, params, match):
     q, cache, meta = _inputs(**kwargs)
-    with pytest.raises(ValueError, match="backend 'trtllm'.*" + match):
-        trtllm.check_supported(q, cache, meta, params)
+    assert re.search(match, backends.takes("trtllm", Call("paged_attention", q, cache, meta, params)))
 
 
 def test_supported_configuration_passes():
     q, cache, meta = _inputs(kv_dtype=FP8, num_q_heads=16, num_kv_heads=1, head_dim=64, page_size=16)
-    trtllm.check_supported(q, cache, meta, _PARAMS)
+    assert backends.takes("trtllm", Call("paged_attention", q, cache, meta, _PARAMS)) is None
 
 
 @pytest.mark.parametrize("kwargs,params", [
@@ -149,7 +149,7 @@ def test_supported_configuration_passes():
 ])
 def test_speculative_decode_configurations_pass(kwargs, params):
     q, cache, meta = _inputs(**kwargs)
-    trtllm.check_supported(q, cache, meta, params)
+    assert backends.takes("trtllm", Call("paged_attention", q, cache, meta, params)) is None
     assert trtllm.variant(q, cache, params, spec_dec=True).spec_dec
 
 
@@ -251,7 +251,7 @@ def test_split_sm_count(monkeypatch, cache_dtype, batch, kv, multiple):
     """The SM count XQA's split formula gets (132-SM device, Hkv 8, page 64): the fp8 (Hopper)
     kernel gets 2x where the device's count leaves SMs idle and 2x stays within 1.6 CTAs per SM of
     at least 320 keys each (tune_xqa_splits)."""
-    monkeypatch.setattr(trtllm, "_sm_count", lambda: 132)
+    monkeypatch.setattr(trtllm, "sm_count", lambda: 132)
     variant = _xqa_build.Variant(dtype="bfloat16", cache_dtype=np.dtype(cache_dtype).name, page_size=64,
                                  head_dim=128, group_size=4, sliding_window=False)
     assert trtllm.split_sm_count(variant, batch, 8, kv // 64) == multiple * 132
@@ -365,7 +365,7 @@ def test_fp8_long_context_with_more_splits(batch, prebuilt):
     kv_lens = [int(n) for n in rng.integers(20000, 32768, size=batch)]
     problem = _problem(case, rng, kv_lens, pad_seqs=1, pad_tokens=2)
     width = problem.meta.block_tables.shape[1]
-    assert trtllm.split_sm_count(_variant(case), problem.q.shape[0], case[6], width) > trtllm._sm_count()
+    assert trtllm.split_sm_count(_variant(case), problem.q.shape[0], case[6], width) > trtllm.sm_count()
     rows = np.arange(batch)
     out, ref = _run("trtllm", problem), _run("xla", problem)
     assert rel_error(out[rows], ref[rows]) < TOLERANCE[case[1]], f"seed {seed}"
