@@ -168,6 +168,11 @@ def _head_axes(mesh: Mesh, shapes, roles: tuple[str, ...], cache: KVCache) -> Me
         raise ValueError(f"paged_attention under sharding: q may be sharded only on its head axis "
                          f"(supported: {_SUPPORTED}), got q {PartitionSpec(*q_spec)}")
     num_shards = num_head_shards(mesh, axes)
+    num_q_heads = shapes[0].shape[1]
+    if num_q_heads % num_shards:
+        raise ValueError(f"paged_attention under sharding: q's {num_q_heads} heads cannot be split into "
+                         f"{num_shards} head shards (mesh axes {axes!r}): the number of shards must divide the "
+                         f"number of query heads (and of the cache's KV heads)")
     if cache.num_kv_heads % num_shards:
         raise ValueError(f"paged_attention under sharding: the cache's num_kv_heads ({cache.num_kv_heads}) "
                          f"must be a multiple of the head shards ({num_shards} over mesh axes {axes!r}) so "

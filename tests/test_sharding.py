@@ -238,6 +238,23 @@ def check_unsupported_shardings_raise() -> None:
             assert "num_kv_heads" in str(err), err
         else:
             raise AssertionError("KVCache.create took more shards than KV heads")
+    # Fewer query heads than shards: XLA may pad the head axis, the partitioner names the problem.
+    mesh = jax.make_mesh((num_devices,), ("tp",), axis_types=(AxisType.Auto,))
+    heads = num_devices // 2
+    few_q_heads = make_problem(np.random.default_rng(4), q_lens=[1, 3], kv_lens=[5, 8], num_q_heads=heads,
+                               num_kv_heads=heads, head_dim=16, page_size=4)
+
+    def constrained(q, cache, meta):
+        return jaxattn.paged_attention(jax.lax.with_sharding_constraint(q, NamedSharding(mesh, P(None, "tp"))),
+                                       cache, meta)
+
+    try:
+        jax.jit(constrained).lower(few_q_heads.q, few_q_heads.cache, few_q_heads.meta).compile()
+    except jax.errors.JaxRuntimeError as err:
+        assert f"ValueError: paged_attention under sharding: q's {heads} heads cannot be split into " \
+               f"{num_devices} head shards" in str(err), err
+    else:
+        raise AssertionError("q heads split over more shards than heads")
 
 
 # --------------------------------------------------------------------------------------------- CPU
