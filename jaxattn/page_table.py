@@ -4,9 +4,10 @@ Every method is a pure function of device arrays with static shapes, so it runs 
 same jitted step as attention. Costs are O(N * max_pages_per_seq) for N requests (plus an N x N
 comparison of the request ids): nothing searches the pool.
 
-Prefix caching splits between the host and this table. The host (``jaxattn.engine.Engine``) keeps
-the hash map from a chain of prompt tokens (page i's key hashes its tokens with page i-1's key) to
-the page holding their K/V, and an LRU order of the cached pages no sequence holds. The table keeps
+Prefix caching splits between the host and this table. The host page pool
+(``jaxattn.scheduler.PagePool``, owned by the Engine's scheduler) keeps the hash map from a chain
+of prompt tokens (page i's key hashes its tokens with page i-1's key) to the page holding their
+K/V, and an LRU order of the cached pages no sequence holds. The table keeps
 a ``cached`` flag per page and three operations: ``mark_cached`` flags full pages once their K/V
 is written, ``attach`` starts an empty sequence on cached pages (refcount + 1: a new request's
 longest cached prefix), and ``evict`` returns cached pages that no sequence holds to the free
