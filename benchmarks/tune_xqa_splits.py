@@ -51,7 +51,7 @@ def main() -> None:
     parser.add_argument("--fp8", action="store_true", help="float8_e4m3fn pages (XQA's Hopper kernel)")
     args = parser.parse_args()
     multiples = [float(m) for m in (args.multiples or ("1,2,4,8,16,32" if args.fp8 else "1,2,3,4,6,8")).split(",")]
-    sms = trtllm._sm_count()
+    sms = trtllm.sm_count()
     copy_rate = copy_bandwidth()
     lines = [f"Device: {device_name()} ({sms} SMs); jax {jax.__version__}; {utc_now()}; command: `{command_line()}`; "
              f"copy rate {copy_rate / 1e12:.2f} TB/s; {'float8_e4m3fn' if args.fp8 else 'bf16'} pages, bf16 q, "

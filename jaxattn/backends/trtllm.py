@@ -30,7 +30,6 @@ dependent launch, for comparisons; it is on by default, as in flashinfer.
 
 from __future__ import annotations
 
-import functools
 import math
 import os
 
@@ -158,7 +157,7 @@ def _spec_attention(q: jax.Array, cache: KVCache, meta: AttentionMetadata, param
     causal = params.causal or params.sliding_window is not None     # a window also bounds keys by position
     seq_lens, cu, mask, row_valid = spec_inputs(meta, num_tokens, max_q, max_pages * cache.page_size, causal)
 
-    semaphores, scratch = kernel.workspace(_sm_count(), batch, cache.num_kv_heads, max_pages, max_q)
+    semaphores, scratch = kernel.workspace(sm_count(), batch, cache.num_kv_heads, max_pages, max_q)
     stride_page, stride_token, stride_head = _strides(cache)
     call = jax.ffi.ffi_call(
         kernel.target_name,
@@ -176,7 +175,7 @@ def _spec_attention(q: jax.Array, cache: KVCache, meta: AttentionMetadata, param
         semaphore_count=np.int64(semaphores),
         enable_pdl=np.int64(os.environ.get("JAXATTN_TRTLLM_PDL", "1") != "0"),
         q_seq_len=np.int64(max_q),
-        split_sm_count=np.int64(_sm_count()),
+        split_sm_count=np.int64(sm_count()),
     )
     return out
 
