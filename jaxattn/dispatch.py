@@ -33,8 +33,8 @@ def choose(call: Call, backend: str = "auto") -> str:
     for name in ranking(call):
         reason = backends.check(name, call)
         if reason is None:
-            if skipped and name == "xla" and not gpu_devices():   # nothing to fix: only xla runs on CPU
-                log_once(f"jaxattn auto ({call.op}): running the xla backend: {NO_GPU}", logging.INFO)
+            if skipped and not gpu_devices():   # nothing to fix: the GPU backends cannot run here
+                log_once(f"jaxattn auto ({call.op}): running the {name} backend: {NO_GPU}", logging.INFO)
             elif skipped:
                 log_once(f"jaxattn auto ({call.op}): using {name!r}; " + "; ".join(skipped))
             return name
