@@ -26,6 +26,17 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_multigpu)
 
 
+PARITY_REASON = ("needs torch and transformers, the [parity] extra (pip install -e \".[test,parity]\", "
+                 "a CPU torch is enough): a transformers parity test")
+
+
+def require_parity():
+    """Skips the calling test (or fixture, or module) unless torch and transformers are installed;
+    returns the transformers module."""
+    pytest.importorskip("torch", reason=PARITY_REASON)
+    return pytest.importorskip("transformers", reason=PARITY_REASON)
+
+
 def unpacked_flashinfer_data(tmp_path_factory, prefixes: tuple[str, ...]) -> Path:
     """``flashinfer/data`` with the parts under ``prefixes`` unpacked from the pinned
     flashinfer-python wheel, fetched from PyPI without dependencies; skips if it cannot be fetched."""

@@ -13,7 +13,7 @@ import sys
 import pytest
 
 from jaxattn import demo
-from tests.conftest import HAS_GPU
+from tests.conftest import HAS_GPU, require_parity
 from tests.xla_dump import REPO
 
 SMALL = ["--preset", "tiny", "--layers", "1", "--requests", "3", "--max-seqs", "2", "--prompt-len", "12",
@@ -57,7 +57,7 @@ def test_a_backend_that_cannot_run_here_is_a_usage_error(capsys):
 def checkpoint(tmp_path_factory):
     """(directory of a tiny transformers checkpoint with a word-level tokenizer.json, the
     transformers model)."""
-    pytest.importorskip("transformers")
+    require_parity()
     from tests.models.hf_checkpoints import save_checkpoint, save_tokenizer
 
     path = tmp_path_factory.mktemp("qwen2-tied")
@@ -109,7 +109,7 @@ def test_text_prompts_without_the_tokenizers_package_say_what_to_install(checkpo
 @pytest.mark.gpu
 def test_demo_serves_a_checkpoint_on_the_gpu(tmp_path, capsys):
     """A checkpoint with head_dim 128 in bfloat16, so that auto picks the GPU backends."""
-    pytest.importorskip("transformers")
+    require_parity()
     from tests.models.hf_checkpoints import save_checkpoint
 
     save_checkpoint("llama", tmp_path, head_dim=128)
