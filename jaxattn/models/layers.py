@@ -46,6 +46,7 @@ class Decoder(Protocol):
     embed: nnx.Embed
     layers: nnx.List
     norm: nnx.RMSNorm
+    lm_head: nnx.Linear          # only without tied embeddings
 
 
 @dataclasses.dataclass(frozen=True)
