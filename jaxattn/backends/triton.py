@@ -13,7 +13,7 @@ metadata's device arrays):
 segment reduction (skipped when one segment suffices).
 
 Block sizes come from ``decode_config`` / ``short_query_config`` / ``prefill_config`` (measured on
-an H200, see ``benchmarks/RESULTS.md``), or are passed explicitly. On CPU the kernels run under Triton's
+an H200, see ``benchmarks/TUNING.md``), or are passed explicitly. On CPU the kernels run under Triton's
 interpreter (tests only; the registry reports the backend unavailable there).
 """
 
@@ -42,7 +42,7 @@ MLA_MAX_DECODE_Q_LEN = SPEC_DECODE_MAX_Q_LEN
 MLA_XLA_MAX_DECODE_KEYS = 16384
 # Decode: KV segments are chosen to give about this many programs (B x Hkv x segments; ~8 per SM
 # of a 132-SM H100/H200), with at least _MIN_TILES_PER_SEGMENT KV tiles each. Chosen on an H200 by
-# benchmarks/tune_triton.py (benchmarks/RESULTS.md, triton section, "Block sizes"): at D=128,
+# benchmarks/tune_triton.py (benchmarks/TUNING.md, "Triton block sizes"): at D=128,
 # B=64 x kv 4096 -> 2 segments, 0.263 ms (best of 54 configs: 0.261); B=8 x kv 4096 -> 8 segments,
 # 0.052 ms (best of 12: 0.052).
 _DECODE_PROGRAMS = 1024
@@ -99,8 +99,8 @@ def check(call: Call) -> str | None:
 
 
 def decode_config(head_dim: int, batch: int, num_kv_heads: int, max_kv_len: int) -> DecodeConfig:
-    """Decode tiles for this shape (static), from the H200 sweep (benchmarks/RESULTS.md, triton
-    section, "Block sizes"), 4 warps. B=64 x kv 4096 (best of 54 configs in brackets):
+    """Decode tiles for this shape (static), from the H200 sweep (benchmarks/TUNING.md,
+    "Triton block sizes"), 4 warps. B=64 x kv 4096 (best of 54 configs in brackets):
 
     * D <= 64: 64-key tiles, 2 stages: 0.143 ms (0.141; 3 stages 0.175).
     * D <= 128: 64-key tiles, 3 stages: 0.263 ms (0.261; 2 stages 0.273).
@@ -118,7 +118,7 @@ def decode_config(head_dim: int, batch: int, num_kv_heads: int, max_kv_len: int)
 
 def prefill_config(head_dim: int, dtype) -> PrefillConfig:
     """2D kernel tiles for this head dim and query dtype (static), from the H200 sweep
-    (benchmarks/RESULTS.md, triton section, "Block sizes"): each is the winner at B=8 x 4096
+    (benchmarks/TUNING.md, "Triton block sizes"): each is the winner at B=8 x 4096
     causal and on the mixed batch's prefill part.
 
     * D <= 64: 128 x 128, 4 warps, 2 stages: 1.63 ms = 338 TFLOP/s.
@@ -145,7 +145,7 @@ def short_query_config(head_dim: int, dtype, max_q_len: int | None, group: int, 
     """2D kernel tiles for a step whose query lengths are all at most ``max_q_len`` (static),
     when one query tile of ``max(16, pow2(max_q_len) * pow2(group))`` rows holds a sequence's
     tokens and that is at most 64 rows; None otherwise (``prefill_config`` applies). From the H200
-    sweep (benchmarks/RESULTS.md, triton section, "Short-query tiles"; D=128, kv 4096; the best
+    sweep (benchmarks/TUNING.md, "Triton short-query tiles"; D=128, kv 4096; the best
     of 54 configs in brackets where it is not this one), 4 warps, 2 stages:
 
     * B=64, q_len 4: 16 x 64 tiles: 0.254 ms (the winner).
@@ -275,7 +275,7 @@ def mla_config(num_tokens: int, num_q_heads: int, kv_lora_rank: int, max_kv_len:
                fp8: bool = False) -> MLAConfig:
     """Tiles for this shape (static); KV segments give about ``_MLA_PROGRAMS`` programs.
 
-    bf16 decode, from ``benchmarks/tune_mla.py`` (RESULTS.md, "MLA decode tiles"; H100, R 512,
+    bf16 decode, from ``benchmarks/tune_mla.py`` (TUNING.md, "MLA decode tiles"; H100, R 512,
     Dr 64): up to 16 heads, 16 heads x 64 keys, 4 warps, 3 stages (B=128 kv 4096: 222 us against
     264 for the earlier 8 warps, 2 stages); more heads, 64 heads x 64 keys, 8 warps, 3 stages (B=64
     kv 4096 Hq 128: 335 us against 437 for 32 keys, 2 stages), but 32 heads x 64 keys, 2 stages when

@@ -258,7 +258,7 @@ def split_sm_count(kernel_variant: _xqa_build.Variant, num_requests: int, num_kv
     ``_FP8_MIN_KEYS_PER_CTA`` keys of the table's width. On an H100 (XQA kernel time, kv 16k-128k)
     2x took 10-17% less time at B=1, 13-19% at B=2, 17-19% at B=4; 4x (about 400 CTAs) slowed B=1 and
     B=2 down against 2x, the merge of their partials costing more than the extra CTAs gain
-    (``benchmarks/tune_xqa_splits.py``, RESULTS.md xqa-splits-fp8)."""
+    (``benchmarks/tune_xqa_splits.py``, TUNING.md, "XQA split count, fp8 pages")."""
     sms = sm_count()
     pairs = num_requests * num_kv_heads
 
