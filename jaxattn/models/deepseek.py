@@ -95,7 +95,7 @@ class Attention(nnx.Module):
         return self.o_proj(out.reshape(x.shape[0], -1))
 
 
-class DeepSeek(nnx.Module):
+class DeepSeek(layers.Decoder):
     """Decoder over packed tokens: ``tokens int32[T]`` -> logits ``[T, vocab]`` (float32), the
     shared layers (``jaxattn.models.layers``) around MLA blocks; a ``PagedModel``
     (``jaxattn.models.base``) served through ``mla_paged_attention`` and ``mla_prefill``."""
@@ -103,20 +103,7 @@ class DeepSeek(nnx.Module):
     attention_ops: tuple[str, ...] = ("mla_paged_attention", "mla_prefill")
 
     def __init__(self, cfg: DeepSeekConfig, rngs: nnx.Rngs):
-        self.cfg = cfg
-        self.embed = layers.embedding(cfg, rngs)
-        self.layers = layers.blocks(cfg, rngs, Attention)
-        self.norm = layers.rms_norm(cfg, cfg.dim, rngs)
-        if not cfg.tie_embeddings:
-            self.lm_head = layers.lm_head(cfg, rngs)
-
-    def hidden(self, tokens: jax.Array, positions: jax.Array, attend: AttendFn) -> jax.Array:
-        """Final normalized hidden states ``[T, dim]`` of ``tokens int32[T]`` at ``positions int32[T]``."""
-        return layers.hidden(self, tokens, positions, attend)
-
-    def logits(self, hidden: jax.Array) -> jax.Array:
-        """``[T, dim]`` -> float32 ``[T, vocab]``."""
-        return layers.logits(self, hidden)
+        super().__init__(cfg, rngs, Attention)
 
     def forward_paged(self, tokens: jax.Array, caches: list[jaxattn.MLACache], meta: jaxattn.AttentionMetadata,
                       slots: jax.Array, backend: str = "auto") -> tuple[jax.Array, list[jaxattn.MLACache]]:

@@ -2,9 +2,9 @@
 with Flax logical axes, RoPE, the SwiGLU MLP, the pre-norm residual block around a model's own
 attention module, and the embedding / LM head ends of the stack.
 
-A model holds the stack as attributes ``embed``, ``layers``, ``norm`` and (without tied
-embeddings) ``lm_head``, so its weights keep the same paths whatever the attention; ``hidden``
-and ``logits`` run them."""
+A model is a ``Decoder`` built with its own attention module: the stack's attributes ``embed``,
+``layers``, ``norm`` and (without tied embeddings) ``lm_head`` give its weights the same paths
+whatever the attention."""
 
 from __future__ import annotations
 
@@ -37,16 +37,6 @@ class DecoderConfig(Protocol):
     def dtype(self) -> str: ...
     @property
     def tie_embeddings(self) -> bool: ...
-
-
-class Decoder(Protocol):
-    """A model made of these layers: what ``hidden`` and ``logits`` run."""
-
-    cfg: DecoderConfig
-    embed: nnx.Embed
-    layers: nnx.List
-    norm: nnx.RMSNorm
-    lm_head: nnx.Linear          # only without tied embeddings
 
 
 @dataclasses.dataclass(frozen=True)
@@ -147,16 +137,27 @@ def blocks(cfg: DecoderConfig, rngs: nnx.Rngs, attention: Callable[[Any, nnx.Rng
     return nnx.List([Block(cfg, rngs, attention) for _ in range(cfg.num_layers)])
 
 
-def hidden(model: Decoder, tokens: jax.Array, positions: jax.Array, attend: Callable) -> jax.Array:
-    """Final normalized hidden states ``[T, dim]`` of ``tokens int32[T]`` at ``positions int32[T]``;
-    layer ``i``'s attention module calls ``attend(i, ...)``."""
-    x = model.embed(tokens)
-    for i, block in enumerate(model.layers):
-        x = block(x, positions, functools.partial(attend, i))
-    return model.norm(x)
+class Decoder(nnx.Module):
+    """The stack every reference decoder shares: embedding, ``cfg.num_layers`` pre-norm blocks
+    around the model's ``attention`` module, final RMSNorm, LM head (the embedding when tied)."""
 
+    def __init__(self, cfg: DecoderConfig, rngs: nnx.Rngs, attention: Callable[[Any, nnx.Rngs], nnx.Module]):
+        self.cfg = cfg
+        self.embed = embedding(cfg, rngs)
+        self.layers = blocks(cfg, rngs, attention)
+        self.norm = rms_norm(cfg, cfg.dim, rngs)
+        if not cfg.tie_embeddings:
+            self.lm_head = lm_head(cfg, rngs)
 
-def logits(model: Decoder, hidden_states: jax.Array) -> jax.Array:
-    """``[T, dim]`` -> float32 ``[T, vocab]`` through the LM head (the embedding when tied)."""
-    head = model.embed.attend if model.cfg.tie_embeddings else model.lm_head
-    return head(hidden_states).astype(jnp.float32)
+    def hidden(self, tokens: jax.Array, positions: jax.Array, attend: Callable) -> jax.Array:
+        """Final normalized hidden states ``[T, dim]`` of ``tokens int32[T]`` at ``positions
+        int32[T]``; layer ``i``'s attention module calls ``attend(i, ...)``."""
+        x = self.embed(tokens)
+        for i, block in enumerate(self.layers):
+            x = block(x, positions, functools.partial(attend, i))
+        return self.norm(x)
+
+    def logits(self, hidden_states: jax.Array) -> jax.Array:
+        """``[T, dim]`` -> float32 ``[T, vocab]`` through the LM head (the embedding when tied)."""
+        head = self.embed.attend if self.cfg.tie_embeddings else self.lm_head
+        return head(hidden_states).astype(jnp.float32)

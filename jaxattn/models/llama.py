@@ -97,7 +97,7 @@ class Attention(nnx.Module):
         return self.o_proj(attend(q, k, v).reshape(x.shape[0], -1))
 
 
-class Llama(nnx.Module):
+class Llama(layers.Decoder):
     """Decoder over packed tokens: ``tokens int32[T]`` -> logits ``[T, vocab]`` (float32), the
     shared layers (``jaxattn.models.layers``) around GQA attention; a ``PagedModel``
     (``jaxattn.models.base``) served through ``paged_attention``."""
@@ -105,20 +105,7 @@ class Llama(nnx.Module):
     attention_ops: tuple[str, ...] = ("paged_attention",)
 
     def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs):
-        self.cfg = cfg
-        self.embed = layers.embedding(cfg, rngs)
-        self.layers = layers.blocks(cfg, rngs, Attention)
-        self.norm = layers.rms_norm(cfg, cfg.dim, rngs)
-        if not cfg.tie_embeddings:
-            self.lm_head = layers.lm_head(cfg, rngs)
-
-    def hidden(self, tokens: jax.Array, positions: jax.Array, attend: AttendFn) -> jax.Array:
-        """Final normalized hidden states ``[T, dim]`` of ``tokens int32[T]`` at ``positions int32[T]``."""
-        return layers.hidden(self, tokens, positions, attend)
-
-    def logits(self, hidden: jax.Array) -> jax.Array:
-        """``[T, dim]`` -> float32 ``[T, vocab]``."""
-        return layers.logits(self, hidden)
+        super().__init__(cfg, rngs, Attention)
 
     def forward_paged(self, tokens: jax.Array, caches: list[jaxattn.KVCache], meta: jaxattn.AttentionMetadata,
                       slots: jax.Array, backend: str = "auto") -> tuple[jax.Array, list[jaxattn.KVCache]]:
