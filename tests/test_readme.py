@@ -1,9 +1,10 @@
 """Every python block of README.md runs as written: each is extracted from the README and exec'd
 unchanged, nothing defined for it beforehand.
 
-- A block whose first line is a comment starting ``# Continues the`` continues the python block
-  before it (uses its names): it runs after that block (and what that one continues), in the same
-  namespace, as a reader pasting them in order would.
+- A block whose first line is a comment ``# Continues the "HEADING" block`` continues the last
+  python block under that README heading before it (``# Continues the block above``: the python
+  block before it) and uses its names: it runs after that block (and what that one continues), in
+  the same namespace, as a reader pasting them in order would.
 - A block that builds a mesh of N devices (``jax.make_mesh((N,) ...``) runs in a subprocess on N
   CPU devices (``XLA_FLAGS=--xla_force_host_platform_device_count=N``, ``JAX_PLATFORMS=cpu``), as
   its comment tells a reader to.
@@ -33,7 +34,7 @@ import jaxattn
 from tests.paged_inputs import ALLCLOSE, rel_error
 
 README = pathlib.Path(__file__).resolve().parents[1] / "README.md"
-CONTINUES = "# Continues the"
+CONTINUES = re.compile(r'# Continues the (?:"([^"]+)" )?block')
 MESH = re.compile(r"jax\.make_mesh\(\((\d+),")
 
 # A string only that block contains -> why it is not run as written.
@@ -55,8 +56,8 @@ class Block:
         return f"L{self.line}-" + re.sub(r"[^a-z0-9]+", "-", self.heading.lower()).strip("-")
 
     @property
-    def continues(self) -> bool:
-        return self.code.lstrip().startswith(CONTINUES)
+    def continues(self) -> re.Match | None:
+        return CONTINUES.match(self.code.lstrip())
 
 
 @functools.cache
@@ -81,9 +82,11 @@ def blocks() -> tuple[Block, ...]:
 def chain(index: int) -> list[Block]:
     """Block ``index`` after the blocks it continues, first to last."""
     out = [blocks()[index]]
-    while out[0].continues:
-        assert out[0].index > 0, f"README line {out[0].line}: the first python block continues nothing"
-        out.insert(0, blocks()[out[0].index - 1])
+    while match := out[0].continues:
+        heading = match.group(1)
+        before = [b for b in blocks()[:out[0].index] if heading in (None, b.heading)]
+        assert before, f"README line {out[0].line}: no python block {heading or 'above'} to continue"
+        out.insert(0, before[-1])
     return out
 
 
