@@ -238,7 +238,7 @@ def test_spec_inputs_give_the_reference_semantics(causal, window, with_sinks):
 @pytest.mark.skipif(bool(jax.devices()[0].platform == "gpu"), reason="checks the CPU-only message")
 def test_unavailable_without_gpu():
     q, cache, meta = _inputs()
-    with pytest.raises(ValueError, match="backend 'trtllm' is not available: no NVIDIA GPU"):
+    with pytest.raises(ValueError, match="backend 'trtllm' cannot take this call: no NVIDIA GPU"):
         jaxattn.paged_attention(q, cache, meta, backend="trtllm")
 
 
