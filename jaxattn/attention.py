@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -91,7 +92,7 @@ def _run_plan(params: AttentionParams, backend: str, q: jax.Array, cache: KVCach
     return jnp.where(is_decode[:, None, None], out_dec, out)
 
 
-def _kernel(name: str):
+def _kernel(name: str) -> Callable[..., jax.Array]:
     """Backend ``name``'s paged_attention entry."""
     return backends.REGISTRY[name].ops["paged_attention"].run
 
