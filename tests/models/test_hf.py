@@ -15,8 +15,10 @@ import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
+from tests.conftest import require_parity  # noqa: E402
+
+transformers = require_parity()   # skips this module, naming the [parity] extra, without torch and transformers
+import torch  # noqa: E402
 
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS  # noqa: E402
 
