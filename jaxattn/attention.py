@@ -170,8 +170,7 @@ def split_decodes(q: jax.Array, meta: AttentionMetadata
 def _check_args(q, cache, meta, *, scale=None, causal=True, sliding_window=None, softcap=None, sinks=None,
                 backend="auto") -> AttentionParams:
     where = "paged_attention"
-    if backend != "auto" and backend not in backends.names(where):
-        raise ValueError(f"{where}: backend must be one of {('auto',) + backends.names(where)}, got {backend!r}")
+    dispatch.check_name(where, backend)
     if not isinstance(cache, KVCache):
         raise ValueError(f"{where}: cache must be a jaxattn.KVCache, got {type(cache).__name__}")
     if getattr(q, "ndim", None) != 3 or q.shape[0] < 1:

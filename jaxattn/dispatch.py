@@ -21,10 +21,8 @@ _logged: set[str] = set()
 
 def choose(call: Call, backend: str = "auto") -> str:
     """The name of the backend that runs ``call``."""
+    check_name(call.op, backend)
     if backend != "auto":
-        if backend not in backends.names(call.op):
-            raise ValueError(f"{call.op}: backend must be one of {('auto',) + backends.names(call.op)}, "
-                             f"got {backend!r}")
         reason = backends.check(backend, call)
         if reason is not None:
             raise ValueError(f"{call.op}: backend {backend!r} cannot take this call: {reason}")
@@ -40,6 +38,13 @@ def choose(call: Call, backend: str = "auto") -> str:
             return name
         skipped.append(f"{name} skipped ({reason})")
     raise ValueError(f"{call.op}: no backend takes this call: " + "; ".join(skipped))
+
+
+def check_name(op: str, backend: str) -> None:
+    """ValueError unless ``backend`` is "auto" or a backend that implements ``op``; the ops call it
+    before any tracing, ``choose`` again on the shapes it gets."""
+    if backend != "auto" and backend not in backends.names(op):
+        raise ValueError(f"{op}: backend must be one of {('auto',) + backends.names(op)}, got {backend!r}")
 
 
 def ranking(call: Call) -> list[str]:

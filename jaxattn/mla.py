@@ -161,8 +161,7 @@ def _check_common(where: str, queries: tuple[tuple[str, jax.Array, str | None], 
             raise ValueError(f"{where}: {name}.dtype must be the cache's {cache.dtype} (or any query dtype "
                              f"over FP8 pages) and {first_name}'s, got {x.dtype}")
     check_metadata(where, meta, cache)
-    if backend != "auto" and backend not in backends.names(where):
-        raise ValueError(f"{where}: backend must be one of {('auto',) + backends.names(where)}, got {backend!r}")
+    dispatch.check_name(where, backend)
     if not (is_real(scale) and math.isfinite(scale) and scale > 0):
         raise ValueError(f"{where}: scale must be a positive finite float, got {scale!r}")
     if not isinstance(causal, bool):

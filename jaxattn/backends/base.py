@@ -197,9 +197,6 @@ class Backend:
     ops: dict[str, OpSupport]
     requirements: Callable[[], str | None] = lambda: None
 
-    def __hash__(self) -> int:
-        return hash(self.name)
-
 
 def arch_reason(archs: tuple[str, ...]) -> str | None:
     """Why a backend that runs on ``archs`` cannot run on this machine's first device, or None."""
