@@ -1,0 +1,7 @@
+"""OpenAI-compatible HTTP serving over the Engine (``python -m jaxattn.serve``; needs the
+``serve`` extra: fastapi, uvicorn, prometheus-client, tokenizers, jinja2).
+
+Modules, one concern each: ``protocol`` (request bodies and error bodies), ``text`` (tokenizer,
+chat template, incremental detokenization with stop strings), ``loop`` (the engine thread),
+``metrics`` (Prometheus), ``app`` (the FastAPI routes), ``cli`` (the command line).
+"""

@@ -1,0 +1,305 @@
+"""The FastAPI application: OpenAI-compatible completions and chat completions (plain or streamed
+as server-sent events), the model list, health and Prometheus metrics, over an ``EngineLoop``.
+
+Every request is checked before it reaches the engine; what a client can get wrong is a 4xx with
+an OpenAI-style error body naming the field (``param``). A client that disconnects has its request
+aborted at the next engine step (its pages freed).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from jaxattn.engine import Engine
+from jaxattn.sampling import SamplingParams
+from jaxattn.serve.loop import Admitted, EngineLoop, Failed, Job
+from jaxattn.serve.metrics import CONTENT_TYPE_LATEST, Metrics
+from jaxattn.serve.protocol import APIError, ChatRequest, CompletionRequest, error_body
+from jaxattn.serve.text import TextStream, TextTokenizer
+
+__all__ = ["build_app"]
+
+# What a client disconnecting before its answer gets (nginx's "client closed request"; never sent).
+CLIENT_CLOSED = 499
+
+
+class Generation:
+    """One job's output as it comes: ``(text delta, token ids, finish_reason)`` per engine event,
+    ``stop`` strings applied (the request is aborted at the first). ``close`` aborts the request
+    if it has not finished, and counts it in the metrics."""
+
+    def __init__(self, engine_loop: EngineLoop, job: Job, tokenizer: TextTokenizer | None, stop: tuple[str, ...]):
+        self.engine_loop, self.job = engine_loop, job
+        self.text = TextStream(tokenizer, job.prompt, stop) if tokenizer is not None else None
+        self.token_ids: list[int] = []
+        self.finish_reason: str | None = None
+        self._arrival = time.perf_counter()
+        self._first = self._last = 0.0
+        self._closed = False
+
+    async def start(self) -> None:
+        """Waits for the engine to take the request; APIError when it refuses it."""
+        event = await self.job.next_event()
+        if isinstance(event, Failed):
+            self.finish_reason = "error"
+            raise _engine_error(event)
+        assert isinstance(event, Admitted), event
+
+    async def chunks(self) -> AsyncIterator[tuple[str, list[int], str | None]]:
+        while self.finish_reason is None:
+            event = await self.job.next_event()
+            if isinstance(event, Failed):
+                self.finish_reason = "error"
+                raise _engine_error(event)
+            self._last = time.perf_counter()
+            self._first = self._first or self._last
+            self.token_ids += event.ids
+            finish, delta = event.finish_reason, ""
+            if self.text is not None:
+                shown = event.ids
+                if finish == "stop" and shown and shown[-1] in self.job.sampling.stop_token_ids:
+                    shown = shown[:-1]                 # the stop token is not text
+                self.text.add(shown)
+                if self.text.stopped and finish is None:
+                    finish = "stop"
+                    self.engine_loop.abort(self.job)
+                delta = self.text.take(final=finish is not None)
+            self.finish_reason = finish
+            yield delta, event.ids, finish
+
+    def close(self) -> None:
+        """Aborts the request unless it finished; records its metrics (once)."""
+        if self._closed:
+            return
+        self._closed = True
+        if self.finish_reason is None:
+            self.engine_loop.abort(self.job)
+            self.finish_reason = "abort"
+        metrics = self.engine_loop.metrics
+        metrics.requests_finished.labels(self.finish_reason).inc()
+        if self._first:
+            metrics.ttft.observe(self._first - self._arrival)
+            if len(self.token_ids) > 1:
+                metrics.tpot.observe((self._last - self._first) / (len(self.token_ids) - 1))
+
+    @property
+    def usage(self) -> dict:
+        prompt = len(self.job.prompt)
+        return {"prompt_tokens": prompt, "completion_tokens": len(self.token_ids),
+                "total_tokens": prompt + len(self.token_ids)}
+
+
+def _engine_error(event: Failed) -> APIError:
+    return APIError(event.status, event.message, kind="invalid_request_error" if event.status < 500 else "server_error")
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns when the client disconnects (the body has been read: only that message is left)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def _sse(data: dict | str) -> str:
+    return f"data: {data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)}\n\n"
+
+
+def _validation_error(err: RequestValidationError) -> tuple[str, str | None]:
+    """(message, param) of a request body pydantic refused: the first field at fault."""
+    errors = err.errors()
+    first = errors[0]
+    if first["type"] == "json_invalid":
+        return f"the body is not valid JSON: {first.get('ctx', {}).get('error', first['msg'])}", None
+    loc = [str(part) for part in first["loc"] if part != "body"]
+    if not loc:
+        return f"the body must be a JSON object: {first['msg']}", None
+    param = loc[0]
+    same = [e for e in errors if [str(p) for p in e["loc"] if p != "body"][:1] == [param]]
+    if any(e["type"] == "missing" for e in same):
+        return f"{param}: a required field is missing", param
+    if first["type"] == "literal_error":
+        return f"{param}: this server supports only {first['ctx']['expected']}", param
+    return f"{param}: " + "; ".join(dict.fromkeys(e["msg"] for e in same)), param
+
+
+def build_app(engine: Engine, *, model_name: str, tokenizer: TextTokenizer | None = None,
+              shutdown_timeout: float = 30.0) -> FastAPI:
+    """The server's app over ``engine`` (its thread starts and stops with the app's lifespan),
+    serving it as ``model_name``; without ``tokenizer``, prompts are token ids only."""
+    metrics = Metrics()
+    engine_loop = EngineLoop(engine, metrics)
+    created = int(time.time())
+    vocab_size = engine.model.cfg.vocab_size
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI):
+        engine_loop.start()
+        yield
+        engine_loop.stop(shutdown_timeout)
+
+    app = FastAPI(title="jaxattn", lifespan=lifespan)
+    app.state.engine_loop = engine_loop
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_: Request, err: RequestValidationError) -> JSONResponse:
+        message, param = _validation_error(err)
+        return JSONResponse(error_body(message, param=param), status_code=400)
+
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, err: APIError) -> JSONResponse:
+        code = "model_not_found" if err.status == 404 else None
+        return JSONResponse(error_body(err.message, kind=err.kind, param=err.param, code=code), status_code=err.status)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_: Request, err: StarletteHTTPException) -> JSONResponse:
+        return JSONResponse(error_body(str(err.detail)), status_code=err.status_code)
+
+    @app.exception_handler(Exception)
+    async def _internal(_: Request, err: Exception) -> JSONResponse:
+        return JSONResponse(error_body(f"internal error: {type(err).__name__}: {err}", kind="server_error"),
+                            status_code=500)
+
+    def check_model(name: str) -> None:
+        if name != model_name:
+            raise APIError(404, f"model: the model {name!r} does not exist; this server serves {model_name!r}",
+                           param="model", kind="not_found_error")
+
+    def need_tokenizer(param: str) -> TextTokenizer:
+        if tokenizer is None:
+            raise APIError(400, f"{param}: this server has no tokenizer (it serves a model without one): "
+                           "send the prompt as token ids to /v1/completions", param=param)
+        return tokenizer
+
+    def make_job(body: CompletionRequest | ChatRequest, prompt: list[int], prompt_param: str, max_tokens: int | None,
+                 max_tokens_param: str) -> Job:
+        """The checked job: prompt ids in the vocabulary, the length in max_seq_len, the sampling."""
+        max_seq_len = engine.max_seq_len
+        if not prompt:
+            raise APIError(400, f"{prompt_param}: the prompt encodes to no tokens", param=prompt_param)
+        if max(prompt) >= vocab_size:
+            raise APIError(400, f"{prompt_param}: token ids must be in [0, {vocab_size}) (the model's vocab_size), "
+                           f"got {max(prompt)}", param=prompt_param)
+        if len(prompt) >= max_seq_len:
+            raise APIError(400, f"{prompt_param}: the prompt has {len(prompt)} tokens; this server's max_seq_len "
+                           f"(prompt + generated tokens) is {max_seq_len}", param=prompt_param)
+        if max_tokens is None:
+            max_tokens = max_seq_len - len(prompt)
+        elif len(prompt) + max_tokens > max_seq_len:
+            raise APIError(400, f"{max_tokens_param}: the prompt's {len(prompt)} tokens + {max_tokens_param}="
+                           f"{max_tokens} exceed this server's max_seq_len {max_seq_len}", param=max_tokens_param)
+        if body.stop_strings:
+            need_tokenizer("stop")
+        stop_ids = tokenizer.stop_token_ids if tokenizer is not None and not body.ignore_eos else ()
+        sampling = SamplingParams(temperature=float(body.temperature), top_k=body.top_k, top_p=float(body.top_p),
+                                  seed=body.seed, stop_token_ids=stop_ids)
+        return Job(prompt, max_tokens, sampling)
+
+    async def respond(request: Request, body: CompletionRequest | ChatRequest, job: Job, chat: bool) -> Response:
+        generation = Generation(engine_loop, job, tokenizer, body.stop_strings)
+        engine_loop.submit(job)
+        try:
+            await generation.start()
+        except BaseException:
+            generation.close()
+            raise
+        ident = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        head = {"id": ident, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
+                "model": model_name}
+        if body.stream:
+            return StreamingResponse(stream(generation, body, head, chat), media_type="text/event-stream")
+        collect = asyncio.ensure_future(complete(generation, body, head, chat))
+        watch = asyncio.ensure_future(_disconnected(request))
+        try:
+            await asyncio.wait({collect, watch}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            watch.cancel()
+            if not collect.done():
+                collect.cancel()
+            generation.close()
+        if not collect.done() or collect.cancelled():
+            return Response(status_code=CLIENT_CLOSED)
+        return JSONResponse(collect.result())
+
+    def choice(chat: bool, text: str, ids: list[int], finish: str | None, body, *, delta: bool) -> dict:
+        if not chat:
+            out = {"index": 0, "text": text, "logprobs": None}
+        elif delta:
+            out = {"index": 0, "delta": {"content": text} if text else {}}
+        else:
+            out = {"index": 0, "message": {"role": "assistant", "content": text}}
+        out["finish_reason"] = finish
+        if body.return_token_ids:
+            out["token_ids"] = ids
+        return out
+
+    async def complete(generation: Generation, body, head: dict, chat: bool) -> dict:
+        text = "".join([delta async for delta, _, _ in generation.chunks()])
+        result = {**head, "choices": [choice(chat, text, generation.token_ids, generation.finish_reason, body,
+                                             delta=False)], "usage": generation.usage}
+        if body.return_token_ids:
+            result["prompt_token_ids"] = generation.job.prompt
+        return result
+
+    async def stream(generation: Generation, body, head: dict, chat: bool) -> AsyncIterator[str]:
+        head = {**head, "object": "chat.completion.chunk" if chat else "text_completion"}
+        include_usage = body.stream_options is not None and body.stream_options.include_usage
+        try:
+            if chat:
+                yield _sse({**head, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
+                                                  "finish_reason": None}]})
+            async for text, ids, finish in generation.chunks():
+                if text or finish or body.return_token_ids:
+                    yield _sse({**head, "choices": [choice(chat, text, ids, finish, body, delta=True)]})
+            if include_usage:
+                yield _sse({**head, "choices": [], "usage": generation.usage})
+            yield _sse("[DONE]")
+        except APIError as err:                      # after the headers: the error as the last event
+            yield _sse(error_body(err.message, kind=err.kind))
+        finally:
+            generation.close()
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        check_model(body.model)
+        prompt = body.prompt if isinstance(body.prompt, list) else need_tokenizer("prompt").encode(body.prompt)
+        return await respond(request, body, make_job(body, prompt, "prompt", body.max_tokens, "max_tokens"), False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatRequest, request: Request) -> Response:
+        check_model(body.model)
+        chat_tokenizer = need_tokenizer("messages")
+        try:
+            messages = [{**m.model_dump(exclude_none=True), "content": m.text()} for m in body.messages]
+            prompt = chat_tokenizer.encode_chat(messages)
+        except ValueError as err:                    # ChatTemplateError too
+            raise APIError(400, f"messages: {err}", param="messages") from err
+        limit_param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+        return await respond(request, body, make_job(body, prompt, "messages", body.token_limit, limit_param), True)
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": created,
+                                            "owned_by": "jaxattn", "max_model_len": engine.max_seq_len}]}
+
+    @app.get("/health")
+    async def health() -> Response:
+        if engine_loop.healthy:
+            return JSONResponse({"status": "ok"})
+        return JSONResponse({"status": "unhealthy: the engine thread stopped or its last step failed"},
+                            status_code=503)
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    return app
+

@@ -1,0 +1,132 @@
+"""``python -m jaxattn.serve``: the OpenAI-compatible HTTP server over one Engine.
+
+Serves a local Hugging Face checkpoint directory (``--model DIR``: ``jaxattn.models.from_pretrained``,
+its ``tokenizer.json`` and chat template) or a random-weight preset (``--preset NAME``, for
+benchmarks: prompts as token ids only). One process serves one engine on ``--tp`` devices of this
+process, as ``python -m jaxattn.demo --tp`` does. SIGTERM (or Ctrl-C) stops accepting
+connections, lets requests in flight finish for up to ``--shutdown-timeout`` seconds, aborts the
+rest and exits with status 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+
+import jax
+import numpy as np
+import uvicorn
+from flax import nnx
+from jax.sharding import AxisType
+
+import jaxattn
+from jaxattn.demo import DTYPES, positive_int
+from jaxattn.engine import Engine
+from jaxattn.models import from_pretrained
+from jaxattn.models.llama import PRESETS, Llama, shard_model
+from jaxattn.serve.app import build_app
+from jaxattn.serve.text import TextTokenizer
+
+__all__ = ["build_parser", "main"]
+
+
+def build_parser(on_gpu: bool) -> argparse.ArgumentParser:
+    summary, *details = __doc__.replace("``", "").split("\n\n")
+    parser = argparse.ArgumentParser(prog="python -m jaxattn.serve", description=summary.split(": ", 1)[1],
+                                     epilog="\n\n".join(details))
+    model = parser.add_argument_group("model")
+    which = model.add_mutually_exclusive_group(required=True)
+    which.add_argument("--model", metavar="DIR", help="local Hugging Face checkpoint directory (config.json, "
+                       "*.safetensors, tokenizer.json)")
+    which.add_argument("--preset", choices=sorted(PRESETS), help="a random-weight preset instead (benchmarks; "
+                       "token-id prompts only)")
+    model.add_argument("--layers", type=positive_int, metavar="N", help="override the preset's number of layers")
+    model.add_argument("--dtype", choices=DTYPES, help="weights and activations (default: the checkpoint's or "
+                       "the preset's)")
+    model.add_argument("--served-model-name", metavar="NAME", help="the model name clients ask for (default: "
+                       "the directory's name, or the preset's)")
+    model.add_argument("--backend", default="auto", choices=("auto",) + jaxattn.backends.ALL_BACKENDS,
+                       help="paged_attention backend (default: auto)")
+    engine = parser.add_argument_group("engine")
+    engine.add_argument("--max-seqs", type=positive_int, metavar="N", default=64 if on_gpu else 8,
+                        help="sequences in flight (default: %(default)s)")
+    engine.add_argument("--max-seq-len", type=positive_int, metavar="N", default=4096 if on_gpu else 512,
+                        help="longest prompt + generated tokens of a request (default: %(default)s)")
+    engine.add_argument("--page-size", type=positive_int, metavar="N", default=64 if on_gpu else 16,
+                        help="tokens per KV cache page (default: %(default)s)")
+    engine.add_argument("--num-pages", type=positive_int, metavar="N",
+                        help="KV cache pages (default: enough for max-seqs sequences of max-seq-len)")
+    engine.add_argument("--no-prefix-caching", action="store_true", help="turn automatic prefix caching off")
+    engine.add_argument("--tp", type=positive_int, metavar="N", default=1,
+                        help="split the model over this many devices of this process (default: 1)")
+    server = parser.add_argument_group("server")
+    server.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
+    server.add_argument("--port", type=int, default=8000, help="port to listen on (default: %(default)s)")
+    server.add_argument("--shutdown-timeout", type=float, metavar="S", default=30.0,
+                        help="on SIGTERM, seconds requests in flight may take to finish (default: %(default)s)")
+    server.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
+    return parser
+
+
+def load_model(args: argparse.Namespace, parser: argparse.ArgumentParser, mesh) -> tuple[object, str, TextTokenizer | None]:
+    """(model, served name, tokenizer or None) of ``--model`` or ``--preset``."""
+    if args.model is None:
+        cfg = PRESETS[args.preset]
+        if args.layers is not None:
+            cfg = cfg.replace(num_layers=args.layers)
+        if args.dtype is not None:
+            cfg = cfg.replace(dtype=args.dtype)
+        model = Llama(cfg, nnx.Rngs(0))
+        if mesh is not None:
+            shard_model(model, mesh)
+        return model, args.preset, None
+    if args.layers is not None:
+        parser.error("--layers changes a preset: not with --model")
+    try:
+        model = from_pretrained(args.model, dtype=args.dtype, mesh=mesh)
+    except (ValueError, OSError, ImportError) as err:
+        parser.error(f"--model {args.model}: {err}")
+    tokenizer = None
+    if os.path.isfile(os.path.join(args.model, "tokenizer.json")):
+        try:
+            tokenizer = TextTokenizer(args.model)
+        except ImportError as err:
+            parser.error(f"--model {args.model} has a tokenizer.json: {err} (pip install -e \".[serve]\")")
+    return model, os.path.basename(os.path.normpath(args.model)), tokenizer
+
+
+def warm_up(engine: Engine) -> None:
+    """Compiles the engine's steps (a prefill, then decodes) before the first client waits on them."""
+    engine.add_request(np.zeros(min(2, engine.max_seq_len - 1), np.int32), 2 if engine.max_seq_len > 2 else 1)
+    while engine.has_work:
+        engine.step_events()
+
+
+def main(argv: list[str] | None = None) -> None:
+    on_gpu = jax.default_backend() == "gpu"
+    parser = build_parser(on_gpu)
+    args = parser.parse_args(argv)
+    if args.tp > jax.local_device_count():
+        parser.error(f"--tp {args.tp}: there are only {jax.local_device_count()} devices")
+    mesh = None if args.tp == 1 else jax.make_mesh((args.tp,), ("tp",), axis_types=(AxisType.Auto,),
+                                                   devices=jax.local_devices()[:args.tp])
+    model, name, tokenizer = load_model(args, parser, mesh)
+    try:
+        engine = Engine(model, max_seqs=args.max_seqs, max_seq_len=args.max_seq_len, page_size=args.page_size,
+                        num_pages=args.num_pages, backend=args.backend,
+                        enable_prefix_caching=not args.no_prefix_caching, mesh=mesh)
+    except ValueError as err:
+        parser.error(str(err))
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("jaxattn.serve").info("compiling the engine's steps")
+    warm_up(engine)
+    app = build_app(engine, model_name=args.served_model_name or name, tokenizer=tokenizer,
+                    shutdown_timeout=args.shutdown_timeout)
+    # uvicorn re-raises the signal that stopped it once it has shut down: a handler of ours makes
+    # that a no-op, so a SIGTERM'd server exits with status 0.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: None)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
+                timeout_graceful_shutdown=args.shutdown_timeout)

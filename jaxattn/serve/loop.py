@@ -1,0 +1,173 @@
+"""The engine thread: the only thread that calls the ``Engine`` (it is not thread-safe).
+
+HTTP handlers (on the asyncio event loop) hand it ``Job``s and aborts through a queue; between
+steps it adds the new requests and applies the aborts, then runs one step and delivers each job's
+new tokens to the job's asyncio queue. A request the engine refuses (``ValueError``) fails with
+400, any other error in adding it with 500; a step that raises fails the requests in flight with
+500 and the thread goes on with the next requests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import queue
+import threading
+
+from jaxattn.engine import Engine, Request
+from jaxattn.sampling import SamplingParams
+from jaxattn.serve.metrics import Metrics
+
+__all__ = ["Admitted", "EngineLoop", "Failed", "Job", "Tokens"]
+
+log = logging.getLogger("jaxattn.serve")
+
+
+@dataclasses.dataclass(frozen=True)
+class Admitted:
+    """The engine took the request (its checks passed)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Tokens:
+    """New tokens; ``finish_reason`` set on the request's last event."""
+
+    ids: list[int]
+    finish_reason: str | None
+
+
+@dataclasses.dataclass(frozen=True)
+class Failed:
+    status: int
+    message: str
+
+
+Event = Admitted | Tokens | Failed
+
+
+class Job:
+    """One HTTP request's generation: made on the event loop, its events delivered there."""
+
+    def __init__(self, prompt: list[int], max_tokens: int, sampling: SamplingParams):
+        self.prompt, self.max_tokens, self.sampling = prompt, max_tokens, sampling
+        self.request: Request | None = None           # set by the engine thread
+        self.generated = 0                            # tokens delivered (engine thread)
+        self._loop = asyncio.get_running_loop()
+        self._events: asyncio.Queue[Event] = asyncio.Queue()
+
+    def deliver(self, event: Event) -> None:
+        """From the engine thread: queue ``event`` on the job's event loop (dropped once it closed)."""
+        try:
+            self._loop.call_soon_threadsafe(self._events.put_nowait, event)
+        except RuntimeError:
+            pass
+
+    async def next_event(self) -> Event:
+        return await self._events.get()
+
+
+class EngineLoop:
+    """Runs ``engine`` in a thread of its own (``start``, ``stop``); ``submit`` and ``abort`` from
+    any thread. ``healthy`` is False once the thread died or while the last step failed."""
+
+    def __init__(self, engine: Engine, metrics: Metrics):
+        self.engine, self.metrics = engine, metrics
+        self._inbox: queue.SimpleQueue[tuple[str, Job | None]] = queue.SimpleQueue()
+        self._live: dict[Request, Job] = {}
+        self._thread = threading.Thread(target=self._run, name="jaxattn-engine", daemon=True)
+        self._step_failed = False
+
+    @property
+    def healthy(self) -> bool:
+        return self._thread.is_alive() and not self._step_failed
+
+    def start(self) -> None:
+        self._update_gauges()
+        self._thread.start()
+
+    def stop(self, timeout: float | None = None) -> None:
+        """Aborts the requests still in flight and ends the thread."""
+        self._inbox.put(("stop", None))
+        self._thread.join(timeout)
+
+    def submit(self, job: Job) -> None:
+        self._inbox.put(("add", job))
+
+    def abort(self, job: Job) -> None:
+        """Ends ``job``'s request at the next step (its pages freed); no more events come for it."""
+        self._inbox.put(("abort", job))
+
+    def _run(self) -> None:
+        while True:
+            commands = [self._inbox.get()] if not self.engine.has_work else []
+            while True:
+                try:
+                    commands.append(self._inbox.get_nowait())
+                except queue.Empty:
+                    break
+            for command, job in commands:
+                if command == "stop":
+                    self._abort_all(Failed(503, "the server is shutting down"))
+                    return
+                self._add(job) if command == "add" else self._abort(job)
+            if self.engine.has_work:
+                self._step()
+            self._update_gauges()
+
+    def _add(self, job: Job) -> None:
+        try:
+            job.request = self.engine.add_request(job.prompt, job.max_tokens, sampling=job.sampling)
+        except ValueError as err:
+            job.deliver(Failed(400, str(err)))
+            return
+        except Exception as err:  # this request fails alone
+            log.exception("adding a request failed")
+            job.deliver(Failed(500, f"the engine failed to add the request: {type(err).__name__}: {err}"))
+            return
+        self._live[job.request] = job
+        self.metrics.prompt_tokens.inc(len(job.prompt))
+        job.deliver(Admitted())
+
+    def _abort(self, job: Job) -> None:
+        if job.request is not None and self._live.pop(job.request, None) is not None:
+            self.engine.abort(job.request)
+
+    def _abort_all(self, failure: Failed) -> None:
+        for request, job in list(self._live.items()):
+            try:
+                self.engine.abort(request)
+            except Exception:  # the others still get their answer
+                log.exception("aborting a request failed")
+            job.deliver(failure)
+        self._live.clear()
+
+    def _step(self) -> None:
+        try:
+            events = self.engine.step_events()
+        except Exception as err:  # fail the step's requests, serve the next
+            log.exception("an engine step failed")
+            self._step_failed = True
+            self._abort_all(Failed(500, f"the engine step failed: {type(err).__name__}: {err}"))
+            return
+        self._step_failed = False
+        generated = 0
+        for request, ids in events:
+            job = self._live.get(request)
+            if job is None:                          # aborted meanwhile
+                continue
+            job.generated += len(ids)
+            generated += len(ids)
+            job.deliver(Tokens(list(ids), request.finish_reason))
+            if request.done:
+                del self._live[request]
+        self.metrics.generation_tokens.inc(generated)
+
+    def _update_gauges(self) -> None:
+        waiting = sum(job.generated == 0 for job in self._live.values())
+        self.metrics.requests_waiting.set(waiting)
+        self.metrics.requests_running.set(len(self._live) - waiting)
+        usage = self.engine.page_usage
+        self.metrics.kv_pages_in_use.set(usage.in_use)
+        self.metrics.kv_pages_free.set(usage.free)
+        self.metrics.kv_pages_cached.set(usage.cached)
