@@ -1,158 +1,413 @@
-"""Serving a request trace with a shared system prompt through the Engine, prefix caching off and on.
+"""Serving a request trace through the Engine, against a roofline measured in the same run.
 
-    python -m benchmarks.bench_serving [--preset llama3-8b] [--layers N] [--requests 128] [--system-len 1024]
-                                       [--user-len 32,256] [--new-tokens 128] [--rate 0] [--max-seqs 64]
-                                       [--chunk-size 512] [--backend auto] [--smoke]
+    python -m benchmarks.bench_serving --trace {decode-heavy,chat,shared-prefix,poisson} [--preset llama3-8b]
+        [--layers N] [--requests N] [--max-seqs N] [--max-step-tokens N] [--page-size 64] [--backend auto]
+        [--rate R] [--no-overlap] [--smoke]
 
-The trace: ``requests`` prompts, each the same ``system-len`` random tokens followed by a user part
-of a length drawn from ``user-len``, ``new-tokens`` greedy tokens each; they arrive all at once
-(``--rate 0``) or as a Poisson process of ``rate`` requests/s. Both configurations serve the same
-trace on an engine of the same shapes, after a warm-up that compiles both step shapes. Reported:
-  * TTFT: arrival to first token (queueing included), mean / p50 / p99;
-  * TPOT: (last token - first token) / (tokens - 1) per request, mean / p50;
-  * tokens/s: generated tokens over the wall time from the first arrival to the last token, and
-    prompt + generated tokens over the same time;
-  * prefill tokens: prompt tokens the steps computed (recomputes after preemption included), and
-    the share saved by prefix caching; preemptions.
-``--smoke`` serves a tiny model on a short trace (seconds on a CPU) and writes only ``$OUT``.
-Writes the serving section of benchmarks/RESULTS.md.
+One trace per call (random weights; every length drawn with seed 0, and written in the table):
+  * decode-heavy: 512 requests of 1024 prompt and 1024 generated tokens, all at once (the shape of
+    vLLM's ``benchmark_throughput --input-len 1024 --output-len 1024``);
+  * chat: 1000 requests, prompt and output lengths lognormal (sigma 1, means 250 and 210 before
+    clipping to [4, 1024], 220 and 202 after: the shape of ShareGPT, which cannot be downloaded
+    here), all at once;
+  * shared-prefix: 128 requests, a shared 1024-token system prompt + 32..256 own tokens, 128
+    generated tokens each, all at once, served with prefix caching off and on;
+  * poisson: the chat trace all at once (its requests/s is the saturation rate), then with Poisson
+    arrivals at ``--rate`` (default: 0.9 x that saturation rate), for TTFT and TPOT under load.
+``--requests`` scales a trace down (for quick runs); ``--smoke`` serves a tiny model on tiny traces
+(seconds on a CPU) and writes only ``$OUT``. Each trace writes its section of benchmarks/RESULTS.md
+("serving_<trace>"; shared-prefix: "serving").
+
+Roofline. In the same run: the copy rate (read + write bytes/s of a 4 GiB elementwise pass) and
+the matmul rate (FLOP/s of an 8192^3 bf16 GEMM), both GPU time from the profiler. Each step the
+engine ran (``Engine(record_steps=True)``'s ``StepRecord``) must move
+    bytes = weight bytes (every weight once; the embedding table only through the rows its
+            tokens read, unless tied to the LM head)
+          + context_tokens x KV bytes per token (K/V of every layer that attention reads)
+          + tokens x KV bytes per token (the K/V writes)
+and compute
+    flops = 2 x matmul weights x tokens + 2 x LM-head weights x rows (one logit row per sequence)
+          + 4 x layers x q_heads x head_dim x attention_pairs,
+KV bytes per token from the model's caches (``jax.eval_shape`` of ``init_caches``). A step's bound
+is max(bytes / copy rate, flops / matmul rate); the trace's roofline is the sum over its steps
+(real tokens only, not the padding of the compiled buckets: it measures how well the engine runs
+its own schedule). % of roofline = roofline s / wall s.
+
+Reported per run: generated tokens/s (over the wall time from the first arrival to the last token)
+and prompt + generated tokens/s; roofline s and %; GPU busy share, an estimate from host timestamps:
+step n+1 was not queued when step n's tokens reached the host for gap_n = max(0, t_launched[n+1] -
+t_done[n]), the GPU idles for those gaps and before the first launch, busy = 1 - idle / wall; host
+ms per step (scheduling, packing and launch: t_launched - t_start, mean); steps; TTFT (arrival to
+first token, queueing included) and TPOT ((last token - first token) / (tokens - 1) per request)
+p50 / p90 / p99; preemptions.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
+import dataclasses
 import datetime
+import gc
+import itertools
 import time
+from collections.abc import Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from benchmarks.common import device_name, write_section
+from benchmarks.common import copy_bandwidth, device_name, gemm_rate, write_section
 from jaxattn.engine import Engine
 from jaxattn.models.llama import PRESETS, Llama
 
+TRACES = ("decode-heavy", "chat", "shared-prefix", "poisson")
+SECTIONS = {"decode-heavy": "serving_decode-heavy", "chat": "serving_chat", "shared-prefix": "serving",
+            "poisson": "serving_poisson"}
+HEADINGS = {"decode-heavy": "Serving: decode-heavy trace (benchmarks/bench_serving.py)",
+            "chat": "Serving: chat-like trace (benchmarks/bench_serving.py)",
+            "shared-prefix": "Serving (benchmarks/bench_serving.py)",
+            "poisson": "Serving: Poisson arrivals (benchmarks/bench_serving.py)"}
+TARGETS = {"decode-heavy": 85, "chat": 75, "shared-prefix": 75}   # % of the roofline
+LOAD = 0.9                       # the Poisson trace's default rate, as a share of the saturation rate
+# Figures published elsewhere (not our runs), the nearest to each trace we could attribute.
+PUBLISHED = {
+    "decode-heavy": "Published elsewhere (not our run): no figure for bf16 Llama-3-8B on one H100 at 1024 in / "
+                    "1024 out that we could attribute.",
+    "chat": "Published elsewhere (not our run; a third-party benchmark, real ShareGPT prompts, which this trace "
+            "only imitates): Llama 3.1 8B Instruct, bf16, one H100 80GB, 1,000 ShareGPT prompts offline, output "
+            "tokens/s: SGLang 16,215, LMDeploy 16,132, vLLM 12,553 (AIMultiple, "
+            "https://research.aimultiple.com/inference-engines).",
+    "shared-prefix": "Published elsewhere (not our run): no figure for this trace that we could attribute.",
+    "poisson": "Published elsewhere (not our run; the nearest we found is on an A100, not an H100): Llama 3.1 8B "
+               "Instruct on one A100 80GB, ShareGPT at 4 requests/s, median TTFT / TPOT: SGLang v0.3.0 32.0 / "
+               "13.2 ms, vLLM v0.6.0 100.5 / 14.1 ms (SGLang's benchmark/benchmark_vllm_060/README.md).",
+}
 
-def make_trace(rng: np.random.Generator, vocab: int, requests: int, system_len: int, user_len: tuple[int, int],
-               rate: float) -> list[tuple[float, np.ndarray]]:
-    """(arrival time in s, prompt) per request, in order of arrival."""
-    system = rng.integers(0, vocab, size=system_len)
-    arrivals = np.cumsum(rng.exponential(1 / rate, size=requests)) if rate > 0 else np.zeros(requests)
-    return [(float(t), np.concatenate([system, rng.integers(0, vocab, size=int(rng.integers(*user_len, endpoint=True)))]))
-            for t in arrivals]
+
+@dataclasses.dataclass(frozen=True)
+class TraceSpec:
+    """A trace's shape: ``prompt_len`` and ``output_len`` are each request's (decode-heavy), the
+    lognormal means before clipping to [4, ``max_len``] (chat, poisson), or the shared system
+    prompt's length and each request's output (shared-prefix, whose own parts are ``user_len``)."""
+    requests: int
+    prompt_len: int
+    output_len: int
+    max_len: int = 0
+    user_len: tuple[int, int] = (0, 0)
 
 
-def serve(engine: Engine, trace: list[tuple[float, np.ndarray]], new_tokens: int) -> dict:
-    """Serves ``trace`` in real time; per-request token times and the engine's counters."""
-    pending = list(trace)
-    first, last, outputs = {}, {}, {}
-    arrival = {}
-    start = time.perf_counter()
+SPECS = {"decode-heavy": TraceSpec(512, 1024, 1024), "chat": TraceSpec(1000, 250, 210, max_len=1024),
+         "shared-prefix": TraceSpec(128, 1024, 128, user_len=(32, 256)),
+         "poisson": TraceSpec(1000, 250, 210, max_len=1024)}
+SMOKE = {"decode-heavy": TraceSpec(6, 24, 16), "chat": TraceSpec(10, 12, 10, max_len=40),
+         "shared-prefix": TraceSpec(8, 40, 8, user_len=(2, 12)), "poisson": TraceSpec(10, 12, 10, max_len=40)}
+SIGMA = 1.0                      # the lognormal lengths' sigma
 
-    def admit_arrived() -> None:
-        now = time.perf_counter() - start
-        while pending and pending[0][0] <= now:
-            t, prompt = pending.pop(0)
-            request = engine.add_request(prompt, new_tokens)
-            arrival[request.id] = start + t
-            outputs[request.id] = request
 
-    while pending or engine.has_work:
-        admit_arrived()
-        if not engine.has_work:
-            time.sleep(max(0.0, start + pending[0][0] - time.perf_counter()))
+@dataclasses.dataclass(frozen=True)
+class TraceRequest:
+    arrival: float               # seconds after the trace starts
+    prompt: np.ndarray           # int32[L]
+    new_tokens: int
+
+
+def lognormal_lengths(rng: np.random.Generator, mean: float, size: int, max_len: int) -> np.ndarray:
+    """``size`` lengths, lognormal with sigma ``SIGMA`` and mean ``mean``, rounded, clipped to [4, max_len]."""
+    mu = np.log(mean) - SIGMA ** 2 / 2
+    return np.clip(np.rint(rng.lognormal(mu, SIGMA, size)), 4, max_len).astype(int)
+
+
+def make_trace(kind: str, spec: TraceSpec, vocab: int, rate: float = 0.0, seed: int = 0) -> list[TraceRequest]:
+    """The requests of trace ``kind`` in order of arrival, random prompt tokens: all at once, or
+    with ``rate`` > 0 as a Poisson process of ``rate`` requests/s (the same requests)."""
+    rng = np.random.default_rng(seed)
+    n = spec.requests
+    if kind == "decode-heavy":
+        prompts = [rng.integers(0, vocab, size=spec.prompt_len, dtype=np.int32) for _ in range(n)]
+        output_lens = np.full(n, spec.output_len)
+    elif kind in ("chat", "poisson"):
+        prompt_lens = lognormal_lengths(rng, spec.prompt_len, n, spec.max_len)
+        output_lens = lognormal_lengths(rng, spec.output_len, n, spec.max_len)
+        prompts = [rng.integers(0, vocab, size=length, dtype=np.int32) for length in prompt_lens]
+    elif kind == "shared-prefix":
+        system = rng.integers(0, vocab, size=spec.prompt_len, dtype=np.int32)
+        own_lens = rng.integers(*spec.user_len, size=n, endpoint=True)
+        prompts = [np.concatenate([system, rng.integers(0, vocab, size=length, dtype=np.int32)])
+                   for length in own_lens]
+        output_lens = np.full(n, spec.output_len)
+    else:
+        raise ValueError(f"make_trace: kind must be one of {TRACES}, got {kind!r}")
+    arrivals = np.cumsum(np.random.default_rng(seed + 1).exponential(1 / rate, size=n)) if rate > 0 else np.zeros(n)
+    return [TraceRequest(float(t), prompt, int(length)) for t, prompt, length in zip(arrivals, prompts, output_lens)]
+
+
+def describe(kind: str, trace: Sequence[TraceRequest], spec: TraceSpec) -> str:
+    """The trace's lengths, as drawn."""
+    prompts = np.array([r.prompt.size for r in trace])
+    outputs = np.array([r.new_tokens for r in trace])
+    if kind == "decode-heavy":
+        return f"{spec.prompt_len} in / {spec.output_len} out"
+    if kind == "shared-prefix":
+        return f"{spec.prompt_len} shared + U[{spec.user_len[0]},{spec.user_len[1]}] in / {spec.output_len} out"
+
+    def stats(x: np.ndarray) -> str:
+        return f"mean {x.mean():.0f}, p50 {np.median(x):.0f}, max {x.max()}"
+    return f"lognormal in ({stats(prompts)}) / out ({stats(outputs)})"
+
+
+# --- the roofline ---------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class Costs:
+    """What a step of the model moves and computes, per step, token, row and attention pair."""
+    weight_bytes: float          # read once per step (the embedding table excluded unless tied)
+    embed_row_bytes: float       # per token: its embedding row (0 when tied: counted in weight_bytes)
+    kv_bytes_per_token: float    # K/V of every layer
+    matmul_params: float         # weights each token multiplies (the blocks' kernels)
+    head_params: float           # LM-head weights, per row
+    flops_per_pair: float        # attention FLOPs per (query, key) pair, all layers
+
+
+def model_costs(model: Llama, page_size: int, kv_dtype=None) -> Costs:
+    """``Costs`` of ``model`` (Llama-shaped: dense blocks, an ``embed`` and maybe an ``lm_head``)
+    with its caches in pages of ``page_size`` of ``kv_dtype`` (default: the model's)."""
+    cfg = model.cfg
+    weight_bytes = embed_bytes = matmul = head = 0.0
+    for path, x in jax.tree_util.tree_flatten_with_path(nnx.state(model, nnx.Param))[0]:
+        name, nbytes = jax.tree_util.keystr(path), x.size * x.dtype.itemsize
+        if "embed" in name:
+            embed_bytes = nbytes
+            head += x.size if cfg.tie_embeddings else 0
             continue
-        for request, _ in engine.stream():
-            now = time.perf_counter()
-            first.setdefault(request.id, now)
-            last[request.id] = now
-            admit_arrived()
+        weight_bytes += nbytes
+        if "lm_head" in name:
+            head += x.size
+        elif x.ndim >= 2:
+            matmul += x.size
+
+    def cache_bytes(num_pages: int) -> int:
+        shapes = jax.eval_shape(lambda: model.init_caches(num_pages, page_size, "HND", kv_dtype))
+        return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(shapes))
+
+    return Costs(weight_bytes=weight_bytes + (embed_bytes if cfg.tie_embeddings else 0),
+                 embed_row_bytes=0.0 if cfg.tie_embeddings else embed_bytes / cfg.vocab_size,
+                 kv_bytes_per_token=(cache_bytes(3) - cache_bytes(2)) / page_size,
+                 matmul_params=matmul, head_params=head,
+                 flops_per_pair=4.0 * cfg.num_layers * cfg.num_q_heads * cfg.head_dim)
+
+
+def step_bound(record, costs: Costs, copy_rate: float, matmul_rate: float) -> float:
+    """Seconds a step (a ``StepRecord``) takes at least: its bytes over the copy rate or its FLOPs
+    over the matmul rate, whichever is longer."""
+    nbytes = (costs.weight_bytes + record.tokens * costs.embed_row_bytes
+              + (record.context_tokens + record.tokens) * costs.kv_bytes_per_token)
+    flops = (2 * costs.matmul_params * record.tokens + 2 * costs.head_params * record.rows
+             + costs.flops_per_pair * record.attention_pairs)
+    return max(nbytes / copy_rate, flops / matmul_rate)
+
+
+def busy_share(records: Sequence, start: float, wall: float) -> float:
+    """The GPU's busy share of ``wall`` seconds from ``start``, estimated from host timestamps: it
+    idles before the first launch and for max(0, t_launched[n+1] - t_done[n]) between steps."""
+    idle = records[0].t_launched - start if records else wall
+    for done, launched in itertools.pairwise(records):
+        if done.t_done:                  # 0 or None: its tokens were never waited for
+            idle += max(0.0, launched.t_launched - done.t_done)
+    return 1.0 - idle / wall
+
+
+# --- serving --------------------------------------------------------------------------------------
+
+def serve(engine: Engine, trace: Sequence[TraceRequest]) -> dict:
+    """Serves ``trace`` in real time on a warmed-up ``engine`` (made with ``record_steps=True``):
+    per-request token times, the steps it ran and its counters."""
+    pending = collections.deque(trace)
+    arrival, first, last, requests = {}, {}, {}, []
+    stats_before = collections.Counter(engine.stats)
+    steps_before = len(engine.step_records)
+    start = time.perf_counter()
+    while pending or engine.has_work:
+        now = time.perf_counter()
+        while pending and start + pending[0].arrival <= now:
+            item = pending.popleft()
+            request = engine.add_request(item.prompt, item.new_tokens)
+            arrival[request.id] = start + item.arrival
+            requests.append(request)
+        if not engine.has_work:
+            time.sleep(max(0.0, start + pending[0].arrival - time.perf_counter()))
+            continue
+        events = engine.step_events()
+        now = time.perf_counter()
+        for request, tokens in events:
+            if tokens:
+                first.setdefault(request.id, now)
+                last[request.id] = now
     wall = max(last.values()) - start
-    ttft = [first[i] - arrival[i] for i in outputs]
-    tpot = [(last[i] - first[i]) / (len(r.output) - 1) for i, r in outputs.items() if len(r.output) > 1]
-    generated = sum(len(r.output) for r in outputs.values())
-    stats = engine.stats
-    return dict(wall_s=wall, ttft_ms=np.asarray(ttft) * 1e3, tpot_ms=np.asarray(tpot) * 1e3, generated=generated,
-                prompt_tokens=stats["prompt_tokens"], cached_tokens=stats["cached_tokens"],
-                prefill_tokens=stats["computed_tokens"] - (generated - len(outputs)),
-                preemptions=stats["preemptions"], outputs=[outputs[i].output for i in sorted(outputs)])
+    records = engine.step_records[steps_before:]
+    stats = collections.Counter(engine.stats)
+    stats.subtract(stats_before)
+    ids = [r.id for r in requests]
+    tpot = [(last[r.id] - first[r.id]) / (len(r.output) - 1) for r in requests if len(r.output) > 1]
+    return {"wall_s": wall, "start": start, "records": records, "requests": len(requests),
+            "ttft_ms": np.array([first[i] - arrival[i] for i in ids]) * 1e3, "tpot_ms": np.array(tpot) * 1e3,
+            "prompt_tokens": sum(r.prompt.size for r in requests),
+            "generated": sum(len(r.output) for r in requests),
+            "computed_tokens": sum(r.tokens for r in records), "preemptions": stats["preemptions"],
+            "outputs": [list(r.output) for r in requests]}
 
 
-def row(name: str, result: dict) -> str:
-    ttft, tpot = result["ttft_ms"], result["tpot_ms"]
-    saved = 1 - result["prefill_tokens"] / result["prompt_tokens"]
-    return (f"| {name} | {result['prompt_tokens']:,} | {result['prefill_tokens']:,} ({100 * saved:.0f}% saved) | "
-            f"{ttft.mean():.1f} / {np.percentile(ttft, 50):.1f} / {np.percentile(ttft, 99):.1f} | "
-            f"{tpot.mean():.2f} / {np.percentile(tpot, 50):.2f} | {result['generated'] / result['wall_s']:,.0f} | "
-            f"{(result['prompt_tokens'] + result['generated']) / result['wall_s']:,.0f} | {result['wall_s']:.2f} | "
-            f"{result['preemptions']} |")
+def summarize(result: dict, costs: Costs, copy_rate: float, matmul_rate: float) -> dict:
+    """``result`` with its roofline, GPU busy share and host time per step."""
+    records = result["records"]
+    roofline = sum(step_bound(r, costs, copy_rate, matmul_rate) for r in records)
+    host = [r.t_launched - r.t_start for r in records]
+    return dict(result, roofline_s=roofline, roofline_share=roofline / result["wall_s"],
+                busy=busy_share(records, result["start"], result["wall_s"]), steps=len(records),
+                host_ms=1e3 * float(np.mean(host)) if host else 0.0)
+
+
+COLUMNS = ("trace shape | requests | generated tokens | wall s | generated tokens/s | total tokens/s | roofline s | "
+           "% of roofline | GPU busy % | host ms/step | steps | TTFT ms p50 / p90 / p99 | TPOT ms p50 / p90 / p99 "
+           "| preemptions")
+
+
+def percentiles(x: np.ndarray, digits: int) -> str:
+    return " / ".join(f"{v:.{digits}f}" for v in np.percentile(x, [50, 90, 99])) if x.size else "-"
+
+
+def row(label: str | None, shape: str, r: dict) -> str:
+    """A table row (``label``: the first column's, when the table has one)."""
+    cells = [] if label is None else [label]
+    cells += [shape, f"{r['requests']:,}", f"{r['generated']:,}", f"{r['wall_s']:.2f}",
+              f"{r['generated'] / r['wall_s']:,.0f}", f"{(r['prompt_tokens'] + r['generated']) / r['wall_s']:,.0f}",
+              f"{r['roofline_s']:.2f}", f"{100 * r['roofline_share']:.0f}%", f"{100 * r['busy']:.0f}%",
+              f"{r['host_ms']:.2f}", f"{r['steps']:,}", percentiles(r["ttft_ms"], 1), percentiles(r["tpot_ms"], 2),
+              str(r["preemptions"])]
+    return "| " + " | ".join(cells) + " |"
+
+
+def table(first_column: str | None, rows: list[str]) -> list[str]:
+    header = ([first_column] if first_column else []) + COLUMNS.split(" | ")
+    return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header), *rows]
+
+
+def command(args: argparse.Namespace, layers: int) -> str:
+    """The command that reproduces this run."""
+    parts = ["python -m benchmarks.bench_serving", f"--trace {args.trace}", f"--preset {args.preset}",
+             f"--layers {layers}", f"--requests {args.requests}", f"--page-size {args.page_size}",
+             f"--backend {args.backend}"]
+    parts += [f"--{name.replace('_', '-')} {getattr(args, name):g}" for name in ("max_seqs", "max_step_tokens", "rate")
+              if getattr(args, name) is not None]
+    return " ".join(parts + (["--no-overlap"] if args.no_overlap else []) + (["--smoke"] if args.smoke else []))
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.bench_serving", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--trace", required=True, choices=TRACES)
     parser.add_argument("--preset", default="llama3-8b", choices=sorted(PRESETS), help="model shapes (random weights)")
     parser.add_argument("--layers", type=int, default=None, help="number of layers (default: the preset's)")
-    parser.add_argument("--requests", type=int, default=128, help="requests in the trace")
-    parser.add_argument("--system-len", type=int, default=1024, help="tokens of the shared system prompt")
-    parser.add_argument("--user-len", default="32,256", help="min,max tokens of each request's own part")
-    parser.add_argument("--new-tokens", type=int, default=128, help="greedy tokens per request")
-    parser.add_argument("--rate", type=float, default=0.0, help="Poisson arrivals per second (0: all at once)")
-    parser.add_argument("--max-seqs", type=int, default=64, help="sequences in flight")
-    parser.add_argument("--chunk-size", type=int, default=512, help="prefill tokens per step")
+    parser.add_argument("--requests", type=int, default=None, help="requests in the trace (default: the trace's)")
+    parser.add_argument("--max-seqs", type=int, default=None, help="sequences in flight (default: the Engine's)")
+    parser.add_argument("--max-step-tokens", type=int, default=None, help="tokens per step (default: the Engine's)")
     parser.add_argument("--page-size", type=int, default=64)
     parser.add_argument("--backend", default="auto", help="paged_attention backend")
+    parser.add_argument("--rate", type=float, default=None,
+                        help=f"poisson: requests/s (default: {LOAD} x the saturation rate measured first)")
+    parser.add_argument("--no-overlap", action="store_true", help="Engine(overlap=False)")
     parser.add_argument("--smoke", action="store_true", help="a tiny model and trace (CPU, seconds); RESULTS.md "
                                                               "is left alone")
     args = parser.parse_args(argv)
+    spec = (SMOKE if args.smoke else SPECS)[args.trace]
     if args.smoke:
-        args.preset, args.layers, args.requests, args.system_len, args.user_len = "tiny", None, 12, 40, "2,12"
-        args.new_tokens, args.max_seqs, args.chunk_size, args.page_size = 8, 4, 32, 8
-    user_len = tuple(int(x) for x in args.user_len.split(","))
+        args.preset, args.page_size = "tiny", 8
+        args.max_seqs = args.max_seqs or 4
+        args.max_step_tokens = args.max_step_tokens or 4       # two step shapes to compile
+    args.requests = args.requests or spec.requests
+    spec = dataclasses.replace(spec, requests=args.requests)
     cfg = PRESETS[args.preset]
     if args.layers is not None:
         cfg = cfg.replace(num_layers=args.layers)
+
+    if args.smoke:
+        copy_rate, matmul_rate = copy_bandwidth(1 << 24, trials=3), gemm_rate(256, jnp.float32, trials=3)
+    else:
+        copy_rate, matmul_rate = copy_bandwidth(), gemm_rate()
+    rates = f"copy rate {copy_rate / 1e9:,.0f} GB/s (read + write), matmul rate {matmul_rate / 1e12:.3g} TFLOP/s"
+    print(rates, flush=True)
     model = Llama(cfg, nnx.Rngs(0))
-    trace = make_trace(np.random.default_rng(0), cfg.vocab_size, args.requests, args.system_len, user_len, args.rate)
-    max_seq_len = args.system_len + user_len[1] + args.new_tokens
+    costs = model_costs(model, args.page_size)
+    trace = make_trace(args.trace, spec, cfg.vocab_size)
+    max_seq_len = max(r.prompt.size + r.new_tokens for r in trace)
+    setup = {}
 
-    def make_engine(prefix_caching: bool) -> Engine:
-        return Engine(model, max_seqs=args.max_seqs, max_seq_len=max_seq_len, page_size=args.page_size,
-                      chunk_size=args.chunk_size, backend=args.backend, enable_prefix_caching=prefix_caching)
+    def run(trace: Sequence[TraceRequest], prefix_caching: bool = True) -> dict:
+        engine = Engine(model, max_seqs=args.max_seqs, max_seq_len=max_seq_len, page_size=args.page_size,
+                        max_step_tokens=args.max_step_tokens, backend=args.backend,
+                        enable_prefix_caching=prefix_caching, overlap=not args.no_overlap, record_steps=True)
+        setup.update(max_seqs=engine.max_seqs, max_step_tokens=engine.max_step_tokens,
+                     warmup_s=max(setup.get("warmup_s", 0.0), engine.warmup(sampled=False)))
+        result = summarize(serve(engine, trace), costs, copy_rate, matmul_rate)
+        del engine                               # its KV pool, before the next engine takes the memory
+        gc.collect()
+        return result
 
-    warmup = make_engine(False)                  # compiles both step shapes (shared by engines of these shapes)
-    for prompt in (trace[0][1], trace[0][1][:5]):
-        warmup.add_request(prompt, 2)
-    warmup.run()
-    del warmup
+    shape = describe(args.trace, trace, spec)
+    if args.trace == "shared-prefix":
+        first_column = "prefix caching"
+        results = {label: run(trace, on) for label, on in (("off", False), ("on", True))}
+    elif args.trace == "poisson":
+        first_column = "arrivals"
+        offline = run(trace)
+        args.rate = args.rate or LOAD * offline["requests"] / offline["wall_s"]
+        timed = make_trace(args.trace, spec, cfg.vocab_size, rate=args.rate)
+        results = {"all at once": offline, f"Poisson, {args.rate:.1f} requests/s": run(timed)}
+    else:
+        first_column = None
+        results = {None: run(trace)}
+    rows = [row(label, shape, r) for label, r in results.items()]
+    for line in rows:
+        print(line, flush=True)
 
-    results = {}
-    for prefix_caching in (False, True):
-        results[prefix_caching] = serve(make_engine(prefix_caching), trace, args.new_tokens)
-        print(row(f"prefix caching {'on' if prefix_caching else 'off'}", results[prefix_caching]), flush=True)
-    same = sum(a == b for a, b in zip(results[False]["outputs"], results[True]["outputs"]))
-    arrivals = "all at once" if args.rate <= 0 else f"Poisson, {args.rate:g} requests/s"
     lines = [
-        f"Device: {device_name()}; date {datetime.date.today()}; jax {jax.__version__}; model {args.preset} shapes "
-        f"with {cfg.num_layers} layers, {cfg.dtype}, random weights; backend {args.backend}; {args.max_seqs} "
-        f"sequences in flight, prefill chunk {args.chunk_size}, page {args.page_size}.",
-        f"Trace: {args.requests} requests ({arrivals}), a shared {args.system_len}-token system prompt + "
-        f"{user_len[0]}..{user_len[1]} own tokens each, {args.new_tokens} greedy tokens each.",
-        f"Command: `python -m benchmarks.bench_serving --preset {args.preset} --layers {cfg.num_layers} "
-        f"--requests {args.requests} --system-len {args.system_len} --user-len {args.user_len} --new-tokens "
-        f"{args.new_tokens} --rate {args.rate:g} --max-seqs {args.max_seqs} --chunk-size {args.chunk_size} "
-        f"--backend {args.backend}`",
+        (f"Device: {device_name()}; date {datetime.date.today()}; jax {jax.__version__}; model {args.preset} shapes "
+        f"with {cfg.num_layers} layers, {cfg.dtype}, random weights; backend {args.backend}; "
+        f"{setup['max_seqs']} sequences in flight, {setup['max_step_tokens']} tokens per step, page "
+        f"{args.page_size}, overlap {'off' if args.no_overlap else 'on'}; warm-up (compiling every step shape) "
+        f"{setup['warmup_s']:.0f} s, not timed. The {rates} ({'float32 256^3' if args.smoke else 'bf16 8192^3'} "
+        f"GEMM), measured in the same run."),
+        (f"Trace ({args.trace}, seed 0): {args.requests} requests, {shape}; random prompt tokens, greedy, every "
+        f"request runs to its output length"
+        + {"chat": "; lognormal lengths in the shape of ShareGPT (which cannot be downloaded here), not ShareGPT.",
+           "poisson": f"; lognormal lengths in the shape of ShareGPT (which cannot be downloaded here), served all "
+                      f"at once, then with Poisson arrivals at {LOAD:g} x the requests/s of that run unless --rate "
+                      f"is given.",
+           "shared-prefix": "; prefix caching off, then on."}.get(args.trace, "; all at once.")),
+        f"Command: `{command(args, cfg.num_layers)}`",
         "",
-        "| prefix caching | prompt tokens | prefill tokens computed | TTFT ms mean / p50 / p99 | TPOT ms mean / p50 "
-        "| generated tokens/s | total tokens/s | wall s | preemptions |",
-        "|---|---|---|---|---|---|---|---|---|",
-        row("off", results[False]),
-        row("on", results[True]),
+        *table(first_column, rows),
         "",
-        f"Requests whose tokens are the same with prefix caching on and off: {same}/{args.requests} (bf16 on the "
-        f"GPU: a prefill that starts after cached pages rounds differently, and greedy tokens may part after a "
-        f"near tie).",
+        ("Roofline: per step, max(bytes / copy rate, FLOPs / matmul rate), summed over the steps the engine ran; "
+        "bytes = the weights once + the K/V attention reads + the K/V writes, FLOPs = 2 x weights x tokens + "
+        "attention (module docstring of benchmarks/bench_serving.py). GPU busy % is an estimate from host "
+        "timestamps (a step not yet launched when the previous step's tokens reached the host counts as idle)."),
     ]
-    print(write_section("serving", "\n".join(lines), heading="Serving a trace with a shared system prompt",
+    if args.trace == "shared-prefix":
+        off, on = results["off"], results["on"]
+        prefill = {k: r["computed_tokens"] - (r["generated"] - r["requests"]) for k, r in results.items()}
+        same = sum(a == b for a, b in zip(off["outputs"], on["outputs"]))
+        lines += ["", (f"Prompt tokens computed (a preempted request's recomputed tokens included): "
+                       f"{prefill['off']:,} with prefix caching off, {prefill['on']:,} on "
+                       f"({100 * (1 - prefill['on'] / prefill['off']):.0f}% fewer), of {off['prompt_tokens']:,} prompt "
+                       f"tokens. Requests whose tokens are the same with prefix caching on and off: "
+                       f"{same}/{args.requests} (bf16 on the GPU: a prefill that starts after cached pages rounds "
+                       f"differently, and greedy tokens may part after a near tie).")]
+    if args.trace in TARGETS:
+        shares = ", ".join(f"{100 * r['roofline_share']:.0f}%" for r in results.values())
+        lines += ["", f"Target: >= {TARGETS[args.trace]}% of the roofline; this run: {shares}."]
+    lines += ["", PUBLISHED[args.trace]]
+    print(write_section(SECTIONS[args.trace], "\n".join(lines), heading=HEADINGS[args.trace],
                         update=not args.smoke))
 
 

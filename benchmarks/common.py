@@ -381,14 +381,31 @@ def device_busy_seconds(fn: Callable[[], object], calls: int) -> float:
     return sum(device_event_seconds(fn, calls).values())
 
 
+def device_seconds(fn: Callable[[], object], trials: int) -> float:
+    """Seconds per call of ``fn`` (warmed up): its GPU time from the profiler
+    (``device_busy_seconds``) on a GPU, elsewhere the median wall time (the CPU smoke modes)."""
+    if jax.devices()[0].platform == "gpu":
+        return device_busy_seconds(fn, trials)
+    return wall_seconds(fn, trials)
+
+
 def copy_bandwidth(nbytes: int = 4 << 30, trials: int = 10) -> float:
     """Device copy bandwidth in bytes/s, counting bytes read plus bytes written, of a jitted
     elementwise pass over ``nbytes``; GPU time from the profiler, so the ~0.3 ms from dispatch to
-    completion of an isolated call is not counted."""
+    completion of an isolated call is not counted (``device_seconds``)."""
     x = jnp.ones((nbytes // 4,), jnp.float32)
     copy = jax.jit(lambda a: a * 1.0000001)
     copy(x).block_until_ready()
-    return 2 * nbytes / device_busy_seconds(lambda: copy(x), trials)
+    return 2 * nbytes / device_seconds(lambda: copy(x), trials)
+
+
+def gemm_rate(n: int = 8192, dtype=jnp.bfloat16, trials: int = 10) -> float:
+    """Matmul FLOP/s of a jitted ``n x n x n`` GEMM of random ``dtype`` operands: 2 n^3 over its
+    time per call after a warm-up (``device_seconds``: GPU time from the profiler)."""
+    a, b = (jax.random.normal(k, (n, n), dtype) for k in jax.random.split(jax.random.key(0)))
+    matmul = jax.jit(jnp.matmul)
+    matmul(a, b).block_until_ready()
+    return 2.0 * n ** 3 / device_seconds(lambda: matmul(a, b), trials)
 
 
 def time_steps(fn: Callable, state, steps: int, runs: int = 3) -> tuple[float, float, object]:

@@ -7,17 +7,73 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from tests.xla_dump import REPO
 
 
-@pytest.mark.parametrize("module", ["bench_tp", "bench_serving", "bench_mla"])
+@pytest.mark.parametrize("module", ["bench_tp", "bench_serving --trace shared-prefix", "bench_mla"])
 def test_smoke_run(module, tmp_path):
     env = dict(os.environ, OUT=str(tmp_path), JAX_PLATFORMS="cpu")
-    result = subprocess.run([sys.executable, "-m", f"benchmarks.{module}", "--smoke"], cwd=REPO, env=env,
-                            capture_output=True, text=True, timeout=600)
+    module, *args = module.split()
+    result = subprocess.run([sys.executable, "-m", f"benchmarks.{module}", *args, "--smoke"], check=False, cwd=REPO,
+                            env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+
+
+def test_serving_traces():
+    """bench_serving's traces: lengths fixed by the seed, the shapes the issue asks for."""
+    from benchmarks.bench_serving import SPECS, make_trace
+
+    heavy = make_trace("decode-heavy", SPECS["decode-heavy"], 1000)
+    assert len(heavy) == 512 and {(r.prompt.size, r.new_tokens, r.arrival) for r in heavy} == {(1024, 1024, 0.0)}
+    chat = make_trace("chat", SPECS["chat"], 1000)
+    prompts, outputs = (np.array([r.prompt.size for r in chat]), np.array([r.new_tokens for r in chat]))
+    assert len(chat) == 1000 and 200 < prompts.mean() < 240 and 185 < outputs.mean() < 215
+    assert prompts.min() >= 4 and max(prompts.max(), outputs.max()) <= 1024
+    again = make_trace("chat", SPECS["chat"], 1000)
+    assert all((a.prompt == b.prompt).all() and a.new_tokens == b.new_tokens for a, b in zip(chat, again))
+    shared = make_trace("shared-prefix", SPECS["shared-prefix"], 1000)
+    assert all((r.prompt[:1024] == shared[0].prompt[:1024]).all() and 1056 <= r.prompt.size <= 1280 for r in shared)
+    timed = make_trace("poisson", SPECS["poisson"], 1000, rate=50.0)
+    arrivals = np.array([r.arrival for r in timed])
+    assert (np.diff(arrivals) >= 0).all() and 15 < arrivals[-1] < 25           # 1000 requests at 50/s
+    assert all((a.prompt == b.prompt).all() for a, b in zip(chat, timed))      # the chat trace, spread out
+
+
+def test_serving_roofline():
+    """bench_serving's roofline at Llama-3-8B shapes (abstract weights) and its busy-share estimate."""
+    from flax import nnx
+
+    from benchmarks.bench_serving import busy_share, model_costs, step_bound
+    from jaxattn.engine_step import StepRecord
+    from jaxattn.models.llama import PRESETS, Llama
+
+    model = nnx.eval_shape(lambda: Llama(PRESETS["llama3-8b"], nnx.Rngs(0)))
+    costs = model_costs(model, page_size=64)
+    assert costs.kv_bytes_per_token == 2 * 32 * 8 * 128 * 2                        # K and V, 32 layers, bf16
+    assert costs.matmul_params == 32 * (2 * 4096 * 4096 + 2 * 4096 * 1024 + 3 * 4096 * 14336)
+    assert costs.head_params == 128256 * 4096 and costs.embed_row_bytes == 4096 * 2
+    assert costs.weight_bytes == 2 * (costs.matmul_params + costs.head_params + 65 * 4096)   # + the norms
+
+    def record(**fields) -> StepRecord:
+        blank = {"rows": 0, "decode_rows": 0, "tokens": 0, "prefill_tokens": 0, "context_tokens": 0,
+                 "attention_pairs": 0, "padded_rows": 0, "padded_tokens": 0, "t_start": 0.0}
+        return StepRecord(**{**blank, **fields})
+
+    # 64 decodes at context 4096: bandwidth-bound, weights + KV over the copy rate
+    decode = record(rows=64, decode_rows=64, tokens=64, context_tokens=64 * 4096, attention_pairs=64 * 4096)
+    nbytes = costs.weight_bytes + 64 * 8192 + 64 * 4097 * costs.kv_bytes_per_token
+    assert step_bound(decode, costs, copy_rate=3e12, matmul_rate=7e14) == pytest.approx(nbytes / 3e12)
+    # one 2048-token prefill: compute-bound
+    prefill = record(rows=1, tokens=2048, prefill_tokens=2048, context_tokens=2048, attention_pairs=2048 * 2049 // 2)
+    flops = 2 * costs.matmul_params * 2048 + 2 * costs.head_params + 4 * 32 * 32 * 128 * 2048 * 2049 // 2
+    assert step_bound(prefill, costs, copy_rate=3e12, matmul_rate=7e14) == pytest.approx(flops / 7e14)
+
+    # steps of 1 s from t=1: launched 0.1 s after the previous one's tokens came back, except one queued early
+    steps = [record(t_launched=1.0, t_done=2.0), record(t_launched=2.1, t_done=3.1), record(t_launched=3.0, t_done=4.0)]
+    assert busy_share(steps, start=0.0, wall=4.0) == pytest.approx(1 - (1.0 + 0.1) / 4.0)
 
 
 def test_headline_is_up_to_date(tmp_path):
