@@ -1,8 +1,8 @@
 """Serving a request trace through the Engine, against a roofline measured in the same run.
 
     python -m benchmarks.bench_serving --trace {decode-heavy,chat,shared-prefix,poisson} [--preset llama3-8b]
-        [--layers N] [--requests N] [--max-seqs N] [--max-step-tokens N] [--page-size 64] [--backend auto]
-        [--rate R] [--no-overlap] [--smoke]
+        [--layers N] [--requests N] [--max-seqs N] [--num-pages N] [--max-step-tokens N] [--page-size 64]
+        [--backend auto] [--rate R] [--no-overlap] [--smoke]
 
 One trace per call (random weights; every length drawn with seed 0, and written in the table):
   * decode-heavy: 512 requests of 1024 prompt and 1024 generated tokens, all at once (the shape of
@@ -298,8 +298,9 @@ def command(args: argparse.Namespace, layers: int) -> str:
     parts = ["python -m benchmarks.bench_serving", f"--trace {args.trace}", f"--preset {args.preset}",
              f"--layers {layers}", f"--requests {args.requests}", f"--page-size {args.page_size}",
              f"--backend {args.backend}"]
-    parts += [f"--{name.replace('_', '-')} {getattr(args, name):g}" for name in ("max_seqs", "max_step_tokens", "rate")
-              if getattr(args, name) is not None]
+    parts += [f"--{name.replace('_', '-')} {getattr(args, name)}"
+              for name in ("max_seqs", "num_pages", "max_step_tokens") if getattr(args, name) is not None]
+    parts += [f"--rate {args.rate:.4g}"] if args.rate is not None else []
     return " ".join(parts + (["--no-overlap"] if args.no_overlap else []) + (["--smoke"] if args.smoke else []))
 
 
@@ -310,6 +311,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--layers", type=int, default=None, help="number of layers (default: the preset's)")
     parser.add_argument("--requests", type=int, default=None, help="requests in the trace (default: the trace's)")
     parser.add_argument("--max-seqs", type=int, default=None, help="sequences in flight (default: the Engine's)")
+    parser.add_argument("--num-pages", type=int, default=None,
+                        help="KV pages (default: the Engine's: from device memory, or for --max-seqs sequences of the "
+                             "longest request)")
     parser.add_argument("--max-step-tokens", type=int, default=None, help="tokens per step (default: the Engine's)")
     parser.add_argument("--page-size", type=int, default=64)
     parser.add_argument("--backend", default="auto", help="paged_attention backend")
@@ -344,9 +348,9 @@ def main(argv: list[str] | None = None) -> None:
 
     def run(trace: Sequence[TraceRequest], prefix_caching: bool = True) -> dict:
         engine = Engine(model, max_seqs=args.max_seqs, max_seq_len=max_seq_len, page_size=args.page_size,
-                        max_step_tokens=args.max_step_tokens, backend=args.backend,
+                        num_pages=args.num_pages, max_step_tokens=args.max_step_tokens, backend=args.backend,
                         enable_prefix_caching=prefix_caching, overlap=not args.no_overlap, record_steps=True)
-        setup.update(max_seqs=engine.max_seqs, max_step_tokens=engine.max_step_tokens,
+        setup.update(max_seqs=engine.max_seqs, num_pages=engine.num_pages, max_step_tokens=engine.max_step_tokens,
                      warmup_s=max(setup.get("warmup_s", 0.0), engine.warmup(sampled=False)))
         result = summarize(serve(engine, trace), costs, copy_rate, matmul_rate)
         del engine                               # its KV pool, before the next engine takes the memory
@@ -370,20 +374,24 @@ def main(argv: list[str] | None = None) -> None:
     for line in rows:
         print(line, flush=True)
 
+    engine_text = (f"{setup['max_seqs']} sequences in flight, {setup['max_step_tokens']} tokens per step, "
+                   f"{setup['num_pages']:,} pages of {args.page_size}, overlap {'off' if args.no_overlap else 'on'}")
+    gemm = "float32 256^3" if args.smoke else "bf16 8192^3"
+    trace_text = {
+        "chat": "lognormal lengths in the shape of ShareGPT (which cannot be downloaded here), not ShareGPT",
+        "poisson": f"lognormal lengths in the shape of ShareGPT (which cannot be downloaded here), served all at "
+                   f"once, then with Poisson arrivals at {LOAD:g} x the requests/s of that run unless --rate is given",
+        "shared-prefix": "all at once, prefix caching off, then on",
+    }.get(args.trace, "all at once")
+    header = (f"Device: {device_name()}; date {datetime.date.today()}; jax {jax.__version__}; model {args.preset} "
+              f"shapes with {cfg.num_layers} layers, {cfg.dtype}, random weights; backend {args.backend}; "
+              f"{engine_text}; warm-up (compiling every step shape) {setup['warmup_s']:.0f} s, not timed. The {rates} "
+              f"({gemm} GEMM), measured in the same run.")
+    trace_line = (f"Trace ({args.trace}, seed 0): {args.requests} requests, {shape}; random prompt tokens, greedy, "
+                  f"every request runs to its output length; {trace_text}.")
     lines = [
-        (f"Device: {device_name()}; date {datetime.date.today()}; jax {jax.__version__}; model {args.preset} shapes "
-        f"with {cfg.num_layers} layers, {cfg.dtype}, random weights; backend {args.backend}; "
-        f"{setup['max_seqs']} sequences in flight, {setup['max_step_tokens']} tokens per step, page "
-        f"{args.page_size}, overlap {'off' if args.no_overlap else 'on'}; warm-up (compiling every step shape) "
-        f"{setup['warmup_s']:.0f} s, not timed. The {rates} ({'float32 256^3' if args.smoke else 'bf16 8192^3'} "
-        f"GEMM), measured in the same run."),
-        (f"Trace ({args.trace}, seed 0): {args.requests} requests, {shape}; random prompt tokens, greedy, every "
-        f"request runs to its output length"
-        + {"chat": "; lognormal lengths in the shape of ShareGPT (which cannot be downloaded here), not ShareGPT.",
-           "poisson": f"; lognormal lengths in the shape of ShareGPT (which cannot be downloaded here), served all "
-                      f"at once, then with Poisson arrivals at {LOAD:g} x the requests/s of that run unless --rate "
-                      f"is given.",
-           "shared-prefix": "; prefix caching off, then on."}.get(args.trace, "; all at once.")),
+        header,
+        trace_line,
         f"Command: `{command(args, cfg.num_layers)}`",
         "",
         *table(first_column, rows),
