@@ -34,12 +34,14 @@ is max(bytes / copy rate, flops / matmul rate); the trace's roofline is the sum 
 its own schedule). % of roofline = roofline s / wall s.
 
 Reported per run: generated tokens/s (over the wall time from the first arrival to the last token)
-and prompt + generated tokens/s; roofline s and %; GPU busy share, an estimate from host timestamps:
-step n+1 was not queued when step n's tokens reached the host for gap_n = max(0, t_launched[n+1] -
-t_done[n]), the GPU idles for those gaps and before the first launch, busy = 1 - idle / wall; host
-ms per step (scheduling, packing and launch: t_launched - t_start, mean); steps; TTFT (arrival to
-first token, queueing included) and TPOT ((last token - first token) / (tokens - 1) per request)
-p50 / p90 / p99; preemptions.
+and prompt + generated tokens/s; roofline s and %; the GPU busy share, an estimate from host
+timestamps: step n+1 was not queued when step n's tokens reached the host for gap_n = max(0,
+t_launched[n+1] - t_done[n]), the GPU idles for those gaps and before the first launch, and busy =
+1 - idle / wall. It is an upper bound (t_done is when the host took the tokens, at or after the GPU
+finished them; with overlap the host takes them after launching the next step), so host ms per step
+(scheduling, packing and launch: t_launched - t_start, mean) against wall s / steps tells a
+host-bound run. Also steps; TTFT (arrival to first token, queueing included) and TPOT (time from
+the first token to the last / (tokens - 1), per request) p50 / p90 / p99; preemptions.
 """
 
 from __future__ import annotations
@@ -399,7 +401,8 @@ def main(argv: list[str] | None = None) -> None:
         ("Roofline: per step, max(bytes / copy rate, FLOPs / matmul rate), summed over the steps the engine ran; "
         "bytes = the weights once + the K/V attention reads + the K/V writes, FLOPs = 2 x weights x tokens + "
         "attention (module docstring of benchmarks/bench_serving.py). GPU busy % is an estimate from host "
-        "timestamps (a step not yet launched when the previous step's tokens reached the host counts as idle)."),
+        "timestamps, an upper bound (a step not yet launched when the previous step's tokens reached the host counts "
+         "as idle); compare host ms/step with wall s / steps."),
     ]
     if args.trace == "shared-prefix":
         off, on = results["off"], results["on"]
