@@ -46,15 +46,16 @@ def decode_step(model: Llama, backend: str, batch: int, context: int, steps: int
     ids = jnp.arange(batch, dtype=jnp.int32)
     ones = jnp.ones((batch,), jnp.int32)
     no_release = jnp.full((batch,), -1, jnp.int32)
+    no_tokens = jnp.zeros((batch,), jnp.int32)
     tokens = jnp.asarray(np.random.default_rng(0).integers(0, cfg.vocab_size, size=batch), jnp.int32)
     q = jnp.zeros((batch, cfg.num_q_heads, cfg.head_dim), cfg.dtype)
     meta = table.metadata(ids, ones, max_q_len=1)
     plan = str(backend_for(q, caches[0], meta, backend=backend))
 
-    def model_step(state):
+    def model_step(state):      # as the Engine's decode step: each row's input is its previous token
         tok, caches, table = state
-        tok, ok, caches, table = step(weights, caches, table, no_release, tok, ids, ones, max_q_len=1,
-                                      backend=backend)
+        tok, ok, pages, caches, table = step(weights, caches, table, tok, no_release, no_tokens, ids, ids, ones,
+                                             max_q_len=1, page_window=1, backend=backend)
         return tok, caches, table
 
     return model_step, (tokens, caches, table), weights, plan

@@ -44,16 +44,16 @@ DTYPES = ("float32", "bfloat16", "float16")
 
 
 def attention_plans(cfg: LlamaConfig, engine: Engine) -> dict[str, str]:
-    """What ``paged_attention`` runs for the engine's decode-only and mixed steps."""
+    """What ``paged_attention`` runs for the engine's largest decode-only and mixed steps."""
     cache = engine.caches[0]
+    shapes = engine.buckets.shapes
     plans = {}
-    for phase, (num_tokens, max_q_len) in {"decode step": (engine.max_seqs, 1),
-                                           "prefill/mixed step": (engine.max_seqs + engine.chunk_size,
-                                                                  engine.chunk_size)}.items():
-        b = engine.max_seqs
+    for phase, shape in {"decode step": shapes[len(engine.buckets.rows) - 1], "prefill/mixed step": shapes[-1]}.items():
+        b = shape.rows
         meta = jaxattn.AttentionMetadata(jnp.zeros((b + 1,), jnp.int32), jnp.zeros((b,), jnp.int32),
-                                         engine.table.block_tables, jnp.zeros((), jnp.int32), max_q_len=max_q_len)
-        q = jnp.zeros((num_tokens, cfg.num_q_heads, cfg.head_dim), cfg.dtype)
+                                         engine.table.block_tables[:b], jnp.zeros((), jnp.int32),
+                                         max_q_len=shape.max_q_len)
+        q = jnp.zeros((shape.tokens, cfg.num_q_heads, cfg.head_dim), cfg.dtype)
         plans[phase] = str(backend_for(q, cache, meta, backend=engine.backend))
     return plans
 
@@ -170,8 +170,8 @@ def build_parser(on_gpu: bool) -> argparse.ArgumentParser:
     engine = parser.add_argument_group("engine")
     engine.add_argument("--max-seqs", type=positive_int, metavar="N", default=32 if on_gpu else 4,
                         help="sequences in flight (default: %(default)s)")
-    engine.add_argument("--chunk-size", type=positive_int, metavar="N", default=512 if on_gpu else 32,
-                        help="prompt tokens prefilled per step (default: %(default)s)")
+    engine.add_argument("--max-step-tokens", type=positive_int, metavar="N", default=2048 if on_gpu else 32,
+                        help="tokens one step computes, decodes and prompt chunks (default: %(default)s)")
     engine.add_argument("--page-size", type=positive_int, metavar="N", default=64 if on_gpu else 16,
                         help="tokens per KV cache page (default: %(default)s)")
     parallel = parser.add_argument_group("tensor parallelism")
@@ -256,13 +256,13 @@ def main(argv: list[str] | None = None) -> None:
 
     def make_engine() -> Engine:
         return Engine(model, max_seqs=args.max_seqs, max_seq_len=max_seq_len, page_size=args.page_size,
-                      chunk_size=args.chunk_size, backend=args.backend, mesh=mesh)
+                      max_step_tokens=args.max_step_tokens, backend=args.backend, mesh=mesh)
 
     say(f"jaxattn demo on {jax.devices()[0].device_kind} ({jax.default_backend()}): {name}, "
           f"{cfg.num_layers} layers, dim {cfg.dim}, heads {cfg.num_q_heads}/{cfg.num_kv_heads} x {cfg.head_dim}, "
           f"{cfg.dtype}; {len(prompts)} requests, prompts <= {max_seq_len - args.new_tokens} tokens, "
-          f"{args.new_tokens} new tokens each, {args.max_seqs} sequences in flight, prefill chunk "
-          f"{args.chunk_size}, page {args.page_size}; tensor parallel over {tp} devices, "
+          f"{args.new_tokens} new tokens each, {args.max_seqs} sequences in flight, "
+          f"{args.max_step_tokens} tokens per step, page {args.page_size}; tensor parallel over {tp} devices, "
           f"{jax.process_count()} processes")
     try:
         engine = make_engine()
@@ -272,12 +272,7 @@ def main(argv: list[str] | None = None) -> None:
     for phase, plan in plans.items():
         say(f"  attention backend, {phase}: {plan}")
 
-    warmup = make_engine()                       # compiles both step shapes
-    for prompt in prompts[:2]:
-        warmup.add_request(prompt, args.new_tokens)
-    warmup.run()
-    del warmup
-
+    say(f"  compiled {len(engine.buckets.shapes)} step shapes in {engine.warmup(sampled=False):.1f} s")
     for prompt in prompts:
         engine.add_request(prompt, args.new_tokens)
     prompt_tokens = sum(p.size for p in prompts)

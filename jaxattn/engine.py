@@ -1,15 +1,24 @@
-"""A small continuous-batching generation engine over a paged KV cache: the loop.
+"""A continuous-batching generation engine over a paged KV cache: the loop.
 
-The host loop admits requests, schedules chunked prefill and decodes, and releases finished
-sequences (``jaxattn.scheduler``); each step packs the schedule and runs one jitted function of
-(model weights, donated KV caches, donated page table) that frees finished sequences, allocates
-pages, writes K/V, runs attention in every layer and samples the next tokens
-(``jaxattn.engine_step``). The model is any ``jaxattn.models.base.PagedModel``.
+The host loop admits requests, schedules chunked prefill and decodes within a token budget per
+step, and releases finished sequences (``jaxattn.scheduler``); each step packs the schedule and
+runs one jitted function of (model weights, donated KV caches, donated page table) that frees
+finished sequences, allocates pages, writes K/V, runs attention in every layer and samples the
+next tokens (``jaxattn.engine_step``). The model is any ``jaxattn.models.base.PagedModel``.
+
+The loop overlaps the host with the device: it schedules, packs and launches step n+1 while step
+n runs, and only then waits for step n's tokens (a decode of step n+1 takes step n's token on the
+device). Tokens reach the host one step late; a request that stops in step n computes one more
+row, whose token is dropped. The host never reads the page table: it mirrors the pool, and learns
+the ids of the prompt pages to cache from the step's small ``pages`` output.
 """
 
 from __future__ import annotations
 
 import collections
+import dataclasses
+import math
+import time
 from typing import Callable, Iterator
 
 import jax
@@ -22,14 +31,26 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 import jaxattn
 from jaxattn.backends import OPS, check_serves
 from jaxattn.checks import is_positive_int
-from jaxattn.engine_step import make_engine_step, pack_step
+from jaxattn.engine_step import (
+    PrefixOps,
+    StepBuckets,
+    StepRecord,
+    make_engine_step,
+    pack_step,
+)
 from jaxattn.kv_cache import LAYOUTS
 from jaxattn.models.base import ModelConfig, PagedModel
-from jaxattn.sampling import SamplingParams
-from jaxattn.scheduler import Request, Scheduler
+from jaxattn.sampling import SamplingBatch, SamplingParams
+from jaxattn.scheduler import PageUsage, Request, Schedule, Scheduler
 from jaxattn.sharding import tensor_parallel_mesh
 
 __all__ = ["Engine", "Request"]
+
+# Without max_seqs, the sequences in flight are what the pool holds at max_seq_len, at most this
+# (vLLM's default max_num_seqs); on a device that does not report its memory, the pool holds 8.
+MAX_SEQS_FROM_POOL = 256
+MAX_SEQS_WITHOUT_MEMORY_STATS = 8
+DEFAULT_MAX_STEP_TOKENS = 2048
 
 
 def _shared_entropy() -> int:
@@ -41,18 +62,34 @@ def _shared_entropy() -> int:
     return entropy
 
 
+@dataclasses.dataclass
+class _Launched:
+    """A step on the device: its schedule, its outputs (not yet on the host) and its record."""
+
+    schedule: Schedule
+    next_tokens: jax.Array
+    ok: jax.Array
+    pages: jax.Array
+    record: StepRecord
+
+
 class Engine:
-    """Generation for many requests with a fixed number of sequence slots (greedy unless a
+    """Generation for many requests over a fixed number of sequence slots (greedy unless a
     request's ``SamplingParams`` say otherwise).
 
     Args:
       model: the decoder, a ``jaxattn.models.base.PagedModel``: a ``Llama`` (KV pools) or a
         ``jaxattn.models.deepseek.DeepSeek`` (MLA latent pools).
-      max_seqs: sequences in flight (the static batch B).
+      max_seqs: sequences in flight (rows of a step). None: as many sequences of ``max_seq_len``
+        as the pool holds, at most ``MAX_SEQS_FROM_POOL``.
       max_seq_len: longest prompt + generation a request may have.
-      page_size, layout, kv_dtype: KV cache shape; ``num_pages`` defaults to enough for
-        ``max_seqs`` sequences of ``max_seq_len`` (it must hold at least one such sequence).
-      chunk_size: prompt tokens per step (the mixed step has ``max_seqs + chunk_size`` tokens).
+      page_size, layout, kv_dtype: KV cache shape.
+      num_pages: pages in the pool (page 0 is the null page). None: with ``max_seqs``, enough for
+        ``max_seqs`` sequences of ``max_seq_len``; without, ``kv_memory_fraction`` of the
+        device's free memory (a device that does not report it: ``MAX_SEQS_WITHOUT_MEMORY_STATS``
+        sequences). It must hold at least one sequence of ``max_seq_len``.
+      max_step_tokens: tokens one step computes at most, decodes included (>= max_seqs); prompt
+        chunks take what decodes leave. None: ``max(DEFAULT_MAX_STEP_TOKENS, max_seqs)``.
       backend: "auto" or one backend that runs every op of ``model.attention_ops`` (checked here).
       enable_prefix_caching: a request starts on the cached pages of its longest cached prompt
         prefix and prefills only the rest (see ``jaxattn.scheduler``).
@@ -61,50 +98,72 @@ class Engine:
         table replicated; the same jitted step then runs on every device, with XLA's all-reduces
         inside. Under ``jax.distributed`` (one process per GPU) every process runs the same engine
         with the same requests.
+      overlap: schedule and launch step n+1 before waiting for step n's tokens (module
+        docstring); False waits after every step (the same tokens).
+      kv_memory_fraction: the share of free device memory a pool sized from memory takes.
+      record_steps: keep a ``StepRecord`` per step in ``step_records``.
 
     Raises ValueError naming the argument that does not fit. ``stats`` counts prompt tokens,
     cached tokens, computed tokens, evicted pages and preemptions (``jaxattn.scheduler.Scheduler``).
     """
 
-    def __init__(self, model: PagedModel, *, max_seqs: int, max_seq_len: int, page_size: int = 16,
-                 num_pages: int | None = None, chunk_size: int = 256, backend: str = "auto",
-                 layout: str = "HND", kv_dtype=None, enable_prefix_caching: bool = True,
-                 mesh: Mesh | None = None):
+    def __init__(self, model: PagedModel, *, max_seqs: int | None = None, max_seq_len: int, page_size: int = 16,
+                 num_pages: int | None = None, max_step_tokens: int | None = None, backend: str = "auto",
+                 layout: str = "HND", kv_dtype=None, enable_prefix_caching: bool = True, mesh: Mesh | None = None,
+                 overlap: bool = True, kv_memory_fraction: float = 0.9, record_steps: bool = False):
         _check_model(model)
         check_serves(backend, model.attention_ops, where="Engine")
-        for name, value in (("chunk_size", chunk_size), ("max_seqs", max_seqs), ("max_seq_len", max_seq_len),
-                            ("page_size", page_size)):
+        for name, value in (("max_seq_len", max_seq_len), ("page_size", page_size)):
             if not is_positive_int(value):
                 raise ValueError(f"Engine: {name} must be an int >= 1, got {value!r}")
-        if num_pages is not None and not is_positive_int(num_pages):
-            raise ValueError(f"Engine: num_pages must be None or an int >= 1, got {num_pages!r}")
+        for name, value in (("max_seqs", max_seqs), ("num_pages", num_pages), ("max_step_tokens", max_step_tokens)):
+            if value is not None and not is_positive_int(value):
+                raise ValueError(f"Engine: {name} must be None or an int >= 1, got {value!r}")
         if layout not in LAYOUTS:
             raise ValueError(f"Engine: layout must be one of {LAYOUTS}, got {layout!r}")
         if kv_dtype is not None and not _is_dtype(kv_dtype):
             raise ValueError(f"Engine: kv_dtype must be None (the model's dtype) or a dtype, got {kv_dtype!r}")
-        if not isinstance(enable_prefix_caching, bool):
-            raise ValueError(f"Engine: enable_prefix_caching must be a bool, got {enable_prefix_caching!r}")
+        for name, value in (("enable_prefix_caching", enable_prefix_caching), ("overlap", overlap),
+                            ("record_steps", record_steps)):
+            if not isinstance(value, bool):
+                raise ValueError(f"Engine: {name} must be a bool, got {value!r}")
+        if not (isinstance(kv_memory_fraction, float | int) and 0 < kv_memory_fraction <= 1):
+            raise ValueError(f"Engine: kv_memory_fraction must be a number in (0, 1], got {kv_memory_fraction!r}")
         if mesh is not None and not isinstance(mesh, Mesh):
             raise ValueError(f"Engine: mesh must be None or a jax.sharding.Mesh, got {type(mesh).__name__}")
         pages_per_seq = -(-max_seq_len // page_size)
         if num_pages is None:
-            num_pages = 1 + max_seqs * pages_per_seq
+            num_pages = _default_num_pages(model, max_seqs, pages_per_seq, page_size, layout, kv_dtype, mesh,
+                                           kv_memory_fraction)
         if num_pages < 1 + pages_per_seq:
             raise ValueError(f"Engine: num_pages must be >= {1 + pages_per_seq} (the null page and one sequence "
                              f"of max_seq_len={max_seq_len}), got {num_pages}")
+        if max_seqs is None:
+            max_seqs = min(MAX_SEQS_FROM_POOL, (num_pages - 1) // pages_per_seq)
+        if max_step_tokens is None:
+            max_step_tokens = max(DEFAULT_MAX_STEP_TOKENS, max_seqs)
+        if max_step_tokens < max_seqs:
+            raise ValueError(f"Engine: max_step_tokens must be >= max_seqs={max_seqs} (every decode fits in a "
+                             f"step), got {max_step_tokens}")
         self.model = model
-        self.max_seqs, self.max_seq_len, self.chunk_size, self.backend = max_seqs, max_seq_len, chunk_size, backend
-        self.page_size = page_size
+        self.max_seqs, self.max_seq_len, self.max_step_tokens = max_seqs, max_seq_len, max_step_tokens
+        self.page_size, self.num_pages, self.backend, self.overlap = page_size, num_pages, backend, overlap
         self._step, self._weights = make_engine_step(model)
         self.caches = model.init_caches(num_pages, page_size, layout, kv_dtype, mesh=mesh)
         self.table = jaxattn.PageTable.create(num_pages, max_seqs, pages_per_seq, page_size)
+        self._prev_tokens = jnp.zeros((max_seqs,), jnp.int32)
         if mesh is not None:
+            replicated = NamedSharding(tensor_parallel_mesh(mesh)[0], PartitionSpec())
             self._weights = jax.device_put(self._weights, jax.tree.leaves(model.param_shardings(mesh)))
-            self.table = jax.device_put(self.table, NamedSharding(tensor_parallel_mesh(mesh)[0], PartitionSpec()))
+            self.table, self._prev_tokens = jax.device_put((self.table, self._prev_tokens), replicated)
         self.scheduler = Scheduler(max_seqs=max_seqs, num_pages=num_pages, page_size=page_size,
-                                   chunk_size=chunk_size, enable_prefix_caching=enable_prefix_caching)
-        # pages one step may allocate (rows of one page, plus the chunk's pages) or cache
-        self._step_pages = max_seqs + chunk_size // page_size + 1
+                                   max_step_tokens=max_step_tokens, enable_prefix_caching=enable_prefix_caching)
+        self.buckets = StepBuckets.default(max_seqs, max_step_tokens, page_size)
+        # pages one step may allocate (rows of one page, plus its prompt chunks' pages) or cache
+        self._step_pages = max_seqs + max_step_tokens // page_size + 1 if enable_prefix_caching else None
+        self._launched: collections.deque[_Launched] = collections.deque()
+        self._previous_rows: dict[Request, int] = {}
+        self.step_records: list[StepRecord] | None = [] if record_steps else None
         self._next_id = 0
         self._seeds = np.random.default_rng(_shared_entropy())
 
@@ -115,7 +174,12 @@ class Engine:
 
     @property
     def has_work(self) -> bool:
-        return self.scheduler.has_work
+        return self.scheduler.has_work or bool(self._launched)
+
+    @property
+    def page_usage(self) -> PageUsage:
+        """The pool's pages held by live requests, free, and cached (host view, no device sync)."""
+        return self.scheduler.page_usage
 
     def add_request(self, prompt, max_new_tokens: int, *, sampling: SamplingParams | None = None) -> Request:
         """Queues a request for up to ``max_new_tokens`` (an int >= 1) tokens after ``prompt`` (a
@@ -139,6 +203,11 @@ class Engine:
         self.scheduler.add(request)
         return request
 
+    def abort(self, request: Request) -> None:
+        """Ends ``request`` (``finish_reason`` "abort") if it has not finished: it leaves the
+        queue, or its slot and pages are freed in the next step; no more of its tokens come."""
+        self.scheduler.abort(request)
+
     def _prompt_ids(self, prompt) -> np.ndarray:
         """``prompt`` as int32[L]; ValueError unless it is a non-empty 1-D sequence of ints in
         ``[0, vocab_size)`` (floats are not truncated, nested lists not flattened)."""
@@ -158,14 +227,14 @@ class Engine:
 
     def step(self) -> list[Request]:
         """Runs one engine step; returns the requests that finished in it."""
-        return [r for r, _ in self._step_tokens() if r.done]
+        return [r for r, _ in self.step_events() if r.done]
 
     def stream(self) -> Iterator[tuple[Request, list[int]]]:
         """Steps until every request is done (including requests added meanwhile), yielding
         ``(request, new_tokens)`` for each request that got tokens, step by step; the last yield of
         a request has ``request.done`` set."""
         while self.has_work:
-            yield from self._step_tokens()
+            yield from self.step_events()
 
     def run(self, on_step: Callable[[int, int], None] | None = None) -> list[Request]:
         """Steps until every request is done; ``on_step(done, total)`` after each step."""
@@ -177,18 +246,97 @@ class Engine:
                 on_step(len(done), total)
         return sorted(done, key=lambda r: r.id)
 
-    def _step_tokens(self) -> list[tuple[Request, list[int]]]:
-        """One engine step -> the new tokens of each request that got some."""
+    def step_events(self) -> list[tuple[Request, list[int]]]:
+        """One engine step: launches the next step, if there is work for one, then waits for the
+        tokens of the step before it (with ``overlap``; else of this one). Returns
+        ``(request, new_tokens)`` for each request that got tokens."""
+        start = time.perf_counter()
         schedule = self.scheduler.schedule()
-        inputs = pack_step(schedule, max_seqs=self.max_seqs, chunk_size=self.chunk_size, page_size=self.page_size,
-                           max_pages_per_seq=self.table.max_pages_per_seq, step_pages=self._step_pages)
-        next_tokens, ok, self.caches, self.table = self._step(
-            self._weights, self.caches, self.table, inputs.release_ids, inputs.tokens, inputs.seq_ids,
-            inputs.q_lens, inputs.sampling, inputs.prefix, max_q_len=inputs.max_q_len, backend=self.backend)
-        next_tokens, ok = np.asarray(next_tokens), np.asarray(ok)
-        if not ok[:len(schedule.rows)].all():
+        if schedule is not None:
+            self._launched.append(self._launch(schedule, start))
+        elif not self._launched and self.scheduler.has_work:
+            raise RuntimeError("Engine: requests are waiting but none can be scheduled (scheduler bug)")
+        keep = 1 if self.overlap and schedule is not None else 0
+        events = []
+        while len(self._launched) > keep:
+            events += self._complete(self._launched.popleft())
+        return events
+
+    def _launch(self, schedule: Schedule, start: float) -> _Launched:
+        shape = self.buckets.shape(schedule)
+        inputs = pack_step(schedule, shape, max_seqs=self.max_seqs, page_size=self.page_size,
+                           max_pages_per_seq=self.table.max_pages_per_seq, step_pages=self._step_pages,
+                           previous_rows=self._previous_rows)
+        next_tokens, ok, pages, self.caches, self.table = self._step(
+            self._weights, self.caches, self.table, self._prev_tokens, inputs.release_ids, inputs.tokens,
+            inputs.token_src, inputs.seq_ids, inputs.q_lens, inputs.sampling, inputs.prefix,
+            max_q_len=shape.max_q_len, page_window=shape.page_window, backend=self.backend)
+        next_tokens.copy_to_host_async()
+        ok.copy_to_host_async()
+        self._prev_tokens = next_tokens
+        self._previous_rows = {row.request: i for i, row in enumerate(schedule.rows) if row.samples}
+        record = StepRecord.of(schedule, shape, start)
+        record.t_launched = time.perf_counter()
+        if self.step_records is not None:
+            self.step_records.append(record)
+        return _Launched(schedule, next_tokens, ok, pages, record)
+
+    def _complete(self, launched: _Launched) -> list[tuple[Request, list[int]]]:
+        next_tokens, ok = np.asarray(launched.next_tokens), np.asarray(launched.ok)
+        launched.record.t_done = time.perf_counter()
+        if not ok[:len(launched.schedule.rows)].all():
             raise RuntimeError("Engine: page allocation failed for a scheduled request (allocator bug)")
-        return self.scheduler.complete(schedule, next_tokens, lambda: np.asarray(self.table.block_tables))
+        return self.scheduler.complete(launched.schedule, next_tokens, lambda: np.asarray(launched.pages))
+
+    def warmup(self, *, sampled: bool = True) -> float:
+        """Compiles the step for every shape in ``buckets`` (greedy, and with ``sampled`` the
+        sampling variant too) by running it on padding rows, before serving; returns the seconds
+        it took. Call it before adding requests."""
+        if self.has_work:
+            raise RuntimeError("Engine.warmup: call it before adding requests")
+        start = time.perf_counter()
+        for shape in self.buckets.shapes:
+            padding = np.full(shape.rows, -1, np.int32)
+            prefix = None
+            if self._step_pages is not None:
+                no_pages = np.full(self._step_pages, -1, np.int32)
+                prefix = PrefixOps(no_pages, no_pages, np.zeros((shape.rows, self.table.max_pages_per_seq), np.int32))
+            variants = [None]
+            if sampled:
+                variants.append(SamplingBatch.from_params([SamplingParams(temperature=1.0)] * shape.rows,
+                                                          [0] * shape.rows))
+            for sampling in variants:
+                _, _, _, self.caches, self.table = self._step(
+                    self._weights, self.caches, self.table, self._prev_tokens, np.full(self.max_seqs, -1, np.int32),
+                    np.zeros(shape.tokens, np.int32), np.full(shape.tokens, -1, np.int32), padding,
+                    np.zeros(shape.rows, np.int32), sampling, prefix, max_q_len=shape.max_q_len,
+                    page_window=shape.page_window, backend=self.backend)
+        jax.block_until_ready(self.table)
+        return time.perf_counter() - start
+
+
+def _default_num_pages(model: PagedModel, max_seqs: int | None, pages_per_seq: int, page_size: int, layout: str,
+                       kv_dtype, mesh: Mesh | None, fraction: float) -> int:
+    """Pages for ``max_seqs`` sequences of ``pages_per_seq`` pages, or, without ``max_seqs``,
+    what ``fraction`` of the (first) device's free memory holds."""
+    if max_seqs is not None:
+        return 1 + max_seqs * pages_per_seq
+    device = mesh.devices.flat[0] if mesh is not None else jax.local_devices()[0]
+    stats = device.memory_stats()
+    if not stats or "bytes_limit" not in stats:
+        return 1 + MAX_SEQS_WITHOUT_MEMORY_STATS * pages_per_seq
+    free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
+    return max(1 + pages_per_seq, int(fraction * free) // _page_bytes(model, page_size, layout, kv_dtype, mesh))
+
+
+def _page_bytes(model: PagedModel, page_size: int, layout: str, kv_dtype, mesh: Mesh | None) -> int:
+    """Bytes one page of every layer's pool takes on one device."""
+    caches = jax.eval_shape(lambda: model.init_caches(2, page_size, layout, kv_dtype, mesh=mesh))
+    total = 0
+    for leaf in jax.tree.leaves(caches):
+        shape = leaf.sharding.shard_shape(leaf.shape) if getattr(leaf, "sharding", None) is not None else leaf.shape
+        total += math.prod(shape) * leaf.dtype.itemsize
+    return -(-total // 2)
 
 
 def _check_model(model) -> None:

@@ -1,18 +1,21 @@
-"""The engine's device step: one jitted function per model structure, and the packing of a
-``jaxattn.scheduler.Schedule`` into its operands.
+"""The engine's device step: one jitted function per model structure, the shapes it is compiled
+for, and the packing of a ``jaxattn.scheduler.Schedule`` into its operands.
 
 The step frees finished sequences, runs prefix caching's page operations, allocates pages, writes
 K/V, runs attention in every layer and samples the next tokens, over donated KV caches and page
-table. Only two step shapes exist (decode-only: ``max_seqs`` tokens, ``max_q_len`` 1; mixed:
-``max_seqs + chunk_size`` tokens, ``max_q_len`` ``chunk_size``), so a serving loop compiles twice
-and then replays.
+table. A decode row's input may be the token the previous step sampled, still on the device
+(``token_src``), so the host schedules step n+1 while step n runs. Step shapes come from two
+bucket lists (``StepBuckets``): a decode-only step has as many rows and tokens as the smallest row
+bucket that holds its rows; a mixed step has ``max_seqs`` rows and the smallest token bucket that
+holds its tokens. A serving loop compiles one step per bucket (``Engine.warmup``), and per
+sampling mode (greedy steps skip the sampler), and then replays.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Callable
+from typing import Callable, Mapping
 
 import jax
 import jax.numpy as jnp
@@ -22,7 +25,7 @@ from flax import nnx
 import jaxattn
 from jaxattn.models.base import Cache, PagedModel
 from jaxattn.sampling import SamplingBatch, sample
-from jaxattn.scheduler import Schedule
+from jaxattn.scheduler import Request, Schedule
 
 
 @jax.tree_util.register_dataclass
@@ -33,7 +36,7 @@ class PrefixOps:
     Attributes:
       mark: int32[M], pages to mark cached (``PageTable.mark_cached``).
       evict: int32[M], cached pages to free (``PageTable.evict``).
-      attach: int32[B, P], cached pages each step row's new sequence starts on (``PageTable.attach``).
+      attach: int32[R, P], cached pages each step row's new sequence starts on (``PageTable.attach``).
     """
 
     mark: jax.Array
@@ -41,21 +44,26 @@ class PrefixOps:
     attach: jax.Array
 
 
-StepFn = Callable[..., tuple[jax.Array, jax.Array, list[Cache], jaxattn.PageTable]]
+StepFn = Callable[..., tuple[jax.Array, jax.Array, jax.Array, list[Cache], jaxattn.PageTable]]
 
 
 def make_engine_step(model: PagedModel) -> tuple[StepFn, list[jax.Array]]:
     """The jitted engine step for ``model`` (an ``nnx.Module``), and the model's weights as the
     flat list it takes.
 
-    ``step(weights, caches, table, release_ids, tokens, seq_ids, q_lens, sampling=None, prefix=None,
-    *, max_q_len, backend)`` frees ``release_ids``, appends ``q_lens`` tokens to sequences
-    ``seq_ids`` (int32[B], decodes first, -1 padding; ``tokens`` int32[T] packed) and returns (next
-    token per row int32[B], ok bool[B], caches, table); caches and table are donated. Rows sample
-    with ``sampling`` (a ``SamplingBatch``; None: greedy). ``prefix`` (``PrefixOps``) marks pages
-    cached before the release, then evicts pages and attaches cached pages to new sequences before
-    the extend. The model's structure is closed over rather than passed, so a call neither hashes
-    it nor flattens its state: that cut the host time of an 8-layer step from 2.4 to 0.6 ms
+    ``step(weights, caches, table, prev_tokens, release_ids, tokens, token_src, seq_ids, q_lens,
+    sampling=None, prefix=None, *, max_q_len, page_window, backend)`` frees ``release_ids``
+    (int32[max_seqs], -1 padding), appends ``q_lens`` tokens to sequences ``seq_ids`` (int32[R],
+    decodes first, -1 padding) and returns ``(next_tokens, ok, pages, caches, table)``; caches and
+    table are donated. ``tokens`` (int32[T]) are the rows' tokens packed; where ``token_src``
+    (int32[T]) is >= 0 the token is ``prev_tokens[token_src]`` instead (``prev_tokens``: the
+    previous step's ``next_tokens``). Outputs: ``next_tokens`` int32[max_seqs], each row's next
+    token (0 past R); ``ok`` bool[R], its pages were granted; ``pages`` int32[R, page_window],
+    each row's page ids from the page of its first token on (0 past its pages). Rows sample with
+    ``sampling`` (a ``SamplingBatch``; None: greedy). ``prefix`` (``PrefixOps``) marks pages cached
+    before the release, then evicts pages and attaches cached pages to new sequences before the
+    extend. The model's structure is closed over rather than passed, so a call neither hashes it
+    nor flattens its state: that cut the host time of an 8-layer step from 2.4 to 0.6 ms
     (measured on CPU).
     """
     graphdef, state = nnx.split(model)
@@ -67,10 +75,12 @@ def make_engine_step(model: PagedModel) -> tuple[StepFn, list[jax.Array]]:
 def _jitted_step(graphdef: nnx.GraphDef, treedef) -> StepFn:
     """One jitted step per model structure, shared by engines (and their compile caches)."""
 
-    @functools.partial(jax.jit, static_argnames=("max_q_len", "backend"), donate_argnames=("caches", "table"))
-    def step(weights, caches, table, release_ids, tokens, seq_ids, q_lens, sampling=None, prefix=None, *,
-             max_q_len: int, backend: str):
+    @functools.partial(jax.jit, static_argnames=("max_q_len", "page_window", "backend"),
+                       donate_argnames=("caches", "table"))
+    def step(weights, caches, table, prev_tokens, release_ids, tokens, token_src, seq_ids, q_lens, sampling=None,
+             prefix=None, *, max_q_len: int, page_window: int, backend: str):
         model = nnx.merge(graphdef, jax.tree.unflatten(treedef, weights))
+        tokens = jnp.where(token_src >= 0, prev_tokens[jnp.maximum(token_src, 0)], tokens)
         if prefix is not None:
             table = table.mark_cached(prefix.mark)
         table = table.release(release_ids)
@@ -91,31 +101,96 @@ def _jitted_step(graphdef: nnx.GraphDef, treedef) -> StepFn:
             next_tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
         else:   # the sampled token's position seeds its random numbers
             next_tokens = sample(logits, sampling, meta.kv_lens)
-        return next_tokens, ok, caches, table
+        next_tokens = jnp.zeros((table.max_seqs,), jnp.int32).at[:next_tokens.shape[0]].set(next_tokens)
+        return next_tokens, ok, _row_pages(table, seq_ids, q_lens, page_window), caches, table
 
     return step
 
 
+def _row_pages(table: jaxattn.PageTable, seq_ids: jax.Array, q_lens: jax.Array, window: int) -> jax.Array:
+    """int32[R, window]: each row's page ids from the page holding its first new token on."""
+    rows = jnp.maximum(seq_ids, 0)
+    first = (table.seq_lens[rows] - q_lens) // table.page_size
+    cols = first[:, None] + jnp.arange(window)[None, :]
+    pages = table.block_tables[rows[:, None], jnp.minimum(cols, table.max_pages_per_seq - 1)]
+    return jnp.where((seq_ids[:, None] >= 0) & (cols < table.max_pages_per_seq), pages, 0)
+
+
+def buckets(smallest: int, largest: int) -> tuple[int, ...]:
+    """``smallest``, doubling while below ``largest``, then ``largest`` (``(largest,)`` when
+    ``smallest >= largest``)."""
+    sizes = []
+    while smallest < largest:
+        sizes.append(smallest)
+        smallest *= 2
+    return (*sizes, largest)
+
+
+@dataclasses.dataclass(frozen=True)
+class StepShape:
+    """A compiled step's static shape: ``rows`` (R), ``tokens`` (T), ``max_q_len`` (1: decode-only)
+    and ``page_window`` (columns of the step's ``pages`` output)."""
+
+    rows: int
+    tokens: int
+    max_q_len: int
+    page_window: int
+
+
+@dataclasses.dataclass(frozen=True)
+class StepBuckets:
+    """The step shapes an engine compiles: decode-only steps of ``rows`` rows and tokens, mixed
+    steps of ``max_seqs`` rows and ``tokens`` tokens (each list ascending)."""
+
+    rows: tuple[int, ...]
+    tokens: tuple[int, ...]
+    page_size: int
+
+    @classmethod
+    def default(cls, max_seqs: int, max_step_tokens: int, page_size: int) -> "StepBuckets":
+        """Rows 16, 32, ... up to ``max_seqs``; tokens ``max(max_seqs, 64)``, doubling, up to
+        ``max_step_tokens`` (below 64 tokens a step costs about the same at any size)."""
+        return cls(buckets(min(16, max_seqs), max_seqs), buckets(max(max_seqs, 64), max_step_tokens), page_size)
+
+    def _shape(self, rows: int, tokens: int, max_q_len: int) -> StepShape:
+        window = 1 if max_q_len == 1 else -(-max_q_len // self.page_size) + 1
+        return StepShape(rows, tokens, max_q_len, window)
+
+    def shape(self, schedule: Schedule) -> StepShape:
+        """The shape that runs ``schedule``: the smallest bucket that holds it."""
+        if not schedule.mixed:
+            rows = next(b for b in self.rows if b >= len(schedule.rows))
+            return self._shape(rows, rows, 1)
+        tokens = next(b for b in self.tokens if b >= schedule.num_tokens)
+        return self._shape(self.rows[-1], tokens, tokens)
+
+    @property
+    def shapes(self) -> list[StepShape]:
+        """Every shape, decode-only then mixed."""
+        return [self._shape(b, b, 1) for b in self.rows] + [self._shape(self.rows[-1], b, b) for b in self.tokens]
+
+
 @dataclasses.dataclass(frozen=True)
 class StepInputs:
-    """The host operands of one step (``make_engine_step``'s), B = ``max_seqs`` rows.
+    """The host operands of one step (``make_engine_step``'s) of shape ``shape`` (R rows, T tokens).
 
     Attributes:
-      release_ids: int32[B], slots to free (-1 padding).
-      tokens: int32[T], the rows' tokens packed (T = B, or B + chunk_size in a mixed step).
-      seq_ids: int32[B], each row's slot (-1 padding); q_lens: int32[B], its token count.
-      sampling: per-row sampling parameters and seeds.
-      prefix: prefix caching's page operations.
-      max_q_len: 1 (decode-only step) or chunk_size (mixed step).
+      release_ids: int32[max_seqs], slots to free (-1 padding).
+      tokens: int32[T], the rows' tokens packed; token_src: int32[T], where >= 0 the token is the
+        previous step's ``next_tokens[token_src]`` (a decode whose input is not on the host yet).
+      seq_ids: int32[R], each row's slot (-1 padding); q_lens: int32[R], its token count.
+      sampling: per-row sampling parameters and seeds; None when every row is greedy.
+      prefix: prefix caching's page operations (None without prefix caching).
     """
 
+    shape: StepShape
     release_ids: np.ndarray
     tokens: np.ndarray
+    token_src: np.ndarray
     seq_ids: np.ndarray
     q_lens: np.ndarray
-    sampling: SamplingBatch
-    prefix: PrefixOps
-    max_q_len: int
+    sampling: SamplingBatch | None
+    prefix: PrefixOps | None
 
 
 def _padded(values: list[int], size: int) -> np.ndarray:
@@ -125,28 +200,76 @@ def _padded(values: list[int], size: int) -> np.ndarray:
     return out
 
 
-def pack_step(schedule: Schedule, *, max_seqs: int, chunk_size: int, page_size: int, max_pages_per_seq: int,
-              step_pages: int) -> StepInputs:
-    """The operands of the step that runs ``schedule``; ``step_pages`` is the fixed length of the
-    mark and evict lists (the most pages one step may cache or evict)."""
-    rows = schedule.rows
-    num_tokens = max_seqs + chunk_size if schedule.mixed else max_seqs
-    tokens = np.zeros(num_tokens, np.int32)
-    seq_ids = np.full(max_seqs, -1, np.int32)
-    q_lens = np.zeros(max_seqs, np.int32)
-    attach = np.zeros((max_seqs, max_pages_per_seq), np.int32)
+def pack_step(schedule: Schedule, shape: StepShape, *, max_seqs: int, page_size: int, max_pages_per_seq: int,
+              step_pages: int | None, previous_rows: Mapping[Request, int]) -> StepInputs:
+    """The operands of the step that runs ``schedule`` at ``shape``. ``step_pages`` is the fixed
+    length of the mark and evict lists (the most pages one step may cache or evict; None:
+    no prefix caching); ``previous_rows`` maps the requests of the previous step's sampling rows
+    to their row there (where a pending token comes from)."""
+    tokens = np.zeros(shape.tokens, np.int32)
+    token_src = np.full(shape.tokens, -1, np.int32)
+    seq_ids = np.full(shape.rows, -1, np.int32)
+    q_lens = np.zeros(shape.rows, np.int32)
     offset = 0
-    for i, (r, count) in enumerate(rows):
-        seq_ids[i], q_lens[i] = r.slot, count
-        tokens[offset:offset + count] = r.tokens_between(r.computed, r.computed + count)
-        offset += count
-        if r in schedule.admitted:
-            cached = r.computed // page_size
-            attach[i, :cached] = r.blocks[:cached]
-    padding = [None] * (max_seqs - len(rows))
-    sampling = SamplingBatch.from_params([r.sampling for r, _ in rows] + padding,
-                                         [r.seed for r, _ in rows] + [0] * len(padding))
-    prefix = PrefixOps(mark=_padded(schedule.mark, step_pages), evict=_padded(schedule.evicted, step_pages),
-                       attach=attach)
-    return StepInputs(_padded(schedule.release, max_seqs), tokens, seq_ids, q_lens, sampling, prefix,
-                      max_q_len=chunk_size if schedule.mixed else 1)
+    for i, row in enumerate(schedule.rows):
+        r = row.request
+        seq_ids[i], q_lens[i] = r.slot, row.count
+        known = min(row.start + row.count, r.num_known) - row.start
+        tokens[offset:offset + known] = r.tokens_between(row.start, row.start + known)
+        if known < row.count:       # the token the previous step sampled, still on the device
+            token_src[offset + known] = previous_rows[r]
+        offset += row.count
+    sampled = [row.request.sampling for row in schedule.rows]
+    sampling = None
+    if not all(p.greedy for p in sampled):
+        padding = shape.rows - len(sampled)
+        sampling = SamplingBatch.from_params(sampled + [None] * padding,
+                                             [row.request.seed for row in schedule.rows] + [0] * padding)
+    prefix = None
+    if step_pages is not None:
+        attach = np.zeros((shape.rows, max_pages_per_seq), np.int32)
+        for i, row in enumerate(schedule.rows):
+            if row.request in schedule.admitted:
+                cached = row.start // page_size
+                attach[i, :cached] = row.request.blocks[:cached]
+        prefix = PrefixOps(mark=_padded(schedule.mark, step_pages), evict=_padded(schedule.evicted, step_pages),
+                           attach=attach)
+    return StepInputs(shape, _padded(schedule.release, max_seqs), tokens, token_src, seq_ids, q_lens, sampling,
+                      prefix)
+
+
+@dataclasses.dataclass
+class StepRecord:
+    """What one step computed and when (``Engine(record_steps=True)``), for serving benchmarks.
+
+    Attributes:
+      rows, decode_rows: step rows with work, and those of one token.
+      tokens, prefill_tokens: tokens computed, and those in rows of more than one token.
+      context_tokens: sum over rows of the sequence length after the step (the keys attention reads).
+      attention_pairs: sum over the step's tokens of the keys each attends to (causal).
+      padded_rows, padded_tokens: the compiled shape that ran it.
+      t_start, t_launched, t_done: ``time.perf_counter()`` when scheduling began, when the step
+        call returned, and when its tokens reached the host.
+    """
+
+    rows: int
+    decode_rows: int
+    tokens: int
+    prefill_tokens: int
+    context_tokens: int
+    attention_pairs: int
+    padded_rows: int
+    padded_tokens: int
+    t_start: float
+    t_launched: float = 0.0
+    t_done: float = 0.0
+
+    @classmethod
+    def of(cls, schedule: Schedule, shape: StepShape, t_start: float) -> "StepRecord":
+        rows = schedule.rows
+        decodes = sum(row.count == 1 for row in rows)
+        return cls(rows=len(rows), decode_rows=decodes, tokens=schedule.num_tokens,
+                   prefill_tokens=sum(row.count for row in rows if row.count > 1),
+                   context_tokens=sum(row.start + row.count for row in rows),
+                   attention_pairs=sum(row.count * row.start + row.count * (row.count + 1) // 2 for row in rows),
+                   padded_rows=shape.rows, padded_tokens=shape.tokens, t_start=t_start)

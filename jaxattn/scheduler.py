@@ -3,12 +3,19 @@ step computes.
 
 Scheduling (as vLLM's): a request is a list of tokens (prompt, then output) of which the first
 ``computed`` have K/V in the cache; each step computes one token of each request that has one
-left (a decode) and a chunk of the others' (prefill) within ``chunk_size`` tokens. Pages are
-taken as tokens arrive, not reserved: when the pool cannot hold a running request's next tokens,
-the latest admitted request is preempted (its pages freed, itself put first in line to recompute
-its prompt and output so far; its seeds depend on positions, so its tokens stay the same). With
-prefix caching a new request starts on the cached pages of its longest cached prefix (keys:
-``jaxattn.prefix_cache.page_keys``), and always computes at least its last token, for the logits.
+left (a decode) and chunks of the others' (prefill), at most ``max_step_tokens`` tokens in all.
+Pages are taken as tokens arrive, not reserved: when the pool cannot hold a running request's
+next tokens, the latest admitted request is preempted (its pages freed, itself put first in line
+to recompute its prompt and output so far; its seeds depend on positions, so its tokens stay the
+same). With prefix caching a new request starts on the cached pages of its longest cached prefix
+(keys: ``jaxattn.prefix_cache.page_keys``), and always computes at least its last token, for the
+logits.
+
+Steps overlap with scheduling: the engine schedules step n+1 while step n runs, so a request's
+token sampled in step n is ``pending`` (on the device) when step n+1 is scheduled; step n+1 takes
+it as its input on the device, and ``complete(n)`` brings it to the host one step late. A request
+that stops in step n has one more row in step n+1, whose token is dropped; a request that reached
+``max_new_tokens`` with its pending tokens is not scheduled again.
 
 ``PagePool`` mirrors the device page table's pool (``jaxattn.page_table``), so the scheduler
 never reads the device to schedule; the table follows the same operations in the step.
@@ -36,9 +43,11 @@ class Request:
     sampling: SamplingParams = SamplingParams()
     seed: int = 0                           # sampling.seed, or the one the engine drew
     output: list[int] = dataclasses.field(default_factory=list)
-    finish_reason: str | None = None        # "stop": output ends with a stop token; "length": max_new_tokens
+    # "stop": output ends with a stop token; "length": max_new_tokens; "abort": Engine.abort
+    finish_reason: str | None = None
     slot: int = -1                          # sequence id in the page table while running
     computed: int = 0                       # tokens (prompt, then output) whose K/V is in the cache
+    pending: int = 0                        # tokens sampled on the device, not yet in ``output``
     # while running: its pages in order (a cached page's id, 0 for a private page), the keys of
     # its full prompt pages, and how many of those pages were cached or offered to the cache
     blocks: list[int] = dataclasses.field(default_factory=list)
@@ -51,14 +60,26 @@ class Request:
 
     @property
     def num_tokens(self) -> int:
+        """Tokens of the request so far, the pending ones included."""
+        return self.prompt.size + len(self.output) + self.pending
+
+    @property
+    def num_known(self) -> int:
+        """Tokens on the host: the prompt and ``output``."""
         return self.prompt.size + len(self.output)
 
     @property
+    def sampled_all(self) -> bool:
+        """Whether its last token (``max_new_tokens``) is sampled, on the host or pending."""
+        return len(self.output) + self.pending >= self.max_new_tokens
+
+    @property
     def tokens(self) -> np.ndarray:
-        """int32[num_tokens]: the prompt, then the output so far."""
-        return self.tokens_between(0, self.num_tokens)
+        """int32[num_known]: the prompt, then the output so far."""
+        return self.tokens_between(0, self.num_known)
 
     def tokens_between(self, start: int, stop: int) -> np.ndarray:
+        """int32[stop - start]: known tokens ``start .. stop - 1`` (``stop <= num_known``)."""
         n = self.prompt.size
         if stop <= n:
             return self.prompt[start:stop]
@@ -83,11 +104,17 @@ class PagePool:
     """
 
     def __init__(self, num_pages: int):
+        self.usable = num_pages - 1
         self.free = num_pages - 1
         self.page_of: dict[bytes, int] = {}
         self.key_of: dict[int, bytes] = {}
         self.refs: dict[int, int] = {}
         self.evictable: collections.OrderedDict[int, None] = collections.OrderedDict()
+
+    @property
+    def held(self) -> int:
+        """Pages held by requests (private or cached)."""
+        return self.usable - self.free - len(self.evictable)
 
     @property
     def available(self) -> int:
@@ -141,18 +168,29 @@ class PagePool:
 
 
 @dataclasses.dataclass(frozen=True)
+class Row:
+    """One step row: ``count`` tokens of ``request`` from position ``start``; ``samples``: the row
+    reaches the request's last token, so the step samples its next one."""
+
+    request: Request
+    start: int
+    count: int
+    samples: bool
+
+
+@dataclasses.dataclass(frozen=True)
 class Schedule:
     """One step's work, in step order (one-token rows, the decodes, first).
 
     Attributes:
-      rows: ``(request, tokens to compute)`` per step row.
+      rows: the step rows.
       admitted: the requests admitted in this step (they start on their cached pages, if any).
       evicted: cached pages evicted for this step's allocations.
       release: sequence slots to free before the step's allocations (finished or preempted requests).
-      mark: pages to mark cached (prompt pages filled in the previous step).
+      mark: pages to mark cached (prompt pages that earlier steps filled).
     """
 
-    rows: list[tuple[Request, int]]
+    rows: list[Row]
     admitted: list[Request]
     evicted: list[int]
     release: list[int]
@@ -161,21 +199,40 @@ class Schedule:
     @property
     def mixed(self) -> bool:
         """Whether a row computes more than one token (a prefill chunk)."""
-        return any(count > 1 for _, count in self.rows)
+        return any(row.count > 1 for row in self.rows)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(row.count for row in self.rows)
+
+
+@dataclasses.dataclass(frozen=True)
+class PageUsage:
+    """The pool's pages as the host sees them: ``in_use`` held by live requests, ``free``, and
+    ``cached`` (holding a cached prompt prefix, held or not)."""
+
+    in_use: int
+    free: int
+    cached: int
 
 
 class Scheduler:
     """Requests waiting and running over ``max_seqs`` sequence slots and a pool of ``num_pages``
-    pages of ``page_size`` tokens, at most ``chunk_size`` prefill tokens per step.
+    pages of ``page_size`` tokens, at most ``max_step_tokens`` tokens per step (``>= max_seqs``, so
+    every decode fits).
 
     ``stats`` counts prompt tokens, cached tokens (prompt tokens a request found in the cache when
     admitted, again when re-admitted after a preemption), computed tokens (all tokens the steps
     ran), evicted pages and preemptions.
     """
 
-    def __init__(self, *, max_seqs: int, num_pages: int, page_size: int, chunk_size: int,
+    def __init__(self, *, max_seqs: int, num_pages: int, page_size: int, max_step_tokens: int,
                  enable_prefix_caching: bool):
-        self.page_size, self.chunk_size, self.enable_prefix_caching = page_size, chunk_size, enable_prefix_caching
+        if max_step_tokens < max_seqs:
+            raise ValueError(f"Scheduler: max_step_tokens must be >= max_seqs={max_seqs} (every decode fits in a "
+                             f"step), got {max_step_tokens}")
+        self.page_size, self.max_step_tokens = page_size, max_step_tokens
+        self.enable_prefix_caching = enable_prefix_caching
         self.pool = PagePool(num_pages)
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []             # in order of admission
@@ -188,27 +245,50 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
+    @property
+    def page_usage(self) -> PageUsage:
+        return PageUsage(self.pool.held, self.pool.free, len(self.pool.page_of))
+
     def add(self, request: Request) -> None:
         self.waiting.append(request)
         self.stats["prompt_tokens"] += request.prompt.size
+
+    def abort(self, request: Request) -> None:
+        """Ends ``request`` (waiting or running; a finished one stays as it is): its slot and pages
+        are freed in the next step, a token it has in flight is dropped."""
+        if request.done:
+            return
+        if request in self.running:
+            self._finish(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        request.finish_reason = "abort"
 
     def _new_pages(self, request: Request, count: int) -> int:
         """Pages ``request`` needs to compute ``count`` more tokens."""
         return -(-(request.computed + count) // self.page_size) - len(request.blocks)
 
-    def schedule(self) -> Schedule:
-        """This step's work. Running requests come first, in order of admission: when the pool
-        cannot hold one's next tokens, the latest admitted request is preempted (it may be this
-        one). New requests are admitted only when no one was preempted, while slots, prefill
-        budget and pages last."""
+    def schedule(self) -> Schedule | None:
+        """This step's work (None: nothing to compute, free or cache). A request whose last token
+        is in flight leaves its slot and pages now (unless it has prompt pages to cache when its
+        step completes). Running requests come first, in order of admission: when the pool cannot hold one's next tokens, the latest admitted
+        request is preempted (it may be this one). New requests are admitted only when no one was
+        preempted, while slots, the token budget and pages last. Decodes always fit: the budget
+        they leave goes to prefill chunks."""
+        def todo(request: Request) -> int:
+            return 0 if request.sampled_all else request.num_tokens - request.computed
+
+        for request in list(self.running):
+            if request.sampled_all and self._registered_all(request):
+                self._finish(request)                 # its last token is in flight: free its slot now
         rows: list[tuple[Request, int]] = []
-        budget, need = self.chunk_size, 0
-        preempted = False
+        budget = self.max_step_tokens - sum(todo(r) == 1 for r in self.running)
+        need, preempted = 0, False
         for request in list(self.running):
             if request not in self.running:          # preempted by an earlier row
                 break
-            todo = request.num_tokens - request.computed
-            count = 1 if todo == 1 else min(todo, budget)
+            left = todo(request)
+            count = left if left <= 1 else min(left, budget)
             if count == 0:
                 continue
             while self._new_pages(request, count) > self.pool.available - need:
@@ -221,7 +301,7 @@ class Scheduler:
                 break
             rows.append((request, count))
             need += self._new_pages(request, count)
-            budget -= count if todo > 1 else 0
+            budget -= count if left > 1 else 0
         admitted = []
         while not preempted and self.waiting and self._free_slots and budget > 0:
             request = self.waiting[0]
@@ -242,18 +322,33 @@ class Scheduler:
             need += self._new_pages(request, count)
             budget -= count
             self.stats["cached_tokens"] += min(request.computed, request.prompt.size)
+        if not rows and not (self.to_release or self.to_mark):
+            return None
         evicted = self.pool.allocate(need)
         self.stats["evicted_pages"] += len(evicted)
-        for request, count in rows:
+        step_rows = []
+        for request, count in sorted(rows, key=lambda row: row[1] > 1):     # one-token rows (decodes) first
             request.blocks += [0] * self._new_pages(request, count)
-        rows.sort(key=lambda row: row[1] > 1)        # one-token rows (decodes) first
-        schedule = Schedule(rows, admitted, evicted, self.to_release, self.to_mark)
+            start = request.computed
+            request.computed += count
+            samples = request.computed == request.num_tokens
+            request.pending += samples
+            step_rows.append(Row(request, start, count, samples))
+            self.stats["computed_tokens"] += count
+        schedule = Schedule(step_rows, admitted, evicted, self.to_release, self.to_mark)
         self.to_release, self.to_mark = [], []
         return schedule
 
+    def _registered_all(self, request: Request) -> bool:
+        """Whether every full prompt page ``request`` has computed is cached or was offered."""
+        full = min(request.computed, len(request.keys) * self.page_size) // self.page_size
+        return not self.enable_prefix_caching or request.registered >= full
+
     def _preempt(self, request: Request) -> None:
         """Frees ``request``'s pages and puts it first in line: it recomputes its prompt and
-        output so far (its sampling seeds depend on positions only, so its tokens do not change)."""
+        output so far (its sampling seeds depend on positions only, so its tokens do not change).
+        A token it has pending reaches ``output`` before it is admitted again (``complete`` of the
+        step in flight comes before the next schedule)."""
         self._finish(request)
         request.computed = 0
         self.waiting.appendleft(request)
@@ -267,39 +362,49 @@ class Scheduler:
         request.blocks, request.slot = [], -1
 
     def complete(self, schedule: Schedule, next_tokens: np.ndarray,
-                 block_tables: Callable[[], np.ndarray]) -> list[tuple[Request, list[int]]]:
-        """Applies a step that ran ``schedule``: its rows' tokens are computed, ``next_tokens``
-        (int32[B], per step row) appended to the requests that reached their end, finished
-        requests released, and (with prefix caching) the prompt pages the step filled cached,
-        their ids read from ``block_tables()`` (the device table's ``[max_seqs, P]``, read only
-        when needed). Returns ``(request, new tokens)`` of each request that got some."""
-        for r, count in schedule.rows:
-            r.computed += count
-            self.stats["computed_tokens"] += count
+                 pages: Callable[[], np.ndarray]) -> list[tuple[Request, list[int]]]:
+        """Applies the step that ran ``schedule``: ``next_tokens`` (int32[>= rows], per step row)
+        are appended to the requests of the rows that sampled (dropped for requests that ended
+        meanwhile), finished requests released, and (with prefix caching) the prompt pages the
+        step filled cached, their ids read from ``pages()`` (int32[rows, W]: per row, the page
+        ids from the one holding its first token on; read only when needed). Returns
+        ``(request, new tokens)`` of each request that got some."""
         if self.enable_prefix_caching:
-            self._register(schedule.rows, block_tables)
+            self._register(schedule.rows, pages)
         events = []
-        for i, (r, count) in enumerate(schedule.rows):
-            if r.computed < r.num_tokens:            # a prefill chunk before the last
+        for i, row in enumerate(schedule.rows):
+            r = row.request
+            if not row.samples:
+                continue
+            r.pending -= 1
+            if r.done:                               # stopped or aborted while this row ran
                 continue
             r._append(int(next_tokens[i]))
             events.append((r, r.output[-1:]))
             if r.done:
-                self._finish(r)
+                if r in self.running:
+                    self._finish(r)
+                elif r in self.waiting:              # preempted while this row ran
+                    self.waiting.remove(r)
         return events
 
-    def _register(self, rows: list[tuple[Request, int]], block_tables: Callable[[], np.ndarray]) -> None:
-        """Caches the prompt pages that this step filled (marked on the device in the next step)."""
+    def _register(self, rows: list[Row], pages: Callable[[], np.ndarray]) -> None:
+        """Caches the prompt pages that this step filled (marked on the device in the next step
+        scheduled). Rows of requests no longer running (preempted or finished meanwhile) are
+        skipped: their pages are freed."""
         new = []
-        for request, _ in rows:
-            full = min(request.computed, len(request.keys) * self.page_size) // self.page_size
-            new += [(request, i) for i in range(request.registered, full)]
+        for i, row in enumerate(rows):
+            request = row.request
+            if request.slot < 0:
+                continue
+            full = min(row.start + row.count, len(request.keys) * self.page_size) // self.page_size
+            new += [(request, i, row.start // self.page_size, p) for p in range(request.registered, full)]
             request.registered = max(request.registered, full)
         if not new:
             return
-        tables = block_tables()
-        for request, i in new:
-            page = int(tables[request.slot, i])
-            if self.pool.register(request.keys[i], page):   # else another request cached it first
-                request.blocks[i] = page
+        step_pages = pages()
+        for request, i, first, p in new:
+            page = int(step_pages[i, p - first])
+            if self.pool.register(request.keys[p], page):   # else another request cached it first
+                request.blocks[p] = page
                 self.to_mark.append(page)

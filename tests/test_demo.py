@@ -17,7 +17,7 @@ from tests.conftest import HAS_GPU, require_parity
 from tests.xla_dump import REPO
 
 SMALL = ["--preset", "tiny", "--layers", "1", "--requests", "3", "--max-seqs", "2", "--prompt-len", "12",
-         "--new-tokens", "3", "--chunk-size", "8", "--page-size", "8", "--backend", "xla"]
+         "--new-tokens", "3", "--max-step-tokens", "8", "--page-size", "8", "--backend", "xla"]
 
 
 def test_demo_runs(capsys):
@@ -74,7 +74,7 @@ def test_demo_serves_a_checkpoint(checkpoint, tmp_path, capsys):
     prompts = [[1, 2, 3, 4, 5], list(range(100, 120)), [7], [5, 6, 7]]
     (tmp_path / "prompts.txt").write_text("1 2 3 4 5\n\n" + " ".join(map(str, prompts[1])) + "\n 7 \n")
     demo.main(["--model", str(path), "--prompt-ids", str(tmp_path / "prompts.txt"), "--prompt", "w5 w6 w7",
-               "--dtype", "float32", "--backend", "xla", "--new-tokens", "5", "--max-seqs", "2", "--chunk-size", "8",
+               "--dtype", "float32", "--backend", "xla", "--new-tokens", "5", "--max-seqs", "2", "--max-step-tokens", "8",
                "--page-size", "8"])
     out = capsys.readouterr().out
     assert f"checkpoint {path}" in out and "4 requests" in out
@@ -114,7 +114,7 @@ def test_demo_serves_a_checkpoint_on_the_gpu(tmp_path, capsys):
 
     save_checkpoint("llama", tmp_path, head_dim=128)
     demo.main(["--model", str(tmp_path), "--dtype", "bfloat16", "--requests", "6", "--prompt-len", "100",
-               "--new-tokens", "8", "--max-seqs", "4", "--chunk-size", "64"])
+               "--new-tokens", "8", "--max-seqs", "4", "--max-step-tokens", "64"])
     out = capsys.readouterr().out
     assert "attention backend, decode step: xla" not in out, out
     assert "6 requests" in out and "request 0 generated: [" in out

@@ -8,26 +8,25 @@ import numpy as np
 from flax import nnx
 
 from jaxattn.engine import Engine
-from jaxattn.engine_step import PrefixOps, pack_step
+from jaxattn.engine_step import PrefixOps, StepBuckets, StepShape, pack_step
 from jaxattn.models.llama import PRESETS, Llama
 from jaxattn.sampling import SamplingBatch, SamplingParams
-from jaxattn.scheduler import Request, Schedule
+from jaxattn.scheduler import Request, Row, Schedule
 
 
-def trace_step(engine: Engine, max_q_len: int):
-    """The engine's jitted step traced for one of its two step shapes (decode-only: ``max_q_len``
-    1; mixed: ``chunk_size``) with operands of the shapes ``Engine.step`` passes, sampling and
-    prefix-caching operations included."""
-    rows = engine.max_seqs
-    num_tokens = rows if max_q_len == 1 else rows + engine.chunk_size
+def trace_step(engine: Engine, shape: StepShape):
+    """The engine's jitted step traced for one of its step shapes with operands of the shapes
+    ``Engine.step`` passes, sampling and prefix-caching operations included."""
+    rows = shape.rows
     sampling = SamplingBatch.from_params([SamplingParams(temperature=0.7, top_k=5, top_p=0.9)] * rows,
                                          list(range(1, rows + 1)))
     prefix = PrefixOps(mark=np.full(engine._step_pages, -1, np.int32), evict=np.full(engine._step_pages, -1, np.int32),
                        attach=np.zeros((rows, engine.table.max_pages_per_seq), np.int32))
     return engine._step.trace(
-        engine._weights, engine.caches, engine.table, jnp.full((rows,), -1, jnp.int32),
-        jnp.zeros((num_tokens,), jnp.int32), jnp.arange(rows, dtype=jnp.int32), jnp.ones((rows,), jnp.int32),
-        sampling, prefix, max_q_len=max_q_len, backend=engine.backend)
+        engine._weights, engine.caches, engine.table, engine._prev_tokens, jnp.full((engine.max_seqs,), -1, jnp.int32),
+        jnp.zeros((shape.tokens,), jnp.int32), jnp.full((shape.tokens,), -1, jnp.int32),
+        jnp.arange(rows, dtype=jnp.int32), jnp.ones((rows,), jnp.int32), sampling, prefix,
+        max_q_len=shape.max_q_len, page_window=shape.page_window, backend=engine.backend)
 
 
 def test_step_has_no_loops():
@@ -35,10 +34,24 @@ def test_step_has_no_loops():
     jnp.searchsorted's default method) would not be captured into command buffers and would sync
     the host. (The GPU lowering: on the CPU, jax.random's threefry is a rolled loop.)"""
     model = Llama(PRESETS["tiny"], nnx.Rngs(0))
-    engine = Engine(model, max_seqs=4, max_seq_len=64, page_size=8, chunk_size=16, backend="xla")
-    for max_q_len in (1, engine.chunk_size):
-        hlo = trace_step(engine, max_q_len).lower(lowering_platforms=("cuda",)).as_text()
-        assert "stablehlo.while" not in hlo and "stablehlo.sort" not in hlo, max_q_len
+    engine = Engine(model, max_seqs=4, max_seq_len=64, page_size=8, max_step_tokens=16, backend="xla")
+    for shape in (engine.buckets.shapes[0], engine.buckets.shapes[-1]):
+        hlo = trace_step(engine, shape).lower(lowering_platforms=("cuda",)).as_text()
+        assert "stablehlo.while" not in hlo and "stablehlo.sort" not in hlo, shape
+
+
+def test_buckets():
+    """Decode-only steps: the smallest row bucket that holds the rows (16, 32, ..., max_seqs);
+    mixed steps: max_seqs rows and the smallest token bucket (max_seqs, doubling, ..., the budget)."""
+    buckets = StepBuckets.default(max_seqs=100, max_step_tokens=1000, page_size=16)
+    assert buckets.rows == (16, 32, 64, 100) and buckets.tokens == (100, 200, 400, 800, 1000)
+    assert StepBuckets.default(max_seqs=4, max_step_tokens=4, page_size=8) == StepBuckets((4,), (4,), 8)
+    assert len(buckets.shapes) == 9
+    decode = _request(0, [1], [2], computed=1, slot=0, blocks=[0])
+    rows = [Row(decode, 1, 1, True)] * 17
+    assert buckets.shape(Schedule(rows, [], [], [], [])) == StepShape(32, 32, 1, 1)
+    chunk = Row(_request(1, list(range(300)), [], computed=0, slot=1, blocks=[]), 0, 300, True)
+    assert buckets.shape(Schedule(rows + [chunk], [], [], [], [])) == StepShape(100, 400, 400, 26)
 
 
 def _request(id: int, prompt: list[int], output: list[int], computed: int, slot: int, blocks: list[int],
@@ -48,14 +61,20 @@ def _request(id: int, prompt: list[int], output: list[int], computed: int, slot:
 
 
 def test_pack_step_packs_rows_in_order():
-    """A decode, then a new request starting on two cached pages (page size 2) with a 3-token
-    chunk: tokens packed in row order, the admitted row's cached pages to attach, -1 padding."""
-    decode = _request(0, [5, 6, 7], [8], computed=3, slot=2, blocks=[0, 0])
-    admitted = _request(1, [1, 2, 3, 4, 9, 10, 11], [], computed=4, slot=0, blocks=[6, 7, 0, 0],
+    """A decode whose input the previous step sampled (row 5 there), then a new request starting
+    on two cached pages (page size 2) with a 3-token chunk: tokens packed in row order, the
+    pending token taken on the device, the admitted row's cached pages to attach, -1 padding."""
+    decode = _request(0, [5, 6, 7], [8], computed=4, slot=2, blocks=[0, 0, 0])
+    decode.pending = 2                                # the input, and the token this row samples
+    admitted = _request(1, [1, 2, 3, 4, 9, 10, 11], [], computed=7, slot=0, blocks=[6, 7, 0, 0],
                         sampling=SamplingParams(temperature=0.5, seed=3))
-    schedule = Schedule(rows=[(decode, 1), (admitted, 3)], admitted=[admitted], evicted=[4], release=[1], mark=[9])
-    inputs = pack_step(schedule, max_seqs=3, chunk_size=4, page_size=2, max_pages_per_seq=5, step_pages=4)
-    np.testing.assert_array_equal(inputs.tokens, [8, 9, 10, 11, 0, 0, 0])      # max_seqs + chunk_size
+    schedule = Schedule(rows=[Row(decode, 4, 1, True), Row(admitted, 4, 3, True)], admitted=[admitted],
+                        evicted=[4], release=[1], mark=[9])
+    shape = StepShape(rows=3, tokens=7, max_q_len=7, page_window=5)
+    inputs = pack_step(schedule, shape, max_seqs=3, page_size=2, max_pages_per_seq=5, step_pages=4,
+                       previous_rows={decode: 5})
+    np.testing.assert_array_equal(inputs.tokens, [0, 9, 10, 11, 0, 0, 0])
+    np.testing.assert_array_equal(inputs.token_src, [5, -1, -1, -1, -1, -1, -1])
     np.testing.assert_array_equal(inputs.seq_ids, [2, 0, -1])
     np.testing.assert_array_equal(inputs.q_lens, [1, 3, 0])
     np.testing.assert_array_equal(inputs.release_ids, [1, -1, -1])
@@ -63,8 +82,7 @@ def test_pack_step_packs_rows_in_order():
     np.testing.assert_array_equal(inputs.prefix.evict, [4, -1, -1, -1])
     np.testing.assert_array_equal(inputs.prefix.attach, [[0] * 5, [6, 7, 0, 0, 0], [0] * 5])
     np.testing.assert_array_equal(inputs.sampling.temperature, [0.0, 0.5, 0.0])
-    assert inputs.max_q_len == 4
 
-    decodes = pack_step(Schedule([(decode, 1)], [], [], [], []), max_seqs=3, chunk_size=4, page_size=2,
-                        max_pages_per_seq=5, step_pages=4)
-    assert decodes.max_q_len == 1 and decodes.tokens.tolist() == [8, 0, 0]
+    greedy = pack_step(Schedule([Row(decode, 3, 1, True)], [], [], [], []), StepShape(3, 3, 1, 1), max_seqs=3,
+                       page_size=2, max_pages_per_seq=5, step_pages=None, previous_rows={})
+    assert greedy.tokens.tolist() == [8, 0, 0] and greedy.sampling is None and greedy.prefix is None

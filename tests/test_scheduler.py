@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from jaxattn.prefix_cache import page_keys
-from jaxattn.scheduler import PagePool, Request, Scheduler
+from jaxattn.scheduler import PagePool, Request, Row, Scheduler
 
 
 def test_lookup_release_and_lru_eviction():
@@ -29,8 +29,8 @@ def test_lookup_release_and_lru_eviction():
         pool.allocate(2)
 
 
-def _scheduler(num_pages: int, enable_prefix_caching: bool = False) -> Scheduler:
-    return Scheduler(max_seqs=3, num_pages=num_pages, page_size=4, chunk_size=8,
+def _scheduler(num_pages: int, enable_prefix_caching: bool = False, max_step_tokens: int = 8) -> Scheduler:
+    return Scheduler(max_seqs=3, num_pages=num_pages, page_size=4, max_step_tokens=max_step_tokens,
                      enable_prefix_caching=enable_prefix_caching)
 
 
@@ -43,12 +43,12 @@ def _add(scheduler: Scheduler, id: int, prompt_len: int, max_new_tokens: int = 4
 def _run(scheduler: Scheduler, token: int = 7) -> list[tuple[Request, int]]:
     """Schedules a step and completes it as if every row sampled ``token``; returns its rows."""
     schedule = scheduler.schedule()
-    scheduler.complete(schedule, np.full(3, token, np.int32), block_tables=lambda: pytest.fail("no prefix caching"))
-    return [(r.id, count) for r, count in schedule.rows]
+    scheduler.complete(schedule, np.full(3, token, np.int32), pages=lambda: pytest.fail("no prefix caching"))
+    return [(row.request.id, row.count) for row in schedule.rows]
 
 
 def test_chunked_prefill_beside_decodes_decodes_first():
-    """Prompts of 10 and 5 tokens, chunks of 8: the first is prefilled over two steps, the second
+    """Prompts of 10 and 5 tokens, 8 tokens a step: the first is prefilled over two steps, the second
     joins when budget is left; one-token rows (decodes) come first in a step."""
     scheduler = _scheduler(num_pages=16)
     a, b = _add(scheduler, 0, 10), _add(scheduler, 1, 5)
@@ -63,9 +63,10 @@ def test_a_short_pool_preempts_the_latest_admitted_request():
     """5 usable pages of 4 tokens: two requests of 8-token prompts hold 5 pages after their first
     decode; when the later one needs a sixth, it is preempted (pages freed, first in line), and it
     recomputes its prompt and output so far when pages are free again."""
-    scheduler = _scheduler(num_pages=6)
-    a, b = _add(scheduler, 0, 8, max_new_tokens=6), _add(scheduler, 1, 8, max_new_tokens=6)
+    scheduler = _scheduler(num_pages=6, max_step_tokens=9)
+    a = _add(scheduler, 0, 8, max_new_tokens=6)
     assert _run(scheduler) == [(0, 8)]
+    b = _add(scheduler, 1, 8, max_new_tokens=6)
     assert _run(scheduler) == [(0, 1), (1, 8)]
     assert scheduler.pool.free == 0
     assert _run(scheduler) == [(0, 1)]
@@ -79,17 +80,17 @@ def test_a_short_pool_preempts_the_latest_admitted_request():
 
 
 def test_prefix_caching_admits_a_request_on_cached_pages():
-    """A finished request's full prompt pages are cached (their ids read from the device table);
-    a request with the same first 8 tokens starts on them."""
+    """A finished request's full prompt pages are cached (their ids read from the step's page
+    window); a request with the same first 8 tokens starts on them."""
     scheduler = _scheduler(num_pages=8, enable_prefix_caching=True)
     first = _add(scheduler, 0, 8, max_new_tokens=1)
     schedule = scheduler.schedule()
-    tables = np.asarray([[3, 4, 0, 0], [0] * 4, [0] * 4])
-    scheduler.complete(schedule, np.full(3, 7, np.int32), block_tables=lambda: tables)
+    pages = np.asarray([[3, 4, 0]])
+    scheduler.complete(schedule, np.full(3, 7, np.int32), pages=lambda: pages)
     assert first.done and scheduler.to_mark == [3, 4]
     assert set(scheduler.pool.key_of) == {3, 4} and list(scheduler.pool.evictable) == [4, 3]   # the tail first
     second = _add(scheduler, 1, 12)
     schedule = scheduler.schedule()
-    assert schedule.admitted == [second] and second.blocks[:2] == [3, 4] and second.computed == 8
-    assert schedule.rows == [(second, 4)] and schedule.mark == [3, 4] and schedule.release == [0]
+    assert schedule.admitted == [second] and second.blocks[:2] == [3, 4] and second.computed == 12
+    assert schedule.rows == [Row(second, 8, 4, True)] and schedule.mark == [3, 4] and schedule.release == [0]
     assert scheduler.stats["cached_tokens"] == 8

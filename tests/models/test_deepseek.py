@@ -86,7 +86,7 @@ def test_engine_greedy_tokens_match_dense_forward():
     graphdef, state = nnx.split(model)
     rng = np.random.default_rng(1)
     prompts = [rng.integers(0, 512, size=n).astype(np.int32) for n in (13, 21)]
-    engine = Engine(model, max_seqs=2, max_seq_len=32, page_size=8, chunk_size=8, backend="xla")
+    engine = Engine(model, max_seqs=2, max_seq_len=32, page_size=8, max_step_tokens=8, backend="xla")
     requests = [engine.add_request(p, max_new_tokens=6) for p in prompts]
     engine.run()
     for prompt, request in zip(prompts, requests):

@@ -60,7 +60,7 @@ def test_dense_logits_match_transformers(checkpoint):
 def test_engine_greedy_tokens_match_generate(checkpoint):
     reference, model = checkpoint
     # fewer slots than requests, prompts longer than a chunk: chunked prefill beside decodes
-    engine = Engine(model, max_seqs=3, max_seq_len=max(PROMPT_LENS) + NEW_TOKENS, page_size=8, chunk_size=16,
+    engine = Engine(model, max_seqs=3, max_seq_len=max(PROMPT_LENS) + NEW_TOKENS, page_size=8, max_step_tokens=16,
                     backend="xla")
     requests = [engine.add_request(prompt, NEW_TOKENS) for prompt in _prompts()]
     engine.run()
