@@ -73,19 +73,47 @@ HEADINGS = {"decode-heavy": "Serving: decode-heavy trace (benchmarks/bench_servi
             "poisson": "Serving: Poisson arrivals (benchmarks/bench_serving.py)"}
 TARGETS = {"decode-heavy": 85, "chat": 75, "shared-prefix": 75}   # % of the roofline
 LOAD = 0.9                       # the Poisson trace's default rate, as a share of the saturation rate
-# Figures published elsewhere (not our runs), the nearest to each trace we could attribute.
+@dataclasses.dataclass(frozen=True)
+class Published:
+    """A figure published elsewhere (not our run), a row of its trace's table."""
+    engine: str
+    shape: str
+    requests: int
+    tokens_per_s: float | None = None      # generated (output) tokens/s
+    ttft_p50_ms: float | None = None
+    tpot_p50_ms: float | None = None
+
+
+# The published figures nearest to each trace that we could attribute, and where they are from.
+AIMULTIPLE = "ShareGPT (real), Llama 3.1 8B Instruct, bf16, one H100 80GB, offline"
+SGLANG_060 = "ShareGPT (real) at 4 requests/s, Llama 3.1 8B Instruct, one A100 80GB"
 PUBLISHED = {
-    "decode-heavy": "Published elsewhere (not our run): no figure for bf16 Llama-3-8B on one H100 at 1024 in / "
-                    "1024 out that we could attribute.",
-    "chat": "Published elsewhere (not our run; a third-party benchmark, real ShareGPT prompts, which this trace "
-            "only imitates): Llama 3.1 8B Instruct, bf16, one H100 80GB, 1,000 ShareGPT prompts offline, output "
-            "tokens/s: SGLang 16,215, LMDeploy 16,132, vLLM 12,553 (AIMultiple, "
-            "https://research.aimultiple.com/inference-engines).",
-    "shared-prefix": "Published elsewhere (not our run): no figure for this trace that we could attribute.",
-    "poisson": "Published elsewhere (not our run; the nearest we found is on an A100, not an H100): Llama 3.1 8B "
-               "Instruct on one A100 80GB, ShareGPT at 4 requests/s, median TTFT / TPOT: SGLang v0.3.0 32.0 / "
-               "13.2 ms, vLLM v0.6.0 100.5 / 14.1 ms (SGLang's benchmark/benchmark_vllm_060/README.md).",
+    "chat": [Published("SGLang", AIMULTIPLE, 1000, 16215), Published("LMDeploy", AIMULTIPLE, 1000, 16132),
+             Published("vLLM", AIMULTIPLE, 1000, 12553)],
+    "poisson": [Published("SGLang v0.3.0", SGLANG_060, 1200, ttft_p50_ms=31.98, tpot_p50_ms=13.17),
+                Published("vLLM v0.6.0", SGLANG_060, 1200, ttft_p50_ms=100.48, tpot_p50_ms=14.14)],
 }
+SOURCES = {
+    "decode-heavy": "Published elsewhere: no figure for bf16 Llama-3-8B on one H100 at 1024 in / 1024 out that we "
+                    "could attribute.",
+    "chat": "Published rows: a third-party benchmark (AIMultiple, https://research.aimultiple.com/inference-engines: "
+            "1,000 real ShareGPT prompts x 10 runs, output tokens/s), not our run; this trace only imitates "
+            "ShareGPT's lengths.",
+    "shared-prefix": "Published elsewhere: no figure for this trace that we could attribute.",
+    "poisson": "Published rows: SGLang's benchmark/benchmark_vllm_060/README.md (sgl-project/sglang; medians), not "
+               "our run, and on an A100, not an H100: the nearest we found.",
+}
+
+
+def published_row(first_column: str | None, p: Published) -> str:
+    """A published figure as a row of a trace's table (the columns it has no figure for: "-")."""
+    label = f"published, not our run: {p.engine}"
+    cells = [label, p.shape] if first_column else [f"{label}; {p.shape}"]
+    figures = {"requests": f"{p.requests:,}", "generated tokens/s": f"{p.tokens_per_s:,.0f}" if p.tokens_per_s else "-",
+               "TTFT ms p50 / p90 / p99": f"{p.ttft_p50_ms:.1f} / - / -" if p.ttft_p50_ms else "-",
+               "TPOT ms p50 / p90 / p99": f"{p.tpot_p50_ms:.2f} / - / -" if p.tpot_p50_ms else "-"}
+    cells += [figures.get(column, "-") for column in COLUMNS.split(" | ")[1:]]
+    return "| " + " | ".join(cells) + " |"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -375,6 +403,7 @@ def main(argv: list[str] | None = None) -> None:
     rows = [row(label, shape, r) for label, r in results.items()]
     for line in rows:
         print(line, flush=True)
+    rows += [published_row(first_column, p) for p in PUBLISHED.get(args.trace, [])]
 
     engine_text = (f"{setup['max_seqs']} sequences in flight, {setup['max_step_tokens']} tokens per step, "
                    f"{setup['num_pages']:,} pages of {args.page_size}, overlap {'off' if args.no_overlap else 'on'}")
@@ -417,7 +446,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.trace in TARGETS:
         shares = ", ".join(f"{100 * r['roofline_share']:.0f}%" for r in results.values())
         lines += ["", f"Target: >= {TARGETS[args.trace]}% of the roofline; this run: {shares}."]
-    lines += ["", PUBLISHED[args.trace]]
+    lines += ["", SOURCES[args.trace]]
     print(write_section(SECTIONS[args.trace], "\n".join(lines), heading=HEADINGS[args.trace],
                         update=not args.smoke))
 
