@@ -16,7 +16,6 @@ import os
 import signal
 
 import jax
-import numpy as np
 import uvicorn
 from flax import nnx
 from jax.sharding import AxisType
@@ -50,14 +49,19 @@ def build_parser(on_gpu: bool) -> argparse.ArgumentParser:
     model.add_argument("--backend", default="auto", choices=("auto",) + jaxattn.backends.ALL_BACKENDS,
                        help="paged_attention backend (default: auto)")
     engine = parser.add_argument_group("engine")
-    engine.add_argument("--max-seqs", type=positive_int, metavar="N", default=64 if on_gpu else 8,
-                        help="sequences in flight (default: %(default)s)")
+    engine.add_argument("--max-seqs", type=positive_int, metavar="N",
+                        help="sequences in flight (default: as many as the KV cache holds at max-seq-len, "
+                             "at most 256)")
     engine.add_argument("--max-seq-len", type=positive_int, metavar="N", default=4096 if on_gpu else 512,
                         help="longest prompt + generated tokens of a request (default: %(default)s)")
     engine.add_argument("--page-size", type=positive_int, metavar="N", default=64 if on_gpu else 16,
                         help="tokens per KV cache page (default: %(default)s)")
     engine.add_argument("--num-pages", type=positive_int, metavar="N",
-                        help="KV cache pages (default: enough for max-seqs sequences of max-seq-len)")
+                        help="KV cache pages (default: enough for max-seqs sequences of max-seq-len; without "
+                             "--max-seqs, 90%% of the device's free memory)")
+    engine.add_argument("--max-step-tokens", type=positive_int, metavar="N",
+                        help="tokens one engine step computes at most, decodes included (default: the "
+                             "engine's, 2048); each power of two up to it is a step shape compiled at start")
     engine.add_argument("--no-prefix-caching", action="store_true", help="turn automatic prefix caching off")
     engine.add_argument("--tp", type=positive_int, metavar="N", default=1,
                         help="split the model over this many devices of this process (default: 1)")
@@ -97,13 +101,6 @@ def load_model(args: argparse.Namespace, parser: argparse.ArgumentParser, mesh) 
     return model, os.path.basename(os.path.normpath(args.model)), tokenizer
 
 
-def warm_up(engine: Engine) -> None:
-    """Compiles the engine's steps (a prefill, then decodes) before the first client waits on them."""
-    engine.add_request(np.zeros(min(2, engine.max_seq_len - 1), np.int32), 2 if engine.max_seq_len > 2 else 1)
-    while engine.has_work:
-        engine.step_events()
-
-
 def main(argv: list[str] | None = None) -> None:
     on_gpu = jax.default_backend() == "gpu"
     parser = build_parser(on_gpu)
@@ -115,13 +112,14 @@ def main(argv: list[str] | None = None) -> None:
     model, name, tokenizer = load_model(args, parser, mesh)
     try:
         engine = Engine(model, max_seqs=args.max_seqs, max_seq_len=args.max_seq_len, page_size=args.page_size,
-                        num_pages=args.num_pages, backend=args.backend,
+                        num_pages=args.num_pages, max_step_tokens=args.max_step_tokens, backend=args.backend,
                         enable_prefix_caching=not args.no_prefix_caching, mesh=mesh)
     except ValueError as err:
         parser.error(str(err))
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    logging.getLogger("jaxattn.serve").info("compiling the engine's steps")
-    warm_up(engine)
+    log = logging.getLogger("jaxattn.serve")
+    log.info("compiling the engine's steps (%d sequences in flight, %d pages)", engine.max_seqs, engine.num_pages)
+    log.info("compiled in %.1f s", engine.warmup())
     app = build_app(engine, model_name=args.served_model_name or name, tokenizer=tokenizer,
                     shutdown_timeout=args.shutdown_timeout)
     # uvicorn re-raises the signal that stopped it once it has shut down: a handler of ours makes

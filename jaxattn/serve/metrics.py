@@ -21,8 +21,9 @@ _TPOT_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05
 class Metrics:
     """Requests running (generating) and waiting (accepted, no token yet: queued or in prefill),
     prompt and generated tokens, finished requests by finish reason, time to first token and time
-    per output token, and the KV cache's pages: in use (held by live sequences), free, and cached
-    (prefix-cache pages no live sequence holds, reusable or evictable)."""
+    per output token, and the KV cache's pages (``Engine.page_usage``): in use (held by live
+    sequences), free, and cached (holding a cached prompt prefix, held by live sequences or not:
+    reusable, and evictable when no one holds them)."""
 
     def __init__(self):
         self.registry = CollectorRegistry()
@@ -41,8 +42,8 @@ class Metrics:
                               "(tokens - 1), per request of 2 or more tokens", buckets=_TPOT_BUCKETS, registry=r)
         self.kv_pages_in_use = Gauge("jaxattn_kv_pages_in_use", "KV cache pages held by live sequences", registry=r)
         self.kv_pages_free = Gauge("jaxattn_kv_pages_free", "KV cache pages free", registry=r)
-        self.kv_pages_cached = Gauge("jaxattn_kv_pages_cached", "KV cache pages of the prefix cache that no live "
-                                     "sequence holds", registry=r)
+        self.kv_pages_cached = Gauge("jaxattn_kv_pages_cached", "KV cache pages holding a cached prompt prefix "
+                                     "(held by live sequences or not)", registry=r)
 
     def render(self) -> bytes:
         """The Prometheus text format."""

@@ -1,0 +1,363 @@
+"""``python -m jaxattn.serve`` over loopback, on a tiny Llama checkpoint that transformers writes
+(with a word-level tokenizer and a chat template): the openai client's completions, chats and
+streams equal transformers' greedy tokens; bad input gets a 4xx naming the field; 64 concurrent
+streams with a quarter of the clients leaving mid-stream all end well and free their pages;
+SIGTERM during load exits 0. In process (no checkpoint): a request that fails in the engine fails
+alone."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import time
+
+import numpy as np
+import pytest
+
+pytest.importorskip("fastapi", reason="needs the [serve] extra (pip install -e \".[test]\")")
+openai = pytest.importorskip("openai", reason="needs the openai client (pip install -e \".[test]\")")
+import httpx
+
+from tests.conftest import require_parity
+from tests.serve_helpers import (
+    BOS,
+    EOS,
+    free_port,
+    metric,
+    running_server,
+    save_chat_checkpoint,
+)
+
+MAX_SEQ_LEN = 64
+SERVER_ARGS = ["--dtype", "float32", "--backend", "xla", "--max-seqs", "8", "--max-seq-len", str(MAX_SEQ_LEN),
+               "--page-size", "8", "--num-pages", "33", "--max-step-tokens", "8"]   # 32 pages: 8 sequences of 32 tokens,
+# so loads preempt; steps of 8 tokens (two shapes to compile: decode-only and mixed)
+NEW_TOKENS = 12
+LEAVER_TOKENS = 40      # a client that leaves mid-stream asks for more, so its request is still running
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """(checkpoint directory, its transformers model, its transformers tokenizer)."""
+    transformers = require_parity()
+    path = tmp_path_factory.mktemp("tiny-llama")
+    reference = save_chat_checkpoint(path)
+    return path, reference, transformers.AutoTokenizer.from_pretrained(path)
+
+
+@pytest.fixture(scope="module")
+def server(checkpoint, tmp_path_factory):
+    """The base URL of a server on the checkpoint (named "tiny-llama"), for the module's tests."""
+    path = checkpoint[0]
+    port = free_port()
+    log = tmp_path_factory.mktemp("logs") / "server.log"
+    with running_server(["--model", str(path), "--served-model-name", "tiny-llama", *SERVER_ARGS], port, log=log):
+        yield f"http://127.0.0.1:{port}"
+
+
+def expected_tokens(reference, prompt: list[int], new_tokens: int) -> list[int]:
+    """transformers' greedy tokens, ending at the first EOS (included), as the server's."""
+    from tests.models.hf_checkpoints import generate
+
+    out = generate(reference, prompt, new_tokens)
+    return out[:out.index(EOS) + 1] if EOS in out else out
+
+
+def expected_text(tokenizer, prompt: list[int], output: list[int]) -> str:
+    """The output's text as a continuation of the prompt's (its EOS is no text)."""
+    output = output[:-1] if output[-1:] == [EOS] else output
+    return tokenizer.decode(prompt + output)[len(tokenizer.decode(prompt)):]
+
+
+def client(base_url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0)
+
+
+def wait_idle(base_url: str, timeout: float = 20.0) -> None:
+    """Until no request is in flight and no page held (the pages of aborted requests come back
+    at the next step)."""
+    deadline = time.monotonic() + timeout
+    names = ("jaxattn_requests_running", "jaxattn_requests_waiting", "jaxattn_kv_pages_in_use")
+    while any(metric(base_url, name) for name in names):
+        assert time.monotonic() < deadline, {name: metric(base_url, name) for name in names}
+        time.sleep(0.05)
+
+
+# ------------------------------------------------------------------------------- the openai client
+
+def test_models_and_health(server):
+    assert [m.id for m in client(server).models.list().data] == ["tiny-llama"]
+    assert httpx.get(f"{server}/health").json() == {"status": "ok"}
+
+
+def test_completions_equal_transformers(server, checkpoint):
+    _, reference, tokenizer = checkpoint
+    text = "w5 w6 w7 w8"
+    prompt = tokenizer(text).input_ids
+    expected = expected_tokens(reference, prompt, NEW_TOKENS)
+    for given in (text, prompt):
+        out = client(server).completions.create(model="tiny-llama", prompt=given, max_tokens=NEW_TOKENS,
+                                                temperature=0, extra_body={"return_token_ids": True})
+        choice = out.choices[0]
+        assert choice.token_ids == expected
+        assert choice.text == expected_text(tokenizer, prompt, expected)
+        assert choice.finish_reason == ("stop" if expected[-1] == EOS else "length")
+        assert (out.usage.prompt_tokens, out.usage.completion_tokens) == (len(prompt), len(expected))
+
+
+def test_streamed_completion_is_the_completion(server, checkpoint):
+    _, reference, tokenizer = checkpoint
+    prompt = [BOS, 40, 41, 42, 43, 44]
+    expected = expected_tokens(reference, prompt, NEW_TOKENS)
+    chunks = list(client(server).completions.create(model="tiny-llama", prompt=prompt, max_tokens=NEW_TOKENS,
+                                                    temperature=0, stream=True,
+                                                    stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == expected_text(tokenizer, prompt, expected)
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] in ("stop", "length")
+    assert chunks[-1].usage.completion_tokens == len(expected)
+
+
+def test_chat_applies_the_chat_template(server, checkpoint):
+    _, reference, tokenizer = checkpoint
+    messages = [{"role": "user", "content": "w40 w41"}, {"role": "assistant", "content": "w42"},
+                {"role": "user", "content": "w43 w44 w45"}]
+    prompt = list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)["input_ids"])
+    assert 0 not in prompt, "the template's words are all in the vocabulary"
+    expected = expected_tokens(reference, prompt, NEW_TOKENS)
+    out = client(server).chat.completions.create(model="tiny-llama", messages=messages, max_tokens=NEW_TOKENS,
+                                                 temperature=0)
+    assert out.choices[0].message.role == "assistant"
+    assert out.choices[0].message.content == expected_text(tokenizer, prompt, expected)
+    assert (out.usage.prompt_tokens, out.usage.completion_tokens) == (len(prompt), len(expected))
+    stream = client(server).chat.completions.create(model="tiny-llama", messages=messages, max_tokens=NEW_TOKENS,
+                                                    temperature=0, stream=True)
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == out.choices[0].message.content
+    assert chunks[-1].choices[0].finish_reason == out.choices[0].finish_reason
+
+
+def test_stop_strings_cut_the_text_and_end_the_request(server, checkpoint):
+    _, reference, tokenizer = checkpoint
+    prompt = [BOS, 30, 31, 32]
+    expected = expected_tokens(reference, prompt, NEW_TOKENS)
+    full = expected_text(tokenizer, prompt, expected)
+    words = full.split()
+    assert len(words) >= 4, full
+    stop = " " + words[3]                     # the text ends before the fourth word's first appearance
+    for stream in (False, True):
+        out = client(server).completions.create(model="tiny-llama", prompt=prompt, max_tokens=NEW_TOKENS,
+                                                temperature=0, stop=[stop, "never"], stream=stream)
+        chunks = list(out) if stream else [out]
+        assert "".join(c.choices[0].text for c in chunks) == full[:full.index(stop)]
+        assert chunks[-1].choices[0].finish_reason == "stop"
+    wait_idle(server)
+
+
+def test_a_seed_repeats_a_sampled_output(server):
+    def sample(seed):
+        out = client(server).completions.create(model="tiny-llama", prompt=[BOS, 9, 8], max_tokens=8, temperature=1.0,
+                                                top_p=0.9, seed=seed, extra_body={"top_k": 50, "return_token_ids": True})
+        return out.choices[0].token_ids
+
+    assert sample(7) == sample(7)
+
+
+# --------------------------------------------------------------------------------------- bad input
+
+def _too_long() -> list[int]:
+    return [BOS] * MAX_SEQ_LEN
+
+
+COMPLETION = {"model": "tiny-llama", "prompt": "w5 w6", "max_tokens": 4}
+CHAT = {"model": "tiny-llama", "messages": [{"role": "user", "content": "w5"}], "max_tokens": 4}
+# (endpoint, body (or raw bytes), status, the field the error names)
+BAD = [
+    ("completions", b'{"model": "tiny-llama", "prompt": ', 400, None),
+    ("completions", b'[1, 2]', 400, None),
+    ("completions", {"model": "tiny-llama", "max_tokens": 4}, 400, "prompt"),
+    ("chat/completions", {"model": "tiny-llama", "max_tokens": 4}, 400, "messages"),
+    ("chat/completions", {**CHAT, "messages": []}, 400, "messages"),
+    ("chat/completions", {**CHAT, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400,
+     "messages"),
+    ("completions", {**COMPLETION, "max_tokens": 0}, 400, "max_tokens"),
+    ("completions", {**COMPLETION, "max_tokens": -3}, 400, "max_tokens"),
+    ("completions", {**COMPLETION, "max_tokens": 2.5}, 400, "max_tokens"),
+    ("completions", {**COMPLETION, "max_tokens": "8"}, 400, "max_tokens"),
+    ("chat/completions", {**CHAT, "max_completion_tokens": 0}, 400, "max_completion_tokens"),
+    ("completions", {**COMPLETION, "temperature": -0.5}, 400, "temperature"),
+    ("completions", {**COMPLETION, "top_p": 0}, 400, "top_p"),
+    ("completions", {**COMPLETION, "top_p": 1.5}, 400, "top_p"),
+    ("completions", {**COMPLETION, "top_k": -2}, 400, "top_k"),
+    ("completions", {**COMPLETION, "top_k": 2.5}, 400, "top_k"),
+    ("completions", {**COMPLETION, "seed": -1}, 400, "seed"),
+    ("completions", {**COMPLETION, "stop": ""}, 400, "stop"),
+    ("completions", {**COMPLETION, "prompt": ""}, 400, "prompt"),
+    ("completions", {**COMPLETION, "prompt": _too_long()}, 400, "prompt"),
+    ("completions", {**COMPLETION, "prompt": [BOS] * 10, "max_tokens": MAX_SEQ_LEN - 9}, 400, "max_tokens"),
+    ("chat/completions", {**CHAT, "max_tokens": MAX_SEQ_LEN}, 400, "max_tokens"),
+    ("completions", {**COMPLETION, "prompt": [BOS, 128]}, 400, "prompt"),
+    ("completions", {**COMPLETION, "prompt": [BOS, -1]}, 400, "prompt"),
+    ("completions", {**COMPLETION, "prompt": [[1, 2], [3]]}, 400, "prompt"),
+    ("completions", {**COMPLETION, "model": "gpt-4"}, 404, "model"),
+    ("chat/completions", {**CHAT, "model": "gpt-4"}, 404, "model"),
+    ("completions", {**COMPLETION, "n": 2}, 400, "n"),
+    ("completions", {**COMPLETION, "logprobs": 2}, 400, "logprobs"),
+    ("completions", {**COMPLETION, "stream": "yes"}, 400, "stream"),
+]
+
+
+def test_bad_input_gets_a_4xx_naming_the_field(server):
+    with httpx.Client(base_url=f"{server}/v1") as http:
+        for endpoint, body, status, param in BAD:
+            if isinstance(body, bytes):
+                response = http.post(endpoint, content=body, headers={"content-type": "application/json"})
+            else:
+                response = http.post(endpoint, json=body)
+            case = f"{endpoint} {body!r}: {response.status_code} {response.text}"
+            assert response.status_code == status, case
+            error = response.json()["error"]
+            assert error["param"] == param and error["message"] and error["type"], case
+            if param is not None:
+                assert param in error["message"], case
+        assert http.post("completions", json=COMPLETION).status_code == 200, "and it goes on serving"
+
+
+def test_the_openai_client_raises_on_bad_input(server):
+    with pytest.raises(openai.BadRequestError, match="max_tokens"):
+        client(server).completions.create(model="tiny-llama", prompt="w1", max_tokens=MAX_SEQ_LEN)
+    with pytest.raises(openai.NotFoundError):
+        client(server).chat.completions.create(model="nope", messages=[{"role": "user", "content": "w1"}])
+
+
+# ----------------------------------------------------------------------------------------- load
+
+async def _stream(http: httpx.AsyncClient, prompt: list[int], leave_after: int | None) -> tuple[int, list[int] | None]:
+    """(status, streamed token ids, or None for a client that left after ``leave_after`` chunks
+    of LEAVER_TOKENS asked for)."""
+    body = {"model": "tiny-llama", "prompt": prompt, "max_tokens": NEW_TOKENS if leave_after is None else LEAVER_TOKENS,
+            "temperature": 0, "stream": True, "return_token_ids": True}
+    async with http.stream("POST", "/v1/completions", json=body) as response:
+        if response.status_code != 200:
+            return response.status_code, None
+        ids, chunks = [], 0
+        async for line in response.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            ids += json.loads(line[len("data: "):])["choices"][0]["token_ids"]
+            chunks += 1
+            if chunks == leave_after:
+                return response.status_code, None   # closing the response drops the connection
+        return response.status_code, ids
+
+
+async def _load(base_url: str, prompts: list[list[int]], leave: set[int]) -> list[tuple[int, list[int] | None]]:
+    limits = httpx.Limits(max_connections=len(prompts), max_keepalive_connections=0)
+    async with httpx.AsyncClient(base_url=base_url, limits=limits, timeout=120) as http:
+        return await asyncio.gather(*(_stream(http, p, 2 if i in leave else None) for i, p in enumerate(prompts)),
+                                    return_exceptions=True)
+
+
+def _load_prompts(count: int) -> list[list[int]]:
+    """Prompts of 4 to 19 tokens; eight distinct ones, some sharing a page-long prefix."""
+    rng = np.random.default_rng(0)
+    shared = [BOS] + rng.integers(3, 128, size=8).tolist()
+    distinct = [(shared if i % 2 else [BOS]) + rng.integers(3, 128, size=3 + i).tolist() for i in range(8)]
+    return [distinct[i % 8] for i in range(count)]
+
+
+def test_64_streams_a_quarter_leaving(server, checkpoint):
+    reference = checkpoint[1]
+    prompts = _load_prompts(64)
+    expected = {tuple(p): expected_tokens(reference, p, NEW_TOKENS) for p in prompts}
+    leave = set(range(0, 64, 4))
+    aborted = metric(server, 'jaxattn_requests_finished_total{finish_reason="abort"}')
+    start = time.monotonic()
+    results = asyncio.run(_load(server, prompts, leave))
+    elapsed = time.monotonic() - start
+    assert elapsed < 90, f"64 streams took {elapsed:.0f} s"
+    errors = [r for r in results if isinstance(r, BaseException)]
+    assert not errors, errors[:3]
+    assert all(status == 200 for status, _ in results), [status for status, _ in results]
+    for i, (prompt, (_, ids)) in enumerate(zip(prompts, results)):
+        if i not in leave:
+            assert ids == expected[tuple(prompt)], (i, prompt)
+    wait_idle(server)
+    assert metric(server, "jaxattn_kv_pages_in_use") == 0
+    assert metric(server, 'jaxattn_requests_finished_total{finish_reason="abort"}') - aborted == len(leave)
+
+
+def test_sigterm_during_load_exits_0(checkpoint, tmp_path):
+    """SIGTERM with streams in flight: no new connections, the streams finish, exit status 0."""
+    path, reference, _ = checkpoint
+    port = free_port()
+    base_url = f"http://127.0.0.1:{port}"
+    prompts = _load_prompts(16)
+
+    async def load_then_sigterm(proc) -> list:
+        task = asyncio.ensure_future(_load(base_url, prompts, set()))
+        deadline = time.monotonic() + 60
+        while not metric(base_url, "jaxattn_generation_tokens_total"):
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.02)
+        proc.send_signal(signal.SIGTERM)
+        return await task
+
+    with running_server(["--model", str(path), "--served-model-name", "tiny-llama", *SERVER_ARGS], port,
+                        log=tmp_path / "server.log") as proc:
+        results = asyncio.run(load_then_sigterm(proc))
+        assert proc.wait(timeout=60) == 0, (tmp_path / "server.log").read_text()[-3000:]
+    for prompt, result in zip(prompts, results):
+        assert not isinstance(result, BaseException), result
+        assert result == (200, expected_tokens(reference, prompt, NEW_TOKENS))
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(f"{base_url}/health")
+
+
+# ---------------------------------------------------------------------------------- in process
+
+class _FailingEngine:
+    """An Engine whose add_request raises (not a ValueError) for prompts starting with FAIL."""
+
+    FAIL = 13
+
+    def __init__(self, engine):
+        self._engine = engine
+
+    def __getattr__(self, name):
+        return getattr(self._engine, name)
+
+    def add_request(self, prompt, *args, **kwargs):
+        if prompt[0] == self.FAIL:
+            raise RuntimeError("injected fault")
+        return self._engine.add_request(prompt, *args, **kwargs)
+
+
+def test_a_request_failing_in_the_engine_fails_alone():
+    """(In process, a random-weight preset, no tokenizer.) The failing request gets a 500 naming
+    the error; the requests beside it and after it are served; text needs a tokenizer (400)."""
+    from fastapi.testclient import TestClient
+    from flax import nnx
+
+    from jaxattn.engine import Engine
+    from jaxattn.models.llama import PRESETS, Llama
+    from jaxattn.serve.app import build_app
+
+    engine = Engine(Llama(PRESETS["tiny"].replace(num_layers=1), nnx.Rngs(0)), max_seqs=4, max_seq_len=32,
+                    page_size=8, max_step_tokens=8, backend="xla")
+    app = build_app(_FailingEngine(engine), model_name="tiny")
+    body = {"model": "tiny", "max_tokens": 4, "temperature": 0}
+    with TestClient(app) as http:
+        def post(prompt, **extra):
+            return http.post("/v1/completions", json={**body, "prompt": prompt, **extra})
+
+        assert post("some text").json()["error"]["param"] == "prompt"
+        ok, failed = post([1, 2, 3], return_token_ids=True), post([_FailingEngine.FAIL, 2, 3])
+        assert failed.status_code == 500 and "injected fault" in failed.json()["error"]["message"]
+        streamed = post([_FailingEngine.FAIL, 5], stream=True)
+        assert streamed.status_code == 500 and "injected fault" in streamed.json()["error"]["message"]
+        assert ok.status_code == 200 and len(ok.json()["choices"][0]["token_ids"]) == 4
+        again = post([1, 2, 3], return_token_ids=True)
+        assert again.json()["choices"][0]["token_ids"] == ok.json()["choices"][0]["token_ids"]
+        assert http.get("/health").status_code == 200
