@@ -41,6 +41,8 @@ MESH = re.compile(r"jax\.make_mesh\(\((\d+),")
 NOT_RUN = {
     '"/path/to/': "reads a local Hugging Face checkpoint at a placeholder path (and would download nothing); "
                   "test_hugging_face_block_on_a_tiny_checkpoint runs it with the path replaced",
+    'base_url="http://127.0.0.1:8000/v1"': "talks to the server the bash block before it starts: "
+                                           "tests/test_serve.py::test_readme_http_serving_section runs both",
 }
 
 

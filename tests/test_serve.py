@@ -2,14 +2,18 @@
 (with a word-level tokenizer and a chat template): the openai client's completions, chats and
 streams equal transformers' greedy tokens; bad input gets a 4xx naming the field; 64 concurrent
 streams with a quarter of the clients leaving mid-stream all end well and free their pages;
-SIGTERM during load exits 0. In process (no checkpoint): a request that fails in the engine fails
-alone."""
+SIGTERM during load exits 0; the README's section runs as written. In process (no checkpoint): a
+request that fails in the engine fails alone."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import pathlib
+import re
+import shlex
 import signal
+import subprocess
 import time
 
 import numpy as np
@@ -361,3 +365,39 @@ def test_a_request_failing_in_the_engine_fails_alone():
         again = post([1, 2, 3], return_token_ids=True)
         assert again.json()["choices"][0]["token_ids"] == ok.json()["choices"][0]["token_ids"]
         assert http.get("/health").status_code == 200
+
+
+# -------------------------------------------------------------------------- the README's section
+
+README_SECTION = "### HTTP serving (OpenAI-compatible)"
+README_PATH = "/path/to/Llama-3.1-8B-Instruct"
+
+
+def readme_blocks() -> list[tuple[str, str]]:
+    """(language, code) of the fenced blocks of the README's HTTP serving section, in order."""
+    from tests.serve_helpers import REPO
+
+    text = (REPO / "README.md").read_text()
+    section = text[text.index(README_SECTION) + len(README_SECTION):]
+    section = section[:re.search(r"^##", section, flags=re.MULTILINE).start()]
+    return re.findall(r"^```(\w+)\n(.*?)^```", section, flags=re.DOTALL | re.MULTILINE)
+
+
+def test_readme_http_serving_section(checkpoint, tmp_path, capsys):
+    """The section's commands as written, on the tiny checkpoint (at the placeholder's name) and
+    a free port: the server command (with the module's engine sizes added, for a CPU), the curl
+    command, the openai block."""
+    (serve, curl), (python,) = [code for lang, code in readme_blocks() if lang == "bash"], \
+        [code for lang, code in readme_blocks() if lang == "python"]
+    model_dir = tmp_path / pathlib.PurePath(README_PATH).name
+    model_dir.symlink_to(checkpoint[0], target_is_directory=True)
+    port = free_port()
+    command = shlex.split(serve.replace(README_PATH, str(model_dir)))
+    assert command[:3] == ["python", "-m", "jaxattn.serve"] and command[-2:] == ["--port", "8000"], command
+    with running_server([*command[3:-2], *SERVER_ARGS], port, log=tmp_path / "server.log"):
+        out = subprocess.run(["bash", "-c", curl.replace(":8000", f":{port}")], capture_output=True, text=True,
+                             check=True).stdout
+        assert 1 <= json.loads(out)["usage"]["completion_tokens"] <= 16
+        exec(compile(python.replace(":8000", f":{port}"), "README.md", "exec"), {})  # noqa: S102 - the README block
+    printed = capsys.readouterr().out
+    assert printed.strip(), "the block printed the chat's answer and the stream"
