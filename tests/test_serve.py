@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import pathlib
 import re
 import shlex
 import signal
 import subprocess
+import sys
 import time
 
 import numpy as np
@@ -401,3 +403,15 @@ def test_readme_http_serving_section(checkpoint, tmp_path, capsys):
         exec(compile(python.replace(":8000", f":{port}"), "README.md", "exec"), {})  # noqa: S102 - the README block
     printed = capsys.readouterr().out
     assert printed.strip(), "the block printed the chat's answer and the stream"
+
+
+def test_bench_http_smoke(tmp_path):
+    """benchmarks/bench_http.py --smoke: the engine run and the HTTP run of a tiny trace (CPU)."""
+    from tests.serve_helpers import JAX_CACHE, REPO
+
+    env = {**os.environ, "OUT": str(tmp_path), "JAX_PLATFORMS": "cpu", "JAX_COMPILATION_CACHE_DIR": JAX_CACHE}
+    result = subprocess.run([sys.executable, "-m", "benchmarks.bench_http", "--smoke"], check=False, cwd=REPO, env=env,
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    section = (tmp_path / "http_results.md").read_text()
+    assert "HTTP / engine generated tokens/s" in section and "Requests with the same tokens in both runs: 8/8" in section

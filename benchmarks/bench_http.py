@@ -1,0 +1,298 @@
+"""HTTP serving (``python -m jaxattn.serve``) against the in-process Engine: the same trace, the
+same engine settings.
+
+    python -m benchmarks.bench_http [--preset llama3-8b] [--layers N] [--requests 512] [--prompt-len 256]
+        [--new-tokens 128] [--rate 0] [--max-seqs 128] [--max-seq-len 2048] [--max-step-tokens N]
+        [--num-pages N] [--page-size 64] [--backend auto] [--smoke]
+
+The trace (random weights and prompts, seed 0): ``requests`` prompts of lognormal lengths (sigma 1,
+mean ``prompt-len`` before clipping to [4, 4 x prompt-len]), ``new-tokens`` greedy tokens each,
+all at once (``--rate 0``) or as a Poisson process of ``rate`` requests/s. Two runs, each in a
+process of its own (the device holds one engine at a time), both after the engine's warm-up:
+  * engine: this module in a subprocess serves the trace through ``Engine.step_events``, arrival
+    to token on the host;
+  * http: ``python -m jaxattn.serve --preset ...`` with the same engine arguments, and this process
+    as its clients over loopback: one streamed ``/v1/completions`` request of token ids per trace
+    request at its arrival time (httpx, asyncio), tokens read from the stream (``return_token_ids``).
+Reported per run: generated tokens/s (over the wall time from the first arrival to the last
+token), TTFT (arrival to first token) and TPOT ((last - first token) / (tokens - 1), per request)
+p50 / p90 / p99; the HTTP / engine tokens/s ratio, and how many requests got the same tokens in
+both. ``--smoke`` serves a tiny model on a tiny trace (seconds on a CPU) and writes only ``$OUT``.
+Writes the http section of benchmarks/RESULTS.md. This process never touches the device.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import datetime
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+
+import numpy as np
+
+from benchmarks.common import write_section
+
+SECTION, HEADING = "http", "HTTP serving vs the in-process engine (benchmarks/bench_http.py)"
+SERVER_START_S = 1800            # the server compiles every step shape before it answers
+MODEL_NAME = "bench"
+
+
+@dataclasses.dataclass(frozen=True)
+class TraceRequest:
+    arrival: float               # s after the start
+    prompt: list[int]
+    new_tokens: int
+
+
+def make_trace(args: argparse.Namespace, vocab: int) -> list[TraceRequest]:
+    rng = np.random.default_rng(0)
+    lengths = np.clip(np.round(rng.lognormal(np.log(args.prompt_len) - 0.5, 1.0, args.requests)), 4,
+                      4 * args.prompt_len).astype(int)
+    arrivals = np.cumsum(rng.exponential(1 / args.rate, args.requests)) if args.rate > 0 else np.zeros(args.requests)
+    return [TraceRequest(float(t), rng.integers(0, vocab, size=n).tolist(), args.new_tokens)
+            for t, n in zip(arrivals, lengths)]
+
+
+def summarize(arrival: Sequence[float], first: Sequence[float], last: Sequence[float],
+              outputs: Sequence[list[int]]) -> dict:
+    """Tokens/s, TTFT and TPOT (ms) of one run; times in s from the same start."""
+    arrival, first, last = np.asarray(arrival), np.asarray(first), np.asarray(last)
+    counts = np.asarray([len(o) for o in outputs])
+    wall = float(last.max() - arrival.min())
+    many = counts > 1
+    return {"wall_s": wall, "tokens_per_s": float(counts.sum() / wall), "ttft_ms": ((first - arrival) * 1e3).tolist(),
+            "tpot_ms": ((last - first)[many] / (counts[many] - 1) * 1e3).tolist(),
+            "outputs": [list(o) for o in outputs]}
+
+
+# ------------------------------------------------------------------------------ the engine run
+
+def engine_arguments(args: argparse.Namespace) -> list[str]:
+    """The engine's settings as ``jaxattn.serve`` flags (the engine run takes the same)."""
+    flags = ["--preset", args.preset, "--max-seq-len", str(args.max_seq_len), "--page-size", str(args.page_size),
+             "--backend", args.backend]
+    for name in ("layers", "max_seqs", "max_step_tokens", "num_pages"):
+        if getattr(args, name) is not None:
+            flags += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
+    return flags
+
+
+def run_engine(args: argparse.Namespace, trace: list[TraceRequest]) -> dict:
+    """(In the subprocess.) The trace through the in-process Engine, in real time."""
+    import jax
+    from flax import nnx
+
+    from benchmarks.common import device_name
+    from jaxattn.engine import Engine
+    from jaxattn.models.llama import PRESETS, Llama
+
+    cfg = PRESETS[args.preset] if args.layers is None else PRESETS[args.preset].replace(num_layers=args.layers)
+    engine = Engine(Llama(cfg, nnx.Rngs(0)), max_seqs=args.max_seqs, max_seq_len=args.max_seq_len,
+                    page_size=args.page_size, num_pages=args.num_pages, max_step_tokens=args.max_step_tokens,
+                    backend=args.backend)
+    engine.warmup()
+    index, pending = {}, list(enumerate(trace))
+    first, last = [0.0] * len(trace), [0.0] * len(trace)
+    start = time.perf_counter()
+    while pending or engine.has_work:
+        now = time.perf_counter() - start
+        while pending and pending[0][1].arrival <= now:
+            i, request = pending.pop(0)
+            index[engine.add_request(request.prompt, request.new_tokens)] = i
+        if not engine.has_work:
+            time.sleep(max(0.0, pending[0][1].arrival - now))
+            continue
+        events = engine.step_events()
+        now = time.perf_counter() - start
+        for request, _ in events:
+            i = index[request]
+            first[i] = first[i] or now
+            last[i] = now
+    outputs = [None] * len(trace)
+    for request, i in index.items():
+        outputs[i] = request.output
+    result = summarize([r.arrival for r in trace], first, last, outputs)
+    return dict(result, device=device_name(), jax=jax.__version__, dtype=str(cfg.dtype), layers=cfg.num_layers,
+                max_seqs=engine.max_seqs, num_pages=engine.num_pages)
+
+
+# -------------------------------------------------------------------------------- the HTTP run
+
+async def _stream(http, request: TraceRequest, start: float) -> tuple[float, float, list[int]]:
+    """(first, last token time, token ids) of one streamed request sent at its arrival time."""
+    import httpx
+
+    await asyncio.sleep(max(0.0, start + request.arrival - time.perf_counter()))
+    body = {"model": MODEL_NAME, "prompt": request.prompt, "max_tokens": request.new_tokens, "temperature": 0,
+            "stream": True, "return_token_ids": True}
+    first = last = 0.0
+    ids: list[int] = []
+    async with http.stream("POST", "/v1/completions", json=body) as response:
+        if response.status_code != 200:
+            raise httpx.HTTPStatusError(f"{response.status_code}: {(await response.aread())[:300]!r}",
+                                        request=response.request, response=response)
+        async for line in response.aiter_lines():
+            if not line.startswith("data: {"):
+                continue
+            new = json.loads(line[len("data: "):])["choices"][0]["token_ids"]
+            if new:
+                last = time.perf_counter() - start
+                first = first or last
+                ids += new
+    return first, last, ids
+
+
+async def _clients(base_url: str, trace: list[TraceRequest]) -> list[tuple[float, float, list[int]]]:
+    import httpx
+
+    limits = httpx.Limits(max_connections=len(trace), max_keepalive_connections=len(trace))
+    async with httpx.AsyncClient(base_url=base_url, limits=limits, timeout=None) as http:
+        start = time.perf_counter()
+        return await asyncio.gather(*(_stream(http, r, start) for r in trace))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait_healthy(base_url: str, server: subprocess.Popen) -> None:
+    import httpx
+
+    deadline = time.monotonic() + SERVER_START_S
+    while time.monotonic() < deadline:
+        if server.poll() is not None:
+            sys.exit(f"the server exited with status {server.returncode} before it answered /health")
+        try:
+            if httpx.get(f"{base_url}/health", timeout=2).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.5)
+    sys.exit(f"the server did not answer /health within {SERVER_START_S} s")
+
+
+def run_http(args: argparse.Namespace, trace: list[TraceRequest], env: dict) -> dict:
+    """The trace through ``python -m jaxattn.serve`` (a subprocess) from this process's clients."""
+    port = _free_port()
+    command = [sys.executable, "-m", "jaxattn.serve", *engine_arguments(args), "--served-model-name", MODEL_NAME,
+               "--port", str(port), "--log-level", "warning"]
+    server = subprocess.Popen(command, env=env)
+    base_url = f"http://127.0.0.1:{port}"
+    try:
+        _wait_healthy(base_url, server)
+        results = asyncio.run(_clients(base_url, trace))
+    finally:
+        server.send_signal(signal.SIGTERM)
+        server.wait(timeout=120)
+    first, last, outputs = zip(*results)
+    return summarize([r.arrival for r in trace], first, last, outputs)
+
+
+# -------------------------------------------------------------------------------------- report
+
+def percentiles(values: Sequence[float], digits: int) -> str:
+    return " / ".join(f"{np.percentile(values, q):.{digits}f}" for q in (50, 90, 99))
+
+
+def row(label: str, r: dict) -> str:
+    return (f"| {label} | {r['tokens_per_s']:,.0f} | {percentiles(r['ttft_ms'], 1)} | {percentiles(r['tpot_ms'], 2)} "
+            f"| {r['wall_s']:.2f} |")
+
+
+def command(args: argparse.Namespace) -> str:
+    flags = ["--requests", str(args.requests), "--prompt-len", str(args.prompt_len), "--new-tokens",
+             str(args.new_tokens), "--rate", f"{args.rate:g}", *engine_arguments(args)]
+    return "python -m benchmarks.bench_http " + " ".join(flags)
+
+
+def report(args: argparse.Namespace, trace: list[TraceRequest], engine: dict, http: dict) -> str:
+    same = sum(a == b for a, b in zip(engine["outputs"], http["outputs"]))
+    prompts = np.asarray([len(r.prompt) for r in trace])
+    arrivals = "all at once" if args.rate <= 0 else f"Poisson, {args.rate:g} requests/s"
+    settings = (f"Device: {engine['device']}; date {datetime.date.today()}; jax {engine['jax']}; model {args.preset} "
+                f"shapes with {engine['layers']} layers, {engine['dtype']}, random weights; backend {args.backend}; "
+                f"{engine['max_seqs']} sequences in flight, {engine['num_pages']} pages of {args.page_size}, "
+                f"max_seq_len {args.max_seq_len}, max_step_tokens {args.max_step_tokens or 'default'}.")
+    workload = (f"Trace: {args.requests} requests ({arrivals}), prompts of {prompts.min()}..{prompts.max()} tokens "
+                f"(mean {prompts.mean():.0f}), {args.new_tokens} greedy tokens each. HTTP: streamed /v1/completions "
+                f"over loopback, one connection per request, from one asyncio client process.")
+    ratio = http["tokens_per_s"] / engine["tokens_per_s"]
+    lines = [
+        settings,
+        workload,
+        f"Command: `{command(args)}`",
+        "",
+        "| run | generated tokens/s | TTFT ms p50 / p90 / p99 | TPOT ms p50 / p90 / p99 | wall s |",
+        "|---|---|---|---|---|",
+        row("Engine in process", engine),
+        row("HTTP (python -m jaxattn.serve)", http),
+        "",
+        (f"HTTP / engine generated tokens/s: {ratio:.3f}x. Requests with the same tokens in both runs: "
+         f"{same}/{args.requests} (greedy; a different batch mix rounds differently in bf16, and greedy tokens "
+         f"may part after a near tie)."),
+    ]
+    return "\n".join(lines)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from jaxattn.models.llama import PRESETS
+
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.bench_http", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--preset", default="llama3-8b", choices=sorted(PRESETS), help="model shapes (random weights)")
+    parser.add_argument("--layers", type=int, help="number of layers (default: the preset's)")
+    parser.add_argument("--requests", type=int, default=512, help="requests in the trace")
+    parser.add_argument("--prompt-len", type=int, default=256, help="mean prompt length before clipping")
+    parser.add_argument("--new-tokens", type=int, default=128, help="greedy tokens per request")
+    parser.add_argument("--rate", type=float, default=0.0, help="Poisson arrivals per second (0: all at once)")
+    parser.add_argument("--max-seqs", type=int, default=128, help="sequences in flight")
+    parser.add_argument("--max-seq-len", type=int, default=2048, help="longest prompt + generated tokens")
+    parser.add_argument("--max-step-tokens", type=int, help="tokens per engine step (default: the engine's)")
+    parser.add_argument("--num-pages", type=int, help="KV cache pages (default: the engine's)")
+    parser.add_argument("--page-size", type=int, default=64)
+    parser.add_argument("--backend", default="auto", help="paged_attention backend")
+    parser.add_argument("--smoke", action="store_true", help="a tiny model and trace (CPU, seconds); RESULTS.md "
+                                                              "is left alone")
+    parser.add_argument("--engine-run", metavar="JSON", help=argparse.SUPPRESS)   # the engine run's subprocess
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    from jaxattn.models.llama import PRESETS
+
+    args = build_parser().parse_args(argv)
+    if args.smoke:
+        args.preset, args.layers, args.requests, args.prompt_len, args.new_tokens = "tiny", 1, 8, 8, 6
+        args.max_seqs, args.max_seq_len, args.max_step_tokens, args.page_size = 4, 64, 8, 8
+    trace = make_trace(args, PRESETS[args.preset].vocab_size)
+    if args.engine_run:
+        with open(args.engine_run, "w") as f:
+            json.dump(run_engine(args, trace), f)
+        return
+    # Both runs compile the same steps: the server finds the engine run's in the cache.
+    env = dict(os.environ)
+    with tempfile.TemporaryDirectory() as tmp:
+        env.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(tmp, "jax_cache"))
+        path = os.path.join(tmp, "engine.json")
+        subprocess.run([sys.executable, "-m", "benchmarks.bench_http", *(argv if argv is not None else sys.argv[1:]),
+                        "--engine-run", path], env=env, check=True)
+        with open(path) as f:
+            engine = json.load(f)
+        print(row("Engine in process", engine), flush=True)
+        http = run_http(args, trace, env)
+        print(row("HTTP (python -m jaxattn.serve)", http), flush=True)
+    print(write_section(SECTION, report(args, trace, engine, http), heading=HEADING, update=not args.smoke))
+
+
+if __name__ == "__main__":
+    main()
