@@ -103,6 +103,21 @@ def _engine_error(event: Failed) -> APIError:
     return APIError(event.status, event.message, kind="invalid_request_error" if event.status < 500 else "server_error")
 
 
+class _EventStream(StreamingResponse):
+    """Server-sent events of a generation, closed however the response ends (a client gone before
+    the first event never starts the events' generator, so its ``finally`` would not run)."""
+
+    def __init__(self, events: AsyncIterator[str], generation: Generation):
+        super().__init__(events, media_type="text/event-stream")
+        self.generation = generation
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.generation.close()
+
+
 async def _disconnected(request: Request) -> None:
     """Returns when the client disconnects (the body has been read: only that message is left)."""
     while (await request.receive())["type"] != "http.disconnect":
@@ -215,7 +230,7 @@ def build_app(engine: Engine, *, model_name: str, tokenizer: TextTokenizer | Non
         head = {"id": ident, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
                 "model": model_name}
         if body.stream:
-            return StreamingResponse(stream(generation, body, head, chat), media_type="text/event-stream")
+            return _EventStream(stream(generation, body, head, chat), generation)
         collect = asyncio.ensure_future(complete(generation, body, head, chat))
         watch = asyncio.ensure_future(_disconnected(request))
         try:
@@ -264,8 +279,6 @@ def build_app(engine: Engine, *, model_name: str, tokenizer: TextTokenizer | Non
             yield _sse("[DONE]")
         except APIError as err:                      # after the headers: the error as the last event
             yield _sse(error_body(err.message, kind=err.kind))
-        finally:
-            generation.close()
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
