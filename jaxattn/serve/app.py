@@ -136,14 +136,15 @@ def _validation_error(err: RequestValidationError) -> tuple[str, str | None]:
         return f"the body is not valid JSON: {first.get('ctx', {}).get('error', first['msg'])}", None
     loc = [str(part) for part in first["loc"] if part != "body"]
     if not loc:
-        return f"the body must be a JSON object: {first['msg']}", None
+        return f"the body must be a JSON object (Content-Type: application/json): {first['msg']}", None
     param = loc[0]
     same = [e for e in errors if [str(p) for p in e["loc"] if p != "body"][:1] == [param]]
     if any(e["type"] == "missing" for e in same):
         return f"{param}: a required field is missing", param
     if first["type"] == "literal_error":
         return f"{param}: this server supports only {first['ctx']['expected']}", param
-    return f"{param}: " + "; ".join(dict.fromkeys(e["msg"] for e in same)), param
+    hint = " (one prompt per request: a text or a list of token ids)" if param == "prompt" else ""
+    return f"{param}: " + "; ".join(dict.fromkeys(e["msg"] for e in same)) + hint, param
 
 
 def build_app(engine: Engine, *, model_name: str, tokenizer: TextTokenizer | None = None,
@@ -188,10 +189,10 @@ def build_app(engine: Engine, *, model_name: str, tokenizer: TextTokenizer | Non
             raise APIError(404, f"model: the model {name!r} does not exist; this server serves {model_name!r}",
                            param="model", kind="not_found_error")
 
-    def need_tokenizer(param: str) -> TextTokenizer:
+    def need_tokenizer(param: str, needs: str) -> TextTokenizer:
         if tokenizer is None:
-            raise APIError(400, f"{param}: this server has no tokenizer (it serves a model without one): "
-                           "send the prompt as token ids to /v1/completions", param=param)
+            raise APIError(400, f"{param}: {needs} a tokenizer, and this server has none (a model without one): "
+                           "send prompts as token ids to /v1/completions", param=param)
         return tokenizer
 
     def make_job(body: CompletionRequest | ChatRequest, prompt: list[int], prompt_param: str, max_tokens: int | None,
@@ -212,10 +213,12 @@ def build_app(engine: Engine, *, model_name: str, tokenizer: TextTokenizer | Non
             raise APIError(400, f"{max_tokens_param}: the prompt's {len(prompt)} tokens + {max_tokens_param}="
                            f"{max_tokens} exceed this server's max_seq_len {max_seq_len}", param=max_tokens_param)
         if body.stop_strings:
-            need_tokenizer("stop")
+            need_tokenizer("stop", "stop strings need")
         stop_ids = tokenizer.stop_token_ids if tokenizer is not None and not body.ignore_eos else ()
-        sampling = SamplingParams(temperature=float(body.temperature), top_k=body.top_k, top_p=float(body.top_p),
-                                  seed=body.seed, stop_token_ids=stop_ids)
+        sampling = SamplingParams(temperature=float(1.0 if body.temperature is None else body.temperature),
+                                  top_k=-1 if body.top_k is None else body.top_k,
+                                  top_p=float(1.0 if body.top_p is None else body.top_p), seed=body.seed,
+                                  stop_token_ids=stop_ids)
         return Job(prompt, max_tokens, sampling)
 
     async def respond(request: Request, body: CompletionRequest | ChatRequest, job: Job, chat: bool) -> Response:
@@ -283,13 +286,13 @@ def build_app(engine: Engine, *, model_name: str, tokenizer: TextTokenizer | Non
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
         check_model(body.model)
-        prompt = body.prompt if isinstance(body.prompt, list) else need_tokenizer("prompt").encode(body.prompt)
+        prompt = body.prompt if isinstance(body.prompt, list) else need_tokenizer("prompt", "a text prompt needs").encode(body.prompt)
         return await respond(request, body, make_job(body, prompt, "prompt", body.max_tokens, "max_tokens"), False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatRequest, request: Request) -> Response:
         check_model(body.model)
-        chat_tokenizer = need_tokenizer("messages")
+        chat_tokenizer = need_tokenizer("messages", "chat needs")
         try:
             messages = [{**m.model_dump(exclude_none=True), "content": m.text()} for m in body.messages]
             prompt = chat_tokenizer.encode_chat(messages)

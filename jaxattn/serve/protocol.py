@@ -50,9 +50,10 @@ class _Sampling(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     model: StrictStr
-    temperature: Annotated[Number, Field(ge=0)] = 1.0
-    top_p: Annotated[Number, Field(gt=0, le=1)] = 1.0
-    top_k: Annotated[StrictInt, Field(ge=-1)] = -1
+    # None (JSON null) is the default: temperature 1 (OpenAI's), top_p 1, top_k -1 (all tokens)
+    temperature: Annotated[Number, Field(ge=0)] | None = None
+    top_p: Annotated[Number, Field(gt=0, le=1)] | None = None
+    top_k: Annotated[StrictInt, Field(ge=-1)] | None = None
     seed: Annotated[StrictInt, Field(ge=0, lt=2**32)] | None = None
     stop: NonEmptyStr | Annotated[list[NonEmptyStr], Field(max_length=16)] | None = None
     n: Literal[1] = 1
