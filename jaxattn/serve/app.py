@@ -158,7 +158,7 @@ def build_app(engine: Engine, *, model_name: str, tokenizer: TextTokenizer | Non
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI):
-        engine_loop.start()
+        engine_loop.start(asyncio.get_running_loop())
         yield
         engine_loop.stop(shutdown_timeout)
 

@@ -1,10 +1,10 @@
 """The engine thread: the only thread that calls the ``Engine`` (it is not thread-safe).
 
 HTTP handlers (on the asyncio event loop) hand it ``Job``s and aborts through a queue; between
-steps it adds the new requests and applies the aborts, then runs one step and delivers each job's
-new tokens to the job's asyncio queue. A request the engine refuses (``ValueError``) fails with
-400, any other error in adding it with 500; a step that raises fails the requests in flight with
-500 and the thread goes on with the next requests.
+steps it adds the new requests and applies the aborts, then runs one step and delivers the jobs'
+new events to their asyncio queues, all of a step's in one callback on the event loop. A request
+the engine refuses (``ValueError``) fails with 400, any other error in adding it with 500; a step
+that raises fails the requests in flight with 500 and the thread goes on with the next requests.
 """
 
 from __future__ import annotations
@@ -53,18 +53,16 @@ class Job:
         self.prompt, self.max_tokens, self.sampling = prompt, max_tokens, sampling
         self.request: Request | None = None           # set by the engine thread
         self.generated = 0                            # tokens delivered (engine thread)
-        self._loop = asyncio.get_running_loop()
-        self._events: asyncio.Queue[Event] = asyncio.Queue()
-
-    def deliver(self, event: Event) -> None:
-        """From the engine thread: queue ``event`` on the job's event loop (dropped once it closed)."""
-        try:
-            self._loop.call_soon_threadsafe(self._events.put_nowait, event)
-        except RuntimeError:
-            pass
+        self.events: asyncio.Queue[Event] = asyncio.Queue()
 
     async def next_event(self) -> Event:
-        return await self._events.get()
+        return await self.events.get()
+
+
+def _dispatch(outbox: list[tuple[Job, Event]]) -> None:
+    """(On the event loop.) Each event to its job's queue."""
+    for job, event in outbox:
+        job.events.put_nowait(event)
 
 
 class EngineLoop:
@@ -75,6 +73,8 @@ class EngineLoop:
         self.engine, self.metrics = engine, metrics
         self._inbox: queue.SimpleQueue[tuple[str, Job | None]] = queue.SimpleQueue()
         self._live: dict[Request, Job] = {}
+        self._outbox: list[tuple[Job, Event]] = []       # this iteration's events (engine thread)
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._thread = threading.Thread(target=self._run, name="jaxattn-engine", daemon=True)
         self._step_failed = False
 
@@ -82,7 +82,9 @@ class EngineLoop:
     def healthy(self) -> bool:
         return self._thread.is_alive() and not self._step_failed
 
-    def start(self) -> None:
+    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Starts the thread, which delivers events on ``loop`` (the handlers')."""
+        self._loop = loop
         self._update_gauges()
         self._thread.start()
 
@@ -109,25 +111,39 @@ class EngineLoop:
             for command, job in commands:
                 if command == "stop":
                     self._abort_all(Failed(503, "the server is shutting down"))
+                    self._flush()
                     return
                 self._add(job) if command == "add" else self._abort(job)
             if self.engine.has_work:
                 self._step()
+            self._flush()
             self._update_gauges()
+
+    def _flush(self) -> None:
+        """Delivers the iteration's events in one callback (dropped once the event loop closed)."""
+        if self._outbox:
+            outbox, self._outbox = self._outbox, []
+            try:
+                self._loop.call_soon_threadsafe(_dispatch, outbox)
+            except RuntimeError:
+                pass
+
+    def _deliver(self, job: Job, event: Event) -> None:
+        self._outbox.append((job, event))
 
     def _add(self, job: Job) -> None:
         try:
             job.request = self.engine.add_request(job.prompt, job.max_tokens, sampling=job.sampling)
         except ValueError as err:
-            job.deliver(Failed(400, str(err)))
+            self._deliver(job, Failed(400, str(err)))
             return
         except Exception as err:  # this request fails alone
             log.exception("adding a request failed")
-            job.deliver(Failed(500, f"the engine failed to add the request: {type(err).__name__}: {err}"))
+            self._deliver(job, Failed(500, f"the engine failed to add the request: {type(err).__name__}: {err}"))
             return
         self._live[job.request] = job
         self.metrics.prompt_tokens.inc(len(job.prompt))
-        job.deliver(Admitted())
+        self._deliver(job, Admitted())
 
     def _abort(self, job: Job) -> None:
         if job.request is not None and self._live.pop(job.request, None) is not None:
@@ -139,7 +155,7 @@ class EngineLoop:
                 self.engine.abort(request)
             except Exception:  # the others still get their answer
                 log.exception("aborting a request failed")
-            job.deliver(failure)
+            self._deliver(job, failure)
         self._live.clear()
 
     def _step(self) -> None:
@@ -158,7 +174,7 @@ class EngineLoop:
                 continue
             job.generated += len(ids)
             generated += len(ids)
-            job.deliver(Tokens(list(ids), request.finish_reason))
+            self._deliver(job, Tokens(list(ids), request.finish_reason))
             if request.done:
                 del self._live[request]
         self.metrics.generation_tokens.inc(generated)
