@@ -187,3 +187,4 @@ class EngineLoop:
         self.metrics.kv_pages_in_use.set(usage.in_use)
         self.metrics.kv_pages_free.set(usage.free)
         self.metrics.kv_pages_cached.set(usage.cached)
+        self.metrics.observe_engine(self.engine.stats)

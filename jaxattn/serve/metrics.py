@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from prometheus_client import (
     CollectorRegistry,
     Counter,
@@ -21,7 +23,8 @@ _TPOT_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05
 class Metrics:
     """Requests running (generating) and waiting (accepted, no token yet: queued or in prefill),
     prompt and generated tokens, finished requests by finish reason, time to first token and time
-    per output token, and the KV cache's pages (``Engine.page_usage``): in use (held by live
+    per output token, preemptions, prompt tokens found in the prefix cache and tokens computed
+    (``Engine.stats``), and the KV cache's pages (``Engine.page_usage``): in use (held by live
     sequences), free, and cached (holding a cached prompt prefix, held by live sequences or not:
     reusable, and evictable when no one holds them)."""
 
@@ -40,10 +43,27 @@ class Metrics:
                               buckets=_TTFT_BUCKETS, registry=r)
         self.tpot = Histogram("jaxattn_time_per_output_token_seconds", "(last token - first token) / "
                               "(tokens - 1), per request of 2 or more tokens", buckets=_TPOT_BUCKETS, registry=r)
+        # mirrors of Engine.stats
+        self._engine_counters = {
+            "preemptions": Counter("jaxattn_preemptions", "Requests preempted when the KV cache was full "
+                                   "(recomputed later)", registry=r),
+            "cached_tokens": Counter("jaxattn_prompt_tokens_cached", "Prompt tokens found in the prefix cache",
+                                     registry=r),
+            "computed_tokens": Counter("jaxattn_computed_tokens", "Tokens the engine's steps computed (prefill, "
+                                       "decodes, recomputation after preemption)", registry=r),
+        }
+        self._engine_seen = dict.fromkeys(self._engine_counters, 0)
         self.kv_pages_in_use = Gauge("jaxattn_kv_pages_in_use", "KV cache pages held by live sequences", registry=r)
         self.kv_pages_free = Gauge("jaxattn_kv_pages_free", "KV cache pages free", registry=r)
         self.kv_pages_cached = Gauge("jaxattn_kv_pages_cached", "KV cache pages holding a cached prompt prefix "
                                      "(held by live sequences or not)", registry=r)
+
+    def observe_engine(self, stats: Mapping[str, int]) -> None:
+        """Advances the counters that mirror ``Engine.stats`` to its current counts."""
+        for name, counter in self._engine_counters.items():
+            if stats[name] > self._engine_seen[name]:
+                counter.inc(stats[name] - self._engine_seen[name])
+                self._engine_seen[name] = stats[name]
 
     def render(self) -> bytes:
         """The Prometheus text format."""
