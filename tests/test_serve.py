@@ -185,6 +185,7 @@ BAD = [
     ("completions", {"model": "tiny-llama", "max_tokens": 4}, 400, "prompt"),
     ("chat/completions", {"model": "tiny-llama", "max_tokens": 4}, 400, "messages"),
     ("chat/completions", {**CHAT, "messages": []}, 400, "messages"),
+    ("chat/completions", {**CHAT, "messages": [{"content": "w5"}]}, 400, "messages"),
     ("chat/completions", {**CHAT, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400,
      "messages"),
     ("completions", {**COMPLETION, "max_tokens": 0}, 400, "max_tokens"),

@@ -70,9 +70,10 @@ class Generation:
                 if finish == "stop" and shown and shown[-1] in self.job.sampling.stop_token_ids:
                     shown = shown[:-1]                 # the stop token is not text
                 self.text.add(shown)
-                if self.text.stopped and finish is None:
+                if self.text.stopped:                  # a stop string: the request ends here
+                    if finish is None:
+                        self.engine_loop.abort(self.job)
                     finish = "stop"
-                    self.engine_loop.abort(self.job)
                 delta = self.text.take(final=finish is not None)
             self.finish_reason = finish
             yield delta, event.ids, finish
@@ -286,7 +287,10 @@ def build_app(engine: Engine, *, model_name: str, tokenizer: TextTokenizer | Non
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
         check_model(body.model)
-        prompt = body.prompt if isinstance(body.prompt, list) else need_tokenizer("prompt", "a text prompt needs").encode(body.prompt)
+        if isinstance(body.prompt, list):
+            prompt = body.prompt
+        else:
+            prompt = need_tokenizer("prompt", "a text prompt needs").encode(body.prompt)
         return await respond(request, body, make_job(body, prompt, "prompt", body.max_tokens, "max_tokens"), False)
 
     @app.post("/v1/chat/completions")

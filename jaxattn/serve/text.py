@@ -10,6 +10,7 @@ Jinja as transformers' ``apply_chat_template`` renders it; ``generation_config.j
 from __future__ import annotations
 
 import datetime
+import functools
 import json
 import pathlib
 from collections.abc import Sequence
@@ -61,12 +62,9 @@ class TextTokenizer:
     def decode(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=True)
 
-    def render_chat(self, messages: list[dict]) -> str:
-        """The chat template applied to ``messages`` with the generation prompt; ValueError without
-        a template, ChatTemplateError when the template refuses the messages."""
-        if self.chat_template is None:
-            raise ValueError("this model's tokenizer has no chat template: use /v1/completions")
-        import jinja2
+    @functools.cached_property
+    def _template(self):
+        """The chat template compiled as transformers compiles it (a sandbox, its globals)."""
         from jinja2.sandbox import ImmutableSandboxedEnvironment
 
         def raise_exception(message: str):
@@ -77,12 +75,21 @@ class TextTokenizer:
         env.filters["tojson"] = lambda value, indent=None: json.dumps(value, indent=indent, ensure_ascii=False)
         env.globals.update(raise_exception=raise_exception,
                            strftime_now=lambda fmt: datetime.datetime.now().strftime(fmt))
+        return env.from_string(self.chat_template)
+
+    def render_chat(self, messages: list[dict]) -> str:
+        """The chat template applied to ``messages`` with the generation prompt; ValueError without
+        a template, ChatTemplateError when the template refuses or fails on the messages."""
+        if self.chat_template is None:
+            raise ValueError("this model's tokenizer has no chat template: use /v1/completions")
         try:
-            return env.from_string(self.chat_template).render(
-                messages=messages, add_generation_prompt=True, bos_token=self.bos_token or "",
-                eos_token=self.eos_token or "")
-        except jinja2.TemplateError as err:
-            raise ChatTemplateError(f"the chat template failed on these messages: {err}") from err
+            return self._template.render(messages=messages, add_generation_prompt=True,
+                                         bos_token=self.bos_token or "", eos_token=self.eos_token or "")
+        except ChatTemplateError:
+            raise
+        except Exception as err:                    # the messages broke the template (jinja2 or a TypeError)
+            raise ChatTemplateError(f"the chat template failed on these messages: {type(err).__name__}: "
+                                    f"{err}") from err
 
     def encode_chat(self, messages: list[dict]) -> list[int]:
         """Token ids of the rendered chat (its special tokens come from the template, as in
