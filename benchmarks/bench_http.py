@@ -13,7 +13,8 @@ process of its own (the device holds one engine at a time), both after the engin
     to token on the host;
   * http: ``python -m jaxattn.serve --preset ...`` with the same engine arguments, and this process
     as its clients over loopback: one streamed ``/v1/completions`` request of token ids per trace
-    request at its arrival time (httpx, asyncio), tokens read from the stream (``return_token_ids``).
+    request at its arrival time (httpx, asyncio), tokens read from the stream (``return_token_ids``),
+    after one request that warms the server's and the client's code paths up.
 Reported per run: generated tokens/s (over the wall time from the first arrival to the last
 token), TTFT (arrival to first token) and TPOT ((last - first token) / (tokens - 1), per request)
 p50 / p90 / p99; the HTTP / engine tokens/s ratio, and how many requests got the same tokens in
@@ -191,6 +192,7 @@ def run_http(args: argparse.Namespace, trace: list[TraceRequest], env: dict) -> 
     base_url = f"http://127.0.0.1:{port}"
     try:
         _wait_healthy(base_url, server)
+        asyncio.run(_clients(base_url, [TraceRequest(0.0, [0, 1], 2)]))    # the first request's one-time costs
         results = asyncio.run(_clients(base_url, trace))
     finally:
         server.send_signal(signal.SIGTERM)
@@ -279,7 +281,12 @@ def main(argv: list[str] | None = None) -> None:
         with open(args.engine_run, "w") as f:
             json.dump(run_engine(args, trace), f)
         return
-    # Both runs compile the same steps: the server finds the engine run's in the cache.
+    # This process only sends requests: it keeps off the device the runs need (whatever an import
+    # might ask JAX for). Both runs compile the same steps: the server finds the engine run's in
+    # the cache.
+    import jax
+
+    jax.config.update("jax_platforms", "cpu")
     env = dict(os.environ)
     with tempfile.TemporaryDirectory() as tmp:
         env.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(tmp, "jax_cache"))
