@@ -296,23 +296,27 @@ class Engine:
             raise RuntimeError("Engine.warmup: call it before adding requests")
         start = time.perf_counter()
         for shape in self.buckets.shapes:
-            padding = np.full(shape.rows, -1, np.int32)
-            prefix = None
-            if self._step_pages is not None:
-                no_pages = np.full(self._step_pages, -1, np.int32)
-                prefix = PrefixOps(no_pages, no_pages, np.zeros((shape.rows, self.table.max_pages_per_seq), np.int32))
-            variants = [None]
+            self._padding_step(shape, sampled=False)
             if sampled:
-                variants.append(SamplingBatch.from_params([SamplingParams(temperature=1.0)] * shape.rows,
-                                                          [0] * shape.rows))
-            for sampling in variants:
-                _, _, _, self.caches, self.table = self._step(
-                    self._weights, self.caches, self.table, self._prev_tokens, np.full(self.max_seqs, -1, np.int32),
-                    np.zeros(shape.tokens, np.int32), np.full(shape.tokens, -1, np.int32), padding,
-                    np.zeros(shape.rows, np.int32), sampling, prefix, max_q_len=shape.max_q_len,
-                    page_window=shape.page_window, backend=self.backend)
+                self._padding_step(shape, sampled=True)
         jax.block_until_ready(self.table)
         return time.perf_counter() - start
+
+    def _padding_step(self, shape: StepShape, *, sampled: bool) -> None:
+        """Runs the step of ``shape`` on padding rows only (it changes no state): compiles it."""
+        padding = np.full(shape.rows, -1, np.int32)
+        prefix = None
+        if self._step_pages is not None:
+            no_pages = np.full(self._step_pages, -1, np.int32)
+            prefix = PrefixOps(no_pages, no_pages, np.zeros((shape.rows, self.table.max_pages_per_seq), np.int32))
+        sampling = None
+        if sampled:
+            sampling = SamplingBatch.from_params([SamplingParams(temperature=1.0)] * shape.rows, [0] * shape.rows)
+        _, _, _, self.caches, self.table = self._step(
+            self._weights, self.caches, self.table, self._prev_tokens, np.full(self.max_seqs, -1, np.int32),
+            np.zeros(shape.tokens, np.int32), np.full(shape.tokens, -1, np.int32), padding,
+            np.zeros(shape.rows, np.int32), sampling, prefix, max_q_len=shape.max_q_len,
+            page_window=shape.page_window, backend=self.backend)
 
 
 def _default_num_pages(model: PagedModel, max_seqs: int | None, pages_per_seq: int, page_size: int, layout: str,

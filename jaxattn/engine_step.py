@@ -6,7 +6,7 @@ K/V, runs attention in every layer and samples the next tokens, over donated KV 
 table. A decode row's input may be the token the previous step sampled, still on the device
 (``token_src``), so the host schedules step n+1 while step n runs. Step shapes come from two
 bucket lists (``StepBuckets``): a decode-only step has as many rows and tokens as the smallest row
-bucket that holds its rows; a mixed step has ``max_seqs`` rows and the smallest token bucket that
+bucket that holds its rows (one bucket up to 256 rows); a mixed step has ``max_seqs`` rows and the smallest token bucket that
 holds its tokens. A serving loop compiles one step per bucket (``Engine.warmup``), and per
 sampling mode (greedy steps skip the sampler), and then replays.
 """
@@ -126,6 +126,9 @@ def buckets(smallest: int, largest: int) -> tuple[int, ...]:
     return (*sizes, largest)
 
 
+ROWS_BUCKET_FROM = 256
+
+
 @dataclasses.dataclass(frozen=True)
 class StepShape:
     """A compiled step's static shape: ``rows`` (R), ``tokens`` (T), ``max_q_len`` (1: decode-only)
@@ -148,9 +151,12 @@ class StepBuckets:
 
     @classmethod
     def default(cls, max_seqs: int, max_step_tokens: int, page_size: int) -> "StepBuckets":
-        """Rows 16, 32, ... up to ``max_seqs``; tokens ``max(max_seqs, 64)``, doubling, up to
-        ``max_step_tokens`` (below 64 tokens a step costs about the same at any size)."""
-        return cls(buckets(min(16, max_seqs), max_seqs), buckets(max(max_seqs, 64), max_step_tokens), page_size)
+        """Rows ``ROWS_BUCKET_FROM`` (256), doubling, up to ``max_seqs``; tokens ``max(max_seqs,
+        64)``, doubling, up to ``max_step_tokens``. Up to about 256 rows a decode step's GEMMs read
+        the weights in the same time whatever the rows, and padding rows cost attention nothing,
+        so smaller decode buckets would only add compiles (10-20 s each for Llama-3-8B on an H100)."""
+        return cls(buckets(ROWS_BUCKET_FROM, max_seqs) if max_seqs > ROWS_BUCKET_FROM else (max_seqs,),
+                   buckets(max(max_seqs, 64), max_step_tokens), page_size)
 
     def _shape(self, rows: int, tokens: int, max_q_len: int) -> StepShape:
         window = 1 if max_q_len == 1 else -(-max_q_len // self.page_size) + 1

@@ -41,15 +41,19 @@ def test_step_has_no_loops():
 
 
 def test_buckets():
-    """Decode-only steps: the smallest row bucket that holds the rows (16, 32, ..., max_seqs);
-    mixed steps: max_seqs rows and the smallest token bucket (max_seqs, doubling, ..., the budget)."""
+    """Decode-only steps: the smallest row bucket that holds the rows (one up to 256 rows, then
+    256, 512, ..., max_seqs); mixed steps: max_seqs rows and the smallest token bucket
+    (max(max_seqs, 64), doubling, ..., the budget)."""
     buckets = StepBuckets.default(max_seqs=100, max_step_tokens=1000, page_size=16)
-    assert buckets.rows == (16, 32, 64, 100) and buckets.tokens == (100, 200, 400, 800, 1000)
-    assert StepBuckets.default(max_seqs=4, max_step_tokens=4, page_size=8) == StepBuckets((4,), (4,), 8)
-    assert len(buckets.shapes) == 9
+    assert buckets.rows == (100,) and buckets.tokens == (100, 200, 400, 800, 1000)
+    assert StepBuckets.default(max_seqs=600, max_step_tokens=600, page_size=16).rows == (256, 512, 600)
+    assert StepBuckets.default(max_seqs=4, max_step_tokens=16, page_size=8) == StepBuckets((4,), (16,), 8)
+    assert len(buckets.shapes) == 6
     decode = _request(0, [1], [2], computed=1, slot=0, blocks=[0])
     rows = [Row(decode, 1, 1, True)] * 17
-    assert buckets.shape(Schedule(rows, [], [], [], [])) == StepShape(32, 32, 1, 1)
+    assert buckets.shape(Schedule(rows, [], [], [], [])) == StepShape(100, 100, 1, 1)
+    big = StepBuckets.default(max_seqs=600, max_step_tokens=600, page_size=16)
+    assert big.shape(Schedule(rows * 20, [], [], [], [])) == StepShape(512, 512, 1, 1)
     chunk = Row(_request(1, list(range(300)), [], computed=0, slot=1, blocks=[]), 0, 300, True)
     assert buckets.shape(Schedule(rows + [chunk], [], [], [], [])) == StepShape(100, 400, 400, 26)
 
