@@ -241,9 +241,9 @@ def test_the_openai_client_raises_on_bad_input(server):
 
 # ----------------------------------------------------------------------------------------- load
 
-async def _stream(http: httpx.AsyncClient, prompt: list[int], leave_after: int | None) -> tuple[int, list[int] | None]:
+async def _stream(http: httpx.AsyncClient, prompt: list[int], leave_after: int | None) -> tuple[int, object]:
     """(status, streamed token ids, or None for a client that left after ``leave_after`` chunks
-    of LEAVER_TOKENS asked for)."""
+    of LEAVER_TOKENS asked for, or the message of an error event)."""
     body = {"model": "tiny-llama", "prompt": prompt, "max_tokens": NEW_TOKENS if leave_after is None else LEAVER_TOKENS,
             "temperature": 0, "stream": True, "return_token_ids": True}
     async with http.stream("POST", "/v1/completions", json=body) as response:
@@ -253,7 +253,10 @@ async def _stream(http: httpx.AsyncClient, prompt: list[int], leave_after: int |
         async for line in response.aiter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
-            ids += json.loads(line[len("data: "):])["choices"][0]["token_ids"]
+            data = json.loads(line[len("data: "):])
+            if "error" in data:
+                return response.status_code, data["error"]["message"]
+            ids += data["choices"][0]["token_ids"]
             chunks += 1
             if chunks == leave_after:
                 return response.status_code, None   # closing the response drops the connection
@@ -317,8 +320,10 @@ def test_64_streams_a_quarter_leaving(server, checkpoint):
     assert metric(server, 'jaxattn_requests_finished_total{finish_reason="abort"}') - aborted == len(leave) + 1
 
 
-def test_sigterm_during_load_exits_0(checkpoint, tmp_path):
-    """SIGTERM with streams in flight: no new connections, the streams finish, exit status 0."""
+@pytest.mark.parametrize("grace", ["30", "0"], ids=["finish", "abort"])
+def test_sigterm_during_load_exits_0(checkpoint, tmp_path, grace):
+    """SIGTERM with streams in flight: no new connections; exit status 0; within the grace period
+    (--shutdown-timeout) the streams finish, after it they end with a 503 error event."""
     path, reference, _ = checkpoint
     port = free_port()
     base_url = f"http://127.0.0.1:{port}"
@@ -333,13 +338,17 @@ def test_sigterm_during_load_exits_0(checkpoint, tmp_path):
         proc.send_signal(signal.SIGTERM)
         return await task
 
-    with running_server(["--model", str(path), "--served-model-name", "tiny-llama", *SERVER_ARGS], port,
-                        log=tmp_path / "server.log") as proc:
+    args = ["--model", str(path), "--served-model-name", "tiny-llama", *SERVER_ARGS, "--shutdown-timeout", grace]
+    with running_server(args, port, log=tmp_path / "server.log") as proc:
         results = asyncio.run(load_then_sigterm(proc))
         assert proc.wait(timeout=60) == 0, (tmp_path / "server.log").read_text()[-3000:]
+    aborted = 0
     for prompt, result in zip(prompts, results):
         assert not isinstance(result, BaseException), result
-        assert result == (200, expected_tokens(reference, prompt, NEW_TOKENS))
+        if result != (200, expected_tokens(reference, prompt, NEW_TOKENS)):
+            assert grace == "0" and result == (200, "the server is shutting down"), result
+            aborted += 1
+    assert aborted > 0 if grace == "0" else aborted == 0
     with pytest.raises(httpx.ConnectError):
         httpx.get(f"{base_url}/health")
 

@@ -31,6 +31,8 @@ __all__ = ["build_app"]
 
 # What a client disconnecting before its answer gets (nginx's "client closed request"; never sent).
 CLIENT_CLOSED = 499
+# Seconds the app's end waits for the engine thread to finish its step and abort what is left.
+ENGINE_STOP_S = 60.0
 
 
 class Generation:
@@ -148,8 +150,7 @@ def _validation_error(err: RequestValidationError) -> tuple[str, str | None]:
     return f"{param}: " + "; ".join(dict.fromkeys(e["msg"] for e in same)) + hint, param
 
 
-def build_app(engine: Engine, *, model_name: str, tokenizer: TextTokenizer | None = None,
-              shutdown_timeout: float = 30.0) -> FastAPI:
+def build_app(engine: Engine, *, model_name: str, tokenizer: TextTokenizer | None = None) -> FastAPI:
     """The server's app over ``engine`` (its thread starts and stops with the app's lifespan),
     serving it as ``model_name``; without ``tokenizer``, prompts are token ids only."""
     metrics = Metrics()
@@ -161,7 +162,7 @@ def build_app(engine: Engine, *, model_name: str, tokenizer: TextTokenizer | Non
     async def lifespan(_: FastAPI):
         engine_loop.start(asyncio.get_running_loop())
         yield
-        engine_loop.stop(shutdown_timeout)
+        engine_loop.stop(ENGINE_STOP_S)
 
     app = FastAPI(title="jaxattn", lifespan=lifespan)
     app.state.engine_loop = engine_loop

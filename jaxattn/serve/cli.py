@@ -4,8 +4,8 @@ Serves a local Hugging Face checkpoint directory (``--model DIR``: ``jaxattn.mod
 its ``tokenizer.json`` and chat template) or a random-weight preset (``--preset NAME``, for
 benchmarks: prompts as token ids only). One process serves one engine on ``--tp`` devices of this
 process, as ``python -m jaxattn.demo --tp`` does. SIGTERM (or Ctrl-C) stops accepting
-connections, lets requests in flight finish for up to ``--shutdown-timeout`` seconds, aborts the
-rest and exits with status 0.
+connections, lets requests in flight finish for up to ``--shutdown-timeout`` seconds, then aborts
+the rest (their clients get a 503 error) and exits with status 0.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import argparse
 import logging
 import os
 import signal
+import threading
 
 import jax
 import uvicorn
@@ -26,9 +27,14 @@ from jaxattn.engine import Engine
 from jaxattn.models import from_pretrained
 from jaxattn.models.llama import PRESETS, Llama, shard_model
 from jaxattn.serve.app import build_app
+from jaxattn.serve.loop import EngineLoop
 from jaxattn.serve.text import TextTokenizer
 
-__all__ = ["build_parser", "main"]
+__all__ = ["GracefulServer", "build_parser", "main"]
+
+# Seconds uvicorn waits, after the requests in flight were aborted, for their answers to close
+# before it cancels their tasks.
+CLOSE_S = 5.0
 
 
 def build_parser(on_gpu: bool) -> argparse.ArgumentParser:
@@ -69,7 +75,8 @@ def build_parser(on_gpu: bool) -> argparse.ArgumentParser:
     server.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
     server.add_argument("--port", type=int, default=8000, help="port to listen on (default: %(default)s)")
     server.add_argument("--shutdown-timeout", type=float, metavar="S", default=30.0,
-                        help="on SIGTERM, seconds requests in flight may take to finish (default: %(default)s)")
+                        help="on SIGTERM, seconds requests in flight may take to finish before they are "
+                             "aborted (default: %(default)s)")
     server.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
     return parser
 
@@ -101,6 +108,22 @@ def load_model(args: argparse.Namespace, parser: argparse.ArgumentParser, mesh) 
     return model, os.path.basename(os.path.normpath(args.model)), tokenizer
 
 
+class GracefulServer(uvicorn.Server):
+    """uvicorn's server that, ``grace`` seconds after a shutdown signal, aborts the requests still
+    in flight: their clients get a 503 error (a stream: as its last event) instead of a cut."""
+
+    def __init__(self, config: uvicorn.Config, engine_loop: EngineLoop, grace: float):
+        super().__init__(config)
+        self.engine_loop, self.grace = engine_loop, grace
+
+    def handle_exit(self, sig: int, frame) -> None:
+        if not self.should_exit:
+            timer = threading.Timer(self.grace, self.engine_loop.abort_all)
+            timer.daemon = True
+            timer.start()
+        super().handle_exit(sig, frame)
+
+
 def main(argv: list[str] | None = None) -> None:
     on_gpu = jax.default_backend() == "gpu"
     parser = build_parser(on_gpu)
@@ -120,11 +143,12 @@ def main(argv: list[str] | None = None) -> None:
     log = logging.getLogger("jaxattn.serve")
     log.info("compiling the engine's steps (%d sequences in flight, %d pages)", engine.max_seqs, engine.num_pages)
     log.info("compiled in %.1f s", engine.warmup())
-    app = build_app(engine, model_name=args.served_model_name or name, tokenizer=tokenizer,
-                    shutdown_timeout=args.shutdown_timeout)
+    app = build_app(engine, model_name=args.served_model_name or name, tokenizer=tokenizer)
     # uvicorn re-raises the signal that stopped it once it has shut down: a handler of ours makes
     # that a no-op, so a SIGTERM'd server exits with status 0.
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: None)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
-                timeout_graceful_shutdown=args.shutdown_timeout)
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                            timeout_graceful_shutdown=args.shutdown_timeout + CLOSE_S)
+    GracefulServer(config, app.state.engine_loop, args.shutdown_timeout).run()
+

@@ -93,6 +93,10 @@ class EngineLoop:
         self._inbox.put(("stop", None))
         self._thread.join(timeout)
 
+    def abort_all(self) -> None:
+        """Ends every request in flight at the next step: each fails with 503 (shutting down)."""
+        self._inbox.put(("abort_all", None))
+
     def submit(self, job: Job) -> None:
         self._inbox.put(("add", job))
 
@@ -109,11 +113,15 @@ class EngineLoop:
                 except queue.Empty:
                     break
             for command, job in commands:
-                if command == "stop":
+                if command in ("stop", "abort_all"):
                     self._abort_all(Failed(503, "the server is shutting down"))
+                if command == "stop":
                     self._flush()
                     return
-                self._add(job) if command == "add" else self._abort(job)
+                if command == "add":
+                    self._add(job)
+                elif command == "abort":
+                    self._abort(job)
             if self.engine.has_work:
                 self._step()
             self._flush()
