@@ -356,12 +356,14 @@ def test_sigterm_during_load_exits_0(checkpoint, tmp_path, grace):
 # ---------------------------------------------------------------------------------- in process
 
 class _FailingEngine:
-    """An Engine whose add_request raises (not a ValueError) for prompts starting with FAIL."""
+    """An Engine whose add_request raises (not a ValueError) for prompts starting with FAIL, and
+    whose next step raises after ``fail_next_step`` is set."""
 
     FAIL = 13
 
     def __init__(self, engine):
         self._engine = engine
+        self.fail_next_step = False
 
     def __getattr__(self, name):
         return getattr(self._engine, name)
@@ -371,10 +373,17 @@ class _FailingEngine:
             raise RuntimeError("injected fault")
         return self._engine.add_request(prompt, *args, **kwargs)
 
+    def step_events(self):
+        if self.fail_next_step:
+            self.fail_next_step = False
+            raise RuntimeError("injected step fault")
+        return self._engine.step_events()
+
 
 def test_a_request_failing_in_the_engine_fails_alone():
     """(In process, a random-weight preset, no tokenizer.) The failing request gets a 500 naming
-    the error; the requests beside it and after it are served; text needs a tokenizer (400)."""
+    the error; the requests beside it and after it are served; a failing step fails its requests
+    with a 500, and the next are served; text needs a tokenizer (400)."""
     from fastapi.testclient import TestClient
     from flax import nnx
 
@@ -384,7 +393,8 @@ def test_a_request_failing_in_the_engine_fails_alone():
 
     engine = Engine(Llama(PRESETS["tiny"].replace(num_layers=1), nnx.Rngs(0)), max_seqs=4, max_seq_len=32,
                     page_size=8, max_step_tokens=8, backend="xla")
-    app = build_app(_FailingEngine(engine), model_name="tiny")
+    failing = _FailingEngine(engine)
+    app = build_app(failing, model_name="tiny")
     body = {"model": "tiny", "max_tokens": 4, "temperature": 0}
     with TestClient(app) as http:
         def post(prompt, **extra):
@@ -396,6 +406,9 @@ def test_a_request_failing_in_the_engine_fails_alone():
         streamed = post([_FailingEngine.FAIL, 5], stream=True)
         assert streamed.status_code == 500 and "injected fault" in streamed.json()["error"]["message"]
         assert ok.status_code == 200 and len(ok.json()["choices"][0]["token_ids"]) == 4
+        failing.fail_next_step = True
+        step_failed = post([1, 2, 3])
+        assert step_failed.status_code == 500 and "injected step fault" in step_failed.json()["error"]["message"]
         again = post([1, 2, 3], return_token_ids=True)
         assert again.json()["choices"][0]["token_ids"] == ok.json()["choices"][0]["token_ids"]
         assert http.get("/health").status_code == 200

@@ -14,6 +14,7 @@ import dataclasses
 import logging
 import queue
 import threading
+import time
 
 from jaxattn.engine import Engine, Request
 from jaxattn.sampling import SamplingParams
@@ -22,6 +23,8 @@ from jaxattn.serve.metrics import Metrics
 __all__ = ["Admitted", "EngineLoop", "Failed", "Job", "Tokens"]
 
 log = logging.getLogger("jaxattn.serve")
+# After a step that raised: a pause before the next, so an engine that keeps failing does not spin.
+FAILED_STEP_PAUSE_S = 1.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,6 +129,8 @@ class EngineLoop:
                 self._step()
             self._flush()
             self._update_gauges()
+            if self._step_failed and self.engine.has_work:
+                time.sleep(FAILED_STEP_PAUSE_S)
 
     def _flush(self) -> None:
         """Delivers the iteration's events in one callback (dropped once the event loop closed)."""
@@ -155,16 +160,19 @@ class EngineLoop:
 
     def _abort(self, job: Job) -> None:
         if job.request is not None and self._live.pop(job.request, None) is not None:
-            self.engine.abort(job.request)
+            self._abort_request(job.request)
 
     def _abort_all(self, failure: Failed) -> None:
         for request, job in list(self._live.items()):
-            try:
-                self.engine.abort(request)
-            except Exception:  # the others still get their answer
-                log.exception("aborting a request failed")
+            self._abort_request(request)
             self._deliver(job, failure)
         self._live.clear()
+
+    def _abort_request(self, request: Request) -> None:
+        try:
+            self.engine.abort(request)
+        except Exception:  # the thread goes on serving the others
+            log.exception("aborting a request failed")
 
     def _step(self) -> None:
         try:
