@@ -355,6 +355,20 @@ def test_sigterm_during_load_exits_0(checkpoint, tmp_path, grace):
 
 # ---------------------------------------------------------------------------------- in process
 
+def test_command_line(capsys):
+    """Every option has a help; a model is required, one of --model and --preset."""
+    from jaxattn.serve import cli
+
+    assert all(action.help for action in cli.build_parser(on_gpu=False)._actions)
+    for argv, message in (([], "one of the arguments --model --preset is required"),
+                          (["--preset", "tiny", "--model", "x"], "not allowed with argument"),
+                          (["--model", "/nonexistent"], "is not a local checkpoint directory"),
+                          (["--preset", "tiny", "--max-seqs", "0"], "must be an int >= 1")):
+        with pytest.raises(SystemExit) as exit_info:
+            cli.main(argv)
+        assert exit_info.value.code == 2 and message in capsys.readouterr().err, argv
+
+
 class _FailingEngine:
     """An Engine whose add_request raises (not a ValueError) for prompts starting with FAIL, and
     whose next step raises after ``fail_next_step`` is set."""

@@ -77,7 +77,8 @@ def build_parser(on_gpu: bool) -> argparse.ArgumentParser:
     server.add_argument("--shutdown-timeout", type=float, metavar="S", default=30.0,
                         help="on SIGTERM, seconds requests in flight may take to finish before they are "
                              "aborted (default: %(default)s)")
-    server.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
+    server.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"),
+                        help="uvicorn's and the server's logging (default: %(default)s)")
     return parser
 
 
