@@ -330,11 +330,12 @@ def test_sigterm_during_load_exits_0(checkpoint, tmp_path, grace):
     prompts = _load_prompts(16)
 
     async def load_then_sigterm(proc) -> list:
+        """SIGTERM once the engine has taken every request (so all are in flight)."""
         task = asyncio.ensure_future(_load(base_url, prompts, set()))
         deadline = time.monotonic() + 60
-        while not metric(base_url, "jaxattn_generation_tokens_total"):
+        while metric(base_url, "jaxattn_prompt_tokens_total") < sum(map(len, prompts)):
             assert time.monotonic() < deadline
-            await asyncio.sleep(0.02)
+            await asyncio.sleep(0.01)
         proc.send_signal(signal.SIGTERM)
         return await task
 
