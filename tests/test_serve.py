@@ -1,9 +1,11 @@
 """``python -m jaxattn.serve`` over loopback, on a tiny Llama checkpoint that transformers writes
 (with a word-level tokenizer and a chat template): the openai client's completions, chats and
 streams equal transformers' greedy tokens; bad input gets a 4xx naming the field; 64 concurrent
-streams with a quarter of the clients leaving mid-stream all end well and free their pages;
-SIGTERM during load exits 0; the README's section runs as written. In process (no checkpoint): a
-request that fails in the engine fails alone."""
+streams with a quarter of the clients leaving mid-stream all end well and free their pages (the
+pool short, so requests are preempted); SIGTERM during load exits 0, the streams finished within
+the grace period and ended by a 503 event after it; the README's section runs as written; the
+benchmark's smoke mode runs. In process (no checkpoint): a request, or a step, that fails in the
+engine fails alone; the command line's usage errors."""
 
 from __future__ import annotations
 
@@ -36,9 +38,9 @@ from tests.serve_helpers import (
 )
 
 MAX_SEQ_LEN = 64
+# 16 pages (2 sequences of 64 tokens), so loads preempt; steps of at most 8 tokens (few shapes to compile)
 SERVER_ARGS = ["--dtype", "float32", "--backend", "xla", "--max-seqs", "8", "--max-seq-len", str(MAX_SEQ_LEN),
-               "--page-size", "8", "--num-pages", "17", "--max-step-tokens", "8"]   # 16 pages: 2 sequences of 64 tokens,
-# so loads preempt; steps of 8 tokens (two shapes to compile: decode-only and mixed)
+               "--page-size", "8", "--num-pages", "17", "--max-step-tokens", "8"]
 NEW_TOKENS = 12
 LEAVER_TOKENS = 40      # a client that leaves mid-stream asks for more, so its request is still running
 
