@@ -51,6 +51,7 @@ __all__ = ["Engine", "Request"]
 MAX_SEQS_FROM_POOL = 256
 MAX_SEQS_WITHOUT_MEMORY_STATS = 8
 DEFAULT_MAX_STEP_TOKENS = 2048
+DEFAULT_PREFILL_CHUNK = 512
 
 
 def _shared_entropy() -> int:
@@ -90,6 +91,8 @@ class Engine:
         sequences). It must hold at least one sequence of ``max_seq_len``.
       max_step_tokens: tokens one step computes at most, decodes included (>= max_seqs); prompt
         chunks take what decodes leave. None: ``max(DEFAULT_MAX_STEP_TOKENS, max_seqs)``.
+      prefill_chunk: prompt tokens one request computes in a step, at most (the static
+        ``max_q_len`` of mixed steps; ``engine_step.StepBuckets``). None: ``max_step_tokens``.
       backend: "auto" or one backend that runs every op of ``model.attention_ops`` (checked here).
       enable_prefix_caching: a request starts on the cached pages of its longest cached prompt
         prefix and prefills only the rest (see ``jaxattn.scheduler``).
@@ -110,13 +113,15 @@ class Engine:
     def __init__(self, model: PagedModel, *, max_seqs: int | None = None, max_seq_len: int, page_size: int = 16,
                  num_pages: int | None = None, max_step_tokens: int | None = None, backend: str = "auto",
                  layout: str = "HND", kv_dtype=None, enable_prefix_caching: bool = True, mesh: Mesh | None = None,
-                 overlap: bool = True, kv_memory_fraction: float = 0.9, record_steps: bool = False):
+                 prefill_chunk: int | None = DEFAULT_PREFILL_CHUNK, overlap: bool = True,
+                 kv_memory_fraction: float = 0.9, record_steps: bool = False):
         _check_model(model)
         check_serves(backend, model.attention_ops, where="Engine")
         for name, value in (("max_seq_len", max_seq_len), ("page_size", page_size)):
             if not is_positive_int(value):
                 raise ValueError(f"Engine: {name} must be an int >= 1, got {value!r}")
-        for name, value in (("max_seqs", max_seqs), ("num_pages", num_pages), ("max_step_tokens", max_step_tokens)):
+        for name, value in (("max_seqs", max_seqs), ("num_pages", num_pages), ("max_step_tokens", max_step_tokens),
+                            ("prefill_chunk", prefill_chunk)):
             if value is not None and not is_positive_int(value):
                 raise ValueError(f"Engine: {name} must be None or an int >= 1, got {value!r}")
         if layout not in LAYOUTS:
@@ -157,8 +162,9 @@ class Engine:
             self._weights = jax.device_put(self._weights, jax.tree.leaves(model.param_shardings(mesh)))
             self.table, self._prev_tokens = jax.device_put((self.table, self._prev_tokens), replicated)
         self.scheduler = Scheduler(max_seqs=max_seqs, num_pages=num_pages, page_size=page_size,
-                                   max_step_tokens=max_step_tokens, enable_prefix_caching=enable_prefix_caching)
-        self.buckets = StepBuckets.default(max_seqs, max_step_tokens, page_size)
+                                   max_step_tokens=max_step_tokens, enable_prefix_caching=enable_prefix_caching,
+                                   prefill_chunk=prefill_chunk)
+        self.buckets = StepBuckets.default(max_seqs, max_step_tokens, page_size, prefill_chunk)
         # pages one step may allocate (rows of one page, plus its prompt chunks' pages) or cache
         self._step_pages = max_seqs + max_step_tokens // page_size + 1 if enable_prefix_caching else None
         self._launched: collections.deque[_Launched] = collections.deque()

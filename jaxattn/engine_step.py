@@ -143,22 +143,29 @@ class StepShape:
 @dataclasses.dataclass(frozen=True)
 class StepBuckets:
     """The step shapes an engine compiles: decode-only steps of ``rows`` rows and tokens, mixed
-    steps of ``max_seqs`` rows and ``tokens`` tokens (each list ascending)."""
+    steps of ``max_seqs`` rows and ``tokens`` tokens (each list ascending), whose rows hold at most
+    ``prefill_chunk`` tokens (their static ``max_q_len``: prefill kernels launch work per row and
+    per tile of ``max_q_len``, so a bound far below the step's tokens keeps a mixed step of a few
+    hundred rows from launching mostly empty tiles)."""
 
     rows: tuple[int, ...]
     tokens: tuple[int, ...]
     page_size: int
+    prefill_chunk: int | None = None      # the longest row of a mixed step (its max_q_len); None: its tokens
 
     @classmethod
-    def default(cls, max_seqs: int, max_step_tokens: int, page_size: int) -> "StepBuckets":
+    def default(cls, max_seqs: int, max_step_tokens: int, page_size: int,
+                prefill_chunk: int | None = None) -> "StepBuckets":
         """Rows ``ROWS_BUCKET_FROM`` (256), doubling, up to ``max_seqs``; tokens ``max(max_seqs,
         64)``, doubling, up to ``max_step_tokens``. Up to about 256 rows a decode step's GEMMs read
         the weights in the same time whatever the rows, and padding rows cost attention nothing,
         so smaller decode buckets would only add compiles (10-20 s each for Llama-3-8B on an H100)."""
         return cls(buckets(ROWS_BUCKET_FROM, max_seqs) if max_seqs > ROWS_BUCKET_FROM else (max_seqs,),
-                   buckets(max(max_seqs, 64), max_step_tokens), page_size)
+                   buckets(max(max_seqs, 64), max_step_tokens), page_size, prefill_chunk)
 
     def _shape(self, rows: int, tokens: int, max_q_len: int) -> StepShape:
+        if max_q_len > 1 and self.prefill_chunk:
+            max_q_len = min(max_q_len, self.prefill_chunk)
         window = 1 if max_q_len == 1 else -(-max_q_len // self.page_size) + 1
         return StepShape(rows, tokens, max_q_len, window)
 

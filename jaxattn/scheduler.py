@@ -219,7 +219,8 @@ class PageUsage:
 class Scheduler:
     """Requests waiting and running over ``max_seqs`` sequence slots and a pool of ``num_pages``
     pages of ``page_size`` tokens, at most ``max_step_tokens`` tokens per step (``>= max_seqs``, so
-    every decode fits).
+    every decode fits), and at most ``prefill_chunk`` prompt tokens of one request per step
+    (default: ``max_step_tokens``).
 
     ``stats`` counts prompt tokens, cached tokens (prompt tokens a request found in the cache when
     admitted, again when re-admitted after a preemption), computed tokens (all tokens the steps
@@ -227,11 +228,12 @@ class Scheduler:
     """
 
     def __init__(self, *, max_seqs: int, num_pages: int, page_size: int, max_step_tokens: int,
-                 enable_prefix_caching: bool):
+                 enable_prefix_caching: bool, prefill_chunk: int | None = None):
         if max_step_tokens < max_seqs:
             raise ValueError(f"Scheduler: max_step_tokens must be >= max_seqs={max_seqs} (every decode fits in a "
                              f"step), got {max_step_tokens}")
         self.page_size, self.max_step_tokens = page_size, max_step_tokens
+        self.prefill_chunk = prefill_chunk or max_step_tokens
         self.enable_prefix_caching = enable_prefix_caching
         self.pool = PagePool(num_pages)
         self.waiting: collections.deque[Request] = collections.deque()
@@ -288,7 +290,7 @@ class Scheduler:
             if request not in self.running:          # preempted by an earlier row
                 break
             left = todo(request)
-            count = left if left <= 1 else min(left, budget)
+            count = left if left <= 1 else min(left, budget, self.prefill_chunk)
             if count == 0:
                 continue
             while self._new_pages(request, count) > self.pool.available - need:
@@ -309,7 +311,7 @@ class Scheduler:
             # at least the last token is computed, for its logits
             request.blocks = self.pool.lookup(keys[:(request.num_tokens - 1) // self.page_size])
             request.computed = len(request.blocks) * self.page_size
-            count = min(request.num_tokens - request.computed, budget)
+            count = min(request.num_tokens - request.computed, budget, self.prefill_chunk)
             if self._new_pages(request, count) > self.pool.available - need:
                 self.pool.release(request.blocks)
                 request.blocks, request.computed = [], 0

@@ -156,6 +156,22 @@ def test_overlap_gives_the_same_tokens_as_waiting_after_every_step(prefix_cachin
     assert stats[True]["preemptions"] > 0 and stats[False]["preemptions"] > 0
 
 
+def test_prefill_chunk_bounds_each_rows_tokens():
+    """With ``prefill_chunk=8`` a step computes at most 8 prompt tokens of one request (mixed
+    steps are compiled with max_q_len 8), several prompts share a step, and tokens are unchanged."""
+    model = _tiny_model()
+    rng = np.random.default_rng()
+    prompts = [rng.integers(0, 512, size=n) for n in (20, 3, 13)]
+    engine = Engine(model, max_seqs=3, max_seq_len=48, page_size=8, max_step_tokens=16, prefill_chunk=8,
+                    backend="xla", record_steps=True)
+    assert {s.max_q_len for s in engine.buckets.shapes} == {1, 8}
+    handles = [engine.add_request(p, 4) for p in prompts]
+    engine.run()
+    assert engine.step_records[0].prefill_tokens == 8 + 3 + 5
+    for handle, prompt in zip(handles, prompts):
+        assert handle.output == dense_greedy(model, prompt, 4)
+
+
 def test_abort_ends_a_request_and_frees_its_pages():
     """Aborting a running request mid-stream and a waiting one: they end with finish_reason
     "abort" and no more tokens; the others are served as if alone; every page comes back."""
@@ -358,6 +374,7 @@ def test_add_request_takes_int_sequences_and_numpy_ints():
     ("overlap", 1, "a bool, got 1"),
     ("record_steps", None, "a bool, got None"),
     ("kv_memory_fraction", 0.0, r"a number in \(0, 1\], got 0.0"),
+    ("prefill_chunk", 0, "None or an int >= 1, got 0"),
     ("mesh", ("tp",), "None or a jax.sharding.Mesh, got tuple"),
     ("backend", "fastest", r"'auto' or one of \(.*\), got 'fastest'"),
     ("backend", None, r"'auto' or one of \(.*\), got None"),
