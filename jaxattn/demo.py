@@ -31,14 +31,13 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 from jax.sharding import AxisType
 
 import jaxattn
 from jaxattn.attention import backend_for
 from jaxattn.engine import Engine
 from jaxattn.models import from_pretrained
-from jaxattn.models.llama import PRESETS, Llama, LlamaConfig, shard_model
+from jaxattn.models.llama import PRESETS, LlamaConfig, random_model
 
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -237,14 +236,8 @@ def main(argv: list[str] | None = None) -> None:
         name = f"checkpoint {args.model}"
     else:
         preset = args.preset or ("small" if on_gpu else "tiny")
-        cfg = PRESETS[preset]
-        if args.layers is not None:
-            cfg = cfg.replace(num_layers=args.layers)
-        if args.dtype is not None:
-            cfg = cfg.replace(dtype=args.dtype)
-        model = Llama(cfg, nnx.Rngs(0))
-        if mesh is not None:
-            shard_model(model, mesh)
+        model = random_model(preset, layers=args.layers, dtype=args.dtype, mesh=mesh)
+        cfg = model.cfg
         name = f"{preset} preset (random weights)"
 
     given = args.prompt_ids is not None or bool(args.prompt)

@@ -29,7 +29,8 @@ from jaxattn.models.layers import MLP, Block, Llama3RopeScaling, rope, rope_freq
 from jaxattn.sharding import MeshAxes, num_head_shards, replicate_kv_heads, tensor_parallel_mesh
 
 __all__ = ["AttendFn", "Attention", "Block", "Llama", "Llama3RopeScaling", "LlamaConfig", "MLP", "PRESETS",
-           "forward_paged", "param_shardings", "rope", "rope_frequencies", "shard_model", "tensor_parallel_rules"]
+           "forward_paged", "param_shardings", "random_model", "rope", "rope_frequencies", "shard_model",
+           "tensor_parallel_rules"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -168,6 +169,19 @@ def shard_model(model: Llama, mesh: Mesh, axes: MeshAxes = None) -> Llama:
     ``model.init_caches(..., mesh=mesh, axes=axes)``."""
     nnx.update(model, jax.device_put(nnx.state(model), param_shardings(model, mesh, axes)))
     return model
+
+
+def random_model(preset: str, *, layers: int | None = None, dtype: str | None = None,
+                 mesh: Mesh | None = None) -> Llama:
+    """A random-weight Llama of ``PRESETS[preset]``'s shapes (with ``layers`` layers and weights
+    of ``dtype`` when given), split over ``mesh`` by ``shard_model`` when given."""
+    cfg = PRESETS[preset]
+    if layers is not None:
+        cfg = cfg.replace(num_layers=layers)
+    if dtype is not None:
+        cfg = cfg.replace(dtype=dtype)
+    model = Llama(cfg, nnx.Rngs(0))
+    return shard_model(model, mesh) if mesh is not None else model
 
 
 def forward_paged(model: Llama, tokens: jax.Array, caches: list[jaxattn.KVCache], meta: jaxattn.AttentionMetadata,

@@ -18,14 +18,13 @@ import threading
 
 import jax
 import uvicorn
-from flax import nnx
 from jax.sharding import AxisType
 
 import jaxattn
 from jaxattn.demo import DTYPES, positive_int
 from jaxattn.engine import Engine
 from jaxattn.models import from_pretrained
-from jaxattn.models.llama import PRESETS, Llama, shard_model
+from jaxattn.models.llama import PRESETS, random_model
 from jaxattn.serve.app import build_app
 from jaxattn.serve.loop import EngineLoop
 from jaxattn.serve.text import TextTokenizer
@@ -85,15 +84,7 @@ def build_parser(on_gpu: bool) -> argparse.ArgumentParser:
 def load_model(args: argparse.Namespace, parser: argparse.ArgumentParser, mesh) -> tuple[object, str, TextTokenizer | None]:
     """(model, served name, tokenizer or None) of ``--model`` or ``--preset``."""
     if args.model is None:
-        cfg = PRESETS[args.preset]
-        if args.layers is not None:
-            cfg = cfg.replace(num_layers=args.layers)
-        if args.dtype is not None:
-            cfg = cfg.replace(dtype=args.dtype)
-        model = Llama(cfg, nnx.Rngs(0))
-        if mesh is not None:
-            shard_model(model, mesh)
-        return model, args.preset, None
+        return random_model(args.preset, layers=args.layers, dtype=args.dtype, mesh=mesh), args.preset, None
     if args.layers is not None:
         parser.error("--layers changes a preset: not with --model")
     try:
