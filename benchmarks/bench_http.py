@@ -31,7 +31,6 @@ import datetime
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -41,6 +40,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from benchmarks.common import write_section
+from jaxattn.serve.process import free_port, wait_healthy
 
 SECTION, HEADING = "http", "HTTP serving vs the in-process engine (benchmarks/bench_http.py)"
 SERVER_START_S = 1800            # the server compiles every step shape before it answers
@@ -161,37 +161,18 @@ async def _clients(base_url: str, trace: list[TraceRequest]) -> list[tuple[float
         return await asyncio.gather(*(_stream(http, r, start) for r in trace))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _wait_healthy(base_url: str, server: subprocess.Popen) -> None:
-    import httpx
-
-    deadline = time.monotonic() + SERVER_START_S
-    while time.monotonic() < deadline:
-        if server.poll() is not None:
-            sys.exit(f"the server exited with status {server.returncode} before it answered /health")
-        try:
-            if httpx.get(f"{base_url}/health", timeout=2).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(0.5)
-    sys.exit(f"the server did not answer /health within {SERVER_START_S} s")
-
-
 def run_http(args: argparse.Namespace, trace: list[TraceRequest], env: dict) -> dict:
     """The trace through ``python -m jaxattn.serve`` (a subprocess) from this process's clients."""
-    port = _free_port()
+    port = free_port()
     command = [sys.executable, "-m", "jaxattn.serve", *engine_arguments(args), "--served-model-name", MODEL_NAME,
                "--port", str(port), "--log-level", "warning"]
     server = subprocess.Popen(command, env=env)
     base_url = f"http://127.0.0.1:{port}"
     try:
-        _wait_healthy(base_url, server)
+        try:
+            wait_healthy(base_url, server, SERVER_START_S)
+        except (RuntimeError, TimeoutError) as err:
+            sys.exit(str(err))
         asyncio.run(_clients(base_url, [TraceRequest(0.0, [0, 1], 2)]))    # the first request's one-time costs
         results = asyncio.run(_clients(base_url, trace))
     finally:

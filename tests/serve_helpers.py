@@ -6,14 +6,14 @@ from __future__ import annotations
 import contextlib
 import os
 import pathlib
-import socket
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Iterator
 
 import httpx
+
+from jaxattn.serve.process import wait_healthy
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 # The chat template of save_chat_checkpoint's tokenizer (its words are the vocabulary's: w30 opens
@@ -46,12 +46,6 @@ def save_chat_checkpoint(path: pathlib.Path, **overrides):
     return reference
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @contextlib.contextmanager
 def running_server(args: list[str], port: int, *, timeout: float = 120.0,
                    log: pathlib.Path | None = None) -> Iterator[subprocess.Popen]:
@@ -70,20 +64,6 @@ def running_server(args: list[str], port: int, *, timeout: float = 120.0,
             proc.wait()
         if log:
             out.close()
-
-
-def wait_healthy(base_url: str, proc: subprocess.Popen, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"the server exited with status {proc.returncode} before answering /health")
-        try:
-            if httpx.get(f"{base_url}/health", timeout=1.0).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(0.2)
-    raise TimeoutError(f"the server did not answer /health within {timeout} s")
 
 
 def metric(base_url: str, name: str) -> float:

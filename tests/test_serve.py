@@ -27,15 +27,9 @@ pytest.importorskip("fastapi", reason="needs the [serve] extra (pip install -e \
 openai = pytest.importorskip("openai", reason="needs the openai client (pip install -e \".[test]\")")
 import httpx
 
+from jaxattn.serve.process import free_port
 from tests.conftest import require_parity
-from tests.serve_helpers import (
-    BOS,
-    EOS,
-    free_port,
-    metric,
-    running_server,
-    save_chat_checkpoint,
-)
+from tests.serve_helpers import BOS, EOS, metric, running_server, save_chat_checkpoint
 
 MAX_SEQ_LEN = 64
 # 16 pages (2 sequences of 64 tokens), so loads preempt; steps of at most 8 tokens (few shapes to compile)

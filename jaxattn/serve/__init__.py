@@ -3,5 +3,6 @@
 
 Modules, one concern each: ``protocol`` (request bodies and error bodies), ``text`` (tokenizer,
 chat template, incremental detokenization with stop strings), ``loop`` (the engine thread),
-``metrics`` (Prometheus), ``app`` (the FastAPI routes), ``cli`` (the command line).
+``metrics`` (Prometheus), ``app`` (the FastAPI routes), ``cli`` (the command line), ``process``
+(starting the server as a subprocess: a free port, the wait for ``/health``).
 """
