@@ -5,10 +5,10 @@ The step frees finished sequences, runs prefix caching's page operations, alloca
 K/V, runs attention in every layer and samples the next tokens, over donated KV caches and page
 table. A decode row's input may be the token the previous step sampled, still on the device
 (``token_src``), so the host schedules step n+1 while step n runs. Step shapes come from two
-bucket lists (``StepBuckets``): a decode-only step has as many rows and tokens as the smallest row
-bucket that holds its rows (one bucket up to 256 rows); a mixed step has ``max_seqs`` rows and the smallest token bucket that
-holds its tokens. A serving loop compiles one step per bucket (``Engine.warmup``), and per
-sampling mode (greedy steps skip the sampler), and then replays.
+bucket lists (``StepBuckets``): a decode-only step has as many rows and tokens as the smallest
+row bucket that holds its rows (one bucket up to 256 rows); a mixed step has ``max_seqs`` rows
+and the smallest token bucket that holds its tokens. A serving loop compiles one step per bucket
+(``Engine.warmup``), and per sampling mode (greedy steps skip the sampler), and then replays.
 """
 
 from __future__ import annotations

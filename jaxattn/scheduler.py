@@ -273,10 +273,10 @@ class Scheduler:
     def schedule(self) -> Schedule | None:
         """This step's work (None: nothing to compute, free or cache). A request whose last token
         is in flight leaves its slot and pages now (unless it has prompt pages to cache when its
-        step completes). Running requests come first, in order of admission: when the pool cannot hold one's next tokens, the latest admitted
-        request is preempted (it may be this one). New requests are admitted only when no one was
-        preempted, while slots, the token budget and pages last. Decodes always fit: the budget
-        they leave goes to prefill chunks."""
+        step completes). Running requests come first, in order of admission: when the pool cannot
+        hold one's next tokens, the latest admitted request is preempted (it may be this one). New
+        requests are admitted only when no one was preempted, while slots, the token budget and
+        pages last. Decodes always fit: the budget they leave goes to prefill chunks."""
         def todo(request: Request) -> int:
             return 0 if request.sampled_all else request.num_tokens - request.computed
 
