@@ -62,6 +62,7 @@ from flax import nnx
 
 from benchmarks.common import copy_bandwidth, device_name, gemm_rate, write_section
 from jaxattn.engine import Engine
+from jaxattn.models.base import page_bytes
 from jaxattn.models.llama import PRESETS, Llama
 
 TRACES = ("decode-heavy", "chat", "shared-prefix", "poisson")
@@ -217,13 +218,9 @@ def model_costs(model: Llama, page_size: int, kv_dtype=None) -> Costs:
         elif x.ndim >= 2:
             matmul += x.size
 
-    def cache_bytes(num_pages: int) -> int:
-        shapes = jax.eval_shape(lambda: model.init_caches(num_pages, page_size, "HND", kv_dtype))
-        return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(shapes))
-
     return Costs(weight_bytes=weight_bytes + (embed_bytes if cfg.tie_embeddings else 0),
                  embed_row_bytes=0.0 if cfg.tie_embeddings else embed_bytes / cfg.vocab_size,
-                 kv_bytes_per_token=(cache_bytes(3) - cache_bytes(2)) / page_size,
+                 kv_bytes_per_token=page_bytes(model, page_size, dtype=kv_dtype) / page_size,
                  matmul_params=matmul, head_params=head,
                  flops_per_pair=4.0 * cfg.num_layers * cfg.num_q_heads * cfg.head_dim)
 

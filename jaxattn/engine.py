@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import math
 import time
 from typing import Callable, Iterator
 
@@ -31,15 +30,9 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 import jaxattn
 from jaxattn.backends import OPS, check_serves
 from jaxattn.checks import is_positive_int
-from jaxattn.engine_step import (
-    PrefixOps,
-    StepBuckets,
-    StepRecord,
-    make_engine_step,
-    pack_step,
-)
+from jaxattn.engine_step import PrefixOps, StepBuckets, StepRecord, StepShape, make_engine_step, pack_step
 from jaxattn.kv_cache import LAYOUTS
-from jaxattn.models.base import ModelConfig, PagedModel
+from jaxattn.models.base import ModelConfig, PagedModel, page_bytes
 from jaxattn.sampling import SamplingBatch, SamplingParams
 from jaxattn.scheduler import PageUsage, Request, Schedule, Scheduler
 from jaxattn.sharding import tensor_parallel_mesh
@@ -65,13 +58,14 @@ def _shared_entropy() -> int:
 
 @dataclasses.dataclass
 class _Launched:
-    """A step on the device: its schedule, its outputs (not yet on the host) and its record."""
+    """A step on the device: its schedule, its outputs (not yet on the host) and its record
+    (with ``record_steps``)."""
 
     schedule: Schedule
     next_tokens: jax.Array
     ok: jax.Array
     pages: jax.Array
-    record: StepRecord
+    record: StepRecord | None
 
 
 class Engine:
@@ -164,7 +158,7 @@ class Engine:
         self.scheduler = Scheduler(max_seqs=max_seqs, num_pages=num_pages, page_size=page_size,
                                    max_step_tokens=max_step_tokens, enable_prefix_caching=enable_prefix_caching,
                                    prefill_chunk=prefill_chunk)
-        self.buckets = StepBuckets.default(max_seqs, max_step_tokens, page_size, prefill_chunk)
+        self.buckets = StepBuckets.default(max_seqs, max_step_tokens, prefill_chunk)
         # pages one step may allocate (rows of one page, plus its prompt chunks' pages) or cache
         self._step_pages = max_seqs + max_step_tokens // page_size + 1 if enable_prefix_caching else None
         self._launched: collections.deque[_Launched] = collections.deque()
@@ -276,20 +270,22 @@ class Engine:
         next_tokens, ok, pages, self.caches, self.table = self._step(
             self._weights, self.caches, self.table, self._prev_tokens, inputs.release_ids, inputs.tokens,
             inputs.token_src, inputs.seq_ids, inputs.q_lens, inputs.sampling, inputs.prefix,
-            max_q_len=shape.max_q_len, page_window=shape.page_window, backend=self.backend)
+            max_q_len=shape.max_q_len, backend=self.backend)
         next_tokens.copy_to_host_async()
         ok.copy_to_host_async()
         self._prev_tokens = next_tokens
         self._previous_rows = {row.request: i for i, row in enumerate(schedule.rows) if row.samples}
-        record = StepRecord.of(schedule, shape, start)
-        record.t_launched = time.perf_counter()
+        record = None
         if self.step_records is not None:
+            record = StepRecord.of(schedule, shape, start)
+            record.t_launched = time.perf_counter()
             self.step_records.append(record)
         return _Launched(schedule, next_tokens, ok, pages, record)
 
     def _complete(self, launched: _Launched) -> list[tuple[Request, list[int]]]:
         next_tokens, ok = np.asarray(launched.next_tokens), np.asarray(launched.ok)
-        launched.record.t_done = time.perf_counter()
+        if launched.record is not None:
+            launched.record.t_done = time.perf_counter()
         if not ok[:len(launched.schedule.rows)].all():
             raise RuntimeError("Engine: page allocation failed for a scheduled request (allocator bug)")
         return self.scheduler.complete(launched.schedule, next_tokens, lambda: np.asarray(launched.pages))
@@ -322,7 +318,7 @@ class Engine:
             self._weights, self.caches, self.table, self._prev_tokens, np.full(self.max_seqs, -1, np.int32),
             np.zeros(shape.tokens, np.int32), np.full(shape.tokens, -1, np.int32), padding,
             np.zeros(shape.rows, np.int32), sampling, prefix, max_q_len=shape.max_q_len,
-            page_window=shape.page_window, backend=self.backend)
+            backend=self.backend)
 
 
 def _default_num_pages(model: PagedModel, max_seqs: int | None, pages_per_seq: int, page_size: int, layout: str,
@@ -336,17 +332,7 @@ def _default_num_pages(model: PagedModel, max_seqs: int | None, pages_per_seq: i
     if not stats or "bytes_limit" not in stats:
         return 1 + MAX_SEQS_WITHOUT_MEMORY_STATS * pages_per_seq
     free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
-    return max(1 + pages_per_seq, int(fraction * free) // _page_bytes(model, page_size, layout, kv_dtype, mesh))
-
-
-def _page_bytes(model: PagedModel, page_size: int, layout: str, kv_dtype, mesh: Mesh | None) -> int:
-    """Bytes one page of every layer's pool takes on one device."""
-    caches = jax.eval_shape(lambda: model.init_caches(2, page_size, layout, kv_dtype, mesh=mesh))
-    total = 0
-    for leaf in jax.tree.leaves(caches):
-        shape = leaf.sharding.shard_shape(leaf.shape) if getattr(leaf, "sharding", None) is not None else leaf.shape
-        total += math.prod(shape) * leaf.dtype.itemsize
-    return -(-total // 2)
+    return max(1 + pages_per_seq, int(fraction * free) // page_bytes(model, page_size, layout, kv_dtype, mesh))
 
 
 def _check_model(model) -> None:

@@ -52,14 +52,15 @@ def make_engine_step(model: PagedModel) -> tuple[StepFn, list[jax.Array]]:
     flat list it takes.
 
     ``step(weights, caches, table, prev_tokens, release_ids, tokens, token_src, seq_ids, q_lens,
-    sampling=None, prefix=None, *, max_q_len, page_window, backend)`` frees ``release_ids``
+    sampling=None, prefix=None, *, max_q_len, backend)`` frees ``release_ids``
     (int32[max_seqs], -1 padding), appends ``q_lens`` tokens to sequences ``seq_ids`` (int32[R],
     decodes first, -1 padding) and returns ``(next_tokens, ok, pages, caches, table)``; caches and
     table are donated. ``tokens`` (int32[T]) are the rows' tokens packed; where ``token_src``
     (int32[T]) is >= 0 the token is ``prev_tokens[token_src]`` instead (``prev_tokens``: the
     previous step's ``next_tokens``). Outputs: ``next_tokens`` int32[max_seqs], each row's next
-    token (0 past R); ``ok`` bool[R], its pages were granted; ``pages`` int32[R, page_window],
-    each row's page ids from the page of its first token on (0 past its pages). Rows sample with
+    token (0 past R); ``ok`` bool[R], its pages were granted; ``pages`` int32[R, W],
+    each row's page ids from the page of its first token on (0 past its pages; W =
+    ``page_window(max_q_len, page_size)``). Rows sample with
     ``sampling`` (a ``SamplingBatch``; None: greedy). ``prefix`` (``PrefixOps``) marks pages cached
     before the release, then evicts pages and attaches cached pages to new sequences before the
     extend. The model's structure is closed over rather than passed, so a call neither hashes it
@@ -75,10 +76,9 @@ def make_engine_step(model: PagedModel) -> tuple[StepFn, list[jax.Array]]:
 def _jitted_step(graphdef: nnx.GraphDef, treedef) -> StepFn:
     """One jitted step per model structure, shared by engines (and their compile caches)."""
 
-    @functools.partial(jax.jit, static_argnames=("max_q_len", "page_window", "backend"),
-                       donate_argnames=("caches", "table"))
+    @functools.partial(jax.jit, static_argnames=("max_q_len", "backend"), donate_argnames=("caches", "table"))
     def step(weights, caches, table, prev_tokens, release_ids, tokens, token_src, seq_ids, q_lens, sampling=None,
-             prefix=None, *, max_q_len: int, page_window: int, backend: str):
+             prefix=None, *, max_q_len: int, backend: str):
         model = nnx.merge(graphdef, jax.tree.unflatten(treedef, weights))
         tokens = jnp.where(token_src >= 0, prev_tokens[jnp.maximum(token_src, 0)], tokens)
         if prefix is not None:
@@ -102,9 +102,15 @@ def _jitted_step(graphdef: nnx.GraphDef, treedef) -> StepFn:
         else:   # the sampled token's position seeds its random numbers
             next_tokens = sample(logits, sampling, meta.kv_lens)
         next_tokens = jnp.zeros((table.max_seqs,), jnp.int32).at[:next_tokens.shape[0]].set(next_tokens)
-        return next_tokens, ok, _row_pages(table, seq_ids, q_lens, page_window), caches, table
+        pages = _row_pages(table, seq_ids, q_lens, page_window(max_q_len, table.page_size))
+        return next_tokens, ok, pages, caches, table
 
     return step
+
+
+def page_window(max_q_len: int, page_size: int) -> int:
+    """Pages a row of at most ``max_q_len`` new tokens can touch."""
+    return 1 if max_q_len == 1 else -(-max_q_len // page_size) + 1
 
 
 def _row_pages(table: jaxattn.PageTable, seq_ids: jax.Array, q_lens: jax.Array, window: int) -> jax.Array:
@@ -131,13 +137,12 @@ ROWS_BUCKET_FROM = 256
 
 @dataclasses.dataclass(frozen=True)
 class StepShape:
-    """A compiled step's static shape: ``rows`` (R), ``tokens`` (T), ``max_q_len`` (1: decode-only)
-    and ``page_window`` (columns of the step's ``pages`` output)."""
+    """A compiled step's static shape: ``rows`` (R), ``tokens`` (T) and ``max_q_len`` (1:
+    decode-only)."""
 
     rows: int
     tokens: int
     max_q_len: int
-    page_window: int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -150,24 +155,21 @@ class StepBuckets:
 
     rows: tuple[int, ...]
     tokens: tuple[int, ...]
-    page_size: int
     prefill_chunk: int | None = None      # the longest row of a mixed step (its max_q_len); None: its tokens
 
     @classmethod
-    def default(cls, max_seqs: int, max_step_tokens: int, page_size: int,
-                prefill_chunk: int | None = None) -> "StepBuckets":
+    def default(cls, max_seqs: int, max_step_tokens: int, prefill_chunk: int | None = None) -> "StepBuckets":
         """Rows ``ROWS_BUCKET_FROM`` (256), doubling, up to ``max_seqs``; tokens ``max(max_seqs,
         64)``, doubling, up to ``max_step_tokens``. Up to about 256 rows a decode step's GEMMs read
         the weights in the same time whatever the rows, and padding rows cost attention nothing,
         so smaller decode buckets would only add compiles (10-20 s each for Llama-3-8B on an H100)."""
         return cls(buckets(ROWS_BUCKET_FROM, max_seqs) if max_seqs > ROWS_BUCKET_FROM else (max_seqs,),
-                   buckets(max(max_seqs, 64), max_step_tokens), page_size, prefill_chunk)
+                   buckets(max(max_seqs, 64), max_step_tokens), prefill_chunk)
 
     def _shape(self, rows: int, tokens: int, max_q_len: int) -> StepShape:
         if max_q_len > 1 and self.prefill_chunk:
             max_q_len = min(max_q_len, self.prefill_chunk)
-        window = 1 if max_q_len == 1 else -(-max_q_len // self.page_size) + 1
-        return StepShape(rows, tokens, max_q_len, window)
+        return StepShape(rows, tokens, max_q_len)
 
     def shape(self, schedule: Schedule) -> StepShape:
         """The shape that runs ``schedule``: the smallest bucket that holds it."""

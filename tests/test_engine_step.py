@@ -8,7 +8,7 @@ import numpy as np
 from flax import nnx
 
 from jaxattn.engine import Engine
-from jaxattn.engine_step import PrefixOps, StepBuckets, StepShape, pack_step
+from jaxattn.engine_step import PrefixOps, StepBuckets, StepShape, pack_step, page_window
 from jaxattn.models.llama import PRESETS, Llama
 from jaxattn.sampling import SamplingBatch, SamplingParams
 from jaxattn.scheduler import Request, Row, Schedule
@@ -26,7 +26,7 @@ def trace_step(engine: Engine, shape: StepShape):
         engine._weights, engine.caches, engine.table, engine._prev_tokens, jnp.full((engine.max_seqs,), -1, jnp.int32),
         jnp.zeros((shape.tokens,), jnp.int32), jnp.full((shape.tokens,), -1, jnp.int32),
         jnp.arange(rows, dtype=jnp.int32), jnp.ones((rows,), jnp.int32), sampling, prefix,
-        max_q_len=shape.max_q_len, page_window=shape.page_window, backend=engine.backend)
+        max_q_len=shape.max_q_len, backend=engine.backend)
 
 
 def test_step_has_no_loops():
@@ -44,18 +44,19 @@ def test_buckets():
     """Decode-only steps: the smallest row bucket that holds the rows (one up to 256 rows, then
     256, 512, ..., max_seqs); mixed steps: max_seqs rows and the smallest token bucket
     (max(max_seqs, 64), doubling, ..., the budget)."""
-    buckets = StepBuckets.default(max_seqs=100, max_step_tokens=1000, page_size=16)
+    buckets = StepBuckets.default(max_seqs=100, max_step_tokens=1000)
     assert buckets.rows == (100,) and buckets.tokens == (100, 200, 400, 800, 1000)
-    assert StepBuckets.default(max_seqs=600, max_step_tokens=600, page_size=16).rows == (256, 512, 600)
-    assert StepBuckets.default(max_seqs=4, max_step_tokens=16, page_size=8) == StepBuckets((4,), (16,), 8)
+    assert StepBuckets.default(max_seqs=600, max_step_tokens=600).rows == (256, 512, 600)
+    assert StepBuckets.default(max_seqs=4, max_step_tokens=16) == StepBuckets((4,), (16,))
     assert len(buckets.shapes) == 6
     decode = _request(0, [1], [2], computed=1, slot=0, blocks=[0])
     rows = [Row(decode, 1, 1, True)] * 17
-    assert buckets.shape(Schedule(rows, [], [], [], [])) == StepShape(100, 100, 1, 1)
-    big = StepBuckets.default(max_seqs=600, max_step_tokens=600, page_size=16)
-    assert big.shape(Schedule(rows * 20, [], [], [], [])) == StepShape(512, 512, 1, 1)
+    assert buckets.shape(Schedule(rows, [], [], [], [])) == StepShape(100, 100, 1)
+    big = StepBuckets.default(max_seqs=600, max_step_tokens=600)
+    assert big.shape(Schedule(rows * 20, [], [], [], [])) == StepShape(512, 512, 1)
     chunk = Row(_request(1, list(range(300)), [], computed=0, slot=1, blocks=[]), 0, 300, True)
-    assert buckets.shape(Schedule(rows + [chunk], [], [], [], [])) == StepShape(100, 400, 400, 26)
+    assert buckets.shape(Schedule(rows + [chunk], [], [], [], [])) == StepShape(100, 400, 400)
+    assert page_window(400, 16) == 26 and page_window(1, 16) == 1
 
 
 def _request(id: int, prompt: list[int], output: list[int], computed: int, slot: int, blocks: list[int],
@@ -74,7 +75,7 @@ def test_pack_step_packs_rows_in_order():
                         sampling=SamplingParams(temperature=0.5, seed=3))
     schedule = Schedule(rows=[Row(decode, 4, 1, True), Row(admitted, 4, 3, True)], admitted=[admitted],
                         evicted=[4], release=[1], mark=[9])
-    shape = StepShape(rows=3, tokens=7, max_q_len=7, page_window=5)
+    shape = StepShape(rows=3, tokens=7, max_q_len=7)
     inputs = pack_step(schedule, shape, max_seqs=3, page_size=2, max_pages_per_seq=5, step_pages=4,
                        previous_rows={decode: 5})
     np.testing.assert_array_equal(inputs.tokens, [0, 9, 10, 11, 0, 0, 0])
@@ -87,6 +88,6 @@ def test_pack_step_packs_rows_in_order():
     np.testing.assert_array_equal(inputs.prefix.attach, [[0] * 5, [6, 7, 0, 0, 0], [0] * 5])
     np.testing.assert_array_equal(inputs.sampling.temperature, [0.0, 0.5, 0.0])
 
-    greedy = pack_step(Schedule([Row(decode, 3, 1, True)], [], [], [], []), StepShape(3, 3, 1, 1), max_seqs=3,
+    greedy = pack_step(Schedule([Row(decode, 3, 1, True)], [], [], [], []), StepShape(3, 3, 1), max_seqs=3,
                        page_size=2, max_pages_per_seq=5, step_pages=None, previous_rows={})
     assert greedy.tokens.tolist() == [8, 0, 0] and greedy.sampling is None and greedy.prefix is None

@@ -9,6 +9,7 @@ calls (from ``jaxattn.backends.OPS``): the engine's ``backend`` must serve every
 
 from __future__ import annotations
 
+import math
 from typing import Protocol, runtime_checkable
 
 import jax
@@ -61,3 +62,18 @@ class PagedModel(Protocol):
         """The ``NamedSharding`` of each of ``nnx.state(model)``'s weights for tensor parallelism
         over all of ``mesh``'s devices; ValueError if the model cannot be split."""
         ...
+
+
+def page_bytes(model: PagedModel, page_size: int, layout: str = "HND", dtype=None, mesh: Mesh | None = None) -> int:
+    """Bytes one page of every layer's cache takes on one device (with a ``mesh``, the pools'
+    shard of it), from the shapes ``model.init_caches`` gives (no memory is allocated)."""
+    def device_bytes(num_pages: int) -> int:
+        caches = jax.eval_shape(lambda: model.init_caches(num_pages, page_size, layout, dtype, mesh=mesh))
+        total = 0
+        for leaf in jax.tree.leaves(caches):
+            sharding = getattr(leaf, "sharding", None)
+            total += math.prod(sharding.shard_shape(leaf.shape) if sharding is not None else leaf.shape) \
+                * leaf.dtype.itemsize
+        return total
+
+    return device_bytes(3) - device_bytes(2)
