@@ -39,6 +39,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from benchmarks.bench_serving import lognormal_lengths, percentiles
 from benchmarks.common import write_section
 from jaxattn.serve.process import free_port, wait_healthy
 
@@ -56,8 +57,7 @@ class TraceRequest:
 
 def make_trace(args: argparse.Namespace, vocab: int) -> list[TraceRequest]:
     rng = np.random.default_rng(0)
-    lengths = np.clip(np.round(rng.lognormal(np.log(args.prompt_len) - 0.5, 1.0, args.requests)), 4,
-                      4 * args.prompt_len).astype(int)
+    lengths = lognormal_lengths(rng, args.prompt_len, args.requests, 4 * args.prompt_len)
     arrivals = np.cumsum(rng.exponential(1 / args.rate, args.requests)) if args.rate > 0 else np.zeros(args.requests)
     return [TraceRequest(float(t), rng.integers(0, vocab, size=n).tolist(), args.new_tokens)
             for t, n in zip(arrivals, lengths)]
@@ -183,10 +183,6 @@ def run_http(args: argparse.Namespace, trace: list[TraceRequest], env: dict) -> 
 
 
 # -------------------------------------------------------------------------------------- report
-
-def percentiles(values: Sequence[float], digits: int) -> str:
-    return " / ".join(f"{np.percentile(values, q):.{digits}f}" for q in (50, 90, 99))
-
 
 def row(label: str, r: dict) -> str:
     return (f"| {label} | {r['tokens_per_s']:,.0f} | {percentiles(r['ttft_ms'], 1)} | {percentiles(r['tpot_ms'], 2)} "

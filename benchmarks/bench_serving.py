@@ -300,7 +300,9 @@ COLUMNS = ("trace shape | requests | generated tokens | wall s | generated token
            "| preemptions")
 
 
-def percentiles(x: np.ndarray, digits: int) -> str:
+def percentiles(x: Sequence[float], digits: int) -> str:
+    """p50 / p90 / p99 of ``x`` ("-" when empty)."""
+    x = np.asarray(x)
     return " / ".join(f"{v:.{digits}f}" for v in np.percentile(x, [50, 90, 99])) if x.size else "-"
 
 
