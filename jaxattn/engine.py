@@ -205,7 +205,12 @@ class Engine:
 
     def abort(self, request: Request) -> None:
         """Ends ``request`` (``finish_reason`` "abort") if it has not finished: it leaves the
-        queue, or its slot and pages are freed in the next step; no more of its tokens come."""
+        queue, or its slot and pages are freed in the next step; no more of its tokens come.
+        ValueError unless ``request`` is a ``Request`` with an id this engine's ``add_request`` gave."""
+        if not isinstance(request, Request) or not (0 <= request.id < self._next_id):
+            raise ValueError(f"Engine.abort: request must be a Request from this engine's add_request (it gave "
+                             f"{self._next_id} ids, from 0), got "
+                             f"{request!r:.80}")
         self.scheduler.abort(request)
 
     def _prompt_ids(self, prompt) -> np.ndarray:

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 import jaxattn
 from jaxattn import attention as attention_module
-from jaxattn.engine import Engine
+from jaxattn.engine import Engine, Request
 from jaxattn.models.deepseek import PRESETS as DEEPSEEK_PRESETS
 from jaxattn.models.deepseek import DeepSeek
 from jaxattn.models.llama import PRESETS, Llama, forward_paged
@@ -191,6 +191,9 @@ def test_abort_ends_a_request_and_frees_its_pages():
     assert handles[1].output == seen[1] == dense_greedy(model, prompts[1], 2) and 3 not in seen
     for handle, prompt in zip(handles[::2], prompts[::2]):
         assert handle.output == dense_greedy(model, prompt, 8)
+    for not_ours in (handles[0].id, Request(99, np.ones(2, np.int32), 1)):
+        with pytest.raises(ValueError, match="Engine.abort: request must be a Request from this engine's"):
+            engine.abort(not_ours)
     engine.abort(handles[0])                         # finished: nothing changes
     assert handles[0].finish_reason == "length" and engine.page_usage.in_use == 0
     engine.step()
