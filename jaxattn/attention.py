@@ -81,7 +81,12 @@ def _run_plan(params: AttentionParams, backend: str, q: jax.Array, cache: KVCach
               sinks: jax.Array | None) -> jax.Array:
     """Plans the backends on these (per-shard) shapes and runs them on sanitized metadata:
     ``[T, Hq, D]``."""
-    plan = plan_backends(q, cache, meta, params, backend)
+    return run_plan(plan_backends(q, cache, meta, params, backend), q, cache, meta, params, sinks)
+
+
+def run_plan(plan: Plan, q: jax.Array, cache: KVCache, meta: AttentionMetadata, params: AttentionParams,
+             sinks: jax.Array | None) -> jax.Array:
+    """Runs ``plan``'s backends on sanitized metadata (``sanitize``): ``q: [T, Hq, D]`` -> ``[T, Hq, D]``."""
     if plan.decode is None:
         return _kernel(plan.main)(q, cache, meta, params, sinks)
     q_dec, meta_dec, meta_rest, num_decodes = split_decodes(q, meta)
@@ -120,18 +125,26 @@ def plan_backends(q: jax.Array, cache: KVCache, meta: AttentionMetadata, params:
                   backend: str = "auto") -> Plan:
     """Chooses backends from static information only (``jaxattn.dispatch.choose``).
 
-    An explicit backend serves the whole call. ``auto`` takes the best-ranked backend that takes
-    the call; in a step that is not decode-only, the leading decodes go to the backend ``auto``
-    picks for a decode-only step when that is a different one and the step is a prefill step
+    An explicit backend serves the whole call. ``auto`` takes the first backend in
+    ``dispatch.ranking``'s order (the measured table's, else the ranks) that takes the call; in a
+    step that is not decode-only, the leading decodes go to the backend ``auto`` picks for a
+    decode-only step when that is a different one and the step is a prefill step
     (``meta.max_q_len`` None or above ``SPEC_DECODE_MAX_Q_LEN``) or the main backend is not
     ranked for decodes at all (cudnn): a speculative-decode kernel serves its step whole.
     """
     call = Call("paged_attention", q, cache, meta, params)
     main = dispatch.choose(call, backend)
-    if backend != "auto" or call.phase == "decode":
+    return Plan(main) if backend != "auto" else auto_plan(call, main)
+
+
+def auto_plan(call: Call, main: str) -> Plan:
+    """The plan ``auto`` makes for a ``paged_attention`` call once it chose ``main`` for it (the
+    split rule of ``plan_backends``)."""
+    if call.phase == "decode":
         return Plan(main)
-    decodes = Call("paged_attention", q[: min(q.shape[0], meta.batch_size)], cache,
-                   dataclasses.replace(meta, max_q_len=1), params)
+    meta = call.meta
+    decodes = Call("paged_attention", call.q[: min(call.q.shape[0], meta.batch_size)], call.cache,
+                   dataclasses.replace(meta, max_q_len=1), call.params)
     decode = dispatch.choose(decodes, "auto")
     main_takes_decodes = backends.REGISTRY[main].ops["paged_attention"].rank(decodes) is not None
     split = decode != main and (call.phase == "prefill" or not main_takes_decodes)

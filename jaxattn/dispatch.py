@@ -1,9 +1,17 @@
 """The one chooser: which registered backend runs a call, for every op.
 
 An explicit ``backend=`` runs that backend or raises ``ValueError`` naming it and why it cannot
-take the call. ``auto`` walks the backends that implement the op in the order of the ranks they
-give this call (``OpSupport.rank``; ties keep registry order) and takes the first that can run
-here and take it; the reference (``xla``) takes every valid call, so ``auto`` always finds one.
+take the call. ``auto`` walks the backends in ``ranking``'s order and takes the first that can run
+here and take the call; the reference (``xla``) takes every valid call, so ``auto`` always finds one.
+
+``ranking``: the backends that rank the call (``OpSupport.rank`` not None), by rank (ties in
+registry order); then, when this GPU's measured choice table (``jaxattn.choice_table``) has an
+entry near the call, the backends that entry measured are put in its measured order, in the places
+they hold in the rank order, and the backends it did not measure keep their places (ranks [trtllm,
+triton, xla], measured [triton, trtllm]: [triton, trtllm, xla]). A backend whose rank is None stays
+out whatever the table says. Without a table for this GPU (and on CPU) or a near entry, the ranks
+decide alone.
+
 Choices use static information only (shapes, dtypes, options, ``meta.max_q_len``, what is
 installed), and each distinct choice that skipped a backend is logged once with the reasons.
 """
@@ -12,7 +20,7 @@ from __future__ import annotations
 
 import logging
 
-from jaxattn import backends
+from jaxattn import backends, choice_table
 from jaxattn.backends.base import NO_GPU, Call, gpu_devices
 
 logger = logging.getLogger("jaxattn")
@@ -48,7 +56,16 @@ def check_name(op: str, backend: str) -> None:
 
 
 def ranking(call: Call) -> list[str]:
-    """The backends ``auto`` tries for ``call``, best first (those that rank it)."""
+    """The backends ``auto`` tries for ``call``, best first: ``rank_order`` with the backends the
+    measured table knows in its order (module docstring)."""
+    by_rank = rank_order(call)
+    measured = choice_table.measured_order(call)
+    return by_rank if measured is None else choice_table.reorder(by_rank, measured)
+
+
+def rank_order(call: Call) -> list[str]:
+    """The backends that rank ``call`` (``OpSupport.rank`` not None), lowest rank first, ties in
+    registry order."""
     ranked = []
     for order, name in enumerate(backends.names(call.op)):
         rank = backends.REGISTRY[name].ops[call.op].rank(call)

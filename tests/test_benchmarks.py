@@ -22,6 +22,25 @@ def test_smoke_run(module, tmp_path):
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
 
 
+def test_tune_auto_smoke_writes_a_table_auto_can_read(tmp_path):
+    """tune_auto's CPU smoke run: its table (the backends that run here: xla) loads, one entry per
+    bucket, and the RESULTS.md section goes to $OUT only."""
+    from jaxattn import choice_table
+
+    results = open(os.path.join(REPO, "benchmarks", "RESULTS.md")).read()
+    env = dict(os.environ, OUT=str(tmp_path), JAX_PLATFORMS="cpu")
+    result = subprocess.run([sys.executable, "-m", "benchmarks.tune_auto", "--smoke"], check=False, cwd=REPO, env=env,
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    table = choice_table.load(str(tmp_path / "cpu.json"))
+    assert table.arch == "cpu" and table.command == "python -m benchmarks.tune_auto --smoke"
+    assert len(table.entries) == 4 and {entry.order for entry in table.entries} == {("xla",)}
+    assert {entry.key.layout for entry in table.entries} == {"HND", "NHD"}
+    assert "| decode B=2 kv=128 | 2, 128, 2 |" in (tmp_path / "auto-table_results.md").read_text()
+    assert open(os.path.join(REPO, "benchmarks", "RESULTS.md")).read() == results
+    assert not os.path.exists(os.path.join(choice_table.TABLE_DIR, "cpu.json"))
+
+
 def test_serving_traces():
     """bench_serving's traces: lengths fixed by the seed, the shapes the issue asks for."""
     from benchmarks.bench_serving import SPECS, make_trace

@@ -1,0 +1,270 @@
+"""auto's choice table: every backend that takes each call of a grid of workloads, timed, and the
+table ``auto`` reads written (``jaxattn/tuning/<arch>.json``), one device run.
+
+    python -m benchmarks.tune_auto [--budget-s 420] [--rounds 3] [--out PATH] [--smoke]
+
+Workloads (bf16, Hq=32, Hkv=8, D=128, page 64, causal, HND pages in a randomly permuted pool, unless
+the name says NHD or fp8 pages), in this order, until the budget is spent: the issue's points
+(decode B=64 kv U[2048,4096] and 4096, B=256 kv 4096, B=1/2/4 x kv 4096-131072; speculative decode
+B=64 x 4 tokens; prefill B=8 x 4096 and B=1 x 512; chunked prefill B=4 x 300 new tokens over 1200;
+a mixed batch of 63 decodes at 4096 and an 8192-token prefill), then the decode grid B in {1, 4,
+16, 64, 256} x kv in {512, ..., 65536} (B x kv <= 2**22 tokens), then a few more speculative-decode
+and prefill points, NHD pages and fp8 pages.
+
+Each workload's candidates are the backends that rank its call (``dispatch.rank_order``) and can
+take it here, each run as the plan ``auto`` makes when it chooses that backend
+(``jaxattn.attention.auto_plan``: a mixed batch's leading decodes go where ``auto`` sends decodes
+today). Time: GPU busy time per call from the profiler (``benchmarks.common.device_seconds``:
+every kernel of the call, metadata sanitizing included), median of ``--rounds`` rounds of 10 calls
+that interleave the candidates, after a warm-up call; a candidate slower than 0.2 s a call is timed
+once. Workloads of one bucket (``jaxattn.choice_table.Key``) make one entry, its backends ordered
+by their times summed over those workloads (those that failed last).
+
+Writes the table (``--out``, default ``jaxattn/tuning/<arch>.json``) and the auto-table section of
+benchmarks/RESULTS.md. ``--smoke`` (CPU, seconds): a tiny grid on the backends that run here (xla),
+the table to ``$OUT/<arch>.json`` (or a temporary directory) and the section only to ``$OUT``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import os
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+
+import jax
+
+from benchmarks.common import (HERE, D, Budget, Case, Inputs, command_line, device_name, device_seconds, fp8_inputs,
+                               make_inputs, rel_error, utc_now, write_section)
+from jaxattn import attention, backends, choice_table, dispatch
+from jaxattn.backends.base import AttentionParams, Call
+
+PARAMS = AttentionParams(scale=1 / math.sqrt(D), causal=True, sliding_window=None, softcap=None, has_sinks=False)
+CALLS_PER_ROUND = 10
+SLOW_CALL_S = 0.2
+MAX_GRID_TOKENS = 2**22        # B x kv of a grid point: K and V pools of 17 GB at the standard shape
+
+
+@dataclasses.dataclass(frozen=True)
+class Workload:
+    """A case, what kind of step it is (its name's first words), and its pages' layout and dtype."""
+
+    kind: str
+    case: Case
+    layout: str = "HND"
+    fp8: bool = False
+
+    @property
+    def name(self) -> str:
+        return " ".join([self.kind, self.case.name] + (["NHD"] if self.layout == "NHD" else []) +
+                        (["fp8 pages"] if self.fp8 else []))
+
+    def inputs(self) -> Inputs:
+        x = make_inputs(self.case)
+        if self.fp8:
+            x = fp8_inputs(x)
+        if self.layout == "NHD":
+            cache = x.cache
+            x = dataclasses.replace(x, cache=dataclasses.replace(
+                cache, k_pages=cache.k_pages.swapaxes(1, 2), v_pages=cache.v_pages.swapaxes(1, 2), layout="NHD"))
+        return x
+
+
+def decode(batch: int, kv_len: int, ragged: bool = False, **pages) -> Workload:
+    return Workload("decode", Case.decode(batch, kv_len, ragged), **pages)
+
+
+def spec_decode(batch: int, q_len: int, kv_len: int) -> Workload:
+    case = Case.decode(batch, kv_len, q_len=q_len)
+    return Workload("spec decode", dataclasses.replace(case, name=f"B={batch} x {q_len} kv={kv_len}"))
+
+
+ISSUE = [
+    decode(64, 4096, ragged=True), decode(64, 4096), decode(256, 4096),
+    *(decode(b, kv) for b in (1, 2, 4) for kv in (4096, 16384, 131072)),
+    spec_decode(64, 4, 4096),
+    Workload("prefill", Case.prefill(8, 4096)), Workload("prefill", Case.prefill(1, 512)),
+    Workload("chunked prefill", Case.prefill(4, 300, 1200)),
+    Workload("mixed", Case("63 decodes + 8192 prefill", (1,) * 63 + (8192,), (4096,) * 63 + (8192,))),
+]
+GRID = [decode(b, kv) for b in (1, 4, 16, 64, 256) for kv in (512, 1024, 2048, 4096, 16384, 65536)
+        if b * kv <= MAX_GRID_TOKENS]
+MORE = [
+    spec_decode(64, 16, 4096), spec_decode(8, 4, 4096), spec_decode(256, 4, 2048),
+    Workload("prefill", Case.prefill(1, 4096)), Workload("prefill", Case.prefill(1, 16384)),
+    Workload("chunked prefill", Case.prefill(16, 512, 4096)),
+    decode(64, 4096, layout="NHD"), decode(1, 16384, layout="NHD"), Workload("prefill", Case.prefill(8, 4096), "NHD"),
+    decode(64, 4096, fp8=True), decode(1, 16384, fp8=True), decode(4, 131072, fp8=True), decode(256, 4096, fp8=True),
+]
+SMOKE = [decode(2, 128), decode(2, 128, layout="NHD"), Workload("prefill", Case.prefill(1, 64)),
+         Workload("mixed", Case("1 decode + 64 prefill", (1, 64), (128, 64)))]
+
+
+def workloads(smoke: bool) -> list[Workload]:
+    """The run's workloads in order, each name once."""
+    if smoke:
+        return SMOKE
+    return list({w.name: w for w in ISSUE + GRID + MORE}.values())
+
+
+@dataclasses.dataclass
+class Row:
+    """One workload's measurements: its bucket, the backends that rank its call (``by_rank``, rank
+    order) and those of them that take it here (the candidates), ms per candidate (None: failed),
+    each candidate's relative error against the reference candidate, and notes."""
+
+    workload: Workload
+    key: choice_table.Key
+    by_rank: list[str]
+    candidates: list[str]
+    ms: dict[str, float | None] = dataclasses.field(default_factory=dict)
+    reference: str | None = None
+    errors: dict[str, float] = dataclasses.field(default_factory=dict)
+    notes: list[str] = dataclasses.field(default_factory=list)
+
+
+def plan_call(plan: attention.Plan, x: Inputs) -> Callable[[], jax.Array]:
+    """A zero-argument call of ``plan`` on ``x``, jitted as ``paged_attention`` runs it (sanitized metadata)."""
+    def run(q, cache, meta):
+        return attention.run_plan(plan, q, cache, attention.sanitize(q, cache, meta)[0], PARAMS, None)
+
+    fn = jax.jit(run)
+    return lambda: fn(x.q, x.cache, x.meta)
+
+
+def measure(w: Workload, rounds: int, calls_per_round: int) -> Row:
+    """Times every candidate of ``w`` (module docstring) in interleaved rounds."""
+    x = w.inputs()
+    call = Call("paged_attention", x.q, x.cache, x.meta, PARAMS)
+    by_rank = dispatch.rank_order(call)
+    names = [name for name in by_rank if backends.check(name, call) is None]
+    row = Row(w, choice_table.Key.of(call), by_rank, names)
+    runs, outputs, slow = {}, {}, {}
+    for name in names:
+        try:
+            run = plan_call(attention.auto_plan(call, name), x)
+            outputs[name] = jax.block_until_ready(run())
+            start = time.perf_counter()
+            jax.block_until_ready(run())
+            if time.perf_counter() - start > SLOW_CALL_S:
+                slow[name] = device_seconds(run, 1)
+            else:
+                runs[name] = run
+        except Exception as err:  # noqa: BLE001 - a candidate failing is a result of the sweep
+            row.ms[name] = None
+            row.notes.append(f"{name} failed: {' '.join(str(err).split())[:160]}")
+            traceback.print_exc(file=sys.stderr)
+    times = {name: [] for name in runs}
+    for _ in range(rounds):
+        for name, run in runs.items():
+            times[name].append(device_seconds(run, calls_per_round))
+    for name in names:
+        if name in times or name in slow:
+            row.ms[name] = 1e3 * (statistics.median(times[name]) if name in times else slow[name])
+    row.reference = "xla" if "xla" in outputs else next(iter(outputs), None)
+    for name, out in outputs.items():
+        if name != row.reference:
+            row.errors[name] = rel_error(out, outputs[row.reference])
+    return row
+
+
+def entries(rows: list[Row]) -> list[choice_table.Entry]:
+    """One entry per bucket: its backends by their times summed over the bucket's workloads (a
+    backend that failed or was not timed in one of them goes last)."""
+    buckets: dict[choice_table.Key, list[Row]] = {}
+    for row in rows:
+        buckets.setdefault(row.key, []).append(row)
+    result = []
+    for key, group in buckets.items():
+        names = list(dict.fromkeys(name for row in group for name in row.ms))
+        total = {name: (sum(row.ms[name] for row in group)
+                        if all(row.ms.get(name) is not None for row in group) else None) for name in names}
+        timed = sorted((name for name in names if total[name] is not None), key=total.get)
+        result.append(choice_table.Entry(
+            key=key, order=tuple(timed + [name for name in names if total[name] is None]),
+            ms={name: None if t is None else round(t, 4) for name, t in total.items()},
+            workloads=tuple(row.workload.name for row in group)))
+    return result
+
+
+def section(rows: list[Row], table: choice_table.Table, path: str, skipped: list[str]) -> str:
+    """The RESULTS.md section: per workload, each candidate's time and auto's choice by ranks and by the table."""
+    columns = [name for name in backends.names("paged_attention") if any(name in row.ms for row in rows)]
+    lines = [f"Device: {table.device}; jax {table.jax}; {table.date}; `{table.command}`; table: `{path}` "
+             f"({len(table.entries)} entries). Time per call in ms (GPU busy time from the profiler; wall time on CPU), "
+             f"median of interleaved rounds; "
+             f"each backend runs as auto's plan would with it as the choice (mixed batches: decodes where auto "
+             f"sends them). Bucket: B, kv capacity (table width x page), T, each rounded up to a power of 2.", "",
+             "| workload | bucket (B, kv, T) | " + " | ".join(columns) + " | auto by ranks | auto by table |",
+             "|---" * (len(columns) + 4) + "|"]
+    for row in rows:
+        fastest = min((t, name) for name, t in row.ms.items() if t is not None)[1] if any(
+            t is not None for t in row.ms.values()) else None
+        cells = []
+        for name in columns:
+            t = row.ms.get(name, "")
+            cells.append("" if t == "" else "failed" if t is None else f"**{t:.3f}**" if name == fastest else f"{t:.3f}")
+        entry = table.nearest(row.key)
+        by_table = row.by_rank if entry is None else choice_table.reorder(row.by_rank, entry.order)
+        choices = [next(name for name in order if name in row.candidates) for order in (row.by_rank, by_table)]
+        lines.append(f"| {row.workload.name} | {row.key.seqs}, {row.key.capacity}, {row.key.tokens} | "
+                     + " | ".join(cells) + f" | {choices[0]} | {choices[1]} |")
+    notes = [f"{row.workload.name}: " + ", ".join(
+        row.notes + [f"{name} {err:.1e} vs {row.reference}" for name, err in row.errors.items()])
+        for row in rows if row.notes or row.errors]
+    if notes:
+        lines += ["", "Notes (failures, relative errors between candidates): " + "; ".join(notes) + "."]
+    if skipped:
+        lines += ["", "Not run (time budget): " + ", ".join(skipped) + "."]
+    return "\n".join(lines)
+
+
+def shown_path(path: str) -> str:
+    """``path`` relative to the repository when it is in it."""
+    repo = os.path.dirname(HERE)
+    inside = os.path.commonpath([repo, os.path.abspath(path)]) == repo
+    return os.path.relpath(path, repo) if inside else path
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.tune_auto", description=__doc__.splitlines()[0])
+    parser.add_argument("--budget-s", type=float, default=420.0, help="start no new workload after this")
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved timing rounds per workload")
+    parser.add_argument("--out", default=None, help="where the table goes (default: the shipped jaxattn/tuning/<arch>.json)")
+    parser.add_argument("--smoke", action="store_true", help="CPU: a tiny grid, written to $OUT or a temporary directory")
+    args = parser.parse_args()
+    arch = choice_table.current_arch()
+    if arch is None and not args.smoke:
+        sys.exit("tune_auto measures a GPU and none is visible to JAX (on CPU: --smoke)")
+    arch = arch or "cpu"
+    out_dir = choice_table.TABLE_DIR if not args.smoke else os.environ.get("OUT") or tempfile.mkdtemp()
+    path = args.out or os.path.join(out_dir, f"{arch}.json")
+    budget = Budget(args.budget_s)
+    rounds, calls = (1, 2) if args.smoke else (args.rounds, CALLS_PER_ROUND)
+    rows, skipped = [], []
+    for w in workloads(args.smoke):
+        if budget.spent(w.name):
+            skipped.append(w.name)
+            continue
+        rows.append(measure(w, rounds, calls))
+        times = ", ".join(f"{name} {'failed' if t is None else f'{t:.3f} ms'}" for name, t in rows[-1].ms.items())
+        print(f"{w.name}: {times}", file=sys.stderr, flush=True)
+        jax.clear_caches()
+    table = choice_table.Table(arch=arch, command=command_line(), device=device_name(), date=utc_now(),
+                               jax=jax.__version__, entries=tuple(entries(rows)))
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    choice_table.dump(table, path)
+    choice_table.load(path)
+    print(f"wrote {path} ({len(table.entries)} entries)")
+    print(write_section("auto-table", section(rows, table, shown_path(path), skipped),
+                        heading="auto's measured choice table (benchmarks/tune_auto.py)", update=not args.smoke))
+
+
+if __name__ == "__main__":
+    main()

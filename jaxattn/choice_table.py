@@ -1,0 +1,239 @@
+"""``auto``'s measured choice table: for buckets of calls, the backends in the order a sweep timed them.
+
+One JSON file per GPU architecture ships in ``jaxattn/tuning/`` (``sm_90.json`` for compute
+capability 9.0), written by ``python -m benchmarks.tune_auto`` on such a GPU. ``dispatch.ranking``
+orders the backends that rank a call by the entry of the nearest measured bucket (see there);
+without a file for this GPU (or on a machine without one), or with no entry near the call, the
+backends' ranks decide alone.
+
+A call's bucket (``Key``) uses static facts only: the op, phase, query and page dtypes, group size,
+head dim, page size, layout and options must equal an entry's; the number of sequences (the block
+table's rows B), the kv capacity (the block table's width times the page size) and the number of
+query tokens T are rounded up to powers of 2, and the nearest entry is the one with the fewest
+doublings between them in all (each within ``MAX_DOUBLINGS``; ties: the first in the file).
+
+File format (``FORMAT``)::
+
+    {"format": 1, "arch": "sm_90", "command": "python -m benchmarks.tune_auto ...",
+     "device": "...", "date": "...", "jax": "0.11.2",
+     "entries": [{"key": {<Key's fields>}, "order": ["triton", "trtllm", "xla"],
+                  "ms": {"triton": 0.10, "trtllm": 0.12, "xla": 1.9}, "workloads": ["decode B=64 kv=4096"]}]}
+
+``order`` is what ``auto`` reads: the backends fastest first (those that failed in the sweep
+last); ``ms`` and ``workloads`` say where it came from. An optional ``comment`` is free text.
+No knobs: no backend exposes a static tuning argument through its op's ``run`` (triton's split
+counts and XQA's SM count are chosen inside the backends), so an entry orders backends only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import math
+import os
+from collections.abc import Sequence
+
+from jaxattn.backends.base import Call, gpu_devices
+
+FORMAT = 1
+TABLE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tuning")
+# An entry serves a call whose sizes are each within this many doublings of the entry's.
+MAX_DOUBLINGS = 2
+_HEADER = ("arch", "command", "device", "date", "jax")
+
+
+@dataclasses.dataclass(frozen=True)
+class Key:
+    """A bucket of calls: exact static facts, and power-of-2 buckets of three sizes.
+
+    Attributes:
+      op, phase: ``Call.op`` and ``Call.phase``.
+      dtype, kv_dtype: the query's and the pages' dtype names.
+      group, head_dim: query heads per KV head (``Call.group_size``) and the query's last dim.
+      page_size, layout: the cache's (layout "" for pools that have one layout, MLA's).
+      options: the ``OPTIONS`` the call uses.
+      seqs, capacity, tokens: B, the block tables' width x page size, and T, each rounded up to a power of 2.
+    """
+
+    op: str
+    phase: str
+    dtype: str
+    kv_dtype: str
+    group: int
+    head_dim: int
+    page_size: int
+    layout: str
+    options: tuple[str, ...]
+    seqs: int
+    capacity: int
+    tokens: int
+
+    @classmethod
+    def of(cls, call: Call) -> Key:
+        meta, cache = call.meta, call.cache
+        return cls(op=call.op, phase=call.phase, dtype=call.q.dtype.name, kv_dtype=cache.dtype.name,
+                   group=call.group_size, head_dim=call.q.shape[2], page_size=cache.page_size,
+                   layout=getattr(cache, "layout", ""), options=call.options(), seqs=pow2_ceil(meta.batch_size),
+                   capacity=pow2_ceil(meta.max_pages_per_seq * cache.page_size), tokens=pow2_ceil(call.q.shape[0]))
+
+    @property
+    def exact(self) -> tuple:
+        """The fields an entry must share with a call."""
+        return self.op, self.phase, self.dtype, self.kv_dtype, self.group, self.head_dim, self.page_size, \
+            self.layout, self.options
+
+    @property
+    def sizes(self) -> tuple[int, int, int]:
+        return self.seqs, self.capacity, self.tokens
+
+    def doublings(self, other: Key) -> tuple[int, ...]:
+        """Per size, how many doublings apart ``self`` and ``other`` are."""
+        return tuple(abs(round(math.log2(a / b))) for a, b in zip(self.sizes, other.sizes))
+
+    def to_json(self) -> dict:
+        return {**dataclasses.asdict(self), "options": list(self.options)}
+
+
+@dataclasses.dataclass(frozen=True)
+class Entry:
+    """One measured bucket: ``order`` is auto's, fastest first; ``ms`` per backend (None: failed)."""
+
+    key: Key
+    order: tuple[str, ...]
+    ms: dict[str, float | None]
+    workloads: tuple[str, ...]
+
+    def to_json(self) -> dict:
+        return {"key": self.key.to_json(), "order": list(self.order), "ms": self.ms,
+                "workloads": list(self.workloads)}
+
+
+@dataclasses.dataclass(frozen=True)
+class Table:
+    """A choice table and what produced it (``_HEADER``'s fields)."""
+
+    arch: str
+    command: str
+    device: str
+    date: str
+    jax: str
+    entries: tuple[Entry, ...]
+    comment: str = ""
+
+    def nearest(self, key: Key) -> Entry | None:
+        """The entry of the nearest bucket to ``key`` (module docstring), or None."""
+        best, best_steps = None, None
+        for entry in self.entries:
+            if entry.key.exact != key.exact:
+                continue
+            steps = entry.key.doublings(key)
+            if max(steps) <= MAX_DOUBLINGS and (best_steps is None or sum(steps) < best_steps):
+                best, best_steps = entry, sum(steps)
+        return best
+
+    def to_json(self) -> dict:
+        header = {name: getattr(self, name) for name in _HEADER}
+        return {"format": FORMAT, **header, **({"comment": self.comment} if self.comment else {}),
+                "entries": [entry.to_json() for entry in self.entries]}
+
+
+def dump(table: Table, path: str) -> None:
+    """Writes ``table`` to ``path`` as JSON, one entry a line."""
+    data = table.to_json()
+    entries = ",\n".join(f"  {json.dumps(entry)}" for entry in data.pop("entries"))
+    header = json.dumps(data, indent=1)[:-2]              # without its closing "\n}"
+    with open(path, "w") as f:
+        f.write(f'{header},\n "entries": [\n{entries}\n ]\n}}\n')
+
+
+def pow2_ceil(n: int) -> int:
+    """The smallest power of 2 >= n (1 for n <= 1)."""
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+def measured_order(call: Call) -> tuple[str, ...] | None:
+    """The backends in the measured order of the entry nearest to ``call`` in this GPU's table;
+    None without a table or a near entry (on CPU, always None)."""
+    table = shipped_table(current_arch())
+    entry = table.nearest(Key.of(call)) if table is not None else None
+    return entry.order if entry is not None else None
+
+
+def current_arch() -> str | None:
+    """"sm_<major><minor>" of the first GPU (``sm_90`` on an H100 or H200); None without a GPU."""
+    gpus = gpu_devices()
+    if not gpus:
+        return None
+    major, minor = str(getattr(gpus[0], "compute_capability", "0.0")).split(".")[:2]
+    return f"sm_{major}{minor}"
+
+
+@functools.cache
+def shipped_table(arch: str | None) -> Table | None:
+    """The table shipped for ``arch`` (``TABLE_DIR/<arch>.json``), or None when there is none."""
+    path = None if arch is None else os.path.join(TABLE_DIR, f"{arch}.json")
+    return load(path) if path is not None and os.path.exists(path) else None
+
+
+def load(path: str) -> Table:
+    """The table in ``path``; ValueError naming the file and what is wrong when it is malformed."""
+    try:
+        with open(path) as f:
+            data = json.load(f)
+        return parse(data)
+    except (ValueError, TypeError, KeyError) as err:
+        raise ValueError(f"malformed choice table {path}: {err} (rewrite it with python -m benchmarks.tune_auto)") \
+            from err
+
+
+def parse(data: object) -> Table:
+    """A ``Table`` from its JSON form; ValueError (or TypeError/KeyError) where it is malformed."""
+    if not isinstance(data, dict) or data.get("format") != FORMAT:
+        raise ValueError(f"expected an object with \"format\": {FORMAT}")
+    for name in _HEADER:
+        _expect(isinstance(data[name], str), f"{name!r} must be a string")
+    _expect(isinstance(data.get("comment", ""), str), "'comment' must be a string")
+    _expect(isinstance(data["entries"], list), "'entries' must be a list")
+    return Table(**{name: data[name] for name in _HEADER}, comment=data.get("comment", ""),
+                 entries=tuple(_entry(i, e) for i, e in enumerate(data["entries"])))
+
+
+def _entry(index: int, data: dict) -> Entry:
+    where = f"entries[{index}]"
+    _expect(isinstance(data, dict) and set(data) == {"key", "order", "ms", "workloads"},
+            f"{where} must have exactly the fields key, order, ms, workloads")
+    key = data["key"]
+    fields = {f.name: f.type for f in dataclasses.fields(Key)}
+    _expect(isinstance(key, dict) and set(key) == set(fields), f"{where}.key must have exactly the fields {list(fields)}")
+    for name, kind in fields.items():
+        if kind == "int":
+            _expect(type(key[name]) is int and key[name] >= 1, f"{where}.key.{name} must be an int >= 1")
+        elif kind == "str":
+            _expect(isinstance(key[name], str), f"{where}.key.{name} must be a string")
+    _expect(_strings(key["options"]), f"{where}.key.options must be a list of strings")
+    for name in ("seqs", "capacity", "tokens"):
+        _expect(key[name] == pow2_ceil(key[name]), f"{where}.key.{name} must be a power of 2")
+    _expect(_strings(data["order"]) and data["order"], f"{where}.order must be a non-empty list of backend names")
+    _expect(isinstance(data["ms"], dict) and all(v is None or isinstance(v, (int, float)) for v in data["ms"].values()),
+            f"{where}.ms must map backend names to milliseconds or null")
+    _expect(_strings(data["workloads"]), f"{where}.workloads must be a list of strings")
+    return Entry(key=Key(**{**key, "options": tuple(key["options"])}), order=tuple(data["order"]), ms=data["ms"],
+                 workloads=tuple(data["workloads"]))
+
+
+def _strings(value: object) -> bool:
+    return isinstance(value, list) and all(isinstance(x, str) for x in value)
+
+
+def _expect(condition: object, message: str) -> None:
+    if not condition:
+        raise ValueError(message)
+
+
+def reorder(by_rank: Sequence[str], measured: Sequence[str]) -> list[str]:
+    """``by_rank`` with the backends ``measured`` names put in measured order, in the places they
+    hold in ``by_rank``; the others keep theirs. ``reorder([a, b, c, d], [c, x, a]) == [c, b, a, d]``."""
+    known = set(by_rank) & set(measured)
+    slots = iter(name for name in measured if name in known)
+    return [next(slots) if name in known else name for name in by_rank]

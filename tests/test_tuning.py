@@ -1,0 +1,174 @@
+"""auto's measured choice table (``jaxattn.choice_table``): buckets, the nearest entry, the order
+``dispatch.ranking`` takes from it, and the fallback to ranks without one."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+
+import jax.numpy as jnp
+import pytest
+
+from jaxattn import attention, backends, choice_table, dispatch
+from jaxattn.backends.base import AttentionParams, Call
+from jaxattn.kv_cache import KVCache
+from jaxattn.metadata import AttentionMetadata
+
+BACKENDS = ("xla", "cudnn", "trtllm", "triton")
+PARAMS = AttentionParams(scale=0.125, causal=True, sliding_window=None, softcap=None, has_sinks=False)
+
+
+def make_call(batch: int = 3, width: int = 5, page_size: int = 16, tokens: int | None = None,
+              max_q_len: int | None = 1, layout: str = "HND") -> Call:
+    """A paged_attention call of ``batch`` sequences over block tables ``width`` pages wide
+    (8 query heads over 2 KV heads of 64 dims, bf16)."""
+    tokens = batch if tokens is None else tokens
+    shape = (8, 2, page_size, 64) if layout == "HND" else (8, page_size, 2, 64)
+    cache = KVCache(jnp.zeros(shape, jnp.bfloat16), jnp.zeros(shape, jnp.bfloat16), layout=layout)
+    meta = AttentionMetadata(cu_q_lens=jnp.arange(batch + 1, dtype=jnp.int32), kv_lens=jnp.ones((batch,), jnp.int32),
+                             block_tables=jnp.ones((batch, width), jnp.int32), num_decodes=jnp.int32(batch),
+                             max_q_len=max_q_len)
+    return Call("paged_attention", jnp.zeros((tokens, 8, 64), jnp.bfloat16), cache, meta, PARAMS)
+
+
+def entry(order: list[str], **key_fields) -> dict:
+    """An entry's JSON for a decode call of ``make_call``'s shapes, with ``key_fields`` replaced."""
+    key = {**choice_table.Key.of(make_call()).to_json(), **key_fields}
+    return {"key": key, "order": order, "ms": {name: 1.0 for name in order}, "workloads": ["test"]}
+
+
+def table_json(*entries: dict) -> dict:
+    return {"format": 1, "arch": "sm_90", "command": "python -m benchmarks.tune_auto", "device": "test",
+            "date": "today", "jax": "0", "entries": list(entries)}
+
+
+@pytest.fixture
+def on_sm90(monkeypatch, tmp_path):
+    """This machine looks like an sm_90 GPU whose tables are in ``tmp_path`` (none until a test
+    writes ``sm_90.json``); the registry's first four backends, each of which runs here."""
+    monkeypatch.setattr(backends, "REGISTRY", {name: backends.REGISTRY[name] for name in BACKENDS})
+    monkeypatch.setattr(choice_table, "current_arch", lambda: "sm_90")
+    monkeypatch.setattr(choice_table, "TABLE_DIR", str(tmp_path))
+    monkeypatch.setattr(backends, "unavailable_reason", lambda name: None)
+    monkeypatch.setattr(dispatch, "_logged", set())
+    choice_table.shipped_table.cache_clear()
+    yield tmp_path
+    choice_table.shipped_table.cache_clear()
+
+
+def write_table(directory, data: dict) -> None:
+    with open(os.path.join(directory, "sm_90.json"), "w") as f:
+        json.dump(data, f)
+    choice_table.shipped_table.cache_clear()
+
+
+def test_a_call_buckets_by_static_facts_and_powers_of_two():
+    key = choice_table.Key.of(make_call(batch=3, width=5, page_size=16, tokens=3))
+    assert key == choice_table.Key(op="paged_attention", phase="decode", dtype="bfloat16", kv_dtype="bfloat16",
+                                   group=4, head_dim=64, page_size=16, layout="HND", options=(), seqs=4,
+                                   capacity=128, tokens=4)
+    prefill = choice_table.Key.of(make_call(batch=2, width=64, tokens=1000, max_q_len=None, layout="NHD"))
+    assert (prefill.phase, prefill.layout, prefill.sizes) == ("prefill", "NHD", (2, 1024, 1024))
+    spec = choice_table.Key.of(dataclasses.replace(make_call(tokens=12, max_q_len=4)))
+    assert spec.phase == "spec_decode" and spec.tokens == 16
+    windowed = make_call()
+    windowed = dataclasses.replace(windowed, params=dataclasses.replace(PARAMS, sliding_window=8))
+    assert choice_table.Key.of(windowed).options == ("sliding_window",)
+    assert [choice_table.pow2_ceil(n) for n in (0, 1, 2, 3, 64, 65)] == [1, 1, 2, 4, 64, 128]
+
+
+def test_the_nearest_entry_shares_the_static_facts_and_is_within_two_doublings():
+    table = choice_table.parse(table_json(
+        entry(["a"], seqs=4, capacity=128, tokens=4),
+        entry(["b"], seqs=64, capacity=4096, tokens=64),
+        entry(["c"], seqs=64, capacity=4096, tokens=64, layout="NHD"),
+        entry(["d"], seqs=1, capacity=128, tokens=1)))
+    nearest = lambda call: (table.nearest(choice_table.Key.of(call)) or choice_table.Entry(None, ("none",), {}, ())).order[0]  # noqa: E731
+    assert nearest(make_call(batch=3, width=5)) == "a"               # the same bucket
+    assert nearest(make_call(batch=16, width=128, page_size=16)) == "b"   # two doublings in seqs, tokens, 0 in kv
+    assert nearest(make_call(batch=16, width=128, layout="NHD")) == "c"
+    assert nearest(make_call(batch=2, width=8)) == "a"               # 1 + 0 + 1 doublings; d is 1 + 0 + 1 too: first wins
+    assert nearest(make_call(batch=1024, width=256)) == "none"       # 4 doublings from b in seqs
+    assert nearest(make_call(batch=3, width=5, max_q_len=None)) == "none"   # no prefill entry
+
+
+def test_measured_backends_take_their_order_in_the_places_they_hold():
+    assert choice_table.reorder(["a", "b", "c", "d"], ["c", "x", "a"]) == ["c", "b", "a", "d"]
+    assert choice_table.reorder(["trtllm", "triton", "xla"], ["triton", "trtllm"]) == ["triton", "trtllm", "xla"]
+    assert choice_table.reorder(["trtllm", "triton", "xla"], ["cudnn"]) == ["trtllm", "triton", "xla"]
+
+
+def test_without_a_gpu_or_a_table_the_ranks_decide(on_sm90, monkeypatch):
+    call = make_call()
+    assert choice_table.measured_order(call) is None                  # no sm_90.json in the directory
+    assert dispatch.ranking(call) == dispatch.rank_order(call) == ["trtllm", "triton", "xla"]
+    write_table(on_sm90, table_json(entry(["triton", "trtllm"], seqs=1024)))   # nothing near a 3-sequence call
+    assert dispatch.ranking(call) == ["trtllm", "triton", "xla"]
+    monkeypatch.setattr(choice_table, "current_arch", lambda: None)   # a machine without a GPU
+    write_table(on_sm90, table_json(entry(["triton", "trtllm"])))
+    assert choice_table.measured_order(call) is None and dispatch.ranking(call)[0] == "trtllm"
+
+
+def test_current_arch_is_none_on_this_cpu_machine():
+    if backends.base.gpu_devices():
+        pytest.skip("a GPU is visible")
+    assert choice_table.current_arch() is None
+
+
+def test_a_table_reorders_auto_and_leaves_explicit_backends_alone(on_sm90):
+    """The issue's decode point: triton measured faster than trtllm goes first; a backend the
+    table lists but whose rank is None (cudnn for decodes) stays out; an explicit backend is unchanged."""
+    write_table(on_sm90, table_json(entry(["cudnn", "triton", "trtllm", "xla"])))
+    call = make_call()
+    assert dispatch.ranking(call) == ["triton", "trtllm", "xla"]
+    assert dispatch.choose(call) == "triton" and dispatch.choose(call, "trtllm") == "trtllm"
+    q, cache, meta = call.q, call.cache, call.meta
+    assert attention.backend_for(q, cache, meta, scale=0.125) == attention.Plan("triton")
+    assert attention.backend_for(q, cache, meta, scale=0.125, backend="trtllm") == attention.Plan("trtllm")
+    # A step with options the table did not measure keeps the ranks.
+    assert attention.backend_for(q, cache, meta, scale=0.125, sliding_window=4) == attention.Plan("trtllm")
+
+
+def test_a_measured_backend_that_cannot_take_the_call_is_skipped(on_sm90, monkeypatch):
+    write_table(on_sm90, table_json(entry(["triton", "trtllm"])))
+    monkeypatch.setattr(backends, "unavailable_reason", lambda name: "off" if name == "triton" else None)
+    assert dispatch.choose(make_call()) == "trtllm"
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda d: d.pop("jax"), "'jax'"),
+    (lambda d: d.update(format=2), "\"format\": 1"),
+    (lambda d: d["entries"][0]["key"].update(seqs=3), "entries\\[0\\].key.seqs must be a power of 2"),
+    (lambda d: d["entries"][0]["key"].pop("layout"), "entries\\[0\\].key must have exactly the fields"),
+    (lambda d: d["entries"][0].update(order="triton"), "entries\\[0\\].order must be a non-empty list"),
+    (lambda d: d["entries"][0]["ms"].update(triton="fast"), "entries\\[0\\].ms must map backend names"),
+])
+def test_a_malformed_table_raises_naming_the_file(on_sm90, change, message):
+    data = table_json(entry(["triton", "trtllm"]))
+    change(data)
+    write_table(on_sm90, data)
+    path = os.path.join(on_sm90, "sm_90.json")
+    with pytest.raises(ValueError, match=f"malformed choice table {path}: .*{message}"):
+        dispatch.ranking(make_call())
+
+
+def test_invalid_json_raises_naming_the_file(tmp_path):
+    path = tmp_path / "sm_90.json"
+    path.write_text("{not json")
+    with pytest.raises(ValueError, match=f"malformed choice table {path}"):
+        choice_table.load(str(path))
+
+
+def test_dump_and_load_round_trip(tmp_path):
+    table = choice_table.parse(table_json(entry(["triton", "trtllm"]), entry(["xla"], seqs=64)))
+    for tables in (table, dataclasses.replace(table, entries=(), comment="not measured yet")):
+        choice_table.dump(tables, str(tmp_path / "t.json"))
+        assert choice_table.load(str(tmp_path / "t.json")) == tables
+
+
+def test_the_shipped_tables_load():
+    """Every table in the package is well formed and named after its arch."""
+    for name in os.listdir(choice_table.TABLE_DIR):
+        if name.endswith(".json"):
+            table = choice_table.load(os.path.join(choice_table.TABLE_DIR, name))
+            assert name == f"{table.arch}.json"
