@@ -3,7 +3,7 @@ same engine settings.
 
     python -m benchmarks.bench_http [--preset llama3-8b] [--layers N] [--requests 512] [--prompt-len 256]
         [--new-tokens 128] [--rate 0] [--max-seqs 128] [--max-seq-len 2048] [--max-step-tokens N]
-        [--num-pages N] [--page-size 64] [--backend auto] [--smoke]
+        [--num-pages N] [--page-size 64] [--backend auto] [--clients 4] [--smoke]
 
 The trace (random weights and prompts, seed 0): ``requests`` prompts of lognormal lengths (sigma 1,
 mean ``prompt-len`` before clipping to [4, 4 x prompt-len]), ``new-tokens`` greedy tokens each,
@@ -11,10 +11,13 @@ all at once (``--rate 0``) or as a Poisson process of ``rate`` requests/s. Two r
 process of its own (the device holds one engine at a time), both after the engine's warm-up:
   * engine: this module in a subprocess serves the trace through ``Engine.step_events``, arrival
     to token on the host;
-  * http: ``python -m jaxattn.serve --preset ...`` with the same engine arguments, and this process
-    as its clients over loopback: one streamed ``/v1/completions`` request of token ids per trace
-    request at its arrival time (httpx, asyncio), tokens read from the stream (``return_token_ids``),
-    after one request that warms the server's and the client's code paths up.
+  * http: ``python -m jaxattn.serve --preset ...`` with the same engine arguments, and ``clients``
+    processes as its clients over loopback (the trace dealt round-robin; one asyncio httpx process
+    reads only about 7k streamed tokens/s on a 2-core CPU): one streamed ``/v1/completions``
+    request of token ids per trace request at its arrival time, all processes timed from one start
+    on ``time.monotonic()`` (the host's one clock), tokens read from the stream
+    (``return_token_ids``), after one request per process that warms the server's and the
+    client's code paths up.
 Reported per run: generated tokens/s (over the wall time from the first arrival to the last
 token), TTFT (arrival to first token) and TPOT ((last - first token) / (tokens - 1), per request)
 p50 / p90 / p99; the HTTP / engine tokens/s ratio, and how many requests got the same tokens in
@@ -29,6 +32,7 @@ import asyncio
 import dataclasses
 import datetime
 import json
+import multiprocessing
 import os
 import signal
 import subprocess
@@ -129,10 +133,11 @@ def run_engine(args: argparse.Namespace, trace: list[TraceRequest]) -> dict:
 # -------------------------------------------------------------------------------- the HTTP run
 
 async def _stream(http, request: TraceRequest, start: float) -> tuple[float, float, list[int]]:
-    """(first, last token time, token ids) of one streamed request sent at its arrival time."""
+    """(first, last token time, token ids) of one streamed request sent at its arrival time; times
+    in s after ``start`` (``time.monotonic()``: one clock for every process of the host)."""
     import httpx
 
-    await asyncio.sleep(max(0.0, start + request.arrival - time.perf_counter()))
+    await asyncio.sleep(max(0.0, start + request.arrival - time.monotonic()))
     body = {"model": MODEL_NAME, "prompt": request.prompt, "max_tokens": request.new_tokens, "temperature": 0,
             "stream": True, "return_token_ids": True}
     first = last = 0.0
@@ -146,23 +151,60 @@ async def _stream(http, request: TraceRequest, start: float) -> tuple[float, flo
                 continue
             new = json.loads(line[len("data: "):])["choices"][0]["token_ids"]
             if new:
-                last = time.perf_counter() - start
+                last = time.monotonic() - start
                 first = first or last
                 ids += new
     return first, last, ids
 
 
-async def _clients(base_url: str, trace: list[TraceRequest]) -> list[tuple[float, float, list[int]]]:
+async def _clients(base_url: str, trace: list[TraceRequest], start: float) -> list[tuple[float, float, list[int]]]:
     import httpx
 
     limits = httpx.Limits(max_connections=len(trace), max_keepalive_connections=len(trace))
     async with httpx.AsyncClient(base_url=base_url, limits=limits, timeout=None) as http:
-        start = time.perf_counter()
         return await asyncio.gather(*(_stream(http, r, start) for r in trace))
 
 
+def _client_process(base_url: str, trace: list[TraceRequest], conn) -> None:
+    """(In a client process.) Warms its code paths up with one request, says it is ready, and
+    serves its share of the trace from the start time it is sent; sends back the results."""
+    asyncio.run(_clients(base_url, [TraceRequest(0.0, [0, 1], 2)], time.monotonic()))
+    conn.send("ready")
+    conn.send(asyncio.run(_clients(base_url, trace, conn.recv())))
+
+
+def run_clients(base_url: str, trace: list[TraceRequest], processes: int) -> list[tuple[float, float, list[int]]]:
+    """The trace's requests from ``processes`` client processes (request i from process i mod
+    ``processes``), all timed from one start: (first, last token time, token ids) per request."""
+    context = multiprocessing.get_context("spawn")
+    shares = [trace[k::processes] for k in range(processes)]
+    pipes = [context.Pipe() for _ in shares]
+    workers = [context.Process(target=_client_process, args=(base_url, share, child), daemon=True)
+               for share, (_, child) in zip(shares, pipes)]
+    for worker, (_, child) in zip(workers, pipes):
+        worker.start()
+        child.close()                    # a process that dies: EOFError here
+    try:
+        try:
+            for conn, _ in pipes:
+                conn.recv()
+            start = time.monotonic() + 0.1
+            for conn, _ in pipes:
+                conn.send(start)
+            parts = [conn.recv() for conn, _ in pipes]
+        except EOFError:
+            raise RuntimeError("a client process failed (its traceback is above)") from None
+    finally:
+        for worker in workers:
+            worker.join(timeout=60)
+    results = [None] * len(trace)
+    for k, part in enumerate(parts):
+        results[k::processes] = part
+    return results
+
+
 def run_http(args: argparse.Namespace, trace: list[TraceRequest], env: dict) -> dict:
-    """The trace through ``python -m jaxattn.serve`` (a subprocess) from this process's clients."""
+    """The trace through ``python -m jaxattn.serve`` (a subprocess) from ``clients`` client processes."""
     port = free_port()
     command = [sys.executable, "-m", "jaxattn.serve", *engine_arguments(args), "--served-model-name", MODEL_NAME,
                "--port", str(port), "--log-level", "warning"]
@@ -173,8 +215,7 @@ def run_http(args: argparse.Namespace, trace: list[TraceRequest], env: dict) -> 
             wait_healthy(base_url, server, SERVER_START_S)
         except (RuntimeError, TimeoutError) as err:
             sys.exit(str(err))
-        asyncio.run(_clients(base_url, [TraceRequest(0.0, [0, 1], 2)]))    # the first request's one-time costs
-        results = asyncio.run(_clients(base_url, trace))
+        results = run_clients(base_url, trace, args.clients)
     finally:
         server.send_signal(signal.SIGTERM)
         server.wait(timeout=120)
@@ -191,7 +232,7 @@ def row(label: str, r: dict) -> str:
 
 def command(args: argparse.Namespace) -> str:
     flags = ["--requests", str(args.requests), "--prompt-len", str(args.prompt_len), "--new-tokens",
-             str(args.new_tokens), "--rate", f"{args.rate:g}", *engine_arguments(args)]
+             str(args.new_tokens), "--rate", f"{args.rate:g}", "--clients", str(args.clients), *engine_arguments(args)]
     return "python -m benchmarks.bench_http " + " ".join(flags)
 
 
@@ -205,7 +246,7 @@ def report(args: argparse.Namespace, trace: list[TraceRequest], engine: dict, ht
                 f"max_seq_len {args.max_seq_len}, max_step_tokens {args.max_step_tokens or 'default'}.")
     workload = (f"Trace: {args.requests} requests ({arrivals}), prompts of {prompts.min()}..{prompts.max()} tokens "
                 f"(mean {prompts.mean():.0f}), {args.new_tokens} greedy tokens each. HTTP: streamed /v1/completions "
-                f"over loopback, one connection per request, from one asyncio client process.")
+                f"over loopback, one connection per request, from {args.clients} asyncio client processes.")
     ratio = http["tokens_per_s"] / engine["tokens_per_s"]
     lines = [
         settings,
@@ -240,6 +281,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--num-pages", type=int, help="KV cache pages (default: the engine's)")
     parser.add_argument("--page-size", type=int, default=64)
     parser.add_argument("--backend", default="auto", help="paged_attention backend")
+    parser.add_argument("--clients", type=int, default=4, help="client processes sending the HTTP run's requests "
+                        "(one asyncio process reads about 7k streamed tokens/s)")
     parser.add_argument("--smoke", action="store_true", help="a tiny model and trace (CPU, seconds); RESULTS.md "
                                                               "is left alone")
     parser.add_argument("--engine-run", metavar="JSON", help=argparse.SUPPRESS)   # the engine run's subprocess
@@ -252,7 +295,7 @@ def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     if args.smoke:
         args.preset, args.layers, args.requests, args.prompt_len, args.new_tokens = "tiny", 1, 8, 8, 6
-        args.max_seqs, args.max_seq_len, args.max_step_tokens, args.page_size = 4, 64, 8, 8
+        args.max_seqs, args.max_seq_len, args.max_step_tokens, args.page_size, args.clients = 4, 64, 8, 8, 2
     trace = make_trace(args, PRESETS[args.preset].vocab_size)
     if args.engine_run:
         with open(args.engine_run, "w") as f:
