@@ -425,6 +425,63 @@ def test_a_request_failing_in_the_engine_fails_alone():
         assert http.get("/health").status_code == 200
 
 
+def _generate(tokenizer, deliveries: list[list], stop: tuple[str, ...] = ()) -> tuple[list, list[str], bool]:
+    """(chunks of ``Generation.chunks``, the events it was handed, whether it aborted the request) when
+    each list of ``deliveries`` reaches the job before the stream takes its events: a stream that
+    fell behind takes several steps at once."""
+    import types
+
+    from jaxattn.sampling import SamplingParams
+    from jaxattn.serve.app import Generation
+    from jaxattn.serve.loop import Admitted, Job
+
+    async def run():
+        aborted = []
+        job = Job([BOS, 30, 31], 16, SamplingParams(stop_token_ids=(EOS,)))
+        generation = Generation(types.SimpleNamespace(abort=aborted.append), job, tokenizer, stop)
+        job.put(Admitted())
+        await generation.start()
+        chunks, pending = [], list(deliveries)
+        try:
+            for event in pending.pop(0):
+                job.put(event)
+            async for chunk in generation.chunks():
+                chunks.append(chunk)
+                for event in pending.pop(0) if pending else []:
+                    job.put(event)
+        except Exception as err:                     # an APIError of a Failed event
+            chunks.append(err)
+        return chunks, bool(aborted)
+
+    return asyncio.run(run())
+
+
+def test_a_stream_behind_the_engine_gets_the_same_tokens_and_text(checkpoint):
+    """Several steps' events taken at once make one chunk with all their tokens: the same ids,
+    text and finish as one chunk per step, a stop string cutting the text and aborting the request
+    as it does step by step; tokens before a failure come before its error."""
+    from jaxattn.serve.loop import Failed, Tokens
+    from jaxattn.serve.protocol import APIError
+    from jaxattn.serve.text import TextTokenizer
+
+    tokenizer = TextTokenizer(checkpoint[0])
+    steps = [Tokens([40 + i], None) for i in range(5)] + [Tokens([EOS], "stop")]
+    full = "".join(chunk[0] for chunk in _generate(tokenizer, [[step] for step in steps])[0])
+    stop = " " + full.split()[3]
+    for stops in ((), (stop,)):
+        one_by_one, aborted = _generate(tokenizer, [[step] for step in steps], stops)
+        assert len(one_by_one) == (6 if not stops else 4), one_by_one
+        for deliveries in ([steps[:3], steps[3:]], [steps], [steps[:1], steps[1:4], steps[4:]]):
+            chunks, aborted_too = _generate(tokenizer, deliveries, stops)
+            assert len(chunks) < len(one_by_one)
+            assert "".join(c[0] for c in chunks) == "".join(c[0] for c in one_by_one) == \
+                (full if not stops else full[:full.index(stop)])
+            assert sum((c[1] for c in chunks), []) == sum((c[1] for c in one_by_one), [])
+            assert chunks[-1][2] == one_by_one[-1][2] == "stop" and aborted_too == aborted == bool(stops)
+    chunks, _ = _generate(None, [[Tokens([7], None), Tokens([8], None), Failed(500, "injected")]])
+    assert chunks[0] == ("", [7, 8], None) and isinstance(chunks[1], APIError) and chunks[1].status == 500
+
+
 # -------------------------------------------------------------------------- the README's section
 
 README_SECTION = "### HTTP serving (OpenAI-compatible)"

@@ -22,7 +22,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from jaxattn.engine import Engine
 from jaxattn.sampling import SamplingParams
-from jaxattn.serve.loop import Admitted, EngineLoop, Failed, Job
+from jaxattn.serve.loop import Admitted, EngineLoop, Event, Failed, Job
 from jaxattn.serve.metrics import CONTENT_TYPE_LATEST, Metrics
 from jaxattn.serve.protocol import APIError, ChatRequest, CompletionRequest, error_body
 from jaxattn.serve.text import TextStream, TextTokenizer
@@ -36,22 +36,25 @@ ENGINE_STOP_S = 60.0
 
 
 class Generation:
-    """One job's output as it comes: ``(text delta, token ids, finish_reason)`` per engine event,
-    ``stop`` strings applied (the request is aborted at the first). ``close`` aborts the request
-    if it has not finished, and counts it in the metrics."""
+    """One job's output as it comes: ``(text delta, token ids, finish_reason)`` per take of the
+    job's events (the tokens of every engine step since the last take: one step's while the event
+    loop keeps up, several once it falls behind), ``stop`` strings applied (the request is aborted
+    at the first). ``close`` aborts the request if it has not finished, and counts it in the
+    metrics."""
 
     def __init__(self, engine_loop: EngineLoop, job: Job, tokenizer: TextTokenizer | None, stop: tuple[str, ...]):
         self.engine_loop, self.job = engine_loop, job
         self.text = TextStream(tokenizer, job.prompt, stop) if tokenizer is not None else None
         self.token_ids: list[int] = []
         self.finish_reason: str | None = None
+        self._pending: list[Event] = []             # events that came with Admitted
         self._arrival = time.perf_counter()
         self._first = self._last = 0.0
         self._closed = False
 
     async def start(self) -> None:
         """Waits for the engine to take the request; APIError when it refuses it."""
-        event = await self.job.next_event()
+        event, *self._pending = await self.job.take()
         if isinstance(event, Failed):
             self.finish_reason = "error"
             raise _engine_error(event)
@@ -59,26 +62,36 @@ class Generation:
 
     async def chunks(self) -> AsyncIterator[tuple[str, list[int], str | None]]:
         while self.finish_reason is None:
-            event = await self.job.next_event()
-            if isinstance(event, Failed):
+            events, self._pending = self._pending or await self.job.take(), []
+            ids: list[int] = []
+            finish = failed = None
+            for event in events:
+                if isinstance(event, Failed):
+                    failed = event
+                    break
+                ids += event.ids
+                finish = event.finish_reason
+                if self.text is not None:
+                    shown = event.ids
+                    if finish == "stop" and shown and shown[-1] in self.job.sampling.stop_token_ids:
+                        shown = shown[:-1]             # the stop token is not text
+                    self.text.add(shown)
+                    if self.text.stopped:              # a stop string: the request ends here
+                        if finish is None:
+                            self.engine_loop.abort(self.job)
+                        finish = "stop"
+                if finish is not None:
+                    break
+            if ids:
+                self._last = time.perf_counter()
+                self._first = self._first or self._last
+                self.token_ids += ids
+                delta = self.text.take(final=finish is not None) if self.text is not None else ""
+                self.finish_reason = finish
+                yield delta, ids, finish
+            if failed is not None:
                 self.finish_reason = "error"
-                raise _engine_error(event)
-            self._last = time.perf_counter()
-            self._first = self._first or self._last
-            self.token_ids += event.ids
-            finish, delta = event.finish_reason, ""
-            if self.text is not None:
-                shown = event.ids
-                if finish == "stop" and shown and shown[-1] in self.job.sampling.stop_token_ids:
-                    shown = shown[:-1]                 # the stop token is not text
-                self.text.add(shown)
-                if self.text.stopped:                  # a stop string: the request ends here
-                    if finish is None:
-                        self.engine_loop.abort(self.job)
-                    finish = "stop"
-                delta = self.text.take(final=finish is not None)
-            self.finish_reason = finish
-            yield delta, event.ids, finish
+                raise _engine_error(failed)
 
     def close(self) -> None:
         """Aborts the request unless it finished; records its metrics (once)."""
@@ -272,13 +285,16 @@ def build_app(engine: Engine, *, model_name: str, tokenizer: TextTokenizer | Non
     async def stream(generation: Generation, body, head: dict, chat: bool) -> AsyncIterator[str]:
         head = {**head, "object": "chat.completion.chunk" if chat else "text_completion"}
         include_usage = body.stream_options is not None and body.stream_options.include_usage
+        # A chunk is the head's JSON, serialized once, and its choice's: `prefix + choice + "]}\n\n"`.
+        prefix = f"data: {json.dumps(head, ensure_ascii=False)[:-1]}, \"choices\": ["
         try:
             if chat:
                 yield _sse({**head, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
                                                   "finish_reason": None}]})
             async for text, ids, finish in generation.chunks():
                 if text or finish or body.return_token_ids:
-                    yield _sse({**head, "choices": [choice(chat, text, ids, finish, body, delta=True)]})
+                    out = choice(chat, text, ids, finish, body, delta=True)
+                    yield f"{prefix}{json.dumps(out, ensure_ascii=False)}]}}\n\n"
             if include_usage:
                 yield _sse({**head, "choices": [], "usage": generation.usage})
             yield _sse("[DONE]")

@@ -2,7 +2,7 @@
 
 HTTP handlers (on the asyncio event loop) hand it ``Job``s and aborts through a queue; between
 steps it adds the new requests and applies the aborts, then runs one step and delivers the jobs'
-new events to their asyncio queues, all of a step's in one callback on the event loop. A request
+new events to their jobs, all of a step's in one callback on the event loop. A request
 the engine refuses (``ValueError``) fails with 400, any other error in adding it with 500; a step
 that raises fails the requests in flight with 500 and the thread goes on with the next requests.
 """
@@ -56,16 +56,32 @@ class Job:
         self.prompt, self.max_tokens, self.sampling = prompt, max_tokens, sampling
         self.request: Request | None = None           # set by the engine thread
         self.generated = 0                            # tokens delivered (engine thread)
-        self.events: asyncio.Queue[Event] = asyncio.Queue()
+        self._events: list[Event] = []                # delivered, not yet taken (event loop)
+        self._waiter: asyncio.Future | None = None
 
-    async def next_event(self) -> Event:
-        return await self.events.get()
+    def put(self, event: Event) -> None:
+        """(On the event loop.) Queues ``event``, waking the task waiting in ``take``."""
+        self._events.append(event)
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
+
+    async def take(self) -> list[Event]:
+        """Every event delivered since the last call, in order (waits for one): a stream that fell
+        behind the engine takes several steps' tokens at once."""
+        while not self._events:
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        events, self._events = self._events, []
+        return events
 
 
 def _dispatch(outbox: list[tuple[Job, Event]]) -> None:
-    """(On the event loop.) Each event to its job's queue."""
+    """(On the event loop.) Each event to its job."""
     for job, event in outbox:
-        job.events.put_nowait(event)
+        job.put(event)
 
 
 class EngineLoop:
