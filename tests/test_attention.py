@@ -62,8 +62,8 @@ BAD_CALLS = [
     (dict(sinks=jnp.zeros((3,), jnp.float32)), "sinks must be float32\\[4\\]"),
     (dict(sinks=jnp.zeros((4,), jnp.int32)), "sinks must be float32\\[4\\]"),
     (dict(return_status=1), "return_status must be a bool"),
-    (dict(backend="flash"), "backend must be one of \\('auto', 'xla', 'cudnn', 'trtllm', 'triton'\\)"),
-    (dict(backend="flashinfer"), "backend must be one of \\('auto', 'xla', 'cudnn', 'trtllm', 'triton'\\)"),
+    (dict(backend="flash"), "backend must be one of \\('auto', 'xla', 'cudnn', 'trtllm', 'triton', 'fa4'\\)"),
+    (dict(backend="flashinfer"), "backend must be one of \\('auto', 'xla', 'cudnn', 'trtllm', 'triton', 'fa4'\\)"),
     (dict(meta=_with(meta0, page_size=4)),
      "meta was built by a PageTable with page_size=4, but the cache has page_size=16"),
     (dict(meta=_with(meta0, num_pages=16)),
@@ -153,10 +153,10 @@ def test_every_op_has_the_reference_backend_and_a_known_ranking():
     for name, backend in backends.REGISTRY.items():
         assert backend.name == name and set(backend.ops) <= set(backends.OPS) and backend.archs
     call = backends.Call("paged_attention", q0, cache0, meta0, attention_module._check_args(q0, cache0, meta0))
-    assert dispatch.ranking(call) == ["cudnn", "triton", "xla"]
-    assert dispatch.ranking(dataclasses.replace(call, meta=_with(meta0, max_q_len=1))) == ["trtllm", "triton", "xla"]
+    assert dispatch.ranking(call) == ["cudnn", "triton", "fa4", "xla"]
+    assert dispatch.ranking(dataclasses.replace(call, meta=_with(meta0, max_q_len=1))) == ["trtllm", "triton", "fa4", "xla"]
     assert dispatch.ranking(dataclasses.replace(call, meta=_with(meta0, max_q_len=4))) == [
-        "trtllm", "triton", "cudnn", "xla"]
+        "trtllm", "triton", "cudnn", "fa4", "xla"]
 
 
 def test_a_new_backend_is_one_registry_entry(monkeypatch):

@@ -11,12 +11,12 @@ from __future__ import annotations
 import functools
 from collections.abc import Iterable
 
-from jaxattn.backends import cudnn, flashinfer, triton, trtllm, xla
+from jaxattn.backends import cudnn, fa4, flashinfer, triton, trtllm, xla
 from jaxattn.backends.base import OPS, AttentionParams, Backend, Call, arch_reason
 
 REGISTRY: dict[str, Backend] = {
     backend.name: backend
-    for backend in (xla.BACKEND, cudnn.BACKEND, trtllm.BACKEND, triton.BACKEND, flashinfer.BACKEND)
+    for backend in (xla.BACKEND, cudnn.BACKEND, trtllm.BACKEND, triton.BACKEND, flashinfer.BACKEND, fa4.BACKEND)
 }
 ALL_BACKENDS: tuple[str, ...] = tuple(REGISTRY)
 
