@@ -14,14 +14,23 @@ Peers, installed on the device as wheels with ``--no-deps`` (``scripts/fetch_pee
   * ejkernel ``page_attention`` (Triton, decode only): HND pools ``[pages, Hkv, page, D]`` (its
     type hints say head-major; its kernel indexes pages first);
   * JAX's deprecated ``jax.experimental.pallas.ops.gpu.paged_attention`` (decode only):
-    head-major pools; it applies no softmax scale, so q is pre-scaled by 1/sqrt(D).
-Each peer gets its layout converted outside the timed region; a peer that cannot express a
-workload, or fails on it, is listed with the reason instead of a time.
+    head-major pools; it applies no softmax scale, so q is pre-scaled by 1/sqrt(D);
+  * fa4-jax 0.1.0 ``flash_attn_varlen`` (FlashAttention-4's CuTe DSL kernels through cutejax and
+    TVM-FFI; needs Python >= 3.12 and nvidia-cutlass-dsl): it has no paged KV, so each sequence's
+    keys and values are gathered from the pages into one packed ``[sum(kv_lens), Hkv, D]`` pair
+    (``cu_seqlens_k`` over them) and the queries stay packed as they are (``cu_seqlens_q``):
+    every workload, decodes as one query per sequence. Its SM90 kernel has no split-KV and no
+    GQA packing (``pack_gqa=False``), which its decode rows show.
+Each peer gets its layout converted (or its KV gathered) outside the timed region; a peer that
+is not installed, cannot express a workload, or fails on it, is listed with the reason instead
+of a time.
 
 Workloads (bf16, Hq=32, Hkv=8, D=128, page 64, causal, HND pages in a randomly permuted pool):
 decodes (the B=64 kv U[2048,4096] target point first, the low-batch long-context frontier points
-against the copy rate), speculative decode (4 tokens per sequence), prefill B=8 x 4096, and a
-mixed batch of 63 decodes and an 8192-token prefill.
+against the copy rate), prefill B=8 x 4096 and B=1 x 512, chunked prefill (B=4, 300 new tokens
+over 1200), a mixed batch of 63 decodes and an 8192-token prefill, and speculative decode (4
+tokens per sequence). jaxattn's row names the backends its ``auto`` plan ran
+(``jaxattn.attention.backend_for``: on an H100/H200 from ``jaxattn/tuning/sm_90.json``).
 
 Time: GPU busy time per call (the summed durations of the kernels each call launches, from the
 profiler: ``benchmarks.common.device_busy_seconds``), median of ``--rounds`` rounds of 10 calls,
@@ -30,6 +39,12 @@ after a warm-up call; compilation excluded. Every jitted call includes what it n
 (above 1: jaxattn is faster). The error column is each peer's relative error against jaxattn
 auto's output (jaxattn's own row: against the xla backend, where it fits). Writes the jax_peers
 section of benchmarks/RESULTS.md (and a copy under $OUT when set).
+
+ejkernel's ``ragged_page_attention_v2`` kernels do not compile under Triton 3.6 (one never
+finishes, which ends the run through the watchdog; see RESULTS.md). The full grid with every
+other peer (no new workload starts after 480 s, so that the run ends within 9 minutes):
+
+    python -m benchmarks.bench_jax_peers --skip-peers ragged_page_attention_v2 --peer-timeout-s 120 --budget-s 480
 """
 
 from __future__ import annotations
@@ -51,11 +66,13 @@ os.environ.setdefault("TF_GPU_ALLOCATOR", "bfc")  # ejkernel's import would swit
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
 
 import jaxattn  # noqa: E402
 from benchmarks.common import (  # noqa: E402
     HKV, HQ, D, Budget, Case, command_line, copy_bandwidth, device_busy_seconds, device_name, make_inputs, rel_error,
     write_section)
+from jaxattn.attention import backend_for  # noqa: E402
 
 SCALE = 1 / math.sqrt(D)
 FA3_SPLITS = (1, 4, 16)
@@ -67,10 +84,16 @@ def decode(batch: int, kv_len: int, ragged: bool = False) -> Case:
     return dataclasses.replace(case, name=f"decode {case.name}")
 
 
+def prefill(batch: int, q_len: int, kv_len: int | None = None) -> Case:
+    """A prefill, or (``kv_len`` given) a chunked prefill: ``q_len`` new tokens after ``kv_len - q_len``."""
+    case = Case.prefill(batch, q_len, kv_len)
+    return dataclasses.replace(case, name=f"{'chunked ' if kv_len else ''}prefill {case.name}")
+
+
 WORKLOADS = [
     decode(64, 4096, ragged=True),
     decode(64, 4096),
-    Case("prefill B=8 x 4096", (4096,) * 8, (4096,) * 8),
+    prefill(8, 4096), prefill(1, 512), prefill(4, 300, 1200),
     Case("mixed 63 decodes + 8192 prefill", (1,) * 63 + (8192,), (4096,) * 63 + (8192,)),
     Case("spec decode B=64 x 4 kv=4096", (4,) * 64, (4096,) * 64),
     decode(1, 32768), decode(4, 32768), decode(1, 131072), decode(4, 131072), decode(2, 16384),
@@ -99,6 +122,16 @@ class Problem:
     def head_major(self) -> tuple[jax.Array, jax.Array]:
         return (jnp.transpose(self.cache.k_pages, (1, 0, 2, 3)),
                 jnp.transpose(self.cache.v_pages, (1, 0, 2, 3)))
+
+    def packed(self) -> tuple[jax.Array, jax.Array]:
+        """Each sequence's keys and values gathered from its pages, sequences one after another:
+        ``[sum(kv_lens), Hkv, D]`` each."""
+        tables, page = np.asarray(self.meta.block_tables), self.cache.page_size
+        seq = np.repeat(np.arange(self.w.batch), self.w.kv_lens)
+        pos = np.concatenate([np.arange(n) for n in self.w.kv_lens])
+        gather = jax.jit(lambda pool, pages, slots: pool[pages, :, slots])     # HND: [N, Hkv, D]
+        pages, slots = jnp.asarray(tables[seq, pos // page]), jnp.asarray(pos % page, jnp.int32)
+        return gather(self.cache.k_pages, pages, slots), gather(self.cache.v_pages, pages, slots)
 
 
 def jaxattn_auto(p: Problem) -> Call:
@@ -156,12 +189,21 @@ def pallas_gpu(p: Problem) -> Call:
     return lambda: fn(q, k, v, p.meta.block_tables, p.meta.kv_lens)
 
 
+def fa4_jax_varlen(p: Problem) -> Call:
+    import fa4_jax
+    k, v = p.packed()
+    cu_k = jnp.asarray(np.cumsum([0, *p.w.kv_lens]), jnp.int32)
+    fn = jax.jit(lambda q, k, v, cu_q, cu_k: fa4_jax.flash_attn_varlen(q, k, v, cu_q, cu_k, causal=True, scale=SCALE))
+    return lambda: fn(p.q, k, v, p.meta.cu_q_lens, cu_k)
+
+
 PEERS: dict[str, Callable[[Problem], Call]] = {
     "ejkernel ragged_page_attention_v2": lambda p: ejkernel_ragged_v2(p, optimized=False),
     "ejkernel ragged_page_attention_v2 optimized": lambda p: ejkernel_ragged_v2(p, optimized=True),
     "ejkernel page_attention": ejkernel_page_attention,
     "jax pallas gpu paged_attention": pallas_gpu,
     **{f"flash-attn3-jax splits={s}": (lambda p, s=s: fa3(p, s)) for s in FA3_SPLITS},
+    "fa4-jax flash_attn_varlen": fa4_jax_varlen,
 }
 
 
@@ -198,8 +240,9 @@ def bench_workload(w: Case, rounds: int, copy_rate: float, peers: dict[str, Call
         xla = jax.jit(lambda q, c, m: jaxattn.paged_attention(q, c, m, backend="xla"))
         check = f"{rel_error(ref, xla(p.q, p.cache, p.meta)):.1e} (vs xla)"
     faulthandler.cancel_dump_traceback_later()
-    rows.append(dict(workload=w.name, peer="jaxattn auto", ms=base, err=check))
-    print(f"{w.name} | jaxattn auto | {base:.3f} ms | {check}", file=sys.stderr, flush=True)
+    ours_name = f"jaxattn auto ({backend_for(p.q, p.cache, p.meta)})"
+    rows.append(dict(workload=w.name, peer=ours_name, ms=base, err=check))
+    print(f"{w.name} | {ours_name} | {base:.3f} ms | {check}", file=sys.stderr, flush=True)
     for name, make in peers.items():
         print(f"{w.name} | {name} ...", file=sys.stderr, flush=True)
         faulthandler.dump_traceback_later(peer_timeout_s, exit=True)

@@ -33,7 +33,12 @@ class Pick:
 @dataclasses.dataclass(frozen=True)
 class Row:
     """A headline row: jaxattn's number against the best of its peers (the lowest time; with
-    ``higher_is_better``, the highest), or, where the run had no peer, against a ``baseline``."""
+    ``higher_is_better``, the highest), or, where the run had no peer, against a ``baseline``.
+
+    With ``every_run``, the peers are every other implementation on ``ours``' rows (its last
+    cell names the implementation column), in every section named ``section`` or
+    ``section_<suffix>`` (runs of one benchmark with different peers): the best of them all
+    wins, against jaxattn's number from the same run."""
     workload: str
     op: str
     shape: str
@@ -43,6 +48,7 @@ class Row:
     baseline: Pick | None = None
     unit: str = "us"
     higher_is_better: bool = False
+    every_run: bool = False
 
 
 def across(key: dict[str, str], ours: tuple[str, str], *peers: tuple[str, str]) -> dict:
@@ -61,8 +67,14 @@ def down(key: dict[str, str], by: str, column: str, ours: str, *peers: str, base
     return dict(ours=pick(ours), peers=tuple(pick(p) for p in peers), baseline=pick(baseline) if baseline else None)
 
 
+def jax_peers(workload: str) -> dict:
+    """``Row`` arguments for a workload of benchmarks/bench_jax_peers.py: jaxattn auto against
+    the fastest JAX peer of any of its runs (``every_run``)."""
+    return dict(op="paged_attention", section="jax_peers", unit="ms", every_run=True,
+                ours=Pick("{}", (("workload", workload), ("implementation", "jaxattn auto")), "GPU time / call"))
+
+
 XQA_DECODE = dict(op="paged_attention", section="trtllm-decode")
-FA3 = [f"flash-attn3-jax splits={s}" for s in (1, 4, 16)]
 ROWS = [
     Row("decode, the target point", shape="B=64, kv U[2048,4096]", **XQA_DECODE, **across(
         {"case": "B=64 kv=U[2048,4096]"}, ("trtllm", "jaxattn trtllm us (TB/s)"),
@@ -84,20 +96,12 @@ ROWS = [
     Row("prefill", "paged_attention", "B=8 x 4096, causal", "cudnn-prefill", **across(
         {"case": "B=8 x 4096"}, ("cudnn", "jaxattn cudnn us (TFLOP/s)"),
         ("flashinfer cudnn", "flashinfer cudnn us (TFLOP/s)"), ("flashinfer fa3", "flashinfer fa3 us (TFLOP/s)"))),
-    Row("mixed batch", "paged_attention", "63 decodes at kv 4096 + an 8192-token prefill", "jax_peers", unit="ms",
-        **down({"workload": "mixed 63 decodes + 8192 prefill"}, "implementation", "GPU time / call", "jaxattn auto",
-               "ejkernel page_attention", "jax pallas gpu paged_attention")),
-    Row("JAX peers: decode", "paged_attention", "B=64, kv U[2048,4096]", "jax_peers", unit="ms",
-        **down({"workload": "decode B=64 kv=U[2048,4096]"}, "implementation", "GPU time / call", "jaxattn auto",
-               "ejkernel page_attention", "jax pallas gpu paged_attention")),
-    Row("JAX peers: decode", "paged_attention", "B=64, kv U[2048,4096]", "jax_peers_fa3", unit="ms",
-        **down({"workload": "decode B=64 kv=U[2048,4096]"}, "implementation", "GPU time / call", "jaxattn auto",
-               *FA3)),
-    Row("JAX peers: speculative decode", "paged_attention", "B=64 x 4 draft tokens, kv 4096", "jax_peers_fa3",
-        unit="ms", **down({"workload": "spec decode B=64 x 4 kv=4096"}, "implementation", "GPU time / call",
-                          "jaxattn auto", *FA3)),
-    Row("JAX peers: prefill", "paged_attention", "B=8 x 4096, causal", "jax_peers_fa3", unit="ms",
-        **down({"workload": "prefill B=8 x 4096"}, "implementation", "GPU time / call", "jaxattn auto", *FA3)),
+    Row("mixed batch", shape="63 decodes at kv 4096 + an 8192-token prefill",
+        **jax_peers("mixed 63 decodes + 8192 prefill")),
+    Row("JAX peers: decode", shape="B=64, kv U[2048,4096]", **jax_peers("decode B=64 kv=U[2048,4096]")),
+    Row("JAX peers: speculative decode", shape="B=64 x 4 draft tokens, kv 4096",
+        **jax_peers("spec decode B=64 x 4 kv=4096")),
+    Row("JAX peers: prefill", shape="B=8 x 4096, causal", **jax_peers("prefill B=8 x 4096")),
     Row("MLA decode", "mla_paged_attention", "B=64, kv 4096, Hq 128", "mla-hq128", **across(
         {"case": "B=64 kv=4096 Hq=128"}, ("auto", "jaxattn auto us"), ("flashinfer mla", "flashinfer mla us"))),
     Row("MLA prefill", "mla_prefill", "B=8 x 4096, Hq 128", "mla-hq128", unit="ms", **across(
@@ -117,7 +121,9 @@ ROWS = [
 ]
 NOTES = """\
 Ratio = the best peer's time / jaxattn's time (tokens/s: jaxattn's / the other's): below 1.0x jaxattn is slower, \
-above 1.0x it is faster.
+above 1.0x it is faster. \
+JAX-peer rows (mixed batch, JAX peers): the fastest peer of any bench_jax_peers run (sections jax_peers and \
+jax_peers_*), against jaxattn auto in that run.
 
 Rows whose run had no peer compare with a baseline of the same run (the xla backend, prefix caching off, one GPU) \
 and say so. paged_attention rows: bf16, Hq 32, Hkv 8, D 128, page 64; MLA rows: bf16, latent 512 + RoPE 64. \
@@ -203,44 +209,93 @@ def value(text: str) -> float:
     return float(text.replace(",", ""))
 
 
-def render_row(row: Row, text: str) -> str:
+@dataclasses.dataclass
+class Run:
+    """A row's numbers in one section: jaxattn's (with its label) and each peer's (None: "n/a")."""
+    section: str
+    facts: tuple[str, str, str]        # device, date, command
+    label: str
+    ours: str
+    peers: list[tuple[str, str | None]]
+
+
+def every_peer(tables_: list[Table], ours: Pick) -> tuple[Pick, ...]:
+    """The other implementations on the rows of ``ours``' table that share its cells but the last."""
+    *key, (by, name) = ours.cells
+    for table in tables_:
+        if ours.column in table.header and {k for k, _ in ours.cells} <= set(table.header):
+            rows = [r for r in table.rows if all(matches(r.get(k, ""), v) for k, v in key)]
+            if any(matches(r.get(by, ""), name) for r in rows):
+                return tuple(Pick("{}", (*key, (by, r[by])), ours.column) for r in rows
+                             if not matches(r.get(by, ""), name))
+    return ()
+
+
+def run_of(row: Row, section: str, text: str) -> Run:
+    """``row``'s numbers in ``section`` (its text); raises ``LookupError`` when jaxattn's are missing."""
     tables_ = tables(text)
     device, date, command = header_facts(text)
-    label, ours, own_command = find(row.section, tables_, row.ours)
+    label, ours, own_command = find(section, tables_, row.ours)
     if ours is None:
-        raise LookupError(f"headline: {row.section}: jaxattn's number ({row.ours}) is missing")
+        raise LookupError(f"headline: {section}: jaxattn's number ({row.ours}) is missing")
+    picks = row.peers + (every_peer(tables_, row.ours) if row.every_run else ())
+    return Run(section, (device, date, own_command or command), label, ours,
+               [find(section, tables_, p)[:2] for p in picks])
+
+
+def runs_of(row: Row, found: dict[str, str]) -> list[Run]:
+    """``row``'s numbers in its section, or (``every_run``) in each section of its benchmark that has them."""
+    if not row.every_run:
+        return [run_of(row, row.section, found[row.section])]
+    runs, errors = [], []
+    for name, text in found.items():
+        if name == row.section or name.startswith(row.section + "_"):
+            try:
+                runs.append(run_of(row, name, text))
+            except LookupError as err:
+                errors.append(str(err))
+    if not runs:
+        raise LookupError("; ".join(errors) or f"headline: RESULTS.md has no section {row.section!r}")
+    return runs
+
+
+def render_row(row: Row, found: dict[str, str]) -> str:
+    """``row``'s line of the headline table; ``found``: RESULTS.md's sections by name."""
+    runs = runs_of(row, found)
     unit = f" {row.unit}"
-    found = [find(row.section, tables_, p) for p in row.peers]
-    timed = [(name, v) for name, v, _ in found if v is not None]
+    timed = [(run, name, v) for run in runs for name, v in run.peers if v is not None]
     better = max if row.higher_is_better else min
+    run = runs[0]
     if timed:
-        name, other = better(timed, key=lambda t: value(t[1]))
+        run, name, other = better(timed, key=lambda t: value(t[2]))
         peer = f"{name} {other}{unit}"
     elif row.baseline:
-        name, other, _ = find(row.section, tables_, row.baseline)
+        name, other, _ = find(run.section, tables(found[run.section]), row.baseline)
         peer = f"no peer in this run; baseline: {name} {other}{unit}"
     else:
-        name, other = None, None
-        peer = "none runs it (" + ", ".join(f"{n}: n/a" for n, _, _ in found) + ")"
+        other = None
+        names = dict.fromkeys(name for r in runs for name, _ in r.peers)
+        peer = "none runs it (" + ", ".join(f"{n}: n/a" for n in names) + ")"
     if other is None:
         ratio = "-"
     else:
-        r = value(ours) / value(other) if row.higher_is_better else value(other) / value(ours)
+        r = value(run.ours) / value(other) if row.higher_is_better else value(other) / value(run.ours)
         ratio = f"{r:.2f}x" + ("" if timed else " (vs baseline)")
-    source = f"{row.section}: `{(own_command or command).removeprefix('python -m benchmarks.')}`"
-    return " | ".join(["", row.workload, row.op, row.shape, f"{ours}{unit}, {label}", peer, ratio, device, date,
-                       source, ""]).strip()
+    device, date, command = run.facts
+    source = f"{run.section}: `{command.removeprefix('python -m benchmarks.')}`"
+    return " | ".join(["", row.workload, row.op, row.shape, f"{run.ours}{unit}, {run.label}", peer, ratio, device,
+                       date, source, ""]).strip()
 
 
 def headline(document: str) -> str:
     """The headline section's text for ``document`` (RESULTS.md's text)."""
     found = sections(document)
-    missing = sorted({row.section for row in ROWS} - set(found))
+    missing = sorted({row.section for row in ROWS if not row.every_run} - set(found))
     if missing:
         raise LookupError(f"headline: RESULTS.md has no section {missing}")
     lines = ["| workload | op | shape | jaxattn, backend | best peer, same run | ratio | device | date | "
              "section: command |", "|---|---|---|---|---|---|---|---|---|"]
-    lines += [render_row(row, found[row.section]) for row in ROWS]
+    lines += [render_row(row, found) for row in ROWS]
     return "\n".join(lines + ["", NOTES])
 
 

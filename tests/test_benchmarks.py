@@ -117,6 +117,38 @@ def test_headline_is_up_to_date(tmp_path):
     assert "| 180.0 us, trtllm | flashinfer xqa 196.8 us | 1.09x |" in copy.read_text()
 
 
+def test_headline_takes_the_fastest_jax_peer_of_any_run():
+    """A JAX-peers headline row: the fastest peer in any jax_peers section that has the workload
+    (n/a rows and other sections passed over), against jaxattn's number from that peer's run."""
+    from benchmarks import headline
+
+    def section(name: str, date: str, rows: list[tuple[str, str, str]]) -> str:
+        lines = [f"Device: GPU; {date}; `python -m benchmarks.bench_jax_peers --section {name}`", "",
+                 "| workload | implementation | GPU time / call |", "|---|---|---|"]
+        lines += [f"| {w} | {peer} | {ms} |" for w, peer, ms in rows]
+        return f"<!-- {name}:begin -->\n" + "\n".join(lines) + f"\n<!-- {name}:end -->\n\n"
+
+    short, long = "prefill B=1 x 512", "prefill B=8 x 4096"
+    doc = section("jax_peers", "2026-01-01", [
+        (short, "jaxattn auto (fa4)", "0.040 ms"), (short, "fa4-jax flash_attn_varlen", "0.050 ms"),
+        (short, "ejkernel page_attention", "n/a"),
+        (long, "jaxattn auto (cudnn)", "2.000 ms"), (long, "fa4-jax flash_attn_varlen", "2.100 ms")]) + \
+        section("jax_peers_fa3", "2026-01-02", [(long, "jaxattn auto", "2.200 ms"),
+                                                 (long, "flash-attn3-jax splits=1", "2.050 ms")]) + \
+        section("other", "2026-01-03", [(long, "jaxattn auto", "1.000 ms"), (long, "elsewhere", "0.100 ms")])
+    found = headline.sections(doc)
+
+    def line(workload: str) -> str:
+        return headline.render_row(headline.Row("w", shape="s", **headline.jax_peers(workload)), found)
+
+    assert "| 2.200 ms, jaxattn auto | flash-attn3-jax splits=1 2.050 ms | 0.93x | GPU | 2026-01-02 | " \
+           "jax_peers_fa3: `bench_jax_peers --section jax_peers_fa3` |" in line(long)
+    assert "| 0.040 ms, jaxattn auto (fa4) | fa4-jax flash_attn_varlen 0.050 ms | 1.25x | GPU | 2026-01-01 |" \
+        in line(short)
+    with pytest.raises(LookupError, match="jax_peers"):
+        line("decode B=1 kv=4096")
+
+
 def test_tune_mla_candidates_compile_for_sm90(tmp_path):
     """tune_mla's compile phase (CPU processes, no GPU): every point's quick candidates build."""
     triton = pytest.importorskip("triton")
