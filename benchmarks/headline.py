@@ -102,6 +102,10 @@ ROWS = [
     Row("JAX peers: speculative decode", shape="B=64 x 4 draft tokens, kv 4096",
         **jax_peers("spec decode B=64 x 4 kv=4096")),
     Row("JAX peers: prefill", shape="B=8 x 4096, causal", **jax_peers("prefill B=8 x 4096")),
+    Row("JAX peers: short prefill", shape="B=1 x 512, causal", **jax_peers("prefill B=1 x 512")),
+    Row("JAX peers: chunked prefill", shape="B=4 x 300 new over 1200, causal",
+        **jax_peers("chunked prefill B=4 x 300 over 1200")),
+    Row("JAX peers: small-batch decode", shape="B=1, kv 4096", **jax_peers("decode B=1 kv=4096")),
     Row("MLA decode", "mla_paged_attention", "B=64, kv 4096, Hq 128", "mla-hq128", **across(
         {"case": "B=64 kv=4096 Hq=128"}, ("auto", "jaxattn auto us"), ("flashinfer mla", "flashinfer mla us"))),
     Row("MLA prefill", "mla_prefill", "B=8 x 4096, Hq 128", "mla-hq128", unit="ms", **across(
