@@ -92,9 +92,11 @@ def run_plan(plan: Plan, q: jax.Array, cache: KVCache, meta: AttentionMetadata, 
     q_dec, meta_dec, meta_rest, num_decodes = split_decodes(q, meta)
     out_dec = _kernel(plan.decode)(q_dec, cache, meta_dec, params, sinks)
     out = _kernel(plan.main)(q, cache, meta_rest, params, sinks)
-    out_dec = jnp.zeros_like(out).at[: q_dec.shape[0]].set(out_dec)
-    is_decode = jnp.arange(q.shape[0]) < num_decodes
-    return jnp.where(is_decode[:, None, None], out_dec, out)
+    # Decode b is token b: only the first min(T, B) rows can differ, so only they are rewritten
+    # (in place; a select over all T rows costs a pass over a prefill's whole output).
+    rows = q_dec.shape[0]
+    is_decode = jnp.arange(rows) < num_decodes
+    return out.at[:rows].set(jnp.where(is_decode[:, None, None], out_dec, out[:rows]))
 
 
 def _kernel(name: str) -> Callable[..., jax.Array]:

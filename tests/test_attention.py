@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 
 import jax
@@ -289,3 +290,22 @@ def test_gpu_auto_speculative_decode_steps(max_q_len, expected):
     out = run(problem.q, problem.cache, problem.meta)
     ref = run(problem.q, problem.cache, problem.meta, backend="xla")
     assert rel_error(out, ref) < 1e-2, f"seed {seed}"
+
+
+def test_a_split_plan_gives_the_rows_of_one_backend():
+    """run_plan with the leading decodes on a second backend: the rows of one backend over the whole
+    batch, to float32 rounding (decodes, a chunked prefill, a contract-breaking decode and padding
+    tokens, whose rows stay zero)."""
+    from tests.paged_inputs import make_problem
+    problem = make_problem(np.random.default_rng(11), q_lens=[1, 1, 1, 30, 7], kv_lens=[40, 9, 70, 50, 7],
+                           num_q_heads=8, num_kv_heads=2, head_dim=32, page_size=16, dtype=jnp.float32,
+                           pad_seqs=2, pad_tokens=4)
+    meta = dataclasses.replace(problem.meta, kv_lens=problem.meta.kv_lens.at[1].set(10_000))
+    params = attention_module._check_args(problem.q, problem.cache, meta)
+    meta, _ = attention_module.sanitize(problem.q, problem.cache, meta)
+    run = functools.partial(attention_module.run_plan, q=problem.q, cache=problem.cache, meta=meta, params=params,
+                            sinks=None)
+    whole, split = run(attention_module.Plan("xla")), run(attention_module.Plan("xla", "xla"))
+    np.testing.assert_allclose(np.asarray(split), np.asarray(whole), rtol=1e-4, atol=1e-5)
+    assert not np.asarray(split[1]).any() and not np.asarray(split[-4:]).any()
+    assert not np.asarray(whole[1]).any(), "the contract-breaking decode's row is not zero"
