@@ -69,6 +69,20 @@ def make_problem(rng: np.random.Generator, *, q_lens, kv_lens, num_q_heads, num_
     return Problem(q, cache, meta, dense[0], dense[1], list(q_lens), list(kv_lens), owned)
 
 
+def same_shape_problems() -> tuple[Problem, Problem]:
+    """Two batches with different lengths, offsets and page tables but the same static shapes (bf16,
+    HND, 8/2 heads, D 64, pages of 16, 12 per sequence, equal pools of 61 pages): one compiled step
+    must serve both."""
+    shape = dict(num_q_heads=8, num_kv_heads=2, head_dim=64, page_size=16, layout="HND", dtype=jnp.bfloat16,
+                 pages_per_seq=12, pad_tokens=0)
+    first = make_problem(np.random.default_rng(1), q_lens=[60, 40, 28], kv_lens=[60, 90, 150], extra_pages=40,
+                         **shape)
+    second = make_problem(np.random.default_rng(2), q_lens=[100, 2, 26], kv_lens=[180, 2, 26], extra_pages=45,
+                          **shape)
+    assert first.q.shape == second.q.shape and first.cache.k_pages.shape == second.cache.k_pages.shape
+    return first, second
+
+
 def random_tables(rng: np.random.Generator, kv_lens, page_size: int, pages_per_seq: int | None, extra_pages: int,
                   pad_seqs: int) -> tuple[np.ndarray, list[int], int]:
     """Block tables of the sequences (then ``pad_seqs`` empty rows) over a random permutation of a

@@ -29,7 +29,7 @@ from jaxattn.backends import cudnn
 from jaxattn.backends.base import AttentionParams, Call
 from tests.xla_dump import REPO, run_with_dump, thunk_sequences, top_level_thunks
 from tests.paged_inputs import (TOLERANCE, dot_product_attention_reference, make_problem, reference,
-                                rel_error)
+                                rel_error, same_shape_problems)
 
 BF16, F16 = jnp.bfloat16, jnp.float16
 
@@ -199,14 +199,7 @@ def test_matches_dot_product_attention_with_bottom_right_mask():
 def test_one_compiled_step_serves_other_lengths_and_tables():
     """Lengths, offsets and page tables are device data: the same executable (and cuDNN plan)
     is right for a second batch with different values."""
-    shape = dict(num_q_heads=8, num_kv_heads=2, head_dim=64, page_size=16, layout="HND", dtype=BF16,
-                 pages_per_seq=12, pad_tokens=0)
-    # 20 and 15 pages in use: equal pools of 61 pages.
-    first = make_problem(np.random.default_rng(1), q_lens=[60, 40, 28], kv_lens=[60, 90, 150], extra_pages=40,
-                         **shape)
-    second = make_problem(np.random.default_rng(2), q_lens=[100, 2, 26], kv_lens=[180, 2, 26], extra_pages=45,
-                          **shape)
-    assert first.q.shape == second.q.shape and first.cache.k_pages.shape == second.cache.k_pages.shape
+    first, second = same_shape_problems()
     step = jax.jit(lambda q, c, m: jaxattn.paged_attention(q, c, m, backend="cudnn"))
     for problem in (first, second):
         _check(problem, step(problem.q, problem.cache, problem.meta))

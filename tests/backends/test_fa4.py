@@ -19,7 +19,7 @@ import pytest
 import jaxattn
 from jaxattn import backends
 from jaxattn.backends.base import AttentionParams, Call
-from tests.paged_inputs import TOLERANCE, make_problem, reference, rel_error
+from tests.paged_inputs import TOLERANCE, make_problem, reference, rel_error, same_shape_problems
 
 BF16, F16 = jnp.bfloat16, jnp.float16
 
@@ -149,13 +149,7 @@ def test_contract_breaking_sequences_get_zero_rows():
 
 @pytest.mark.gpu
 def test_one_compiled_step_serves_other_lengths_and_tables():
-    shape = dict(num_q_heads=8, num_kv_heads=2, head_dim=64, page_size=16, layout="HND", dtype=BF16,
-                 pages_per_seq=12, pad_tokens=0)
-    first = make_problem(np.random.default_rng(1), q_lens=[60, 40, 28], kv_lens=[60, 90, 150], extra_pages=40,
-                         **shape)
-    second = make_problem(np.random.default_rng(2), q_lens=[100, 2, 26], kv_lens=[180, 2, 26], extra_pages=45,
-                          **shape)
-    assert first.q.shape == second.q.shape and first.cache.k_pages.shape == second.cache.k_pages.shape
+    first, second = same_shape_problems()
     step = jax.jit(lambda q, c, m: jaxattn.paged_attention(q, c, m, backend="fa4"))
     for problem in (first, second):
         _check(problem, step(problem.q, problem.cache, problem.meta))
