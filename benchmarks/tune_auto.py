@@ -12,13 +12,14 @@ a mixed batch of 63 decodes at 4096 and an 8192-token prefill), then the decode 
 and prefill points, NHD pages and fp8 pages.
 
 Each workload's candidates are the backends that rank its call (``dispatch.rank_order``) and can
-take it here, each run as the plan ``auto`` makes when it chooses that backend
-(``jaxattn.attention.auto_plan``: a mixed batch's leading decodes go where ``auto`` sends decodes
-today). Time: GPU busy time per call from the profiler (``benchmarks.common.device_seconds``:
-every kernel of the call, metadata sanitizing included), median of ``--rounds`` rounds of 10 calls
-that interleave the candidates, after a warm-up call; a candidate slower than 0.2 s a call is timed
-once. Workloads of one bucket (``jaxattn.choice_table.Key``) make one entry, its backends ordered
-by their times summed over those workloads (those that failed last).
+take it here. Each candidate X runs whole (plan label "X") and, where ``auto`` weighs a split for
+it (``jaxattn.attention.split_plan``: a step that is not decode-only, the leading decodes to the
+backend D that ``auto`` picks for decodes), also split ("D+X"), so the table says which is faster.
+Time: GPU busy time per call from the profiler (``benchmarks.common.device_seconds``: every kernel
+of the call, metadata sanitizing included), median of ``--rounds`` rounds of 10 calls that
+interleave the plans, after a warm-up call; a plan slower than 0.2 s a call is timed once.
+Workloads of one bucket (``jaxattn.choice_table.Key``) make one entry, its plans ordered by their
+times summed over those workloads (those that failed last).
 
 Writes the table (``--out``, default ``jaxattn/tuning/<arch>.json``) and the auto-table section of
 benchmarks/RESULTS.md. ``--smoke`` (CPU, seconds): a tiny grid on the backends that run here (xla),
@@ -116,17 +117,23 @@ def workloads(smoke: bool) -> list[Workload]:
 @dataclasses.dataclass
 class Row:
     """One workload's measurements: its bucket, the backends that rank its call (``by_rank``, rank
-    order) and those of them that take it here (the candidates), ms per candidate (None: failed),
-    each candidate's relative error against the reference candidate, and notes."""
+    order) and those of them that take it here (the candidates), the plans timed by label (each
+    candidate whole, and split where ``auto`` weighs a split), ms per label (None: failed), each
+    plan's relative error against the reference plan, and notes."""
 
     workload: Workload
     key: choice_table.Key
     by_rank: list[str]
     candidates: list[str]
+    plans: dict[str, attention.Plan]
     ms: dict[str, float | None] = dataclasses.field(default_factory=dict)
     reference: str | None = None
     errors: dict[str, float] = dataclasses.field(default_factory=dict)
     notes: list[str] = dataclasses.field(default_factory=list)
+
+    def split(self, main: str) -> attention.Plan | None:
+        """The split plan timed with ``main`` as the main backend, or None."""
+        return next((plan for plan in self.plans.values() if plan.main == main and plan.decode), None)
 
 
 def plan_call(plan: attention.Plan, x: Inputs) -> Callable[[], jax.Array]:
@@ -139,90 +146,111 @@ def plan_call(plan: attention.Plan, x: Inputs) -> Callable[[], jax.Array]:
 
 
 def measure(w: Workload, rounds: int, calls_per_round: int) -> Row:
-    """Times every candidate of ``w`` (module docstring) in interleaved rounds."""
+    """Times every plan of ``w``'s candidates (module docstring) in interleaved rounds."""
     x = w.inputs()
     call = Call("paged_attention", x.q, x.cache, x.meta, PARAMS)
     by_rank = dispatch.rank_order(call)
     names = [name for name in by_rank if backends.check(name, call) is None]
-    row = Row(w, choice_table.Key.of(call), by_rank, names)
+    plans = {plan.label: plan for name in names
+             for plan in (attention.Plan(name), attention.split_plan(call, name)) if plan is not None}
+    row = Row(w, choice_table.Key.of(call), by_rank, names, plans)
     runs, outputs, slow = {}, {}, {}
-    for name in names:
+    for label, plan in plans.items():
         try:
-            run = plan_call(attention.auto_plan(call, name), x)
-            outputs[name] = jax.block_until_ready(run())
+            run = plan_call(plan, x)
+            outputs[label] = jax.block_until_ready(run())
             start = time.perf_counter()
             jax.block_until_ready(run())
             if time.perf_counter() - start > SLOW_CALL_S:
-                slow[name] = device_seconds(run, 1)
+                slow[label] = device_seconds(run, 1)
             else:
-                runs[name] = run
-        except Exception as err:  # noqa: BLE001 - a candidate failing is a result of the sweep
-            row.ms[name] = None
-            row.notes.append(f"{name} failed: {' '.join(str(err).split())[:160]}")
+                runs[label] = run
+        except Exception as err:  # noqa: BLE001 - a plan failing is a result of the sweep
+            row.ms[label] = None
+            row.notes.append(f"{label} failed: {' '.join(str(err).split())[:160]}")
             traceback.print_exc(file=sys.stderr)
-    times = {name: [] for name in runs}
+    times = {label: [] for label in runs}
     for _ in range(rounds):
-        for name, run in runs.items():
-            times[name].append(device_seconds(run, calls_per_round))
-    for name in names:
-        if name in times or name in slow:
-            row.ms[name] = 1e3 * (statistics.median(times[name]) if name in times else slow[name])
+        for label, run in runs.items():
+            times[label].append(device_seconds(run, calls_per_round))
+    for label in plans:
+        if label in times or label in slow:
+            row.ms[label] = 1e3 * (statistics.median(times[label]) if label in times else slow[label])
     row.reference = "xla" if "xla" in outputs else next(iter(outputs), None)
-    for name, out in outputs.items():
-        if name != row.reference:
-            row.errors[name] = rel_error(out, outputs[row.reference])
+    for label, out in outputs.items():
+        if label != row.reference:
+            row.errors[label] = rel_error(out, outputs[row.reference])
     return row
 
 
 def entries(rows: list[Row]) -> list[choice_table.Entry]:
-    """One entry per bucket: its backends by their times summed over the bucket's workloads (a
-    backend that failed or was not timed in one of them goes last)."""
+    """One entry per bucket: its plans by their times summed over the bucket's workloads (a plan
+    that failed or was not timed in one of them goes last)."""
     buckets: dict[choice_table.Key, list[Row]] = {}
     for row in rows:
         buckets.setdefault(row.key, []).append(row)
     result = []
     for key, group in buckets.items():
-        names = list(dict.fromkeys(name for row in group for name in row.ms))
-        total = {name: (sum(row.ms[name] for row in group)
-                        if all(row.ms.get(name) is not None for row in group) else None) for name in names}
-        timed = sorted((name for name in names if total[name] is not None), key=total.get)
+        labels = list(dict.fromkeys(label for row in group for label in row.ms))
+        total = {label: (sum(row.ms[label] for row in group)
+                         if all(row.ms.get(label) is not None for row in group) else None) for label in labels}
+        timed = sorted((label for label in labels if total[label] is not None), key=total.get)
         result.append(choice_table.Entry(
-            key=key, order=tuple(timed + [name for name in names if total[name] is None]),
-            ms={name: None if t is None else round(t, 4) for name, t in total.items()},
+            key=key, order=tuple(timed + [label for label in labels if total[label] is None]),
+            ms={label: None if t is None else round(t, 4) for label, t in total.items()},
             workloads=tuple(row.workload.name for row in group)))
     return result
 
 
+def auto_choice(row: Row, order: list[str], entry: choice_table.Entry | None) -> str:
+    """The label of the plan ``auto`` makes for ``row``'s call with backends tried in ``order`` and
+    ``entry`` as the nearest table entry (None: the split rule), as ``attention.auto_plan`` does."""
+    main = next(name for name in order if name in row.candidates)
+    split = row.split(main)
+    if split is None or (entry is not None and entry.split_first(main, split.decode) is False):
+        return main
+    return split.label
+
+
 def section(rows: list[Row], table: choice_table.Table, path: str, skipped: list[str]) -> str:
-    """The RESULTS.md section: per workload, each candidate's time and auto's choice by ranks and by the table."""
+    """The RESULTS.md section: per workload, each plan's time and auto's plan by ranks and by the table."""
     columns = [name for name in backends.names("paged_attention") if any(name in row.ms for row in rows)]
     lines = [f"Device: {table.device}; jax {table.jax}; {table.date}; `{table.command}`; table: `{path}` "
              f"({len(table.entries)} entries). Time per call in ms (GPU busy time from the profiler; wall time on CPU), "
-             f"median of interleaved rounds; "
-             f"each backend runs as auto's plan would with it as the choice (mixed batches: decodes where auto "
-             f"sends them). Bucket: B, kv capacity (table width x page), T, each rounded up to a power of 2.", "",
-             "| workload | bucket (B, kv, T) | " + " | ".join(columns) + " | auto by ranks | auto by table |",
-             "|---" * (len(columns) + 4) + "|"]
+             f"median of interleaved rounds. Each backend runs whole; where auto weighs splitting a step's "
+             f"leading decodes off to the backend it picks for decodes (column `decodes to`), also split: "
+             f"a cell `whole / split`. Plans: `X` whole, `D+X` split. auto by ranks: the rank order's backend "
+             f"with the split rule; by table: as auto reads the new table. Bucket: B, kv capacity "
+             f"(table width x page), T, each rounded up to a power of 2.", "",
+             "| workload | bucket (B, kv, T) | " + " | ".join(columns)
+             + " | decodes to | auto by ranks | auto by table |",
+             "|---" * (len(columns) + 5) + "|"]
     for row in rows:
-        fastest = min((t, name) for name, t in row.ms.items() if t is not None)[1] if any(
-            t is not None for t in row.ms.values()) else None
-        cells = []
-        for name in columns:
-            t = row.ms.get(name, "")
-            cells.append("" if t == "" else "failed" if t is None else f"**{t:.3f}**" if name == fastest else f"{t:.3f}")
+        cells = [" / ".join(time_cell(row, plan.label) for plan in (attention.Plan(name), row.split(name)) if plan)
+                 if name in row.ms else "" for name in columns]
+        decodes = next((plan.decode for plan in row.plans.values() if plan.decode), "")
         entry = table.nearest(row.key)
-        by_table = row.by_rank if entry is None else choice_table.reorder(row.by_rank, entry.order)
-        choices = [next(name for name in order if name in row.candidates) for order in (row.by_rank, by_table)]
+        by_table = row.by_rank if entry is None else choice_table.reorder(row.by_rank, entry.backend_order)
         lines.append(f"| {row.workload.name} | {row.key.seqs}, {row.key.capacity}, {row.key.tokens} | "
-                     + " | ".join(cells) + f" | {choices[0]} | {choices[1]} |")
+                     + " | ".join(cells)
+                     + f" | {decodes} | {auto_choice(row, row.by_rank, None)} | {auto_choice(row, by_table, entry)} |")
     notes = [f"{row.workload.name}: " + ", ".join(
-        row.notes + [f"{name} {err:.1e} vs {row.reference}" for name, err in row.errors.items()])
+        row.notes + [f"{label} {err:.1e} vs {row.reference}" for label, err in row.errors.items()])
         for row in rows if row.notes or row.errors]
     if notes:
-        lines += ["", "Notes (failures, relative errors between candidates): " + "; ".join(notes) + "."]
+        lines += ["", "Notes (failures, relative errors between plans): " + "; ".join(notes) + "."]
     if skipped:
         lines += ["", "Not run (time budget): " + ", ".join(skipped) + "."]
     return "\n".join(lines)
+
+
+def time_cell(row: Row, label: str) -> str:
+    """``label``'s time in ``row`` for the section ("failed"; bold when it is the row's fastest plan)."""
+    t = row.ms[label]
+    if t is None:
+        return "failed"
+    fastest = min((other_t, other) for other, other_t in row.ms.items() if other_t is not None)[1]
+    return f"**{t:.3f}**" if label == fastest else f"{t:.3f}"
 
 
 def shown_path(path: str) -> str:
@@ -253,7 +281,7 @@ def main() -> None:
             skipped.append(w.name)
             continue
         rows.append(measure(w, rounds, calls))
-        times = ", ".join(f"{name} {'failed' if t is None else f'{t:.3f} ms'}" for name, t in rows[-1].ms.items())
+        times = ", ".join(f"{label} {'failed' if t is None else f'{t:.3f} ms'}" for label, t in rows[-1].ms.items())
         print(f"{w.name}: {times}", file=sys.stderr, flush=True)
         jax.clear_caches()
     table = choice_table.Table(arch=arch, command=command_line(), device=device_name(), date=utc_now(),

@@ -10,7 +10,7 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
-from jaxattn import backends, dispatch
+from jaxattn import backends, choice_table, dispatch
 from jaxattn.backends.base import AttentionParams, Call
 from jaxattn.checks import is_int, is_real
 from jaxattn.kv_cache import KVCache, MLACache
@@ -112,6 +112,11 @@ class Plan:
     main: str
     decode: str | None = None
 
+    @property
+    def label(self) -> str:
+        """Its name in a measured choice table: ``"main"``, or ``"decode+main"`` when split."""
+        return choice_table.plan_label(self.main, self.decode)
+
     def __str__(self) -> str:
         return self.main if self.decode is None else f"{self.decode} (decodes) + {self.main} (the rest)"
 
@@ -128,11 +133,8 @@ def plan_backends(q: jax.Array, cache: KVCache, meta: AttentionMetadata, params:
     """Chooses backends from static information only (``jaxattn.dispatch.choose``).
 
     An explicit backend serves the whole call. ``auto`` takes the first backend in
-    ``dispatch.ranking``'s order (the measured table's, else the ranks) that takes the call; in a
-    step that is not decode-only, the leading decodes go to the backend ``auto`` picks for a
-    decode-only step when that is a different one and the step is a prefill step
-    (``meta.max_q_len`` None or above ``SPEC_DECODE_MAX_Q_LEN``) or the main backend is not
-    ranked for decodes at all (cudnn): a speculative-decode kernel serves its step whole.
+    ``dispatch.ranking``'s order (the measured table's, else the ranks) that takes the call, and
+    ``auto_plan`` decides whether the step's leading decodes go to another backend.
     """
     call = Call("paged_attention", q, cache, meta, params)
     main = dispatch.choose(call, backend)
@@ -140,17 +142,32 @@ def plan_backends(q: jax.Array, cache: KVCache, meta: AttentionMetadata, params:
 
 
 def auto_plan(call: Call, main: str) -> Plan:
-    """The plan ``auto`` makes for a ``paged_attention`` call once it chose ``main`` for it (the
-    split rule of ``plan_backends``)."""
-    if call.phase == "decode":
+    """The plan ``auto`` makes for a ``paged_attention`` call once it chose ``main`` for it:
+    ``split_plan``'s plan when there is one and the measured table does not have ``main`` whole
+    before it, else ``main`` whole. The nearest entry of this GPU's table decides when it timed both
+    plans (``choice_table.measured_split``); otherwise (no table, no near entry, a table of plain
+    backend names) the split is taken: the rule."""
+    split = split_plan(call, main)
+    if split is None or choice_table.measured_split(call, main, split.decode) is False:
         return Plan(main)
+    return split
+
+
+def split_plan(call: Call, main: str) -> Plan | None:
+    """The split plan ``auto`` weighs against ``main`` whole for a ``paged_attention`` call: in a
+    step that is not decode-only, the leading decodes to the backend ``auto`` picks for a
+    decode-only step, when that is another backend and the step is a prefill step (``meta.max_q_len``
+    None or above ``SPEC_DECODE_MAX_Q_LEN``) or ``main`` does not rank decodes (cudnn); None when
+    there is none (a speculative-decode kernel serves its step whole)."""
+    if call.phase == "decode":
+        return None
     meta = call.meta
     decodes = Call("paged_attention", call.q[: min(call.q.shape[0], meta.batch_size)], call.cache,
                    dataclasses.replace(meta, max_q_len=1), call.params)
     decode = dispatch.choose(decodes, "auto")
     main_takes_decodes = backends.REGISTRY[main].ops["paged_attention"].rank(decodes) is not None
     split = decode != main and (call.phase == "prefill" or not main_takes_decodes)
-    return Plan(main, decode if split else None)
+    return Plan(main, decode) if split else None
 
 
 def split_decodes(q: jax.Array, meta: AttentionMetadata

@@ -1,8 +1,9 @@
-"""``auto``'s measured choice table: for buckets of calls, the backends in the order a sweep timed them.
+"""``auto``'s measured choice table: for buckets of calls, the plans in the order a sweep timed them.
 
 One JSON file per GPU architecture ships in ``jaxattn/tuning/`` (``sm_90.json`` for compute
 capability 9.0), written by ``python -m benchmarks.tune_auto`` on such a GPU. ``dispatch.ranking``
-orders the backends that rank a call by the entry of the nearest measured bucket (see there);
+orders the backends that rank a call by the entry of the nearest measured bucket (see there), and
+``attention.auto_plan`` reads from it whether a step's decodes go to a second backend;
 without a file for this GPU (or on a machine without one), or with no entry near the call, the
 backends' ranks decide alone.
 
@@ -17,12 +18,21 @@ File format (``FORMAT``)::
     {"format": 1, "arch": "sm_90", "command": "python -m benchmarks.tune_auto ...",
      "device": "...", "date": "...", "jax": "0.11.2",
      "entries": [{"key": {<Key's fields>}, "order": ["triton", "trtllm", "xla"],
-                  "ms": {"triton": 0.10, "trtllm": 0.12, "xla": 1.9}, "workloads": ["decode B=64 kv=4096"]}]}
+                  "ms": {"triton": 0.10, "trtllm": 0.12, "xla": 1.9}, "workloads": ["decode B=64 kv=4096"]},
+                 {"key": {...}, "order": ["fa4", "trtllm+fa4", "cudnn", "trtllm+cudnn"], ...}]}
 
-``order`` is what ``auto`` reads: the backends fastest first (those that failed in the sweep
-last); ``ms`` and ``workloads`` say where it came from. An optional ``comment`` is free text.
+``order`` is what ``auto`` reads: the plans timed, fastest first (those that failed in the sweep
+last), each by its label: ``"X"`` for backend X serving the whole call, ``"D+X"`` for X with the
+leading decodes split off to backend D (``jaxattn.attention.Plan``); each part must be a backend
+that implements the entry's op. ``ms`` (per label) and ``workloads`` say where it came from. An
+optional ``comment`` is free text.
+
+Two readings of the nearest entry: ``measured_order``, the backends by their fastest plan (each
+label's main backend, first occurrence), which ``dispatch.ranking`` takes; and ``measured_split``,
+whether ``"D+X"`` came before ``"X"`` (None when the entry lacks either: a table of plain names,
+or a plan not timed), which ``attention.auto_plan`` takes for a split's yes or no.
 No knobs: no backend exposes a static tuning argument through its op's ``run`` (triton's split
-counts and XQA's SM count are chosen inside the backends), so an entry orders backends only.
+counts and XQA's SM count are chosen inside the backends), so an entry orders plans only.
 """
 
 from __future__ import annotations
@@ -34,12 +44,15 @@ import math
 import os
 from collections.abc import Sequence
 
+from jaxattn import backends
 from jaxattn.backends.base import Call, gpu_devices
 
 FORMAT = 1
 TABLE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tuning")
 # An entry serves a call whose sizes are each within this many doublings of the entry's.
 MAX_DOUBLINGS = 2
+# Joins a split plan's decode backend and main backend in its label: "trtllm+fa4".
+SPLIT_SEPARATOR = "+"
 _HEADER = ("arch", "command", "device", "date", "jax")
 
 
@@ -97,12 +110,25 @@ class Key:
 
 @dataclasses.dataclass(frozen=True)
 class Entry:
-    """One measured bucket: ``order`` is auto's, fastest first; ``ms`` per backend (None: failed)."""
+    """One measured bucket: ``order``, plan labels fastest first; ``ms`` per label (None: failed)."""
 
     key: Key
     order: tuple[str, ...]
     ms: dict[str, float | None]
     workloads: tuple[str, ...]
+
+    @property
+    def backend_order(self) -> tuple[str, ...]:
+        """The main backends of ``order``'s labels, each at its first (fastest) occurrence."""
+        return tuple(dict.fromkeys(split_label(label)[1] for label in self.order))
+
+    def split_first(self, main: str, decode: str) -> bool | None:
+        """True when the label ``decode+main`` comes before ``main`` in ``order``, False when after,
+        None when ``order`` lacks either."""
+        split, whole = plan_label(main, decode), plan_label(main)
+        if split not in self.order or whole not in self.order:
+            return None
+        return self.order.index(split) < self.order.index(whole)
 
     def to_json(self) -> dict:
         return {"key": self.key.to_json(), "order": list(self.order), "ms": self.ms,
@@ -152,12 +178,36 @@ def pow2_ceil(n: int) -> int:
     return 1 << max(0, int(n) - 1).bit_length()
 
 
+def plan_label(main: str, decode: str | None = None) -> str:
+    """A plan's label in a table: ``main`` whole, or ``"decode+main"`` with its decodes split off."""
+    return main if decode is None else f"{decode}{SPLIT_SEPARATOR}{main}"
+
+
+def split_label(label: str) -> tuple[str | None, str]:
+    """``(decode, main)`` of a plan label: the parts before and after its last ``+`` (decode None
+    without one). ``split_label("trtllm+fa4") == ("trtllm", "fa4")``."""
+    decode, separator, main = label.rpartition(SPLIT_SEPARATOR)
+    return (decode if separator else None), main
+
+
 def measured_order(call: Call) -> tuple[str, ...] | None:
-    """The backends in the measured order of the entry nearest to ``call`` in this GPU's table;
-    None without a table or a near entry (on CPU, always None)."""
+    """The backends in the measured order of the entry nearest to ``call`` in this GPU's table
+    (``Entry.backend_order``); None without a table or a near entry (on CPU, always None)."""
+    entry = _nearest_entry(call)
+    return entry.backend_order if entry is not None else None
+
+
+def measured_split(call: Call, main: str, decode: str) -> bool | None:
+    """Whether the nearest entry to ``call`` in this GPU's table timed ``main`` with the decodes
+    split off to ``decode`` faster (True) or slower (False) than ``main`` whole; None without a
+    table, a near entry, or both plans in it (``Entry.split_first``)."""
+    entry = _nearest_entry(call)
+    return entry.split_first(main, decode) if entry is not None else None
+
+
+def _nearest_entry(call: Call) -> Entry | None:
     table = shipped_table(current_arch())
-    entry = table.nearest(Key.of(call)) if table is not None else None
-    return entry.order if entry is not None else None
+    return table.nearest(Key.of(call)) if table is not None else None
 
 
 def current_arch() -> str | None:
@@ -214,9 +264,15 @@ def _entry(index: int, data: dict) -> Entry:
     _expect(_strings(key["options"]), f"{where}.key.options must be a list of strings")
     for name in ("seqs", "capacity", "tokens"):
         _expect(key[name] == pow2_ceil(key[name]), f"{where}.key.{name} must be a power of 2")
-    _expect(_strings(data["order"]) and data["order"], f"{where}.order must be a non-empty list of backend names")
+    _expect(_strings(data["order"]) and data["order"], f"{where}.order must be a non-empty list of plan labels")
     _expect(isinstance(data["ms"], dict) and all(v is None or isinstance(v, (int, float)) for v in data["ms"].values()),
-            f"{where}.ms must map backend names to milliseconds or null")
+            f"{where}.ms must map plan labels to milliseconds or null")
+    known = backends.names(key["op"])
+    for field, labels in (("order", data["order"]), ("ms", data["ms"])):
+        for label in labels:
+            _expect(all(part in known for part in split_label(label) if part is not None),
+                    f"{where}.{field}: {label!r} is not a backend of {key['op']} or decode+main of two "
+                    f"(known: {', '.join(known)})")
     _expect(_strings(data["workloads"]), f"{where}.workloads must be a list of strings")
     return Entry(key=Key(**{**key, "options": tuple(key["options"])}), order=tuple(data["order"]), ms=data["ms"],
                  workloads=tuple(data["workloads"]))

@@ -10,7 +10,10 @@ entry near the call, the backends that entry measured are put in its measured or
 they hold in the rank order, and the backends it did not measure keep their places (ranks [trtllm,
 triton, xla], measured [triton, trtllm]: [triton, trtllm, xla]). A backend whose rank is None stays
 out whatever the table says. Without a table for this GPU (and on CPU) or a near entry, the ranks
-decide alone.
+decide alone. The table orders plans (``"X"`` whole, ``"D+X"`` with the decodes split off to D);
+``ranking`` reads each backend at its fastest plan (``choice_table.measured_order``), and whether
+a ``paged_attention`` step splits its decodes off is read from the same entry when it timed both
+plans, else a rule (``jaxattn.attention.auto_plan``).
 
 Choices use static information only (shapes, dtypes, options, ``meta.max_q_len``, what is
 installed), and each distinct choice that skipped a backend is logged once with the reasons.

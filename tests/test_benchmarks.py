@@ -41,6 +41,30 @@ def test_tune_auto_smoke_writes_a_table_auto_can_read(tmp_path):
     assert not os.path.exists(os.path.join(choice_table.TABLE_DIR, "cpu.json"))
 
 
+def test_tune_auto_times_split_plans_by_label(monkeypatch, tmp_path):
+    """Where auto weighs a split, tune_auto times the backend whole ("xla") and split ("xla+xla"
+    here: on CPU xla is the only backend, so the split is forced); the entry orders the labels,
+    loads, and the section shows both times in one cell and auto's plan by the table."""
+    from benchmarks import tune_auto
+    from benchmarks.common import Case
+    from jaxattn import attention, choice_table
+
+    monkeypatch.setattr(attention, "split_plan", lambda call, main: attention.Plan(main, "xla"))
+    row = tune_auto.measure(tune_auto.Workload("prefill", Case.prefill(1, 64)), rounds=1, calls_per_round=1)
+    assert list(row.plans) == ["xla", "xla+xla"] and set(row.ms) == {"xla", "xla+xla"}
+    assert row.split("xla") == attention.Plan("xla", "xla") and set(row.errors) == {"xla+xla"}
+    [entry] = tune_auto.entries([row])
+    assert entry.order == tuple(sorted(row.ms, key=row.ms.get)) and entry.backend_order == ("xla",)
+    table = choice_table.Table(arch="cpu", command="test", device="cpu", date="today", jax="0", entries=(entry,))
+    choice_table.dump(table, str(tmp_path / "cpu.json"))
+    assert choice_table.load(str(tmp_path / "cpu.json")) == table
+    line = next(line for line in tune_auto.section([row], table, "cpu.json", []).splitlines()
+                if line.startswith("| prefill"))
+    cells = [cell.strip() for cell in line.strip("|").split("|")]
+    assert cells[0:2] == ["prefill B=1 x 64", "1, 64, 64"] and cells[2].count(" / ") == 1
+    assert cells[3:] == ["xla", "xla+xla", entry.order[0]]      # decodes to, auto by ranks (the rule), by table
+
+
 def test_serving_traces():
     """bench_serving's traces: lengths fixed by the seed, the shapes the issue asks for."""
     from benchmarks.bench_serving import SPECS, make_trace

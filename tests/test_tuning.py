@@ -79,16 +79,16 @@ def test_a_call_buckets_by_static_facts_and_powers_of_two():
 
 def test_the_nearest_entry_shares_the_static_facts_and_is_within_two_doublings():
     table = choice_table.parse(table_json(
-        entry(["a"], seqs=4, capacity=128, tokens=4),
-        entry(["b"], seqs=64, capacity=4096, tokens=64),
-        entry(["c"], seqs=64, capacity=4096, tokens=64, layout="NHD"),
-        entry(["d"], seqs=1, capacity=128, tokens=1)))
+        entry(["xla"], seqs=4, capacity=128, tokens=4),
+        entry(["cudnn"], seqs=64, capacity=4096, tokens=64),
+        entry(["trtllm"], seqs=64, capacity=4096, tokens=64, layout="NHD"),
+        entry(["triton"], seqs=1, capacity=128, tokens=1)))
     nearest = lambda call: (table.nearest(choice_table.Key.of(call)) or choice_table.Entry(None, ("none",), {}, ())).order[0]  # noqa: E731
-    assert nearest(make_call(batch=3, width=5)) == "a"               # the same bucket
-    assert nearest(make_call(batch=16, width=128, page_size=16)) == "b"   # two doublings in seqs, tokens, 0 in kv
-    assert nearest(make_call(batch=16, width=128, layout="NHD")) == "c"
-    assert nearest(make_call(batch=2, width=8)) == "a"               # 1 + 0 + 1 doublings; d is 1 + 0 + 1 too: first wins
-    assert nearest(make_call(batch=1024, width=256)) == "none"       # 4 doublings from b in seqs
+    assert nearest(make_call(batch=3, width=5)) == "xla"             # the same bucket
+    assert nearest(make_call(batch=16, width=128, page_size=16)) == "cudnn"   # two doublings in seqs, tokens, 0 in kv
+    assert nearest(make_call(batch=16, width=128, layout="NHD")) == "trtllm"
+    assert nearest(make_call(batch=2, width=8)) == "xla"             # 1 + 0 + 1 doublings; triton's is 1 + 0 + 1 too: first wins
+    assert nearest(make_call(batch=1024, width=256)) == "none"       # 4 doublings from cudnn's in seqs
     assert nearest(make_call(batch=3, width=5, max_q_len=None)) == "none"   # no prefill entry
 
 
@@ -141,7 +141,11 @@ def test_a_measured_backend_that_cannot_take_the_call_is_skipped(on_sm90, monkey
     (lambda d: d["entries"][0]["key"].update(seqs=3), "entries\\[0\\].key.seqs must be a power of 2"),
     (lambda d: d["entries"][0]["key"].pop("layout"), "entries\\[0\\].key must have exactly the fields"),
     (lambda d: d["entries"][0].update(order="triton"), "entries\\[0\\].order must be a non-empty list"),
-    (lambda d: d["entries"][0]["ms"].update(triton="fast"), "entries\\[0\\].ms must map backend names"),
+    (lambda d: d["entries"][0]["ms"].update(triton="fast"), "entries\\[0\\].ms must map plan labels"),
+    (lambda d: d["entries"][0].update(order=["trtlm"]), "entries\\[0\\].order: 'trtlm' is not a backend"),
+    (lambda d: d["entries"][0].update(order=["trtllm+fa3"]), "entries\\[0\\].order: 'trtllm\\+fa3' is not a backend"),
+    (lambda d: d["entries"][0].update(order=["a+trtllm+xla"]), "'a\\+trtllm\\+xla' is not a backend"),
+    (lambda d: d["entries"][0]["ms"].update({"+xla": 1.0}), "entries\\[0\\].ms: '\\+xla' is not a backend"),
 ])
 def test_a_malformed_table_raises_naming_the_file(on_sm90, change, message):
     data = table_json(entry(["triton", "trtllm"]))
@@ -172,3 +176,71 @@ def test_the_shipped_tables_load():
         if name.endswith(".json"):
             table = choice_table.load(os.path.join(choice_table.TABLE_DIR, name))
             assert name == f"{table.arch}.json"
+
+
+def test_plan_labels_name_the_main_backend_after_the_last_plus():
+    assert choice_table.plan_label("fa4") == "fa4" and choice_table.plan_label("fa4", "trtllm") == "trtllm+fa4"
+    assert choice_table.split_label("fa4") == (None, "fa4")
+    assert choice_table.split_label("trtllm+fa4") == ("trtllm", "fa4")
+    assert choice_table.split_label("a+b+c") == ("a+b", "c")        # load rejects "a+b": not a backend
+    assert attention.Plan("fa4", "triton").label == "triton+fa4" and attention.Plan("cudnn").label == "cudnn"
+
+
+def test_an_entry_orders_backends_by_their_fastest_plan_and_says_which_plan_of_one_is_faster():
+    split_wins = choice_table.parse(table_json(entry(["trtllm+triton", "xla", "triton", "trtllm", "xla+trtllm"])))
+    only_names = choice_table.parse(table_json(entry(["triton", "trtllm"])))
+    split_wins, only_names = split_wins.entries[0], only_names.entries[0]
+    assert split_wins.backend_order == ("triton", "xla", "trtllm")
+    assert split_wins.split_first("triton", "trtllm") is True
+    assert split_wins.split_first("trtllm", "xla") is False
+    assert split_wins.split_first("xla", "trtllm") is None          # "trtllm+xla" not timed
+    assert only_names.backend_order == ("triton", "trtllm") and only_names.split_first("triton", "trtllm") is None
+
+
+def prefill_call() -> Call:
+    """A prefill step of 3 sequences (decode-only steps of its size rank trtllm first)."""
+    return make_call(batch=3, tokens=40, max_q_len=None)
+
+
+def prefill_entry(order: list[str]) -> dict:
+    return entry(order, **{name: value for name, value in choice_table.Key.of(prefill_call()).to_json().items()
+                           if name in ("phase", "tokens")})
+
+
+def test_measured_order_and_split_read_labels_from_this_gpus_table(on_sm90):
+    call = prefill_call()
+    assert choice_table.measured_split(call, "xla", "trtllm") is None   # no table
+    write_table(on_sm90, table_json(prefill_entry(["trtllm+cudnn", "xla", "trtllm+xla", "cudnn"])))
+    assert choice_table.measured_order(call) == ("cudnn", "xla")
+    assert dispatch.ranking(call) == ["cudnn", "triton", "xla"]
+    assert choice_table.measured_split(call, "cudnn", "trtllm") is True
+    assert choice_table.measured_split(call, "xla", "trtllm") is False
+    assert choice_table.measured_split(call, "cudnn", "triton") is None
+    assert choice_table.measured_split(make_call(batch=64, width=64, tokens=1000, max_q_len=None), "cudnn",
+                                       "trtllm") is None           # no entry near
+
+
+@pytest.mark.parametrize("order, plan", [
+    (["xla", "trtllm+xla"], attention.Plan("xla")),                  # measured: whole first
+    (["trtllm+xla", "xla"], attention.Plan("xla", "trtllm")),        # measured: split first
+    (["xla"], attention.Plan("xla", "trtllm")),                      # plain names (the shipped table): the rule
+    (["xla", "triton+xla"], attention.Plan("xla", "trtllm")),        # a split to another decode backend: the rule
+])
+def test_auto_splits_a_prefill_step_as_the_table_measured(on_sm90, monkeypatch, order, plan):
+    """xla is the main backend (cudnn and triton switched off) and trtllm the decodes'; the
+    table's order of "xla" and "trtllm+xla" decides the split, and without both the rule splits."""
+    monkeypatch.setattr(backends, "unavailable_reason", lambda name: None if name in ("xla", "trtllm") else "off")
+    write_table(on_sm90, table_json(prefill_entry(order)))
+    call = prefill_call()
+    assert attention.split_plan(call, "xla") == attention.Plan("xla", "trtllm")
+    assert attention.auto_plan(call, "xla") == plan
+    assert attention.backend_for(call.q, call.cache, call.meta, scale=0.125) == plan
+    assert attention.backend_for(call.q, call.cache, call.meta, scale=0.125, backend="xla") == attention.Plan("xla")
+
+
+def test_no_split_is_weighed_for_decode_steps_or_one_backend(on_sm90, monkeypatch):
+    assert attention.split_plan(make_call(), "trtllm") is None                  # a decode-only step
+    monkeypatch.setattr(backends, "unavailable_reason", lambda name: None if name == "xla" else "off")
+    write_table(on_sm90, table_json(prefill_entry(["xla+xla", "xla"])))
+    assert attention.split_plan(prefill_call(), "xla") is None                  # decodes would go to xla too
+    assert attention.auto_plan(prefill_call(), "xla") == attention.Plan("xla")
