@@ -105,7 +105,7 @@ class _Config:
     dtype: str
     head_dim: int
     group: int                  # query heads per KV head
-    causal: bool
+    causal: bool                # keys after the query masked (also under a sliding window)
     window_left: int | None     # keys left of the diagonal a query sees (None: all)
     softcap: float | None
     page_size: int
