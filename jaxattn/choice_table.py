@@ -45,7 +45,7 @@ import os
 from collections.abc import Sequence
 
 from jaxattn import backends
-from jaxattn.backends.base import Call, gpu_devices
+from jaxattn.backends.base import Call, compute_capability, gpu_devices
 
 FORMAT = 1
 TABLE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tuning")
@@ -215,7 +215,7 @@ def current_arch() -> str | None:
     gpus = gpu_devices()
     if not gpus:
         return None
-    major, minor = str(getattr(gpus[0], "compute_capability", "0.0")).split(".")[:2]
+    major, minor = compute_capability(gpus[0])
     return f"sm_{major}{minor}"
 
 

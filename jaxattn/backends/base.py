@@ -198,6 +198,12 @@ class Backend:
     requirements: Callable[[], str | None] = lambda: None
 
 
+def compute_capability(device: jax.Device) -> tuple[int, int]:
+    """(major, minor) of a GPU device; (0, 0) where JAX does not say."""
+    major, minor = str(getattr(device, "compute_capability", "0.0")).split(".")[:2]
+    return int(major), int(minor)
+
+
 def arch_reason(archs: tuple[str, ...]) -> str | None:
     """Why a backend that runs on ``archs`` cannot run on this machine's first device, or None."""
     gpus = gpu_devices()
@@ -205,11 +211,10 @@ def arch_reason(archs: tuple[str, ...]) -> str | None:
         return None if "cpu" in archs else NO_GPU
     if "gpu" in archs:
         return None
-    capability = str(getattr(gpus[0], "compute_capability", "0.0"))
-    major, minor = (int(x) for x in capability.split(".")[:2])
+    major, minor = compute_capability(gpus[0])
     for arch in archs:
         if arch.startswith("sm_"):
             want = int(arch[3:].rstrip("+"))
             if (arch.endswith("+") and major * 10 + minor >= want) or major == want // 10:
                 return None
-    return f"runs on {', '.join(archs)}; {gpus[0].device_kind} has compute capability {capability}"
+    return f"runs on {', '.join(archs)}; {gpus[0].device_kind} has compute capability {major}.{minor}"
