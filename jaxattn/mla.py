@@ -101,10 +101,11 @@ def mla_prefill(
       cache, meta, scale, causal, return_status: as ``mla_paged_attention``.
       w_uk: ``[R, Hq, Dn]``, latent -> no-RoPE key of each head.
       w_uv: ``[R, Hq, Dv]`` (Dv 128), latent -> value of each head.
-      backend: "auto" or a backend that implements this op (xla, cudnn: cuDNN's paged prefill over
-        the latents expanded to per-head K/V, V zero-padded to K's width). auto: cudnn where it
-        runs and takes the call (B=8 x 4096 at 128 heads on an H100: 20x faster than xla,
-        benchmarks/RESULTS.md), else xla.
+      backend: "auto" or a backend that implements this op (xla; cudnn: cuDNN's paged prefill over
+        the latents expanded to per-head K/V, V zero-padded to K's width; fa4: FlashAttention-4's
+        SM90 kernel over K and V pages of their own widths). auto: cudnn where it runs and takes
+        the call (B=8 x 4096 at 128 heads on an H100: 20x faster than xla,
+        benchmarks/RESULTS.md), then fa4, else xla.
 
     Returns:
       ``out``: ``[T, Hq, Dv]`` in ``q_nope.dtype``; with ``return_status``, ``(out, valid)``.

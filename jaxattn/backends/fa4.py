@@ -21,6 +21,10 @@ sequence, are zeroed here.
 Supported: bfloat16/float16 q and pages (no FP8 on SM90), head_dim a multiple of 16 up to 256,
 GQA/MQA with Hq % Hkv == 0, any page size. Runs on compute capability 9.x only; FA4's SM100
 kernels are another class (tcgen05, split-KV, FP8) this backend does not launch.
+
+``mla_prefill`` runs the same kernel over the step's latents expanded into K and V pages of their
+own widths (``latents.expanded_pages``; 192 and 128 at DeepSeek's dims): V is not padded to K's
+width as cuDNN's graph needs.
 """
 
 from __future__ import annotations
@@ -33,8 +37,10 @@ import importlib.metadata
 import jax
 import jax.numpy as jnp
 
-from jaxattn.backends.base import RANK_GENERAL, AttentionParams, Backend, Call, Capabilities, OpSupport
-from jaxattn.kv_cache import KVCache
+from jaxattn.backends.base import (RANK_GENERAL, AttentionParams, Backend, Call, Capabilities, OpSupport,
+                                   constant_rank)
+from jaxattn.backends.latents import expanded_pages
+from jaxattn.kv_cache import KVCache, MLACache
 from jaxattn.metadata import AttentionMetadata
 
 DTYPES = ("bfloat16", "float16")
@@ -71,27 +77,53 @@ def check(call: Call) -> str | None:
     return None
 
 
+def mla_check(call: Call) -> str | None:
+    """The kernel's limits on ``mla_prefill``'s key (Dn + Dr) and value (Dv) widths."""
+    for name, width in (("Dn + Dr", call.q.shape[2] + call.q_rope.shape[2]), ("Dv", call.w_uv.shape[2])):
+        if width % HEAD_DIM_MULTIPLE or width > MAX_HEAD_DIM:
+            return f"{name}={width} is not supported; supported: multiples of {HEAD_DIM_MULTIPLE} up to {MAX_HEAD_DIM}"
+    return None
+
+
 def attention(q: jax.Array, cache: KVCache, meta: AttentionMetadata, params: AttentionParams,
               sinks: jax.Array | None) -> jax.Array:
     """``q: [T, Hq, D]`` -> ``[T, Hq, D]`` in ``q.dtype``; ``sinks``: float32 ``[Hq]`` or None."""
+    return _attend(q, cache.k_pages, cache.v_pages, cache.layout, meta, params, sinks)
+
+
+def mla_prefill(q_nope: jax.Array, q_rope: jax.Array, cache: MLACache, meta: AttentionMetadata, w_uk: jax.Array,
+                w_uv: jax.Array, params: AttentionParams) -> jax.Array:
+    """MLA prefill over the latents expanded to per-head K (Dn + Dr wide) and V (Dv wide) pages
+    (``latents.expanded_pages``): the kernel takes the two widths, so V is not padded to K's.
+    ``q_nope: [T, Hq, Dn]``, ``q_rope: [T, Hq, Dr]`` -> ``[T, Hq, Dv]`` in ``q_nope.dtype``."""
+    k_pages, v_pages, meta = expanded_pages(cache, meta, w_uk, w_uv, q_nope.dtype)
+    return _attend(jnp.concatenate([q_nope, q_rope], axis=-1), k_pages, v_pages, "NHD", meta, params, None)
+
+
+def _attend(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, layout: str, meta: AttentionMetadata,
+            params: AttentionParams, sinks: jax.Array | None) -> jax.Array:
+    """The kernel over page pools ``[pages, Hkv, page, D]`` (HND) or ``[pages, page, Hkv, D]``
+    (NHD), V's width Dv may differ from K's: ``q: [T, Hq, D]`` -> ``[T, Hq, Dv]`` in ``q.dtype``."""
     from cutlass.jax import TensorSpec, cutlass_call
 
     num_tokens, num_q_heads, head_dim = q.shape
-    config = _Config(dtype=q.dtype.name, head_dim=head_dim, group=num_q_heads // cache.num_kv_heads,
+    heads_axis = 1 if layout == "HND" else 2
+    config = _Config(dtype=q.dtype.name, head_dim=head_dim, head_dim_v=v_pages.shape[-1],
+                     group=num_q_heads // k_pages.shape[heads_axis],
                      causal=params.causal or params.sliding_window is not None,
                      window_left=None if params.sliding_window is None else params.sliding_window - 1,
-                     softcap=params.softcap, page_size=cache.page_size)
+                     softcap=params.softcap, page_size=k_pages.shape[3 - heads_axis])
     # Rows the kernel writes: each sequence's queries when it has keys (sanitized metadata: every
     # sequence that breaks the contract has kv_lens == 0, so it gets no tiles and no reads).
     q_used = jnp.where(meta.kv_lens > 0, meta.q_lens, 0).astype(jnp.int32)
-    pool = TensorSpec(mode=(0, 2, 1, 3)) if cache.layout == "HND" else None
+    pool = TensorSpec(mode=(0, 2, 1, 3)) if layout == "HND" else None
     out = cutlass_call(
-        _launch(), output_shape_dtype=jax.ShapeDtypeStruct(q.shape, q.dtype),
+        _launch(), output_shape_dtype=jax.ShapeDtypeStruct((num_tokens, num_q_heads, config.head_dim_v), q.dtype),
         input_spec=(None, pool, pool, None, None, None, None, None),
-        compile_key=("jaxattn.fa4", config, cache.layout, sinks is not None),
+        compile_key=("jaxattn.fa4", config, layout, sinks is not None),
         kernel=_kernel(config), scale=float(params.scale), window_left=config.window_left,
         window_right=None if params.sliding_window is None else 0,
-    )(q, cache.k_pages, cache.v_pages, meta.cu_q_lens, q_used, meta.kv_lens, meta.block_tables, sinks)
+    )(q, k_pages, v_pages, meta.cu_q_lens, q_used, meta.kv_lens, meta.block_tables, sinks)
     seq = jnp.minimum(meta.token_to_seq(num_tokens), meta.batch_size - 1)
     token = jnp.arange(num_tokens, dtype=jnp.int32)
     written = (token >= meta.cu_q_lens[seq]) & (token < meta.cu_q_lens[seq] + q_used[seq])
@@ -103,7 +135,8 @@ class _Config:
     """The static facts one compiled kernel is specialised on (part of the compile key)."""
 
     dtype: str
-    head_dim: int
+    head_dim: int               # of queries and keys
+    head_dim_v: int             # of values and the output
     group: int                  # query heads per KV head
     causal: bool                # keys after the query masked (also under a sliding window)
     window_left: int | None     # keys left of the diagonal a query sees (None: all)
@@ -120,10 +153,10 @@ def _kernel(config: _Config):
     from flash_attn.cute.flash_fwd_sm90 import FlashAttentionForwardSm90
 
     local = config.window_left is not None
-    tiles = interface._tile_size_fwd_sm90(config.head_dim, config.head_dim, config.causal and not local, local)
+    tiles = interface._tile_size_fwd_sm90(config.head_dim, config.head_dim_v, config.causal and not local, local)
     return FlashAttentionForwardSm90(
         {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}[config.dtype],
-        config.head_dim, config.head_dim, config.group,
+        config.head_dim, config.head_dim_v, config.group,
         is_causal=config.causal and not local, is_local=local, pack_gqa=config.group > 1,
         tile_m=tiles.m_block_size, tile_n=tiles.n_block_size, num_stages=2,
         num_threads=(tiles.m_block_size // 64 + 1) * 128, Q_in_regs=False,
@@ -150,13 +183,18 @@ def _launch():
 
 RANK_LAST_GPU = 5 * RANK_GENERAL
 CAPABILITIES = Capabilities(dtypes=DTYPES)
+# The latents are expanded (FP8 ones dequantized) into bf16/fp16 pages before the kernel runs.
+MLA_CAPABILITIES = Capabilities(dtypes=DTYPES, fp8_pages=True, layouts=(), options=("non_causal",))
 BACKEND = Backend(
     name="fa4",
     kernel="FlashAttention-4's SM90 forward kernel (flash-attn-4, CuTe DSL) via cutlass.jax.cutlass_call",
     archs=("sm_90",),
     requirements=requirements,
     # auto, without a measured choice: after cudnn and triton for prefills; last before the
-    # reference for (speculative) decodes, which have no split-KV here (B x Hkv tiles of work).
+    # reference for (speculative) decodes, which have no split-KV here (B x Hkv tiles of work);
+    # MLA prefill after cudnn until the two are measured side by side.
     ops={"paged_attention": OpSupport(run=attention, capabilities=CAPABILITIES, check=check,
-                                      rank=lambda call: RANK_GENERAL + 1 if call.phase == "prefill" else RANK_LAST_GPU)},
+                                      rank=lambda call: RANK_GENERAL + 1 if call.phase == "prefill" else RANK_LAST_GPU),
+         "mla_prefill": OpSupport(run=mla_prefill, capabilities=MLA_CAPABILITIES, check=mla_check,
+                                  rank=constant_rank(RANK_GENERAL))},
 )

@@ -1,5 +1,6 @@
 """MLA latents expanded to per-head keys and values, for backends that run ``mla_prefill`` as
-ordinary multi-head attention (``jaxattn.mla`` has the formulas)."""
+ordinary multi-head attention (``jaxattn.mla`` has the formulas): as page pools of K and V
+(``expanded_pages``), or as one KVCache with V padded to K's width (``expanded_pool``)."""
 
 from __future__ import annotations
 
@@ -33,23 +34,33 @@ def expand_latents(cache: MLACache, meta: AttentionMetadata, w_uk: jax.Array, w_
     return jnp.concatenate([k_nope.astype(dtype), k_rope], axis=-1), v.astype(dtype)
 
 
-def expanded_pool(cache: MLACache, meta: AttentionMetadata, w_uk: jax.Array, w_uv: jax.Array,
-                  dtype: jnp.dtype) -> tuple[KVCache, AttentionMetadata]:
-    """The expanded keys and values (``expand_latents``) as a page pool of their own, for a paged
-    kernel that takes one head_dim: NHD ``[1 + B * P, page, Hq, max(Dn + Dr, Dv)]`` each (page 0
-    null and zero; the narrower of K and V zero-padded, which changes no logit and adds only zero
-    output columns past Dv), and ``meta`` with block tables into it (sequence b's page j is
-    ``1 + b * P + j``)."""
+def expanded_pages(cache: MLACache, meta: AttentionMetadata, w_uk: jax.Array, w_uv: jax.Array,
+                   dtype: jnp.dtype) -> tuple[jax.Array, jax.Array, AttentionMetadata]:
+    """The expanded keys and values (``expand_latents``) as NHD page pools of their own, for a
+    paged kernel that takes K and V of different widths: ``[B * P, page, Hq, Dn + Dr]`` and
+    ``[B * P, page, Hq, Dv]``, and ``meta`` with block tables into them (sequence b's page j is
+    ``b * P + j``)."""
     k, v = expand_latents(cache, meta, w_uk, w_uv, dtype)
     batch, num_pages, page_size, heads = k.shape[:4]
+    tables = jnp.arange(batch * num_pages, dtype=jnp.int32).reshape(batch, num_pages)
+    return (k.reshape(batch * num_pages, page_size, heads, k.shape[-1]),
+            v.reshape(batch * num_pages, page_size, heads, v.shape[-1]),
+            dataclasses.replace(meta, block_tables=tables))
+
+
+def expanded_pool(cache: MLACache, meta: AttentionMetadata, w_uk: jax.Array, w_uv: jax.Array,
+                  dtype: jnp.dtype) -> tuple[KVCache, AttentionMetadata]:
+    """``expanded_pages`` as one KVCache, for a paged kernel that takes one head_dim: NHD
+    ``[1 + B * P, page, Hq, max(Dn + Dr, Dv)]`` each (page 0 null and zero; the narrower of K and
+    V zero-padded, which changes no logit and adds only zero output columns past Dv), and ``meta``
+    with block tables into it (sequence b's page j is ``1 + b * P + j``)."""
+    k, v, meta = expanded_pages(cache, meta, w_uk, w_uv, dtype)
     width = max(k.shape[-1], v.shape[-1])
 
     def pool(x: jax.Array) -> jax.Array:
-        return jnp.pad(x.reshape(batch * num_pages, page_size, heads, x.shape[-1]),
-                       ((1, 0), (0, 0), (0, 0), (0, width - x.shape[-1])))
+        return jnp.pad(x, ((1, 0), (0, 0), (0, 0), (0, width - x.shape[-1])))
 
-    tables = 1 + jnp.arange(batch * num_pages, dtype=jnp.int32).reshape(batch, num_pages)
-    return KVCache(pool(k), pool(v), layout="NHD"), dataclasses.replace(meta, block_tables=tables)
+    return KVCache(pool(k), pool(v), layout="NHD"), dataclasses.replace(meta, block_tables=1 + meta.block_tables)
 
 
 def attend_expanded(attention: Callable[..., jax.Array], q_nope: jax.Array, q_rope: jax.Array, cache: MLACache,

@@ -1,10 +1,11 @@
 """backend="fa4": FlashAttention-4's SM90 kernel via cutlass_call against float64 and the xla backend.
 
 CPU tests check the registry's judgement (capabilities, limits, why it is unavailable); GPU tests
-(``-m gpu``, compute capability 9.x with ``jaxattn[fa4]`` installed) check numerics over decode,
-speculative-decode, prefill, chunked and mixed batches, both layouts, page sizes 16-128 (cp.async
-gather and TMA), GQA, window, softcap and sinks, padding and contract-breaking sequences (zero
-rows), and that one compiled step serves other lengths and tables.
+(``-m gpu``, compute capability 9.x with ``jaxattn[fa4]`` installed, else skipped) check numerics
+over decode, speculative-decode, prefill, chunked and mixed batches, both layouts, page sizes
+16-128 (cp.async gather and TMA), GQA, window, softcap and sinks, padding and contract-breaking
+sequences (zero rows), that one compiled step serves other lengths and tables, and
+``mla_prefill`` at DeepSeek dims (keys 192 wide, values 128) over bf16 and FP8 latents.
 """
 
 from __future__ import annotations
@@ -18,10 +19,14 @@ import pytest
 
 import jaxattn
 from jaxattn import backends
+from jaxattn.backends import fa4
 from jaxattn.backends.base import AttentionParams, Call
+from tests.mla_inputs import check_deepseek_prefill, check_deepseek_prefill_broken_sequences
 from tests.paged_inputs import TOLERANCE, make_problem, reference, rel_error, same_shape_problems
 
 BF16, F16 = jnp.bfloat16, jnp.float16
+# GPU tests need the [fa4] extra; without it they are skipped with the reason.
+needs_fa4 = pytest.mark.skipif(fa4.requirements() is not None, reason=str(fa4.requirements()))
 
 
 def _params(**kw) -> AttentionParams:
@@ -56,6 +61,29 @@ def test_unsupported_configurations_are_refused(case, message):
                                   dict(sliding_window=8, softcap=30.0, has_sinks=True, causal=False)], ids=str)
 def test_supported_configurations_pass_checks(case):
     assert backends.takes("fa4", _abstract_call(**case)) is None
+
+
+def _abstract_mla_call(dtype=BF16, kv_dtype=BF16, nope_dim=128, v_dim=128) -> Call:
+    pages = jax.ShapeDtypeStruct((9, 64, 512 + 64), kv_dtype)
+    cache = jaxattn.MLACache(pages, jnp.float32(1.0) if kv_dtype == jnp.float8_e4m3fn else None)
+    meta = _abstract_call().meta
+    return Call("mla_prefill", jax.ShapeDtypeStruct((32, 16, nope_dim), dtype), cache, meta, _params(),
+                q_rope=jax.ShapeDtypeStruct((32, 16, 64), dtype), w_uv=jax.ShapeDtypeStruct((512, 16, v_dim), dtype))
+
+
+@pytest.mark.parametrize("case, message", [
+    (dict(dtype=jnp.float32, kv_dtype=jnp.float32), "float32 queries are not supported"),
+    (dict(nope_dim=100), r"Dn \+ Dr=164 is not supported; supported: multiples of 16 up to 256"),
+    (dict(v_dim=72), "Dv=72 is not supported"),
+    (dict(v_dim=512), "Dv=512 is not supported"),
+])
+def test_unsupported_mla_prefill_configurations_are_refused(case, message):
+    assert re.search(message, backends.takes("fa4", _abstract_mla_call(**case)))
+
+
+@pytest.mark.parametrize("kv_dtype", [BF16, jnp.float8_e4m3fn], ids=["bf16", "fp8"])
+def test_mla_prefill_takes_deepseek_dims(kv_dtype):
+    assert backends.takes("fa4", _abstract_mla_call(kv_dtype=kv_dtype)) is None
 
 
 @pytest.mark.skipif(bool(jax.devices()[0].platform == "gpu"), reason="checks the CPU-only message")
@@ -95,6 +123,7 @@ CASES = {
 
 
 @pytest.mark.gpu
+@needs_fa4
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_matches_float64_and_xla_backend(name):
     q_lens, kv_lens, hq, hkv, d, page, layout, dtype, max_q_len = CASES[name]
@@ -108,6 +137,7 @@ def test_matches_float64_and_xla_backend(name):
 
 
 @pytest.mark.gpu
+@needs_fa4
 @pytest.mark.parametrize("seed", range(6))
 def test_random_configurations(seed):
     """Random shapes, layouts, page sizes and options against float64 (bf16 rel. error <= 2e-2)."""
@@ -130,6 +160,7 @@ def test_random_configurations(seed):
 
 
 @pytest.mark.gpu
+@needs_fa4
 def test_contract_breaking_sequences_get_zero_rows():
     """A page id outside the pool and a KV length past the table's width: zero rows, valid=False;
     the other sequences are unaffected."""
@@ -148,9 +179,30 @@ def test_contract_breaking_sequences_get_zero_rows():
 
 
 @pytest.mark.gpu
+@needs_fa4
 def test_one_compiled_step_serves_other_lengths_and_tables():
     first, second = same_shape_problems()
     step = jax.jit(lambda q, c, m: jaxattn.paged_attention(q, c, m, backend="fa4"))
     for problem in (first, second):
         _check(problem, step(problem.q, problem.cache, problem.meta))
     assert step._cache_size() == 1
+
+
+@pytest.mark.gpu
+@needs_fa4
+@pytest.mark.parametrize("num_q_heads, page_size, causal", [(16, 64, True), (128, 64, True), (16, 16, False),
+                                                            (16, 128, True)])
+def test_mla_prefill_matches_float64_and_xla_backend(num_q_heads, page_size, causal):
+    check_deepseek_prefill("fa4", num_q_heads, page_size, causal)
+
+
+@pytest.mark.gpu
+@needs_fa4
+def test_mla_prefill_over_fp8_latents():
+    check_deepseek_prefill("fa4", 16, kv_dtype=jnp.float8_e4m3fn)
+
+
+@pytest.mark.gpu
+@needs_fa4
+def test_mla_prefill_flags_broken_sequences():
+    check_deepseek_prefill_broken_sequences("fa4")

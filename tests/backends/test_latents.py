@@ -1,8 +1,9 @@
-"""jaxattn.backends.latents: MLA latents expanded to per-head K/V, and to a page pool of their own
-that a one-head_dim paged kernel runs (cuDNN's ``mla_prefill``). CPU: the pool through the xla
-backend's paged attention against the float64 expanded reference, with NaN in every unowned page
-and in the stale slots of owned pages, FP8 pools and broken sequences. GPU (``-m gpu``):
-``mla_prefill(backend="cudnn")`` at DeepSeek dims against the xla backend."""
+"""jaxattn.backends.latents: MLA latents expanded to per-head K/V, as K and V page pools of their
+own (fa4's ``mla_prefill``) and as one pool a one-head_dim paged kernel runs (cuDNN's). CPU: the
+pool through the xla backend's paged attention against the float64 expanded reference, with NaN
+in every unowned page and in the stale slots of owned pages, FP8 pools and broken sequences; the
+K and V pools page by page. GPU (``-m gpu``): ``mla_prefill(backend="cudnn")`` at DeepSeek dims
+against the xla backend."""
 
 from __future__ import annotations
 
@@ -16,13 +17,13 @@ import pytest
 import jaxattn
 from jaxattn.backends import xla
 from jaxattn.backends.base import AttentionParams
-from jaxattn.backends.latents import attend_expanded, expand_latents
-from tests.mla_inputs import break_metadata, make_mla_problem
+from jaxattn.backends.latents import attend_expanded, expand_latents, expanded_pages
+from tests.mla_inputs import (break_metadata, check_deepseek_prefill, check_deepseek_prefill_broken_sequences,
+                               make_mla_problem)
 from tests.paged_inputs import rel_error
 
 DIMS = dict(num_q_heads=4, kv_lora_rank=32, rope_dim=16, nope_dim=24, v_dim=16, page_size=8)
 MIXED = dict(q_lens=[1, 1, 6, 13, 2], kv_lens=[5, 33, 6, 40, 2], max_q_len=None)
-DEEPSEEK = dict(kv_lora_rank=512, rope_dim=64, nope_dim=128, v_dim=128, page_size=64)
 
 
 def _pool_attention(problem, meta: jaxattn.AttentionMetadata) -> jax.Array:
@@ -71,39 +72,31 @@ def test_expand_latents_shapes_and_zero_tail():
         assert not np.asarray(k[b])[slots >= n].any() and not np.asarray(v[b])[slots >= n].any()
 
 
+def test_expanded_pages_hold_each_sequence_in_its_table_order():
+    """K and V pools of their own widths (no padding, no null page): sequence b's page j of the
+    expansion is pool page ``tables[b, j]``."""
+    problem = make_mla_problem(np.random.default_rng(5), **DIMS, **MIXED)
+    meta, _ = problem.meta.sanitize(problem.q_nope.shape[0], problem.cache.num_pages, problem.cache.page_size)
+    k, v = expand_latents(problem.cache, meta, problem.w_uk, problem.w_uv, jnp.float32)
+    k_pages, v_pages, pages_meta = expanded_pages(problem.cache, meta, problem.w_uk, problem.w_uv, jnp.float32)
+    batch, pages = meta.block_tables.shape
+    assert k_pages.shape == (batch * pages, 8, 4, 24 + 16) and v_pages.shape == (batch * pages, 8, 4, 16)
+    np.testing.assert_array_equal(k_pages[pages_meta.block_tables], k)
+    np.testing.assert_array_equal(v_pages[pages_meta.block_tables], v)
+    assert sorted(np.asarray(pages_meta.block_tables).ravel().tolist()) == list(range(batch * pages))
+    for field in ("cu_q_lens", "kv_lens", "num_decodes"):
+        np.testing.assert_array_equal(getattr(pages_meta, field), getattr(meta, field))
+
+
 # ----------------------------------------------------------------------------------------- GPU
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("num_q_heads", [16, 128])
 def test_gpu_cudnn_mla_prefill_matches_xla(num_q_heads):
-    """DeepSeek dims (Dn 128 + Dr 64 keys, Dv 128 values), bf16, chunked prefill over cached
-    context, a decode, padding, and NaN in every unowned page."""
-    rng = np.random.default_rng(num_q_heads)
-    problem = make_mla_problem(rng, num_q_heads=num_q_heads, q_lens=[1, 200, 64, 9], kv_lens=[700, 200, 1000, 9],
-                               dtype=jnp.bfloat16, **DEEPSEEK)
-    args = (problem.q_nope, problem.q_rope, problem.cache, problem.meta, problem.w_uk, problem.w_uv)
-    run = {name: jax.jit(lambda *a, name=name: jaxattn.mla_prefill(*a, scale=problem.scale, backend=name))
-           for name in ("cudnn", "xla")}
-    out = run["cudnn"](*args)
-    assert rel_error(out, run["xla"](*args)) < 2e-2
-    assert rel_error(out, problem.expanded_reference()) < 2e-2
-    assert not np.asarray(out[sum(problem.q_lens):].astype(jnp.float32)).any()
+    check_deepseek_prefill("cudnn", num_q_heads)
 
 
 @pytest.mark.gpu
 def test_gpu_auto_mla_prefill_flags_broken_sequences():
-    """auto (cudnn on the GPU) with every fault at DeepSeek dims: broken sequences get zero rows
-    and a False flag, the others match the float64 reference, no unowned page reaches an output."""
-    seed = int(np.random.SeedSequence().entropy % 2**32)
-    rng = np.random.default_rng(seed)
-    q_lens = [1, 150, 64, 9, 40, 1]
-    kv_lens = [700, 300, 1000, 9, 40, 65]
-    problem = make_mla_problem(rng, num_q_heads=16, q_lens=q_lens, kv_lens=kv_lens, max_q_len=150,
-                               dtype=jnp.bfloat16, **DEEPSEEK)
-    meta, broken = break_metadata(rng, problem, ["page", "none", "short", "none", "long", "none"])
-    run = jax.jit(lambda *a: jaxattn.mla_prefill(*a, scale=problem.scale, return_status=True))
-    out, valid = run(problem.q_nope, problem.q_rope, problem.cache, meta, problem.w_uk, problem.w_uv)
-    np.testing.assert_array_equal(valid, ~broken, err_msg=f"seed {seed}")
-    out = np.asarray(out.astype(jnp.float32), np.float64)
-    assert not np.isnan(out).any(), f"a page the sequence does not own reached its output (seed {seed})"
-    assert rel_error(out, problem.without(broken).expanded_reference()) < 2e-2, f"seed {seed}"
+    """auto (cudnn on the GPU)."""
+    check_deepseek_prefill_broken_sequences("auto")
