@@ -14,7 +14,7 @@ Decode (absorbed, ``mla_paged_attention``): B in {1, 16, 64, 128} x kv in {1k, 4
   TB/s: latent bytes read ((512 + 64) x 2 per key and sequence) / time, against the device copy rate;
   TFLOP/s: 2 x B x Hq x kv x (576 + 512) / time, against the bf16 dense peak given by ``--peak-tflops``.
 Prefill (``mla_prefill``, B=8 x 4096 new tokens, no cached context, Hq 16 and 128, d_qk 192, d_v 128):
-jaxattn's ``cudnn`` and ``xla`` backends (median wall time of single jitted calls) against
+jaxattn's ``cudnn``, ``fa4`` (where installed) and ``xla`` backends (median wall time of single jitted calls) against
 flashinfer's ragged prefill on the same expanded K/V: ``BatchPrefillWithRaggedKVCacheWrapper``
 (its fa3 backend) and ``cudnn_batch_prefill_with_kv_cache`` (cuDNN, d_qk 192 and d_vo 128, the
 issue's peer); jaxattn's times include expanding the latents to per-head K/V, the peers' do not.
@@ -121,7 +121,11 @@ def prefill_seconds(heads: int, batch: int, q_len: int, with_torch: bool, peers:
     w_uv = (jax.random.normal(key[4], (MLA_RANK, heads, MLA_DV), jnp.float32) / math.sqrt(MLA_RANK)).astype(DTYPE)
     args = (q_nope, q_rope, cache, meta, w_uk, w_uv)
     result, outs = {"seconds": {}, "notes": []}, {}
-    for backend in ("cudnn", "xla") if with_torch else ("xla",):
+    for backend in ("cudnn", "fa4", "xla") if with_torch else ("xla",):
+        reason = backends.unavailable_reason(backend)
+        if reason is not None:
+            result["notes"].append(f"jaxattn {backend} not run: {reason}"[:300])
+            continue
         try:
             fn = jax.jit(lambda *a, backend=backend: jaxattn.mla_prefill(*a, scale=MLA_SCALE, backend=backend))
             outs[backend] = fn(*args).block_until_ready()
@@ -130,8 +134,9 @@ def prefill_seconds(heads: int, batch: int, q_len: int, with_torch: bool, peers:
             result["notes"].append(f"{backend} failed: {err!r}"[:300])
             traceback.print_exc(limit=2)
     out = outs.get("cudnn", outs.get("xla"))
-    if with_torch and "xla" in outs and "cudnn" in outs:
-        result["notes"].append(f"cudnn vs xla rel err {rel_error(outs['cudnn'], outs['xla']):.1e}")
+    for backend in ("cudnn", "fa4"):
+        if with_torch and "xla" in outs and backend in outs:
+            result["notes"].append(f"{backend} vs xla rel err {rel_error(outs[backend], outs['xla']):.1e}")
     print(f"prefill Hq={heads}, jaxattn:", result, flush=True)
     if not with_torch or out is None:
         return result
@@ -208,7 +213,8 @@ def section_text(heads: int, rows: list[dict], prefill: dict | None, copy_rate: 
         text.append(f"\n- prefill B=8 x 4096, Hq={heads}: " + ", ".join(
             f"{name} {t * 1e3:.3f} ms ({flops / t / 1e12:.0f} TFLOP/s)" for name, t in sec.items())
             + "".join(f"; {peer} / {name} {sec[peer] / sec[name]:.2f}x"
-                      for peer in ("flashinfer cudnn", "flashinfer fa3") for name in ("jaxattn cudnn", "jaxattn xla")
+                      for peer in ("flashinfer cudnn", "flashinfer fa3")
+                      for name in ("jaxattn cudnn", "jaxattn fa4", "jaxattn xla")
                       if peer in sec and name in sec)
             + ("; " + ", ".join(prefill["notes"]) if prefill["notes"] else ""))
     text.append("\n" + notes_line(rows))
