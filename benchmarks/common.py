@@ -349,10 +349,11 @@ def torch_peers(row: dict, setup: Callable[[], dict]) -> dict:
         return {}
 
 
-def device_event_seconds(fn: Callable[[], object], calls: int) -> dict[str, float]:
-    """GPU time per call of ``fn`` by event (kernel or copy) name: the summed durations of the
-    events of that name on every GPU's streams (from ``jax.profiler``), over ``calls`` calls,
-    divided by ``calls``. XLA traces the kernels of a command buffer one by one while profiling."""
+def device_events(fn: Callable[[], object], calls: int) -> dict[str, tuple[float, float]]:
+    """GPU time and launches per call of ``fn`` by event (kernel or copy) name: ``{name: (seconds,
+    launches)}``, the summed durations and the count of the events of that name on every GPU's
+    streams (from ``jax.profiler``), over ``calls`` calls, divided by ``calls``. XLA traces the
+    kernels of a command buffer one by one while profiling."""
     with tempfile.TemporaryDirectory() as trace_dir:
         with jax.profiler.trace(trace_dir):
             for _ in range(calls):
@@ -360,16 +361,22 @@ def device_event_seconds(fn: Callable[[], object], calls: int) -> dict[str, floa
             jax.block_until_ready(out)
         (path,) = glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True)
         profile = jax.profiler.ProfileData.from_file(path)
-    seconds: dict[str, float] = {}
+    events: dict[str, tuple[float, float]] = {}
     for plane in profile.planes:
         if plane.name.startswith("/device:GPU"):
             for line in plane.lines:
                 if "Stream" in line.name:
                     for event in line.events:
-                        seconds[event.name] = seconds.get(event.name, 0.0) + event.duration_ns * 1e-9 / calls
-    if not seconds:
-        raise RuntimeError("device_event_seconds: the profile holds no GPU stream events")
-    return seconds
+                        seconds, launches = events.get(event.name, (0.0, 0.0))
+                        events[event.name] = (seconds + event.duration_ns * 1e-9 / calls, launches + 1 / calls)
+    if not events:
+        raise RuntimeError("device_events: the profile holds no GPU stream events")
+    return events
+
+
+def device_event_seconds(fn: Callable[[], object], calls: int) -> dict[str, float]:
+    """GPU time per call of ``fn`` by event name (``device_events``)."""
+    return {name: seconds for name, (seconds, _) in device_events(fn, calls).items()}
 
 
 def device_busy_seconds(fn: Callable[[], object], calls: int) -> float:

@@ -13,13 +13,25 @@ import pytest
 from tests.xla_dump import REPO
 
 
-@pytest.mark.parametrize("module", ["bench_tp", "bench_serving --trace shared-prefix", "bench_mla"])
+@pytest.mark.parametrize("module", ["bench_tp", "bench_serving --trace shared-prefix", "bench_mla", "profile_calls"])
 def test_smoke_run(module, tmp_path):
     env = dict(os.environ, OUT=str(tmp_path), JAX_PLATFORMS="cpu")
     module, *args = module.split()
     result = subprocess.run([sys.executable, "-m", f"benchmarks.{module}", *args, "--smoke"], check=False, cwd=REPO,
                             env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+
+
+def test_profile_calls_splits_backend_kernels_from_xla_kernels():
+    from benchmarks.profile_calls import split_events
+
+    events = {"kernel_mha": (9e-6, 1.0), "cudnn_generated_fort_native_sdpa_sm90_knob_7": (1e-3, 1.0),
+              "loop_select_fusion": (2e-6, 1.0), "input_reduce_fusion_3": (1e-6, 2.0), "wrapped_concatenate": (3e-6, 1.0),
+              "kernel_cutlass_kernel_flash_attncuteflash_fwd_sm90FlashAttentionForwardSm90": (5e-6, 1.0)}
+    split = split_events(events)
+    assert split["kernel"] == pytest.approx(1e-3 + 14e-6) and split["kernel_launches"] == 3
+    assert split["xla"] == pytest.approx(6e-6) and split["xla_launches"] == 4
+    assert [name for _, name in split["top_xla"]] == ["wrapped_concatenate", "loop_select_fusion", "input_reduce_fusion_3"]
 
 
 def test_tune_auto_smoke_writes_a_table_auto_can_read(tmp_path):
