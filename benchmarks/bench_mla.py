@@ -25,7 +25,6 @@ Writes one section of benchmarks/RESULTS.md per head count (mla-hq128, mla-hq16)
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 import traceback
 
@@ -34,10 +33,10 @@ import jax.numpy as jnp
 
 import jaxattn
 from jaxattn import backends
-from benchmarks.common import (DTYPE, MLA_DV, MLA_NOPE, MLA_RANK, MLA_ROPE, MLA_SCALE, PAGE, READ_RATE, Budget,
+from benchmarks.common import (DTYPE, MLA_DV, MLA_NOPE, MLA_RANK, MLA_ROPE, MLA_SCALE, PAGE, READ_RATE, Budget, Case,
                                MLACase, MLAInputs, add_torch_peer, command_line, copy_bandwidth, device_name,
-                               mla_inputs, notes_line, rel_error, repeats_for, time_chained_calls, utc_now,
-                               wall_seconds, write_section)
+                               mla_inputs, mla_prefill_inputs, notes_line, rel_error, repeats_for, time_chained_calls,
+                               utc_now, wall_seconds, write_section)
 
 
 SWEEP = [MLACase(b, n, h) for h in (128, 16) for b in (1, 16, 64, 128) for n in (1024, 4096, 16384)]
@@ -106,20 +105,9 @@ def prefill_seconds(heads: int, batch: int, q_len: int, with_torch: bool, peers:
                     trials: int = 7) -> dict:
     """mla_prefill on ``batch`` sequences of ``q_len`` new tokens (no cached context), and
     flashinfer's ragged fa3 prefill on the expanded K/V: {name: seconds per call}, with notes."""
-    key = jax.random.split(jax.random.key(1), 5)
-    tokens = batch * q_len
-    pages_per_seq = -(-q_len // PAGE)
-    cache = jaxattn.MLACache(jax.random.normal(key[0], (1 + batch * pages_per_seq, PAGE, MLA_RANK + MLA_ROPE), DTYPE),
-                             kv_lora_rank=MLA_RANK)
-    meta = jaxattn.AttentionMetadata(
-        cu_q_lens=jnp.arange(batch + 1, dtype=jnp.int32) * q_len, kv_lens=jnp.full((batch,), q_len, jnp.int32),
-        block_tables=1 + jnp.arange(batch * pages_per_seq, dtype=jnp.int32).reshape(batch, pages_per_seq),
-        num_decodes=jnp.int32(0), max_q_len=q_len)
-    q_nope = jax.random.normal(key[1], (tokens, heads, MLA_NOPE), DTYPE)
-    q_rope = jax.random.normal(key[2], (tokens, heads, MLA_ROPE), DTYPE)
-    w_uk = (jax.random.normal(key[3], (MLA_RANK, heads, MLA_NOPE), jnp.float32) / math.sqrt(MLA_RANK)).astype(DTYPE)
-    w_uv = (jax.random.normal(key[4], (MLA_RANK, heads, MLA_DV), jnp.float32) / math.sqrt(MLA_RANK)).astype(DTYPE)
-    args = (q_nope, q_rope, cache, meta, w_uk, w_uv)
+    x = mla_prefill_inputs(Case.prefill(batch, q_len), heads)
+    q_nope, q_rope, cache, meta, w_uk, w_uv = args = x.args
+    tokens, pages_per_seq = batch * q_len, meta.max_pages_per_seq
     result, outs = {"seconds": {}, "notes": []}, {}
     for backend in ("cudnn", "fa4", "xla") if with_torch else ("xla",):
         reason = backends.unavailable_reason(backend)

@@ -184,6 +184,41 @@ def mla_inputs(case: MLACase, seed: int = 0) -> MLAInputs:
                      jaxattn.MLACache(pages, kv_lora_rank=MLA_RANK), meta)
 
 
+@dataclasses.dataclass
+class MLAPrefillInputs:
+    q_nope: jax.Array      # [T, Hq, Dn]
+    q_rope: jax.Array      # [T, Hq, Dr]
+    cache: jaxattn.MLACache
+    meta: jaxattn.AttentionMetadata
+    w_uk: jax.Array        # [R, Hq, Dn]
+    w_uv: jax.Array        # [R, Hq, Dv]
+
+    @property
+    def args(self) -> tuple:
+        """``mla_prefill``'s positional arguments."""
+        return self.q_nope, self.q_rope, self.cache, self.meta, self.w_uk, self.w_uv
+
+
+def mla_prefill_inputs(case: Case, heads: int, seed: int = 1) -> MLAPrefillInputs:
+    """``mla_prefill`` at DeepSeek's dims for ``case`` (each sequence's last ``q_len`` of its
+    ``kv_len`` tokens are new), ``heads`` query heads, bf16: sequence b's latents in pages
+    ``1 + b * P ..`` of a pool of random latents (page ``PAGE``), weights scaled by 1/sqrt(R)."""
+    key = jax.random.split(jax.random.key(seed), 5)
+    pages_per_seq = -(-case.max_kv_len // PAGE)
+    tokens = sum(case.q_lens)
+    cache = jaxattn.MLACache(
+        jax.random.normal(key[0], (1 + case.batch * pages_per_seq, PAGE, MLA_RANK + MLA_ROPE), DTYPE),
+        kv_lora_rank=MLA_RANK)
+    meta = jaxattn.AttentionMetadata(
+        cu_q_lens=jnp.asarray(np.cumsum([0, *case.q_lens]), jnp.int32), kv_lens=jnp.asarray(case.kv_lens, jnp.int32),
+        block_tables=1 + jnp.arange(case.batch * pages_per_seq, dtype=jnp.int32).reshape(case.batch, pages_per_seq),
+        num_decodes=jnp.int32(0), max_q_len=case.max_q_len)
+    weights = [(jax.random.normal(k, (MLA_RANK, heads, d), jnp.float32) / math.sqrt(MLA_RANK)).astype(DTYPE)
+               for k, d in ((key[3], MLA_NOPE), (key[4], MLA_DV))]
+    return MLAPrefillInputs(jax.random.normal(key[1], (tokens, heads, MLA_NOPE), DTYPE),
+                            jax.random.normal(key[2], (tokens, heads, MLA_ROPE), DTYPE), cache, meta, *weights)
+
+
 def rel_error(x, ref) -> float:
     x = np.asarray(jnp.asarray(x).astype(jnp.float32), np.float64)
     ref = np.asarray(jnp.asarray(ref).astype(jnp.float32), np.float64)

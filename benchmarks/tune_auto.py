@@ -9,7 +9,9 @@ the name says NHD or fp8 pages), in this order, until the budget is spent: the i
 B=64 x 4 tokens; prefill B=8 x 4096 and B=1 x 512; chunked prefill B=4 x 300 new tokens over 1200;
 a mixed batch of 63 decodes at 4096 and an 8192-token prefill), then the decode grid B in {1, 4,
 16, 64, 256} x kv in {512, ..., 65536} (B x kv <= 2**22 tokens), then a few more speculative-decode
-and prefill points, NHD pages and fp8 pages.
+and prefill points, NHD pages and fp8 pages. ``mla_prefill`` at DeepSeek's dims (B=8 x 4096 at 128
+and 16 query heads among the issue's points; B=1 x 512, chunked B=4 x 300 over 1200 and B=1 x 4096
+after), each backend whole.
 
 Each workload's candidates are the backends that rank its call (``dispatch.rank_order``) and can
 take it here. Each candidate X runs whole (plan label "X") and, where ``auto`` weighs a split for
@@ -41,12 +43,15 @@ from collections.abc import Callable
 
 import jax
 
-from benchmarks.common import (HERE, D, Budget, Case, Inputs, command_line, device_name, device_seconds, fp8_inputs,
-                               make_inputs, rel_error, utc_now, write_section)
+import jaxattn
+from benchmarks.common import (HERE, MLA_SCALE, D, Budget, Case, Inputs, MLAPrefillInputs, command_line, device_name,
+                               device_seconds, fp8_inputs, make_inputs, mla_prefill_inputs, rel_error, utc_now,
+                               write_section)
 from jaxattn import attention, backends, choice_table, dispatch
 from jaxattn.backends.base import AttentionParams, Call
 
 PARAMS = AttentionParams(scale=1 / math.sqrt(D), causal=True, sliding_window=None, softcap=None, has_sinks=False)
+MLA_PARAMS = dataclasses.replace(PARAMS, scale=MLA_SCALE)
 CALLS_PER_ROUND = 10
 SLOW_CALL_S = 0.2
 MAX_GRID_TOKENS = 2**22        # B x kv of a grid point: K and V pools of 17 GB at the standard shape
@@ -54,19 +59,24 @@ MAX_GRID_TOKENS = 2**22        # B x kv of a grid point: K and V pools of 17 GB 
 
 @dataclasses.dataclass(frozen=True)
 class Workload:
-    """A case, what kind of step it is (its name's first words), and its pages' layout and dtype."""
+    """A case, what kind of step it is (its name's first words), and its pages' layout and dtype;
+    with ``mla_heads``, an ``mla_prefill`` call at DeepSeek's dims with that many query heads."""
 
     kind: str
     case: Case
     layout: str = "HND"
     fp8: bool = False
+    mla_heads: int | None = None
 
     @property
     def name(self) -> str:
         return " ".join([self.kind, self.case.name] + (["NHD"] if self.layout == "NHD" else []) +
-                        (["fp8 pages"] if self.fp8 else []))
+                        (["fp8 pages"] if self.fp8 else []) +
+                        ([f"Hq={self.mla_heads}"] if self.mla_heads else []))
 
-    def inputs(self) -> Inputs:
+    def inputs(self) -> Inputs | MLAPrefillInputs:
+        if self.mla_heads:
+            return mla_prefill_inputs(self.case, self.mla_heads)
         x = make_inputs(self.case)
         if self.fp8:
             x = fp8_inputs(x)
@@ -81,6 +91,11 @@ def decode(batch: int, kv_len: int, ragged: bool = False, **pages) -> Workload:
     return Workload("decode", Case.decode(batch, kv_len, ragged), **pages)
 
 
+def mla_prefill(heads: int, batch: int, q_len: int, kv_len: int | None = None) -> Workload:
+    return Workload("mla chunked prefill" if kv_len else "mla prefill", Case.prefill(batch, q_len, kv_len),
+                    mla_heads=heads)
+
+
 def spec_decode(batch: int, q_len: int, kv_len: int) -> Workload:
     case = Case.decode(batch, kv_len, q_len=q_len)
     return Workload("spec decode", dataclasses.replace(case, name=f"B={batch} x {q_len} kv={kv_len}"))
@@ -93,6 +108,7 @@ ISSUE = [
     Workload("prefill", Case.prefill(8, 4096)), Workload("prefill", Case.prefill(1, 512)),
     Workload("chunked prefill", Case.prefill(4, 300, 1200)),
     Workload("mixed", Case("63 decodes + 8192 prefill", (1,) * 63 + (8192,), (4096,) * 63 + (8192,))),
+    mla_prefill(128, 8, 4096), mla_prefill(16, 8, 4096),
 ]
 GRID = [decode(b, kv) for b in (1, 4, 16, 64, 256) for kv in (512, 1024, 2048, 4096, 16384, 65536)
         if b * kv <= MAX_GRID_TOKENS]
@@ -102,9 +118,10 @@ MORE = [
     Workload("chunked prefill", Case.prefill(16, 512, 4096)),
     decode(64, 4096, layout="NHD"), decode(1, 16384, layout="NHD"), Workload("prefill", Case.prefill(8, 4096), "NHD"),
     decode(64, 4096, fp8=True), decode(1, 16384, fp8=True), decode(4, 131072, fp8=True), decode(256, 4096, fp8=True),
+    mla_prefill(128, 1, 512), mla_prefill(128, 4, 300, 1200), mla_prefill(16, 1, 4096),
 ]
 SMOKE = [decode(2, 128), decode(2, 128, layout="NHD"), Workload("prefill", Case.prefill(1, 64)),
-         Workload("mixed", Case("1 decode + 64 prefill", (1, 64), (128, 64)))]
+         Workload("mixed", Case("1 decode + 64 prefill", (1, 64), (128, 64))), mla_prefill(4, 1, 64)]
 
 
 def workloads(smoke: bool) -> list[Workload]:
@@ -136,8 +153,13 @@ class Row:
         return next((plan for plan in self.plans.values() if plan.main == main and plan.decode), None)
 
 
-def plan_call(plan: attention.Plan, x: Inputs) -> Callable[[], jax.Array]:
-    """A zero-argument call of ``plan`` on ``x``, jitted as ``paged_attention`` runs it (sanitized metadata)."""
+def plan_call(plan: attention.Plan, x: Inputs | MLAPrefillInputs) -> Callable[[], jax.Array]:
+    """A zero-argument call of ``plan`` on ``x``, jitted as ``paged_attention`` runs it (sanitized
+    metadata); MLA inputs: ``mla_prefill`` on the plan's backend."""
+    if isinstance(x, MLAPrefillInputs):
+        fn = jax.jit(lambda *args: jaxattn.mla_prefill(*args, scale=MLA_SCALE, backend=plan.main))
+        return lambda: fn(*x.args)
+
     def run(q, cache, meta):
         return attention.run_plan(plan, q, cache, attention.sanitize(q, cache, meta)[0], PARAMS, None)
 
@@ -148,11 +170,15 @@ def plan_call(plan: attention.Plan, x: Inputs) -> Callable[[], jax.Array]:
 def measure(w: Workload, rounds: int, calls_per_round: int) -> Row:
     """Times every plan of ``w``'s candidates (module docstring) in interleaved rounds."""
     x = w.inputs()
-    call = Call("paged_attention", x.q, x.cache, x.meta, PARAMS)
+    if isinstance(x, MLAPrefillInputs):
+        call = Call("mla_prefill", x.q_nope, x.cache, x.meta, MLA_PARAMS, q_rope=x.q_rope, w_uv=x.w_uv)
+    else:
+        call = Call("paged_attention", x.q, x.cache, x.meta, PARAMS)
     by_rank = dispatch.rank_order(call)
     names = [name for name in by_rank if backends.check(name, call) is None]
-    plans = {plan.label: plan for name in names
-             for plan in (attention.Plan(name), attention.split_plan(call, name)) if plan is not None}
+    splits = (attention.split_plan(call, name) if call.op == "paged_attention" else None for name in names)
+    plans = {plan.label: plan for name, split in zip(names, splits)
+             for plan in (attention.Plan(name), split) if plan is not None}
     row = Row(w, choice_table.Key.of(call), by_rank, names, plans)
     runs, outputs, slow = {}, {}, {}
     for label, plan in plans.items():

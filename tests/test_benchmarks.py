@@ -46,8 +46,9 @@ def test_tune_auto_smoke_writes_a_table_auto_can_read(tmp_path):
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     table = choice_table.load(str(tmp_path / "cpu.json"))
     assert table.arch == "cpu" and table.command == "python -m benchmarks.tune_auto --smoke"
-    assert len(table.entries) == 4 and {entry.order for entry in table.entries} == {("xla",)}
-    assert {entry.key.layout for entry in table.entries} == {"HND", "NHD"}
+    assert len(table.entries) == 5 and {entry.order for entry in table.entries} == {("xla",)}
+    assert {entry.key.layout for entry in table.entries} == {"HND", "NHD", ""}
+    assert [entry.key.op for entry in table.entries].count("mla_prefill") == 1
     assert "| decode B=2 kv=128 | 2, 128, 2 |" in (tmp_path / "auto-table_results.md").read_text()
     assert open(os.path.join(REPO, "benchmarks", "RESULTS.md")).read() == results
     assert not os.path.exists(os.path.join(choice_table.TABLE_DIR, "cpu.json"))
