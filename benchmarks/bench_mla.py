@@ -14,7 +14,8 @@ Decode (absorbed, ``mla_paged_attention``): B in {1, 16, 64, 128} x kv in {1k, 4
   TB/s: latent bytes read ((512 + 64) x 2 per key and sequence) / time, against the device copy rate;
   TFLOP/s: 2 x B x Hq x kv x (576 + 512) / time, against the bf16 dense peak given by ``--peak-tflops``.
 Prefill (``mla_prefill``, B=8 x 4096 new tokens, no cached context, Hq 16 and 128, d_qk 192, d_v 128):
-jaxattn's ``cudnn``, ``fa4`` (where installed) and ``xla`` backends (median wall time of single jitted calls) against
+jaxattn's ``cudnn``, ``fa4`` (where installed) and ``xla`` backends (median wall time of single jitted calls), and
+the fa4 kernel alone on K/V expanded outside the timing (``jaxattn fa4 kernel``, as the peers run), against
 flashinfer's ragged prefill on the same expanded K/V: ``BatchPrefillWithRaggedKVCacheWrapper``
 (its fa3 backend) and ``cudnn_batch_prefill_with_kv_cache`` (cuDNN, d_qk 192 and d_vo 128, the
 issue's peer); jaxattn's times include expanding the latents to per-head K/V, the peers' do not.
@@ -33,10 +34,11 @@ import jax.numpy as jnp
 
 import jaxattn
 from jaxattn import backends
+from jaxattn.backends.base import AttentionParams
 from benchmarks.common import (DTYPE, MLA_DV, MLA_NOPE, MLA_RANK, MLA_ROPE, MLA_SCALE, PAGE, READ_RATE, Budget, Case,
-                               MLACase, MLAInputs, add_torch_peer, command_line, copy_bandwidth, device_name,
-                               mla_inputs, mla_prefill_inputs, notes_line, rel_error, repeats_for, time_chained_calls,
-                               utc_now, wall_seconds, write_section)
+                               MLACase, MLAInputs, MLAPrefillInputs, add_torch_peer, command_line, copy_bandwidth,
+                               device_name, mla_inputs, mla_prefill_inputs, notes_line, rel_error, repeats_for,
+                               time_chained_calls, utc_now, wall_seconds, write_section)
 
 
 SWEEP = [MLACase(b, n, h) for h in (128, 16) for b in (1, 16, 64, 128) for n in (1024, 4096, 16384)]
@@ -121,6 +123,12 @@ def prefill_seconds(heads: int, batch: int, q_len: int, with_torch: bool, peers:
         except Exception as err:  # e.g. out of memory: the others still count
             result["notes"].append(f"{backend} failed: {err!r}"[:300])
             traceback.print_exc(limit=2)
+    if with_torch and "fa4" in outs:       # the kernel alone, on K/V expanded outside the timing as the peers run
+        try:
+            result["seconds"]["jaxattn fa4 kernel"] = fa4_kernel_seconds(x, trials)
+        except Exception as err:
+            result["notes"].append(f"fa4 kernel failed: {err!r}"[:300])
+            traceback.print_exc(limit=2)
     out = outs.get("cudnn", outs.get("xla"))
     for backend in ("cudnn", "fa4"):
         if with_torch and "xla" in outs and backend in outs:
@@ -167,6 +175,21 @@ def prefill_seconds(heads: int, batch: int, q_len: int, with_torch: bool, peers:
     return result
 
 
+def fa4_kernel_seconds(x: MLAPrefillInputs, trials: int) -> float:
+    """Seconds per call of the fa4 backend's kernel alone (``fa4.attend_pages``) on K and V pages
+    expanded from ``x``'s latents outside the timing, as the flashinfer peers take them."""
+    from jaxattn.backends import fa4
+    from jaxattn.backends.latents import expanded_pages
+
+    meta, _ = x.meta.sanitize(x.q_nope.shape[0], x.cache.num_pages, x.cache.page_size)
+    k_pages, v_pages, meta = expanded_pages(x.cache, meta, x.w_uk, x.w_uv, x.q_nope.dtype)
+    q = jnp.concatenate([x.q_nope, x.q_rope], axis=-1)
+    params = AttentionParams(scale=MLA_SCALE, causal=True, sliding_window=None, softcap=None, has_sinks=False)
+    fn = jax.jit(lambda q, k, v, m: fa4.attend_pages(q, k, v, "NHD", m, params, None))
+    jax.block_until_ready(fn(q, k_pages, v_pages, meta))
+    return wall_seconds(lambda: fn(q, k_pages, v_pages, meta), trials)
+
+
 DECODE_PEERS = ("jaxattn auto", "jaxattn triton", "flashinfer mla", "jaxattn xla")
 
 
@@ -202,7 +225,7 @@ def section_text(heads: int, rows: list[dict], prefill: dict | None, copy_rate: 
             f"{name} {t * 1e3:.3f} ms ({flops / t / 1e12:.0f} TFLOP/s)" for name, t in sec.items())
             + "".join(f"; {peer} / {name} {sec[peer] / sec[name]:.2f}x"
                       for peer in ("flashinfer cudnn", "flashinfer fa3")
-                      for name in ("jaxattn cudnn", "jaxattn fa4", "jaxattn xla")
+                      for name in ("jaxattn cudnn", "jaxattn fa4", "jaxattn fa4 kernel", "jaxattn xla")
                       if peer in sec and name in sec)
             + ("; " + ", ".join(prefill["notes"]) if prefill["notes"] else ""))
     text.append("\n" + notes_line(rows))

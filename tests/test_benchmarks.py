@@ -26,7 +26,8 @@ def test_profile_calls_splits_backend_kernels_from_xla_kernels():
     from benchmarks.profile_calls import split_events
 
     events = {"kernel_mha": (9e-6, 1.0), "cudnn_generated_fort_native_sdpa_sm90_knob_7": (1e-3, 1.0),
-              "loop_select_fusion": (2e-6, 1.0), "input_reduce_fusion_3": (1e-6, 2.0), "wrapped_concatenate": (3e-6, 1.0),
+              "loop_select_fusion": (2e-6, 1.0), "input_reduce_fusion_3": (1e-6, 2.0),
+              "wrapped_concatenate": (3e-6, 1.0),
               "kernel_cutlass_kernel_flash_attncuteflash_fwd_sm90FlashAttentionForwardSm90": (5e-6, 1.0)}
     split = split_events(events)
     assert split["kernel"] == pytest.approx(1e-3 + 14e-6) and split["kernel_launches"] == 3

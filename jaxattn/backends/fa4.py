@@ -88,7 +88,7 @@ def mla_check(call: Call) -> str | None:
 def attention(q: jax.Array, cache: KVCache, meta: AttentionMetadata, params: AttentionParams,
               sinks: jax.Array | None) -> jax.Array:
     """``q: [T, Hq, D]`` -> ``[T, Hq, D]`` in ``q.dtype``; ``sinks``: float32 ``[Hq]`` or None."""
-    return _attend(q, cache.k_pages, cache.v_pages, cache.layout, meta, params, sinks)
+    return attend_pages(q, cache.k_pages, cache.v_pages, cache.layout, meta, params, sinks)
 
 
 def mla_prefill(q_nope: jax.Array, q_rope: jax.Array, cache: MLACache, meta: AttentionMetadata, w_uk: jax.Array,
@@ -97,13 +97,14 @@ def mla_prefill(q_nope: jax.Array, q_rope: jax.Array, cache: MLACache, meta: Att
     (``latents.expanded_pages``): the kernel takes the two widths, so V is not padded to K's.
     ``q_nope: [T, Hq, Dn]``, ``q_rope: [T, Hq, Dr]`` -> ``[T, Hq, Dv]`` in ``q_nope.dtype``."""
     k_pages, v_pages, meta = expanded_pages(cache, meta, w_uk, w_uv, q_nope.dtype)
-    return _attend(jnp.concatenate([q_nope, q_rope], axis=-1), k_pages, v_pages, "NHD", meta, params, None)
+    return attend_pages(jnp.concatenate([q_nope, q_rope], axis=-1), k_pages, v_pages, "NHD", meta, params, None)
 
 
-def _attend(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, layout: str, meta: AttentionMetadata,
+def attend_pages(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, layout: str, meta: AttentionMetadata,
             params: AttentionParams, sinks: jax.Array | None) -> jax.Array:
     """The kernel over page pools ``[pages, Hkv, page, D]`` (HND) or ``[pages, page, Hkv, D]``
-    (NHD), V's width Dv may differ from K's: ``q: [T, Hq, D]`` -> ``[T, Hq, Dv]`` in ``q.dtype``."""
+    (NHD), V's width Dv may differ from K's, and sanitized ``meta``: ``q: [T, Hq, D]`` ->
+    ``[T, Hq, Dv]`` in ``q.dtype``."""
     from cutlass.jax import TensorSpec, cutlass_call
 
     num_tokens, num_q_heads, head_dim = q.shape
