@@ -176,9 +176,9 @@ def measure(w: Workload, rounds: int, calls_per_round: int) -> Row:
         call = Call("paged_attention", x.q, x.cache, x.meta, PARAMS)
     by_rank = dispatch.rank_order(call)
     names = [name for name in by_rank if backends.check(name, call) is None]
-    splits = (attention.split_plan(call, name) if call.op == "paged_attention" else None for name in names)
-    plans = {plan.label: plan for name, split in zip(names, splits)
-             for plan in (attention.Plan(name), split) if plan is not None}
+    split = attention.split_plan if call.op == "paged_attention" else lambda call, name: None
+    plans = {plan.label: plan for name in names
+             for plan in (attention.Plan(name), split(call, name)) if plan is not None}
     row = Row(w, choice_table.Key.of(call), by_rank, names, plans)
     runs, outputs, slow = {}, {}, {}
     for label, plan in plans.items():

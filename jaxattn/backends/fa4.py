@@ -101,7 +101,7 @@ def mla_prefill(q_nope: jax.Array, q_rope: jax.Array, cache: MLACache, meta: Att
 
 
 def attend_pages(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, layout: str, meta: AttentionMetadata,
-            params: AttentionParams, sinks: jax.Array | None) -> jax.Array:
+                 params: AttentionParams, sinks: jax.Array | None) -> jax.Array:
     """The kernel over page pools ``[pages, Hkv, page, D]`` (HND) or ``[pages, page, Hkv, D]``
     (NHD), V's width Dv may differ from K's, and sanitized ``meta``: ``q: [T, Hq, D]`` ->
     ``[T, Hq, Dv]`` in ``q.dtype``."""
