@@ -92,11 +92,13 @@ def run_plan(plan: Plan, q: jax.Array, cache: KVCache, meta: AttentionMetadata, 
     q_dec, meta_dec, meta_rest, num_decodes = split_decodes(q, meta)
     out_dec = _kernel(plan.decode)(q_dec, cache, meta_dec, params, sinks)
     out = _kernel(plan.main)(q, cache, meta_rest, params, sinks)
-    # Decode b is token b: only the first min(T, B) rows can differ, so only they are rewritten
-    # (in place; a select over all T rows costs a pass over a prefill's whole output).
-    rows = q_dec.shape[0]
-    is_decode = jnp.arange(rows) < num_decodes
-    return out.at[:rows].set(jnp.where(is_decode[:, None, None], out_dec, out[:rows]))
+    # Decode b is token b: only the decodes' rows are rewritten, in place (a select over all T rows
+    # would cost a pass over a prefill's whole output). A scatter, not a dynamic_update_slice of
+    # the first rows: XLA's GPU DynamicSliceFusion rewriter (jax 0.11) fails on a DUS into a
+    # custom call's output ("DUS target must be a fusion parameter").
+    rows = jnp.arange(q_dec.shape[0], dtype=jnp.int32)
+    decode_rows = jnp.where(rows < num_decodes, rows, q.shape[0])       # past the end: dropped
+    return out.at[decode_rows].set(out_dec, mode="drop", indices_are_sorted=True)
 
 
 def _kernel(name: str) -> Callable[..., jax.Array]:

@@ -16,7 +16,7 @@ status=0
 for case in "$@"; do
   log="$OUT/memcheck_$(echo "$case" | sed 's/.*:://; s/[^A-Za-z0-9_-]/_/g').log"
   XLA_PYTHON_CLIENT_ALLOCATOR=platform XLA_FLAGS="--xla_gpu_autotune_level=0 ${XLA_FLAGS:-}" \
-    timeout "$limit" "$sanitizer" --tool memcheck --error-exitcode 99 \
+    timeout "$limit" "$sanitizer" --tool memcheck --error-exitcode 99 ${MEMCHECK_ARGS:-} \
     python3 -m pytest -q -p no:cacheprovider "$case" > "$log" 2>&1
   rc=$?
   echo "== $case: exit $rc; $(grep -E 'ERROR SUMMARY|passed|failed|skipped' "$log" | tr '\n' ' ')"

@@ -24,7 +24,8 @@ kernels are another class (tcgen05, split-KV, FP8) this backend does not launch.
 
 ``mla_prefill`` runs the same kernel over the step's latents expanded into K and V pages of their
 own widths (``latents.expanded_pages``; 192 and 128 at DeepSeek's dims): V is not padded to K's
-width as cuDNN's graph needs.
+width as cuDNN's graph needs, and the pages are regrouped to the key tile (TMA) where it divides
+a sequence's slots.
 """
 
 from __future__ import annotations
@@ -96,7 +97,12 @@ def mla_prefill(q_nope: jax.Array, q_rope: jax.Array, cache: MLACache, meta: Att
     """MLA prefill over the latents expanded to per-head K (Dn + Dr wide) and V (Dv wide) pages
     (``latents.expanded_pages``): the kernel takes the two widths, so V is not padded to K's.
     ``q_nope: [T, Hq, Dn]``, ``q_rope: [T, Hq, Dr]`` -> ``[T, Hq, Dv]`` in ``q_nope.dtype``."""
-    k_pages, v_pages, meta = expanded_pages(cache, meta, w_uk, w_uv, q_nope.dtype)
+    # Pages of the kernel's key tile stream by TMA (cp.async gathers any other size); the
+    # expansion can be regrouped freely when the tile divides a sequence's slots.
+    slots = meta.max_pages_per_seq * cache.page_size
+    tile = _tiles(q_nope.shape[2] + q_rope.shape[2], w_uv.shape[2], params.causal, local=False).n_block_size
+    k_pages, v_pages, meta = expanded_pages(cache, meta, w_uk, w_uv, q_nope.dtype,
+                                            page_size=tile if slots % tile == 0 else None)
     return attend_pages(jnp.concatenate([q_nope, q_rope], axis=-1), k_pages, v_pages, "NHD", meta, params, None)
 
 
@@ -150,11 +156,11 @@ def _kernel(config: _Config):
     """FA4's SM90 forward kernel object for ``config`` (one per configuration: cutlass_call's
     compile cache keys on it), with FA4's own tile choice for this head dim and mask."""
     import cutlass
-    from flash_attn.cute import interface, utils
+    from flash_attn.cute import utils
     from flash_attn.cute.flash_fwd_sm90 import FlashAttentionForwardSm90
 
     local = config.window_left is not None
-    tiles = interface._tile_size_fwd_sm90(config.head_dim, config.head_dim_v, config.causal and not local, local)
+    tiles = _tiles(config.head_dim, config.head_dim_v, config.causal and not local, local)
     return FlashAttentionForwardSm90(
         {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}[config.dtype],
         config.head_dim, config.head_dim_v, config.group,
@@ -164,6 +170,13 @@ def _kernel(config: _Config):
         intra_wg_overlap=tiles.intra_wg_overlap, mma_pv_is_rs=tiles.mma_pv_is_rs,
         score_mod=None if config.softcap is None else utils.create_softcap_scoremod(config.softcap),
         paged_kv_non_tma=config.page_size != tiles.n_block_size)
+
+
+def _tiles(head_dim: int, head_dim_v: int, causal: bool, local: bool):
+    """FA4's SM90 tile choice (``m_block_size``, ``n_block_size``, ...) for these head dims and mask."""
+    from flash_attn.cute import interface
+
+    return interface._tile_size_fwd_sm90(head_dim, head_dim_v, causal, local)
 
 
 @functools.cache

@@ -19,7 +19,7 @@ def expand_latents(cache: MLACache, meta: AttentionMetadata, w_uk: jax.Array, w_
                    dtype: jnp.dtype) -> tuple[jax.Array, jax.Array]:
     """Every sequence's keys ``k = [c_kv W_UK[:, h], k_rope]`` ``[B, P, page, Hq, Dn + Dr]`` and
     values ``v = c_kv W_UV[:, h]`` ``[B, P, page, Hq, Dv]`` from the latents of its table's pages
-    (sanitized ``meta``), in ``dtype`` (float32 products), zero past its ``kv_lens`` (stale
+    (sanitized ``meta``), in ``dtype`` (float32 accumulation), zero past its ``kv_lens`` (stale
     slots never reach a kernel)."""
     pages = cache.pages[meta.block_tables]                                   # [B, P, page, R + Dr]
     if cache.scale is not None:
@@ -28,24 +28,31 @@ def expand_latents(cache: MLACache, meta: AttentionMetadata, w_uk: jax.Array, w_
     slot = jnp.arange(num_pages * page_size, dtype=jnp.int32).reshape(num_pages, page_size)
     pages = jnp.where((slot[None] < meta.kv_lens[:, None, None])[..., None], pages.astype(dtype), 0)
     c_kv, k_rope = pages[..., :cache.kv_lora_rank], pages[..., cache.kv_lora_rank:]
-    k_nope = jnp.einsum("bpsr,rhn->bpshn", c_kv, w_uk.astype(dtype), preferred_element_type=jnp.float32)
+    # Products straight in ``dtype`` (accumulated in float32 by the GEMM, rounded once): a float32
+    # result would be written, read back and converted, several times the bytes of K and V.
+    k_nope = jnp.einsum("bpsr,rhn->bpshn", c_kv, w_uk.astype(dtype), preferred_element_type=dtype)
     k_rope = jnp.broadcast_to(k_rope[..., None, :], (*k_nope.shape[:4], k_rope.shape[-1]))
-    v = jnp.einsum("bpsr,rhv->bpshv", c_kv, w_uv.astype(dtype), preferred_element_type=jnp.float32)
-    return jnp.concatenate([k_nope.astype(dtype), k_rope], axis=-1), v.astype(dtype)
+    v = jnp.einsum("bpsr,rhv->bpshv", c_kv, w_uv.astype(dtype), preferred_element_type=dtype)
+    return jnp.concatenate([k_nope, k_rope], axis=-1), v
 
 
 def expanded_pages(cache: MLACache, meta: AttentionMetadata, w_uk: jax.Array, w_uv: jax.Array,
-                   dtype: jnp.dtype) -> tuple[jax.Array, jax.Array, AttentionMetadata]:
+                   dtype: jnp.dtype, page_size: int | None = None) -> tuple[jax.Array, jax.Array, AttentionMetadata]:
     """The expanded keys and values (``expand_latents``) as NHD page pools of their own, for a
-    paged kernel that takes K and V of different widths: ``[B * P, page, Hq, Dn + Dr]`` and
-    ``[B * P, page, Hq, Dv]``, and ``meta`` with block tables into them (sequence b's page j is
-    ``b * P + j``)."""
+    paged kernel that takes K and V of different widths: ``[B * N, page_size, Hq, Dn + Dr]`` and
+    ``[B * N, page_size, Hq, Dv]``, and ``meta`` with block tables into them (sequence b's page j
+    is ``b * N + j``). ``page_size`` (default: the cache's) must divide a sequence's P x page
+    slots: a sequence's expanded slots are contiguous, so any such regrouping is free."""
     k, v = expand_latents(cache, meta, w_uk, w_uv, dtype)
-    batch, num_pages, page_size, heads = k.shape[:4]
-    tables = jnp.arange(batch * num_pages, dtype=jnp.int32).reshape(batch, num_pages)
-    return (k.reshape(batch * num_pages, page_size, heads, k.shape[-1]),
-            v.reshape(batch * num_pages, page_size, heads, v.shape[-1]),
-            dataclasses.replace(meta, block_tables=tables))
+    batch, slots, heads = k.shape[0], k.shape[1] * k.shape[2], k.shape[3]
+    page_size = page_size or cache.page_size
+    if slots % page_size:
+        raise ValueError(f"expanded_pages: page_size {page_size} does not divide a sequence's {slots} slots")
+    num_pages = batch * (slots // page_size)
+    tables = jnp.arange(num_pages, dtype=jnp.int32).reshape(batch, slots // page_size)
+    return (k.reshape(num_pages, page_size, heads, k.shape[-1]),
+            v.reshape(num_pages, page_size, heads, v.shape[-1]),
+            dataclasses.replace(meta, block_tables=tables, page_size=page_size, num_pages=num_pages))
 
 
 def expanded_pool(cache: MLACache, meta: AttentionMetadata, w_uk: jax.Array, w_uv: jax.Array,
@@ -60,7 +67,8 @@ def expanded_pool(cache: MLACache, meta: AttentionMetadata, w_uk: jax.Array, w_u
     def pool(x: jax.Array) -> jax.Array:
         return jnp.pad(x, ((1, 0), (0, 0), (0, 0), (0, width - x.shape[-1])))
 
-    return KVCache(pool(k), pool(v), layout="NHD"), dataclasses.replace(meta, block_tables=1 + meta.block_tables)
+    return KVCache(pool(k), pool(v), layout="NHD"), dataclasses.replace(meta, block_tables=1 + meta.block_tables,
+                                                                          num_pages=1 + meta.num_pages)
 
 
 def attend_expanded(attention: Callable[..., jax.Array], q_nope: jax.Array, q_rope: jax.Array, cache: MLACache,

@@ -86,6 +86,28 @@ def test_expanded_pages_hold_each_sequence_in_its_table_order():
     assert sorted(np.asarray(pages_meta.block_tables).ravel().tolist()) == list(range(batch * pages))
     for field in ("cu_q_lens", "kv_lens", "num_decodes"):
         np.testing.assert_array_equal(getattr(pages_meta, field), getattr(meta, field))
+    assert (pages_meta.page_size, pages_meta.num_pages) == (8, batch * pages)
+
+
+@pytest.mark.parametrize("page_size", [16, 4])
+def test_expanded_pages_regroup_each_sequences_slots(page_size):
+    """Pages of another size hold each sequence's expanded slots in order (its keys are contiguous)."""
+    problem = make_mla_problem(np.random.default_rng(6), **DIMS, **MIXED)
+    meta, _ = problem.meta.sanitize(problem.q_nope.shape[0], problem.cache.num_pages, problem.cache.page_size)
+    k, v = expand_latents(problem.cache, meta, problem.w_uk, problem.w_uv, jnp.float32)
+    k_pages, v_pages, pages_meta = expanded_pages(problem.cache, meta, problem.w_uk, problem.w_uv, jnp.float32,
+                                                  page_size=page_size)
+    batch, slots = k.shape[0], k.shape[1] * k.shape[2]
+    assert pages_meta.block_tables.shape == (batch, slots // page_size) and pages_meta.page_size == page_size
+    np.testing.assert_array_equal(k_pages[pages_meta.block_tables].reshape(k.shape), k)
+    np.testing.assert_array_equal(v_pages[pages_meta.block_tables].reshape(v.shape), v)
+
+
+def test_expanded_pages_refuse_a_page_size_that_splits_slots():
+    problem = make_mla_problem(np.random.default_rng(7), **DIMS, **MIXED)
+    slots = problem.meta.block_tables.shape[1] * problem.cache.page_size
+    with pytest.raises(ValueError, match=f"page_size {slots + 8} does not divide a sequence's {slots} slots"):
+        expanded_pages(problem.cache, problem.meta, problem.w_uk, problem.w_uv, jnp.float32, page_size=slots + 8)
 
 
 # ----------------------------------------------------------------------------------------- GPU
