@@ -20,7 +20,8 @@ flashinfer's ragged prefill on the same expanded K/V: ``BatchPrefillWithRaggedKV
 (its fa3 backend) and ``cudnn_batch_prefill_with_kv_cache`` (cuDNN, d_qk 192 and d_vo 128, the
 issue's peer); jaxattn's times include expanding the latents to per-head K/V, the peers' do not.
 ``--smoke`` runs the jaxattn rows of two small cases on any device (CPU included) and writes only $OUT.
-Writes one section of benchmarks/RESULTS.md per head count (mla-hq128, mla-hq16).
+Writes one section of benchmarks/RESULTS.md per head count (mla-hq128, mla-hq16; with --no-decode,
+mla-prefill-hq128 and mla-prefill-hq16).
 """
 
 from __future__ import annotations
@@ -176,13 +177,13 @@ def prefill_seconds(heads: int, batch: int, q_len: int, with_torch: bool, peers:
 
 
 def fa4_kernel_seconds(x: MLAPrefillInputs, trials: int) -> float:
-    """Seconds per call of the fa4 backend's kernel alone (``fa4.attend_pages``) on K and V pages
-    expanded from ``x``'s latents outside the timing, as the flashinfer peers take them."""
+    """Seconds per call of the fa4 backend's kernel alone (``fa4.attend_pages``) on the K and V
+    pages it expands ``x``'s latents to (``fa4.mla_pages``), expanded outside the timing, as the
+    flashinfer peers take them."""
     from jaxattn.backends import fa4
-    from jaxattn.backends.latents import expanded_pages
 
     meta, _ = x.meta.sanitize(x.q_nope.shape[0], x.cache.num_pages, x.cache.page_size)
-    k_pages, v_pages, meta = expanded_pages(x.cache, meta, x.w_uk, x.w_uv, x.q_nope.dtype)
+    k_pages, v_pages, meta = fa4.mla_pages(x.cache, meta, x.w_uk, x.w_uv, x.q_nope.dtype, causal=True)
     q = jnp.concatenate([x.q_nope, x.q_rope], axis=-1)
     params = AttentionParams(scale=MLA_SCALE, causal=True, sliding_window=None, softcap=None, has_sinks=False)
     fn = jax.jit(lambda q, k, v, m: fa4.attend_pages(q, k, v, "NHD", m, params, None))
@@ -253,7 +254,9 @@ def main() -> None:
     budget = Budget(args.budget_s)
     batches = {int(b) for b in args.batches.split(",")}
     for heads in (int(h) for h in args.heads.split(",")):
-        name, heading = f"mla-hq{heads}", f"MLA, {heads} query heads (benchmarks/bench_mla.py)"
+        # A prefill-only run has sections of its own, so it leaves a decode run's tables in place.
+        name, heading = ((f"mla-prefill-hq{heads}", f"MLA prefill, {heads} query heads (benchmarks/bench_mla.py)")
+                         if args.no_decode else (f"mla-hq{heads}", f"MLA, {heads} query heads (benchmarks/bench_mla.py)"))
         rows, prefill = [], None
         cases = [] if args.no_decode else (SMOKE if args.smoke else QUICK if args.quick else SWEEP)
         for case in (c for c in cases if c.heads == heads and c.batch in batches):

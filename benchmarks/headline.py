@@ -108,8 +108,8 @@ ROWS = [
     Row("JAX peers: small-batch decode", shape="B=1, kv 4096", **jax_peers("decode B=1 kv=4096")),
     Row("MLA decode", "mla_paged_attention", "B=64, kv 4096, Hq 128", "mla-hq128", **across(
         {"case": "B=64 kv=4096 Hq=128"}, ("auto", "jaxattn auto us"), ("flashinfer mla", "flashinfer mla us"))),
-    Row("MLA prefill", "mla_prefill", "B=8 x 4096, Hq 128", "mla-hq128", unit="ms", **across(
-        {"case": "prefill B=8 x 4096, Hq=128"}, ("cudnn", "jaxattn cudnn"), ("flashinfer cudnn", "flashinfer cudnn"))),
+    Row("MLA prefill", "mla_prefill", "B=8 x 4096, Hq 128", "mla-prefill-hq128", unit="ms", **across(
+        {"case": "prefill B=8 x 4096, Hq=128"}, ("fa4", "jaxattn fa4"), ("flashinfer cudnn", "flashinfer cudnn"))),
     Row("decode step, end to end", "engine step", "Llama-3-8B shapes, 8 layers, B=64, context 4096", "e2e", unit="ms",
         **down({"batch": "64", "context": "4096"}, "backend (decode plan)", "step ms", "auto", baseline="xla",
                label="backend {}")),

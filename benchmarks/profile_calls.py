@@ -91,7 +91,7 @@ def table(rows: list[dict]) -> str:
         if "refused" in r:
             lines.append(f"| {r['workload']} | {r['backend']} | refused: {r['refused']} | | | |")
             continue
-        top = ", ".join(f"{name} {s * 1e6:.1f}" for s, name in r["top_xla"])
+        top = ", ".join(f"{name.split('(')[0]} {s * 1e6:.1f}" for s, name in r["top_xla"])   # no C++ signature
         lines.append(f"| {r['workload']} | {r['backend']} | {r['total'] * 1e6:.1f} | {r['kernel'] * 1e6:.1f} "
                      f"({r['kernel_launches']:.0f}) | {r['xla'] * 1e6:.1f} ({r['xla_launches']:.0f}) | {top} |")
     return "\n".join(lines)

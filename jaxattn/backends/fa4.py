@@ -95,15 +95,19 @@ def attention(q: jax.Array, cache: KVCache, meta: AttentionMetadata, params: Att
 def mla_prefill(q_nope: jax.Array, q_rope: jax.Array, cache: MLACache, meta: AttentionMetadata, w_uk: jax.Array,
                 w_uv: jax.Array, params: AttentionParams) -> jax.Array:
     """MLA prefill over the latents expanded to per-head K (Dn + Dr wide) and V (Dv wide) pages
-    (``latents.expanded_pages``): the kernel takes the two widths, so V is not padded to K's.
+    (``mla_pages``): the kernel takes the two widths, so V is not padded to K's.
     ``q_nope: [T, Hq, Dn]``, ``q_rope: [T, Hq, Dr]`` -> ``[T, Hq, Dv]`` in ``q_nope.dtype``."""
-    # Pages of the kernel's key tile stream by TMA (cp.async gathers any other size); the
-    # expansion can be regrouped freely when the tile divides a sequence's slots.
-    slots = meta.max_pages_per_seq * cache.page_size
-    tile = _tiles(q_nope.shape[2] + q_rope.shape[2], w_uv.shape[2], params.causal, local=False).n_block_size
-    k_pages, v_pages, meta = expanded_pages(cache, meta, w_uk, w_uv, q_nope.dtype,
-                                            page_size=tile if slots % tile == 0 else None)
+    k_pages, v_pages, meta = mla_pages(cache, meta, w_uk, w_uv, q_nope.dtype, params.causal)
     return attend_pages(jnp.concatenate([q_nope, q_rope], axis=-1), k_pages, v_pages, "NHD", meta, params, None)
+
+
+def mla_pages(cache: MLACache, meta: AttentionMetadata, w_uk: jax.Array, w_uv: jax.Array, dtype: jnp.dtype,
+              causal: bool) -> tuple[jax.Array, jax.Array, AttentionMetadata]:
+    """``latents.expanded_pages`` in pages of the kernel's key tile, which stream by TMA (cp.async
+    gathers any other size), where the tile divides a sequence's slots; else of the cache's size."""
+    slots = meta.max_pages_per_seq * cache.page_size
+    tile = _tiles(w_uk.shape[2] + cache.rope_dim, w_uv.shape[2], causal, local=False).n_block_size
+    return expanded_pages(cache, meta, w_uk, w_uv, dtype, page_size=tile if slots % tile == 0 else None)
 
 
 def attend_pages(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, layout: str, meta: AttentionMetadata,
