@@ -26,12 +26,21 @@ times summed over those workloads (those that failed last).
 Writes the table (``--out``, default ``jaxattn/tuning/<arch>.json``) and the auto-table section of
 benchmarks/RESULTS.md. ``--smoke`` (CPU, seconds): a tiny grid on the backends that run here (xla),
 the table to ``$OUT/<arch>.json`` (or a temporary directory) and the section only to ``$OUT``.
+
+The whole grid takes longer than one device call may run. Every measured workload is saved to
+``--rows`` (default ``$OUT/tune_auto_rows.json``) as it finishes; a later run with ``--resume`` on
+the same machine (device, jax) keeps that file's workloads, measures the rest, and writes the
+table and section of them all (the table's ``comment`` names the earlier runs):
+
+    python -m benchmarks.tune_auto --budget-s 500 --rows /tmp/rows.json            # one call
+    python -m benchmarks.tune_auto --budget-s 500 --rows /tmp/rows.json --resume   # the next
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import math
 import os
 import statistics
@@ -265,6 +274,8 @@ def section(rows: list[Row], table: choice_table.Table, path: str, skipped: list
         for row in rows if row.notes or row.errors]
     if notes:
         lines += ["", "Notes (failures, relative errors between plans): " + "; ".join(notes) + "."]
+    if table.comment:
+        lines += ["", f"This run {table.comment}."]
     if skipped:
         lines += ["", "Not run (time budget): " + ", ".join(skipped) + "."]
     return "\n".join(lines)
@@ -286,11 +297,46 @@ def shown_path(path: str) -> str:
     return os.path.relpath(path, repo) if inside else path
 
 
+def row_json(row: Row) -> dict:
+    return {"workload": row.workload.name, "key": row.key.to_json(), "by_rank": row.by_rank,
+            "candidates": row.candidates, "plans": {label: [p.main, p.decode] for label, p in row.plans.items()},
+            "ms": row.ms, "reference": row.reference, "errors": row.errors, "notes": row.notes}
+
+
+def row_of(data: dict, by_name: dict[str, Workload]) -> Row:
+    key = choice_table.Key(**{**data["key"], "options": tuple(data["key"]["options"])})
+    plans = {label: attention.Plan(main, decode) for label, (main, decode) in data["plans"].items()}
+    return Row(by_name[data["workload"]], key, data["by_rank"], data["candidates"], plans, data["ms"],
+               data["reference"], data["errors"], data["notes"])
+
+
+def load_rows(path: str, machine: dict, by_name: dict[str, Workload]) -> tuple[list[Row], list[dict]]:
+    """The rows and runs saved in ``path`` (``save_rows``), which must come from this ``machine``."""
+    with open(path) as f:
+        data = json.load(f)
+    if data["machine"] != machine:
+        raise SystemExit(f"--resume: {path} was measured on {data['machine']}, not this {machine}")
+    unknown = [r["workload"] for r in data["rows"] if r["workload"] not in by_name]
+    if unknown:
+        raise SystemExit(f"--resume: {path} has workloads this grid lacks: {unknown}")
+    return [row_of(r, by_name) for r in data["rows"]], data["runs"]
+
+
+def save_rows(path: str, machine: dict, runs: list[dict], rows: list[Row]) -> None:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump({"machine": machine, "runs": runs, "rows": [row_json(r) for r in rows]}, f, indent=1)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.tune_auto", description=__doc__.splitlines()[0])
     parser.add_argument("--budget-s", type=float, default=420.0, help="start no new workload after this")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved timing rounds per workload")
     parser.add_argument("--out", default=None, help="where the table goes (default: the shipped jaxattn/tuning/<arch>.json)")
+    parser.add_argument("--rows", default=None,
+                        help="where each measured workload is saved (default: $OUT, else benchmarks/out, tune_auto_rows.json)")
+    parser.add_argument("--resume", action="store_true",
+                        help="keep the workloads saved in --rows by an earlier run on this machine; measure the rest")
     parser.add_argument("--smoke", action="store_true", help="CPU: a tiny grid, written to $OUT or a temporary directory")
     args = parser.parse_args()
     arch = choice_table.current_arch()
@@ -299,19 +345,31 @@ def main() -> None:
     arch = arch or "cpu"
     out_dir = choice_table.TABLE_DIR if not args.smoke else os.environ.get("OUT") or tempfile.mkdtemp()
     path = args.out or os.path.join(out_dir, f"{arch}.json")
+    rows_path = args.rows or os.path.join(os.environ.get("OUT") or os.path.join(HERE, "out"), "tune_auto_rows.json")
+    grid = workloads(args.smoke)
+    by_name = {w.name: w for w in grid}
+    machine = {"arch": arch, "device": device_name(), "jax": jax.__version__, "rounds": args.rounds, "smoke": args.smoke}
+    measured, runs = load_rows(rows_path, machine, by_name) if args.resume else ([], [])
+    done = {row.workload.name: row for row in measured}
+    runs.append({"command": command_line(), "date": utc_now(), "workloads": []})
     budget = Budget(args.budget_s)
     rounds, calls = (1, 2) if args.smoke else (args.rounds, CALLS_PER_ROUND)
-    rows, skipped = [], []
-    for w in workloads(args.smoke):
-        if budget.spent(w.name):
-            skipped.append(w.name)
+    for w in grid:
+        if w.name in done or budget.spent(w.name):
             continue
-        rows.append(measure(w, rounds, calls))
-        times = ", ".join(f"{label} {'failed' if t is None else f'{t:.3f} ms'}" for label, t in rows[-1].ms.items())
+        done[w.name] = measure(w, rounds, calls)
+        runs[-1]["workloads"].append(w.name)
+        save_rows(rows_path, machine, runs, list(done.values()))
+        times = ", ".join(f"{label} {'failed' if t is None else f'{t:.3f} ms'}" for label, t in done[w.name].ms.items())
         print(f"{w.name}: {times}", file=sys.stderr, flush=True)
         jax.clear_caches()
+    save_rows(rows_path, machine, runs, list(done.values()))
+    rows = [done[w.name] for w in grid if w.name in done]
+    skipped = [w.name for w in grid if w.name not in done]
+    earlier = "; ".join(f"{len(run['workloads'])} workloads by `{run['command']}` ({run['date']})" for run in runs[:-1])
     table = choice_table.Table(arch=arch, command=command_line(), device=device_name(), date=utc_now(),
-                               jax=jax.__version__, entries=tuple(entries(rows)))
+                               jax=jax.__version__, entries=tuple(entries(rows)),
+                               comment=f"resumed from earlier runs on this machine: {earlier}" if earlier else "")
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     choice_table.dump(table, path)
     choice_table.load(path)

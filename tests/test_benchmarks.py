@@ -3,6 +3,7 @@ nothing, but keep the benchmarks from breaking between GPU sessions. And RESULTS
 table is the one its sections give."""
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -53,6 +54,41 @@ def test_tune_auto_smoke_writes_a_table_auto_can_read(tmp_path):
     assert "| decode B=2 kv=128 | 2, 128, 2 |" in (tmp_path / "auto-table_results.md").read_text()
     assert open(os.path.join(REPO, "benchmarks", "RESULTS.md")).read() == results
     assert not os.path.exists(os.path.join(choice_table.TABLE_DIR, "cpu.json"))
+
+
+def test_tune_auto_resumes_a_sweep_across_runs(tmp_path):
+    """A sweep cut short by its budget saves its rows; a --resume run keeps them, measures the rest,
+    and writes one table of all the workloads, its comment naming the earlier run."""
+    from jaxattn import choice_table
+
+    env = dict(os.environ, OUT=str(tmp_path), JAX_PLATFORMS="cpu")
+    rows = str(tmp_path / "rows.json")
+    run = lambda *args: subprocess.run([sys.executable, "-m", "benchmarks.tune_auto", "--smoke", "--rows", rows, *args],  # noqa: E731
+                                       check=False, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    first = run("--budget-s", "1")                    # the first workload starts, and outlasts the budget
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    saved = json.load(open(rows))
+    measured = len(saved["rows"])
+    assert 1 <= measured < 5 and [len(r["workloads"]) for r in saved["runs"]] == [measured]
+    second = run("--resume")
+    assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
+    saved = json.load(open(rows))
+    assert [len(r["workloads"]) for r in saved["runs"]] == [measured, 5 - measured] and len(saved["rows"]) == 5
+    table = choice_table.load(str(tmp_path / "cpu.json"))
+    assert len(table.entries) == 5
+    assert table.comment == (f"resumed from earlier runs on this machine: {measured} workloads by "
+                             f"`python -m benchmarks.tune_auto --smoke --rows {rows} --budget-s 1` ({saved['runs'][0]['date']})")
+    section = (tmp_path / "auto-table_results.md").read_text()
+    assert "| decode B=2 kv=128 | 2, 128, 2 |" in section and "This run resumed from earlier runs" in section
+
+
+def test_tune_auto_resume_refuses_rows_of_another_machine(tmp_path):
+    from benchmarks import tune_auto
+
+    path = tmp_path / "rows.json"
+    path.write_text(json.dumps({"machine": {"device": "another GPU"}, "runs": [], "rows": []}))
+    with pytest.raises(SystemExit, match="was measured on .*another GPU"):
+        tune_auto.load_rows(str(path), {"device": "this one"}, {})
 
 
 def test_tune_auto_times_split_plans_by_label(monkeypatch, tmp_path):
