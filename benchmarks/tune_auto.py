@@ -304,9 +304,8 @@ def row_json(row: Row) -> dict:
 
 
 def row_of(data: dict, by_name: dict[str, Workload]) -> Row:
-    key = choice_table.Key(**{**data["key"], "options": tuple(data["key"]["options"])})
     plans = {label: attention.Plan(main, decode) for label, (main, decode) in data["plans"].items()}
-    return Row(by_name[data["workload"]], key, data["by_rank"], data["candidates"], plans, data["ms"],
+    return Row(by_name[data["workload"]], choice_table.Key.from_json(data["key"]), data["by_rank"], data["candidates"], plans, data["ms"],
                data["reference"], data["errors"], data["notes"])
 
 
@@ -352,6 +351,7 @@ def main() -> None:
     measured, runs = load_rows(rows_path, machine, by_name) if args.resume else ([], [])
     done = {row.workload.name: row for row in measured}
     runs.append({"command": command_line(), "date": utc_now(), "workloads": []})
+    save_rows(rows_path, machine, runs, measured)      # this run is on file even if it measures nothing
     budget = Budget(args.budget_s)
     rounds, calls = (1, 2) if args.smoke else (args.rounds, CALLS_PER_ROUND)
     for w in grid:
@@ -363,7 +363,6 @@ def main() -> None:
         times = ", ".join(f"{label} {'failed' if t is None else f'{t:.3f} ms'}" for label, t in done[w.name].ms.items())
         print(f"{w.name}: {times}", file=sys.stderr, flush=True)
         jax.clear_caches()
-    save_rows(rows_path, machine, runs, list(done.values()))
     rows = [done[w.name] for w in grid if w.name in done]
     skipped = [w.name for w in grid if w.name not in done]
     earlier = "; ".join(f"{len(run['workloads'])} workloads by `{run['command']}` ({run['date']})" for run in runs[:-1])

@@ -107,6 +107,11 @@ class Key:
     def to_json(self) -> dict:
         return {**dataclasses.asdict(self), "options": list(self.options)}
 
+    @classmethod
+    def from_json(cls, data: dict) -> Key:
+        """The key ``to_json`` wrote (unchecked: ``parse`` checks a table's keys first)."""
+        return cls(**{**data, "options": tuple(data["options"])})
+
 
 @dataclasses.dataclass(frozen=True)
 class Entry:
@@ -274,7 +279,7 @@ def _entry(index: int, data: dict) -> Entry:
                     f"{where}.{field}: {label!r} is not a backend of {key['op']} or decode+main of two "
                     f"(known: {', '.join(known)})")
     _expect(_strings(data["workloads"]), f"{where}.workloads must be a list of strings")
-    return Entry(key=Key(**{**key, "options": tuple(key["options"])}), order=tuple(data["order"]), ms=data["ms"],
+    return Entry(key=Key.from_json(key), order=tuple(data["order"]), ms=data["ms"],
                  workloads=tuple(data["workloads"]))
 
 

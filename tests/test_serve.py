@@ -295,7 +295,7 @@ def test_64_streams_a_quarter_leaving(server, checkpoint):
     """64 concurrent streams, 16 of them leaving after 2 tokens, and a non-streamed request whose
     client gives up: no error, the others' tokens right, every request counted once (most leavers'
     aborted), no page held at the end (the pool holds 2 sequences of max_seq_len: requests wait or
-    are preempted; which, depends on how far the leavers got, so neither is asserted)."""
+    are preempted; which of the two depends on how far the leavers got, so neither is asserted)."""
     reference = checkpoint[1]
     prompts = _load_prompts(64)
     expected = {tuple(p): expected_tokens(reference, p, NEW_TOKENS) for p in prompts}
