@@ -44,7 +44,8 @@ def paged_attention(
       sliding_window: W, a query at position i sees keys ``i-W+1 .. i``.
       softcap: c, logits become ``c * tanh(s / c)``.
       sinks: float32 ``[Hq]``; each head's softmax denominator gains ``exp(sinks[h])``.
-      backend: "auto", "xla", "cudnn", "trtllm" or "triton".
+      backend: "auto" or a backend that implements ``paged_attention``: "xla", "cudnn", "trtllm",
+        "triton" or "fa4" (``jaxattn.backends.names("paged_attention")``).
       return_status: also return which sequences kept the contract.
 
     Returns:
