@@ -189,3 +189,88 @@ TOLERANCE = {jnp.dtype(jnp.float32): 1e-5, jnp.dtype(jnp.bfloat16): 2e-2, jnp.dt
 # relative plus 1e-5 absolute (for outputs near zero); bf16/fp16: the output's own rounding.
 ALLCLOSE = {jnp.dtype(jnp.float32): dict(rtol=1e-5, atol=1e-5), jnp.dtype(jnp.bfloat16): dict(rtol=2e-2, atol=2e-2),
             jnp.dtype(jnp.float16): dict(rtol=4e-3, atol=4e-3)}
+
+
+# ------------------------------------------------------------------ random configurations
+
+PHASES = ("decode", "spec_decode", "prefill", "chunked", "mixed")
+RANDOM_SEEDS = range(10)              # two configurations of each phase
+# Relative error against float64 by query dtype (bf16 / fp16 rounding); over FP8 pages XQA (trtllm)
+# quantizes q and P to e4m3 as well (tests/backends/test_trtllm.py).
+RANDOM_TOLERANCE = {"bfloat16": 2e-2, "float16": 5e-3}
+XQA_FP8_TOLERANCE = 8e-2
+
+
+@dataclasses.dataclass
+class RandomCase:
+    """One random paged_attention call: the problem (one sequence's pages possibly broken), the
+    options, and the float64 rows every backend must give (zero for padding and the broken one)."""
+
+    problem: Problem
+    options: dict
+    sinks: jax.Array | None
+    broken: int | None          # the sequence whose first page id is outside the pool
+    expected: np.ndarray        # [T, Hq, D] float64
+
+    @property
+    def expected_valid(self) -> list[bool]:
+        """``valid`` of the real sequences (padding ones are valid too)."""
+        return [b != self.broken for b in range(len(self.problem.q_lens))]
+
+    def check_rows(self, out: jax.Array, tolerance: float, who: str) -> None:
+        """``out`` against the float64 rows: relative error below ``tolerance``, the rows of padding
+        tokens and of the broken sequence exactly zero."""
+        out = np.asarray(jnp.asarray(out).astype(jnp.float32), np.float64)
+        error = rel_error(out, self.expected)
+        assert error < tolerance, f"{who}: rel. error {error:.2e} > {tolerance} on {self}"
+        zero_rows = ~self.expected.any(axis=(1, 2))
+        assert not out[zero_rows].any(), f"{who}: rows of padding or of the broken sequence are not zero on {self}"
+
+    def __str__(self) -> str:
+        p = self.problem
+        return (f"q_lens {p.q_lens} kv_lens {p.kv_lens} q {p.q.shape} {p.q.dtype} pages "
+                f"{p.cache.k_pages.dtype} {p.cache.layout} page {p.cache.page_size} {self.options} "
+                f"sinks {self.sinks is not None} broken {self.broken} max_q_len {p.meta.max_q_len}")
+
+
+def random_case(seed: int) -> RandomCase:
+    """Phase by seed (decode, speculative decode, prefill, chunked prefill, mixed), the rest at
+    random: B 1-5, GQA 1-8, head_dim 64/128, pages 16-64 in either layout, bf16/fp16 with FP8
+    pages at times, window / softcap / sinks / non-causal, padding, a contract-breaking sequence."""
+    rng = np.random.default_rng(1000 + seed)
+    phase = PHASES[seed % len(PHASES)]
+    batch = int(rng.integers(1, 6))
+    max_q_len = None
+    if phase == "decode":
+        q_lens, max_q_len = [1] * batch, 1
+    elif phase == "spec_decode":
+        max_q_len = int(rng.integers(2, 7))
+        q_lens = [int(rng.integers(1, max_q_len + 1)) for _ in range(batch)]
+    else:
+        decodes = int(rng.integers(1, batch + 1)) if phase == "mixed" else 0
+        q_lens = [1] * decodes + [int(rng.integers(2, 300)) for _ in range(max(batch - decodes, 1))]
+    kv_lens = [q if phase == "prefill" else q + int(rng.integers(0, 900)) for q in q_lens]
+    num_kv_heads = int(rng.choice([1, 2, 8]))
+    dtype = [jnp.bfloat16, jnp.float16][int(rng.random() < 0.25)]
+    kv_dtype = jnp.float8_e4m3fn if rng.random() < 0.25 else dtype
+    problem = make_problem(rng, q_lens=q_lens, kv_lens=kv_lens, num_q_heads=num_kv_heads * int(rng.choice([1, 4, 8])),
+                           num_kv_heads=num_kv_heads, head_dim=int(rng.choice([64, 128])),
+                           page_size=int(rng.choice([16, 32, 64])), layout=str(rng.choice(["HND", "NHD"])),
+                           dtype=dtype, kv_dtype=kv_dtype, pad_seqs=int(rng.integers(0, 3)),
+                           pad_tokens=int(rng.integers(0, 6)), max_q_len=max_q_len)
+    options = {}
+    if rng.random() < 0.3:
+        options["sliding_window"] = int(rng.integers(1, 400))
+    if rng.random() < 0.3:
+        options["softcap"] = 30.0
+    if phase in ("prefill", "chunked") and "sliding_window" not in options and rng.random() < 0.2:
+        options["causal"] = False
+    sinks = jnp.asarray(rng.normal(size=problem.q.shape[1]), jnp.float32) if rng.random() < 0.3 else None
+    expected = reference(problem, sinks=None if sinks is None else np.asarray(sinks), **options)
+    broken = int(rng.integers(len(q_lens))) if rng.random() < 0.3 else None
+    if broken is not None:
+        tables = problem.meta.block_tables.at[broken, 0].set(problem.cache.num_pages + 5)
+        problem = dataclasses.replace(problem, meta=dataclasses.replace(problem.meta, block_tables=tables))
+        start = sum(q_lens[:broken])
+        expected[start:start + q_lens[broken]] = 0
+    return RandomCase(problem, options, sinks, broken, expected)

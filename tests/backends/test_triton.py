@@ -16,11 +16,12 @@ import numpy as np
 import pytest
 
 import jaxattn
-from jaxattn import backends
+from jaxattn import attention, backends
 from jaxattn.backends import xla
 from jaxattn.backends.base import AttentionParams, Call
 from tests.conftest import HAS_GPU
-from tests.paged_inputs import TOLERANCE, make_problem, reference, rel_error
+from tests.paged_inputs import (RANDOM_SEEDS, RANDOM_TOLERANCE, TOLERANCE, make_problem, random_case, reference,
+                                rel_error)
 from tests.xla_dump import run_with_dump, thunk_sequences, top_level_thunks
 
 pytest.importorskip("triton", reason="the triton backend's tests need the triton package")
@@ -58,6 +59,23 @@ def _check(problem, out, *, sinks=None, tol=None, **kw):
 
 MIXED = dict(q_lens=[1, 1, 1, 5, 3, 1], kv_lens=[7, 40, 0, 37, 3, 20])       # 3 decodes, then the rest
 SPEC = dict(q_lens=[1, 1, 3, 2, 4], kv_lens=[9, 30, 24, 33, 4])              # multi-token decodes
+
+
+@pytest.mark.parametrize("seed", RANDOM_SEEDS)
+def test_random_configurations(seed):
+    """``paged_inputs.random_case`` (decode, speculative, prefill, chunked, mixed; both layouts,
+    pages 16-64, window/softcap/sinks, FP8 pages, a contract-breaking sequence) through the
+    kernels on sanitized metadata, as paged_attention runs them, against float64."""
+    case = random_case(seed)
+    p = case.problem
+    params = _params(p.q.shape[2], sinks=case.sinks, **case.options)
+    reason = backends.takes("triton", Call("paged_attention", p.q, p.cache, p.meta, params))
+    if reason is not None:
+        pytest.skip(reason)
+    meta, valid = attention.sanitize(p.q, p.cache, p.meta)
+    out = jax.jit(lambda q, c, m, s: tb.attention(q, c, m, params, s))(p.q, p.cache, meta, case.sinks)
+    case.check_rows(out, RANDOM_TOLERANCE[p.q.dtype.name], "triton")
+    assert np.asarray(valid)[:len(p.q_lens)].tolist() == case.expected_valid
 
 
 @pytest.mark.parametrize("launch", tb.LAUNCHES)

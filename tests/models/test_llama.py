@@ -81,7 +81,8 @@ def test_metadata_checks_run_once_per_step_not_per_layer():
     whole step (its cummax over ``cu_q_lens`` is in the compiled step once, at 1 layer or 3), so
     the per-call metadata work a single-call benchmark counts is paid once per model step."""
     batch, num_tokens = 3, 8
-    meta = jaxattn.AttentionMetadata(*(np.asarray(x, np.int32) for x in ([0, 1, 4, 8], [5, 9, 20], [[1, 1]] * batch, 1)))
+    fields = ([0, 1, 4, 8], [5, 9, 20], [[1, 1]] * batch, 1)      # cu_q_lens, kv_lens, block_tables, num_decodes
+    meta = jaxattn.AttentionMetadata(*(np.asarray(x, np.int32) for x in fields))
     cummax = re.compile(rf"= s32\[{batch + 1}(,1)?\]\S* reduce-window\(")
     counts = []
     for layers in (1, 3):
