@@ -212,19 +212,18 @@ class RandomCase:
     broken: int | None          # the sequence whose first page id is outside the pool
     expected: np.ndarray        # [T, Hq, D] float64
 
-    @property
-    def expected_valid(self) -> list[bool]:
-        """``valid`` of the real sequences (padding ones are valid too)."""
-        return [b != self.broken for b in range(len(self.problem.q_lens))]
-
-    def check_rows(self, out: jax.Array, tolerance: float, who: str) -> None:
-        """``out`` against the float64 rows: relative error below ``tolerance``, the rows of padding
-        tokens and of the broken sequence exactly zero."""
+    def check(self, out: jax.Array, valid: jax.Array, tolerance: float, who: str) -> None:
+        """A call's ``(out, valid)`` against the float64 rows: relative error below ``tolerance``, the
+        rows of padding tokens and of the broken sequence exactly zero, and ``valid`` False for the
+        broken sequence alone (padding sequences are valid)."""
         out = np.asarray(jnp.asarray(out).astype(jnp.float32), np.float64)
         error = rel_error(out, self.expected)
         assert error < tolerance, f"{who}: rel. error {error:.2e} > {tolerance} on {self}"
         zero_rows = ~self.expected.any(axis=(1, 2))
         assert not out[zero_rows].any(), f"{who}: rows of padding or of the broken sequence are not zero on {self}"
+        num_seqs = len(self.problem.q_lens)
+        assert np.asarray(valid)[:num_seqs].tolist() == [b != self.broken for b in range(num_seqs)], \
+            f"{who}: valid is wrong on {self}"
 
     def __str__(self) -> str:
         p = self.problem
