@@ -16,7 +16,7 @@ Masks are bottom-right aligned per sequence, as in the contract. ``sliding_windo
 kernel's local window (w - 1 keys to the left, none to the right), softcap its score modifier
 (after the scale), sinks its learnable sink (a raw logit per query head). Sequences without
 keys (padding, or emptied by ``sanitize``) get no tiles: their rows, and tokens past the last
-sequence, are zeroed here by a scatter into those rows only.
+sequence, are zeroed after the kernel by ``kernels.zero_rows``, in place, a write of those rows only.
 
 Supported: bfloat16/float16 q and pages (no FP8 on SM90), head_dim a multiple of 16 up to 256,
 GQA/MQA with Hq % Hkv == 0, any page size. Runs on compute capability 9.x only; FA4's SM100
@@ -53,6 +53,10 @@ INSTALL_HINT = "pip install 'jaxattn[fa4]'"
 
 def requirements() -> str | None:
     """Why the kernel cannot be built here (packages), or None."""
+    try:
+        importlib.import_module("triton")
+    except ImportError as err:
+        return f"needs triton, whose kernel zeroes the rows without keys ({INSTALL_HINT}): {err}"
     try:
         importlib.import_module("cutlass.jax")
     except ImportError as err:
@@ -117,6 +121,8 @@ def attend_pages(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, layout: s
     ``[T, Hq, Dv]`` in ``q.dtype``."""
     from cutlass.jax import TensorSpec, cutlass_call
 
+    from jaxattn.kernels.zero_rows import zero_unwritten_rows
+
     num_tokens, num_q_heads, head_dim = q.shape
     heads_axis = 1 if layout == "HND" else 2
     config = _Config(dtype=q.dtype.name, head_dim=head_dim, head_dim_v=v_pages.shape[-1],
@@ -135,20 +141,7 @@ def attend_pages(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, layout: s
         kernel=_kernel(config), scale=float(params.scale), window_left=config.window_left,
         window_right=None if params.sliding_window is None else 0,
     )(q, k_pages, v_pages, meta.cu_q_lens, q_used, meta.kv_lens, meta.block_tables, sinks)
-    return zero_unwritten_rows(out, meta, q_used)
-
-
-def zero_unwritten_rows(out: jax.Array, meta: AttentionMetadata, q_used: jax.Array) -> jax.Array:
-    """``out: [T, Hq, Dv]`` with the rows the kernel did not write zeroed: tokens past the last
-    sequence, and the queries of sequences with ``q_used == 0``. A scatter into those rows only,
-    in place: a select would read and write all T rows, a pass over a prefill's whole output
-    (188 us of fa4's 2087 us at B=8 x 4096 on the H100, RESULTS.md section call_profile)."""
-    num_tokens = out.shape[0]
-    seq = jnp.minimum(meta.token_to_seq(num_tokens), meta.batch_size - 1)
-    token = jnp.arange(num_tokens, dtype=jnp.int32)
-    written = (token >= meta.cu_q_lens[seq]) & (token < meta.cu_q_lens[seq] + q_used[seq])
-    rows = jnp.where(written, num_tokens, token)       # past the end: dropped
-    return out.at[rows].set(jnp.zeros((), out.dtype), mode="drop")
+    return zero_unwritten_rows(out, meta.cu_q_lens, q_used)
 
 
 @dataclasses.dataclass(frozen=True)
