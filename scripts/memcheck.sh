@@ -6,7 +6,9 @@
 #   scripts/memcheck.sh SECONDS 'tests/test_metadata.py::test_x[xla-4]' ...
 #
 # XLA's autotuner would launch thousands of candidate kernels under the sanitizer: it is off, and
-# the platform allocator lets memcheck see each buffer's bounds instead of one BFC arena.
+# the platform allocator lets memcheck see each buffer's bounds instead of one BFC arena. Failed
+# CUDA API calls are not reported: the CuTe DSL's cuda-python driver bindings (fa4) probe
+# cuGetProcAddress for entry points this driver lacks, which memcheck would count as errors.
 set -uo pipefail
 OUT=${OUT:-/tmp/jaxattn_out}
 limit=$1
@@ -16,7 +18,7 @@ status=0
 for case in "$@"; do
   log="$OUT/memcheck_$(echo "$case" | sed 's/.*:://; s/[^A-Za-z0-9_-]/_/g').log"
   XLA_PYTHON_CLIENT_ALLOCATOR=platform XLA_FLAGS="--xla_gpu_autotune_level=0 ${XLA_FLAGS:-}" \
-    timeout "$limit" "$sanitizer" --tool memcheck --error-exitcode 99 ${MEMCHECK_ARGS:-} \
+    timeout "$limit" "$sanitizer" --tool memcheck --report-api-errors no --error-exitcode 99 ${MEMCHECK_ARGS:-} \
     python3 -m pytest -q -p no:cacheprovider "$case" > "$log" 2>&1
   rc=$?
   echo "== $case: exit $rc; $(grep -E 'ERROR SUMMARY|passed|failed|skipped' "$log" | tr '\n' ' ')"
