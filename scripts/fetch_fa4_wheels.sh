@@ -10,6 +10,10 @@
 #   device call 1, carry [DIR/part.aa, DIR/wheels, ...]:  scripts/device_fa4.sh stash
 #   device call 2, carry [DIR/part.ab, ...]:              scripts/device_fa4.sh stash
 #   device call 3, carry [DIR/part.ac, ...]:              scripts/device_fa4.sh stash install && <command>
+# The "..." share each carry with .whl's other wheels (../shared/device/fetch_wheels.sh), which stay
+# on the warm machine once carried: e.g. call 1 also the cudnn-frontend, jax-triton and tvm-ffi
+# wheels, call 2 flashinfer's, call 3 .whl_peers without its flashinfer copy and headers (52, 57 and
+# 59 MiB). A warm machine goes back 30 s after a call ends: send the three calls back to back.
 #   (then, in every call: export PYTHONPATH=$(scripts/device_fa4.sh path):$PYTHONPATH)
 set -euo pipefail
 dir=${1:-.whl/fa4}
