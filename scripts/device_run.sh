@@ -5,6 +5,10 @@
 #
 #   scripts/device_run.sh                                   # GPU tests only
 #   scripts/device_run.sh python -m benchmarks.bench_xxx    # GPU tests, then a benchmark
+#   PYTEST_ARGS="--shard 2/3" scripts/device_run.sh         # the second third of the GPU tests
+#
+# On a fresh machine the whole GPU suite outlasts one 10-minute call (the first use of each XQA
+# variant compiles it): run it in shards, one call each, on the same warm machine.
 #
 # JAXATTN_PREBUILT=dir uses a handler module built elsewhere (e.g. by Bazel: _cudnn_paged.so and
 # _cudnn_build.py from bazel-bin/jaxattn/, carried) instead of building one with pip.

@@ -16,6 +16,13 @@ HAS_GPU = bool(gpu_devices())
 NUM_GPUS = len(gpu_devices())
 
 
+def pytest_addoption(parser):
+    parser.addoption("--shard", default=None, metavar="K/N",
+                     help="run only the K-th (from 1) of N contiguous parts of the selected tests, e.g. the GPU "
+                          "suite over several device calls (-m gpu --shard 1/3, then 2/3, 3/3)")
+
+
+@pytest.hookimpl(trylast=True)  # after -m and -k have deselected: the parts split what would run
 def pytest_collection_modifyitems(config, items):
     skip_gpu = pytest.mark.skip(reason="needs an NVIDIA GPU (run with -m gpu on the device machine)")
     skip_multigpu = pytest.mark.skip(reason=f"needs 2 or more NVIDIA GPUs, found {NUM_GPUS}")
@@ -24,6 +31,22 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_gpu)
         elif "multigpu" in item.keywords and NUM_GPUS < 2:
             item.add_marker(skip_multigpu)
+    if config.getoption("shard"):
+        part, parts = _shard(config.getoption("shard"))
+        start, stop = (part - 1) * len(items) // parts, part * len(items) // parts
+        config.hook.pytest_deselected(items=items[:start] + items[stop:])
+        items[:] = items[start:stop]
+
+
+def _shard(value: str) -> tuple[int, int]:
+    """``"K/N"`` -> (K, N), 1 <= K <= N."""
+    try:
+        part, parts = (int(x) for x in value.split("/"))
+    except ValueError:
+        raise pytest.UsageError(f"--shard expects K/N (two integers), got {value!r}") from None
+    if not 1 <= part <= parts:
+        raise pytest.UsageError(f"--shard K/N needs 1 <= K <= N, got {value!r}")
+    return part, parts
 
 
 PARITY_REASON = ("needs torch and transformers, the [parity] extra (pip install -e \".[test,parity]\", "
