@@ -10,9 +10,14 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 
+def _collect(*args: str) -> subprocess.CompletedProcess:
+    """``pytest --collect-only -q tests/test_metadata.py *args`` in a fresh process."""
+    return subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
+                           "tests/test_metadata.py", *args], cwd=ROOT, capture_output=True, text=True, timeout=300)
+
+
 def _collected(*args: str) -> list[str]:
-    result = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
-                             "tests/test_metadata.py", *args], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    result = _collect(*args)
     assert result.returncode in (0, 5), result.stdout[-2000:] + result.stderr[-2000:]
     return [line for line in result.stdout.splitlines() if "::" in line]
 
@@ -25,7 +30,5 @@ def test_shards_split_the_selected_tests_into_contiguous_parts():
 
 
 def test_a_bad_shard_is_a_usage_error():
-    result = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
-                             "tests/test_metadata.py", "--shard", "4/3"], cwd=ROOT, capture_output=True, text=True,
-                            timeout=300)
+    result = _collect("--shard", "4/3")
     assert result.returncode == 4 and re.search(r"--shard K/N needs 1 <= K <= N", result.stderr)
