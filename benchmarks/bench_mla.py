@@ -227,13 +227,14 @@ def decode_table(rows: list[dict], copy_rate: float | None, peak_flops: float) -
 
 def section_text(heads: int, rows: list[dict], prefill: dict | None, copy_rate: float | None,
                  peak_tflops: float) -> str:
-    """One head count's decode table and prefill line."""
+    """One head count's decode table (when it ran decode cases) and prefill line."""
     text = [f"- device: {device_name()}; jax {jax.__version__}; date: {utc_now()}; command: `{command_line()}`",
             f"- Hq={heads}, bf16; latent {MLA_RANK} + RoPE {MLA_ROPE} per token, page {PAGE}, randomly permuted pool; "
             "device copy rate " + (f"{copy_rate / 1e12:.2f} TB/s" if copy_rate else "not measured")
-            + f"; bf16 peak taken as {peak_tflops:.0f} TFLOP/s.",
-            "- decode: time per call (see the benchmark's docstring); ratios: peer time / jaxattn auto time.",
-            "", decode_table(rows, copy_rate, peak_tflops * 1e12)]
+            + f"; bf16 peak taken as {peak_tflops:.0f} TFLOP/s."]
+    if rows:
+        text += ["- decode: time per call (see the benchmark's docstring); ratios: peer time / jaxattn auto time.",
+                 "", decode_table(rows, copy_rate, peak_tflops * 1e12)]
     if prefill is not None:
         flops = 2 * 8 * heads * 4096 * 4096 / 2 * (MLA_NOPE + MLA_ROPE + MLA_DV)   # causal: half the pairs
         sec = prefill["seconds"]
@@ -244,7 +245,8 @@ def section_text(heads: int, rows: list[dict], prefill: dict | None, copy_rate: 
                       for name in ("jaxattn cudnn", "jaxattn fa4", "jaxattn fa4 kernel", "jaxattn xla")
                       if peer in sec and name in sec)
             + ("; " + ", ".join(prefill["notes"]) if prefill["notes"] else ""))
-    text.append("\n" + notes_line(rows))
+    if rows:
+        text.append("\n" + notes_line(rows))
     return "\n".join(text)
 
 

@@ -103,9 +103,9 @@ def mla_prefill(
       w_uv: ``[R, Hq, Dv]`` (Dv 128), latent -> value of each head.
       backend: "auto" or a backend that implements this op (xla; cudnn: cuDNN's paged prefill over
         the latents expanded to per-head K/V, V zero-padded to K's width; fa4: FlashAttention-4's
-        SM90 kernel over K and V pages of their own widths). auto: cudnn where it runs and takes
-        the call (B=8 x 4096 at 128 heads on an H100: 20x faster than xla,
-        benchmarks/RESULTS.md), then fa4, else xla.
+        SM90 kernel over K and V pages of their own widths). auto: the order this GPU's measured
+        choice table gives the nearest bucket (sm_90: fa4, then cudnn, at every measured point;
+        benchmarks/RESULTS.md), else cudnn, then fa4, else xla, where each runs and takes the call.
 
     Returns:
       ``out``: ``[T, Hq, Dv]`` in ``q_nope.dtype``; with ``return_status``, ``(out, valid)``.

@@ -213,7 +213,8 @@ BACKEND = Backend(
     requirements=requirements,
     # auto, without a measured choice: after cudnn and triton for prefills; last before the
     # reference for (speculative) decodes, which have no split-KV here (B x Hkv tiles of work);
-    # MLA prefill after cudnn until the two are measured side by side.
+    # MLA prefill after cudnn where no measured table decides (sm_90's puts fa4 first at every
+    # MLA prefill point it timed).
     ops={"paged_attention": OpSupport(run=attention, capabilities=CAPABILITIES, check=check,
                                       rank=lambda call: RANK_GENERAL + 1 if call.phase == "prefill" else RANK_LAST_GPU),
          "mla_prefill": OpSupport(run=mla_prefill, capabilities=MLA_CAPABILITIES, check=mla_check,
