@@ -42,6 +42,11 @@ def is_xla_kernel(name: str) -> bool:
     return bool(XLA_KERNEL.search(name))
 
 
+def workload_names(text: str) -> list[str]:
+    """``--workloads``' names: split at the commas outside brackets ("kv=U[2048,4096]" is one name)."""
+    return [name for name in re.split(r",(?![^\[]*\])", text) if name]
+
+
 def split_events(events: dict[str, tuple[float, float]]) -> dict:
     """``device_events``' ``{name: (seconds, launches)}`` per call -> the backend's kernels and XLA's:
     seconds and launches of each, and XLA's kernels by time, costliest first."""
@@ -99,7 +104,7 @@ def table(rows: list[dict]) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.profile_calls", description=__doc__.splitlines()[0])
-    parser.add_argument("--workloads", default="", help="comma-separated workload names (default: every one)")
+    parser.add_argument("--workloads", default="", help="comma-separated workload names (default: every one); a comma inside [] belongs to the name")
     parser.add_argument("--backends", default="auto,trtllm,cudnn,triton,fa4", help="comma-separated backends")
     parser.add_argument("--rounds", type=int, default=3, help="profiled rounds per row (the median is kept)")
     parser.add_argument("--calls", type=int, default=10, help="calls per profiled round")
@@ -110,7 +115,7 @@ def main(argv: list[str] | None = None) -> None:
     if not on_gpu and not args.smoke:
         sys.exit("profile_calls needs a GPU (or --smoke)")
     names = ["xla"] if args.smoke else [b for b in args.backends.split(",") if b]
-    wanted = [w for w in args.workloads.split(",") if w]
+    wanted = workload_names(args.workloads)
     workloads = SMOKE_WORKLOADS if args.smoke else [w for w in WORKLOADS if not wanted or w.name in wanted]
     unknown = set(wanted) - {w.name for w in WORKLOADS}
     if unknown:

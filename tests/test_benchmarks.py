@@ -36,6 +36,15 @@ def test_profile_calls_splits_backend_kernels_from_xla_kernels():
     assert [name for _, name in split["top_xla"]] == ["wrapped_concatenate", "loop_select_fusion", "input_reduce_fusion_3"]
 
 
+def test_profile_calls_workload_names_keep_bracketed_commas():
+    from benchmarks.bench_jax_peers import WORKLOADS
+    from benchmarks.profile_calls import workload_names
+
+    names = [w.name for w in WORKLOADS]
+    assert workload_names(",".join(names)) == names and any("," in name for name in names)
+    assert workload_names("") == []
+
+
 def test_tune_auto_smoke_writes_a_table_auto_can_read(tmp_path):
     """tune_auto's CPU smoke run: its table (the backends that run here: xla) loads, one entry per
     bucket, and the RESULTS.md section goes to $OUT only."""
