@@ -18,8 +18,8 @@ jaxattn's ``cudnn``, ``fa4`` (where installed) and ``xla`` backends (median wall
 the fa4 kernel alone on K/V expanded outside the timing (``jaxattn fa4 kernel``, as the peers run), against
 flashinfer's ragged prefill on the same expanded K/V: ``BatchPrefillWithRaggedKVCacheWrapper``
 (its fa3 backend) and ``cudnn_batch_prefill_with_kv_cache`` (cuDNN, d_qk 192 and d_vo 128, the
-issue's peer); jaxattn's times include expanding the latents to per-head K/V, the peers' do not; the notes list
-each jaxattn GPU backend's kernels from the profiler (``kernel_breakdown``), which shows that split.
+issue's peer); jaxattn's times include expanding the latents to per-head K/V, the peers' do not;
+the notes list each jaxattn GPU backend's kernels from the profiler (``kernel_breakdown``).
 ``--smoke`` runs the jaxattn rows of two small cases on any device (CPU included) and writes only $OUT.
 Writes one section of benchmarks/RESULTS.md per head count (mla-hq128, mla-hq16; with --no-decode,
 mla-prefill-hq128 and mla-prefill-hq16).
@@ -39,8 +39,8 @@ from jaxattn import backends
 from jaxattn.backends.base import AttentionParams
 from benchmarks.common import (DTYPE, MLA_DV, MLA_NOPE, MLA_RANK, MLA_ROPE, MLA_SCALE, PAGE, READ_RATE, Budget, Case,
                                MLACase, MLAInputs, MLAPrefillInputs, add_torch_peer, command_line, copy_bandwidth,
-                               device_events, device_name, mla_inputs, mla_prefill_inputs, notes_line, rel_error, repeats_for,
-                               time_chained_calls, utc_now, wall_seconds, write_section)
+                               device_events, device_name, mla_inputs, mla_prefill_inputs, notes_line, rel_error,
+                               repeats_for, time_chained_calls, utc_now, wall_seconds, write_section)
 
 
 SWEEP = [MLACase(b, n, h) for h in (128, 16) for b in (1, 16, 64, 128) for n in (1024, 4096, 16384)]
@@ -185,10 +185,11 @@ def kernel_breakdown(fn, calls: int = 3, top: int = 6) -> str:
     first: "name us (launches)", then the total: where a backend's prefill time goes (the
     expansion of the latents, the attention kernel, XLA's own work)."""
     events = sorted(((s, n, name) for name, (s, n) in device_events(fn, calls).items()), reverse=True)
-    shown = [f"{name.split('(')[0][:60]} {s * 1e6:.0f} us ({n:.0f})" for s, n, name in events[:top]]
-    rest = sum(s for s, _, _ in events[top:])
-    return "; ".join(shown + [f"{len(events) - top} more {rest * 1e6:.0f} us"] * (len(events) > top)
-                     + [f"total {sum(s for s, _, _ in events) * 1e6:.0f} us"])
+    parts = [f"{name.split('(')[0][:60]} {s * 1e6:.0f} us ({n:.0f})" for s, n, name in events[:top]]
+    if len(events) > top:
+        parts.append(f"{len(events) - top} more {sum(s for s, _, _ in events[top:]) * 1e6:.0f} us")
+    parts.append(f"total {sum(s for s, _, _ in events) * 1e6:.0f} us")
+    return "; ".join(parts)
 
 
 def fa4_kernel_seconds(x: MLAPrefillInputs, trials: int) -> float:

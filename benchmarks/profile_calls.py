@@ -104,7 +104,8 @@ def table(rows: list[dict]) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.profile_calls", description=__doc__.splitlines()[0])
-    parser.add_argument("--workloads", default="", help="comma-separated workload names (default: every one); a comma inside [] belongs to the name")
+    parser.add_argument("--workloads", default="",
+                        help="comma-separated workload names (default: every one); a comma inside [] is the name's")
     parser.add_argument("--backends", default="auto,trtllm,cudnn,triton,fa4", help="comma-separated backends")
     parser.add_argument("--rounds", type=int, default=3, help="profiled rounds per row (the median is kept)")
     parser.add_argument("--calls", type=int, default=10, help="calls per profiled round")
