@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib.util
 import math
 from typing import Callable
 
@@ -69,13 +70,33 @@ def paged_attention(
 
 def sanitize(q: jax.Array, cache: KVCache | MLACache, meta: AttentionMetadata) -> tuple[AttentionMetadata, jax.Array]:
     """``meta.sanitize`` for this call, with every sequence emptied when an FP8 cache's scales
-    are not positive and finite (traced scales cannot be checked at trace time)."""
-    meta, valid = meta.sanitize(q.shape[0], cache.num_pages, cache.page_size)
+    are not positive and finite (traced scales cannot be checked at trace time). Lowered for CUDA
+    with Triton installed, the checks are one kernel (``kernels.sanitize``), not XLA's 3-5."""
+    args = (meta.cu_q_lens, meta.kv_lens, meta.block_tables)
+    reference = functools.partial(_sanitized_arrays, meta, q.shape[0], cache)
+    if importlib.util.find_spec("triton") is None:
+        cu, kv_lens, tables, valid = reference(*args)
+    else:
+        from jaxattn.kernels import sanitize as kernel
+
+        one_kernel = functools.partial(kernel.sanitize, num_tokens=q.shape[0], num_pages=cache.num_pages,
+                                       page_size=cache.page_size, max_q_len=meta.max_q_len)
+        cu, kv_lens, tables, valid = jax.lax.platform_dependent(*args, cuda=one_kernel, default=reference)
+    meta = dataclasses.replace(meta, cu_q_lens=cu, kv_lens=kv_lens, block_tables=tables)
     if cache.is_fp8:
         scales = jnp.stack(cache.scales).astype(jnp.float32)
         valid &= jnp.all(jnp.isfinite(scales) & (scales > 0))
         meta = dataclasses.replace(meta, kv_lens=jnp.where(valid, meta.kv_lens, 0))
     return meta, valid
+
+
+def _sanitized_arrays(meta: AttentionMetadata, num_tokens: int, cache: KVCache | MLACache, *arrays: jax.Array
+                      ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """``meta.sanitize`` (XLA ops) on ``arrays = (cu_q_lens, kv_lens, block_tables)``:
+    ``(cu_q_lens, kv_lens, block_tables, valid)``."""
+    checked, valid = dataclasses.replace(meta, cu_q_lens=arrays[0], kv_lens=arrays[1], block_tables=arrays[2]
+                                         ).sanitize(num_tokens, cache.num_pages, cache.page_size)
+    return checked.cu_q_lens, checked.kv_lens, checked.block_tables, valid
 
 
 def _run_plan(params: AttentionParams, backend: str, q: jax.Array, cache: KVCache, meta: AttentionMetadata,

@@ -179,9 +179,6 @@ def attention(q: jax.Array, cache: KVCache, meta: AttentionMetadata, params: Att
     num_tokens, num_q_heads, head_dim = q.shape
     batch, width = meta.batch_size, meta.max_pages_per_seq
     group = num_q_heads // cache.num_kv_heads
-    kv_lens = jnp.clip(meta.kv_lens, 0, width * cache.page_size).astype(jnp.int32)
-    cu = meta.cu_q_lens.astype(jnp.int32)
-    tables = meta.block_tables.astype(jnp.int32)
     sinks_arg = jnp.zeros((1,), jnp.float32) if sinks is None else sinks.astype(jnp.float32)
     scales = (jnp.zeros((2,), jnp.float32) if not cache.is_fp8
               else jnp.stack([cache.k_scale, cache.v_scale]).astype(jnp.float32))
@@ -206,7 +203,7 @@ def attention(q: jax.Array, cache: KVCache, meta: AttentionMetadata, params: Att
         cfg = decode or decode_config(head_dim, batch, cache.num_kv_heads, width * cache.page_size)
         nseg = cfg.num_segments
         seg_acc, seg_ml = triton_call(
-            q, cache.k_pages, cache.v_pages, tables, kv_lens, cu, num_decodes, scales,
+            q, cache.k_pages, cache.v_pages, meta.block_tables, meta.kv_lens, meta.cu_q_lens, num_decodes, scales,
             kernel=kernels.paged_decode_kernel,
             out_shape=[jax.ShapeDtypeStruct((batch, num_q_heads, nseg, head_dim), jnp.float32),
                        jax.ShapeDtypeStruct((batch, num_q_heads, nseg, 2), jnp.float32)],
@@ -215,7 +212,7 @@ def attention(q: jax.Array, cache: KVCache, meta: AttentionMetadata, params: Att
             **_subset(shared, "T B P HQ G D D_P PAGE NUM_PAGES SK_P SK_H SK_T SCALE SOFTCAP WINDOW CAUSAL FP8 "
                               "DOT_F32 PRECISION"))
         (out,) = triton_call(
-            cu, num_decodes, sinks_arg, scales, seg_acc, seg_ml, kernel=kernels.paged_decode_reduce_kernel,
+            meta.cu_q_lens, num_decodes, sinks_arg, scales, seg_acc, seg_ml, kernel=kernels.paged_decode_reduce_kernel,
             out_shape=[out_type], grid=(num_tokens if decode_only else batch, cache.num_kv_heads), num_warps=4,
             num_stages=1, LOG_B=log_b, G_P=_pow2_ceil(group), NSEG=nseg, HAS_SINKS=sinks is not None,
             WRITE_ALL=decode_only, **_subset(shared, "T B HQ G D D_P FP8"))
@@ -229,8 +226,8 @@ def attention(q: jax.Array, cache: KVCache, meta: AttentionMetadata, params: Att
     block_m = max(cfg.block_m, _pow2_ceil(group))
     rows_per_block = block_m // _pow2_ceil(group)
     (out,) = triton_call(
-        q, cache.k_pages, cache.v_pages, tables, kv_lens, cu, num_decodes, sinks_arg, scales,
-        num_decodes if out is None else out,
+        q, cache.k_pages, cache.v_pages, meta.block_tables, meta.kv_lens, meta.cu_q_lens, num_decodes, sinks_arg,
+        scales, num_decodes if out is None else out,
         kernel=kernels.paged_prefill_kernel, out_shape=[out_type],
         grid=(num_tokens // rows_per_block + batch + 2, cache.num_kv_heads),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
@@ -319,15 +316,14 @@ def mla_attention(q_latent: jax.Array, q_rope: jax.Array, cache: MLACache, meta:
     cfg = config or mla_config(num_tokens, num_q_heads, rank, width * cache.page_size, meta.max_q_len, cache.is_fp8)
     nseg = cfg.num_segments
     head_blocks = -(-num_q_heads // cfg.block_h)
-    kv_lens = jnp.clip(meta.kv_lens, 0, width * cache.page_size).astype(jnp.int32)
     dot_f32 = q_latent.dtype == jnp.float32 or _interpreting()
     direct = nseg == 1
     acc_type = (jax.ShapeDtypeStruct(q_latent.shape, q_latent.dtype) if direct
                 else jax.ShapeDtypeStruct((num_tokens, num_q_heads, nseg, rank), jnp.float32))
     scales = jnp.zeros((1,), jnp.float32) if cache.scale is None else cache.scale.reshape(1).astype(jnp.float32)
     acc, ml = triton_call(
-        q_latent, q_rope, cache.pages, meta.block_tables.astype(jnp.int32), kv_lens, meta.cu_q_lens.astype(jnp.int32),
-        scales, kernel=kernels.mla_decode_kernel,
+        q_latent, q_rope, cache.pages, meta.block_tables, meta.kv_lens, meta.cu_q_lens, scales,
+        kernel=kernels.mla_decode_kernel,
         out_shape=[acc_type, jax.ShapeDtypeStruct((num_tokens, num_q_heads, nseg, 2), jnp.float32)],
         grid=(num_tokens * nseg * head_blocks,), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         T=num_tokens, B=batch, LOG_B=batch.bit_length() + 1, P=width, HQ=num_q_heads, R=rank, DR=cache.rope_dim,

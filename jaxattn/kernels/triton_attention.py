@@ -118,7 +118,7 @@ def paged_prefill_kernel(
     block = tl.where(b < B, (q_end - c_nd) // BQ - first - block, block)
     row0 = q_start + block * BQ
     q_end = tl.where(b < B, q_end, T)
-    kv_len = tl.load(kv_lens_ptr + tl.minimum(b, B - 1))
+    kv_len = tl.minimum(tl.maximum(tl.load(kv_lens_ptr + tl.minimum(b, B - 1)), 0), P * PAGE)
     kv_len = tl.where(b < B, kv_len, 0)
     in_head = pid < hb
     q_start = tl.where(in_head, 0, q_start)
@@ -197,7 +197,7 @@ def paged_decode_kernel(
     q_start = tl.load(cu_ptr + b)
     if (b >= tl.load(nd_ptr)) | (tl.load(cu_ptr + b + 1) - q_start != 1) | (q_start >= T):
         return
-    kv_len = tl.load(kv_lens_ptr + b)
+    kv_len = tl.minimum(tl.maximum(tl.load(kv_lens_ptr + b), 0), P * PAGE)
     offs_h = tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, D_P)
     head = kvh * G + offs_h

@@ -50,7 +50,7 @@ def mla_decode_kernel(
     b = _find_seq(cu_ptr, t, 0, B - 1, LOG_B, 1, False)
     q_start = tl.load(cu_ptr + b)
     q_end = tl.load(cu_ptr + b + 1)
-    kv_len = tl.load(kv_lens_ptr + b)
+    kv_len = tl.minimum(tl.maximum(tl.load(kv_lens_ptr + b), 0), P * PAGE)
     active = (t >= q_start) & (t < q_end)
     if active & ((t - q_start) % QT != 0):
         return

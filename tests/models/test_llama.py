@@ -76,24 +76,34 @@ def test_paged_step_matches_dense_forward():
         start += n
 
 
+def _compiled_step(layers: int, device: jax.Device) -> str:
+    """The compiled HLO of a ``layers``-layer paged forward step (xla backend) on ``device``."""
+    batch, num_tokens = 3, 8
+    fields = ([0, 1, 4, 8], [5, 9, 20], [[1, 1]] * batch, 1)      # cu_q_lens, kv_lens, block_tables, num_decodes
+    meta = jaxattn.AttentionMetadata(*(np.asarray(x, np.int32) for x in fields))
+    with jax.default_device(device):
+        model = Llama(PRESETS["tiny"].replace(num_layers=layers), nnx.Rngs(0))
+        step = jax.jit(lambda g, s, *a: forward_paged(nnx.merge(g, s), *a, backend="xla")[0], static_argnums=0)
+        return step.lower(*nnx.split(model), jnp.zeros(num_tokens, jnp.int32), model.init_caches(8, 16),
+                          meta, jnp.arange(num_tokens, dtype=jnp.int32)).compile().as_text()
+
+
 def test_metadata_checks_run_once_per_step_not_per_layer():
     """Every layer's ``paged_attention`` sanitizes the same metadata; XLA computes it once for the
     whole step (its cummax over ``cu_q_lens`` is in the compiled step once, at 1 layer or 3), so
     the per-call metadata work a single-call benchmark counts is paid once per model step."""
-    batch, num_tokens = 3, 8
-    fields = ([0, 1, 4, 8], [5, 9, 20], [[1, 1]] * batch, 1)      # cu_q_lens, kv_lens, block_tables, num_decodes
-    meta = jaxattn.AttentionMetadata(*(np.asarray(x, np.int32) for x in fields))
-    cummax = re.compile(rf"= s32\[{batch + 1}(,1)?\]\S* reduce-window\(")
-    counts = []
-    for layers in (1, 3):
-        with jax.default_device(jax.devices("cpu")[0]):     # XLA:CPU's HLO, where cummax is a reduce-window
-            model = Llama(PRESETS["tiny"].replace(num_layers=layers), nnx.Rngs(0))
-            step = jax.jit(lambda g, s, *a: forward_paged(nnx.merge(g, s), *a, backend="xla")[0], static_argnums=0)
-            compiled = step.lower(*nnx.split(model), jnp.zeros(num_tokens, jnp.int32), model.init_caches(8, 16),
-                                  meta, jnp.arange(num_tokens, dtype=jnp.int32)).compile()
-        counts.append(len(cummax.findall(compiled.as_text())))
+    cummax = re.compile(r"= s32\[4(,1)?\]\S* reduce-window\(")     # B + 1 = 4 offsets
+    counts = [len(cummax.findall(_compiled_step(layers, jax.devices("cpu")[0]))) for layers in (1, 3)]
     assert counts == [1, 1], f"sanitize's cummax in the compiled step at 1 and 3 layers: {counts}"
 
+
+@pytest.mark.gpu
+def test_gpu_metadata_kernel_runs_once_per_step_not_per_layer():
+    """On a GPU the checks are one Triton kernel (``kernels.sanitize``; the xla backend launches no
+    other), and XLA merges the layers' launches into one."""
+    launches = re.compile(r'custom_call_target="triton_kernel_call_ffi"')
+    counts = [len(launches.findall(_compiled_step(layers, jax.devices("gpu")[0]))) for layers in (1, 3)]
+    assert counts == [1, 1], f"sanitize kernels in the compiled step at 1 and 3 layers: {counts}"
 
 # ------------------------------------------------------------------------------- tensor parallelism
 
