@@ -9,13 +9,15 @@ semantics are ``AttentionMetadata.sanitize``'s, which stays the reference (tests
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import triton
 import triton.language as tl
 
 COLS = 1024          # block-table entries checked per step
-_INT32_MIN = -2147483647 - 1
+_INT32_MIN = tl.constexpr(-2147483647 - 1)
 
 
 @triton.jit
@@ -67,11 +69,13 @@ def sanitize_kernel(cu_ptr, kv_ptr, tables_ptr, cu_out_ptr, kv_out_ptr, tables_o
         tl.store(cu_out_ptr, start)
 
 
+@functools.partial(jax.jit, static_argnames=("num_tokens", "num_pages", "page_size", "max_q_len"))
 def sanitize(cu_q_lens: jax.Array, kv_lens: jax.Array, block_tables: jax.Array, *, num_tokens: int, num_pages: int,
              page_size: int, max_q_len: int | None) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     """``AttentionMetadata.sanitize``'s arrays: ``(cu_q_lens [B+1], kv_lens [B], block_tables [B, P],
     valid bool[B])`` sanitized for ``q: [num_tokens, ...]`` over a pool of ``num_pages`` pages of
-    ``page_size`` tokens; inputs int32."""
+    ``page_size`` tokens; inputs int32. Jitted: a primitive without an eager rule still runs
+    from eager ``paged_attention`` calls."""
     from jaxattn.kernels.triton_call import triton_call
 
     batch, width = block_tables.shape
