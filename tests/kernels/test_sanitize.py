@@ -34,7 +34,7 @@ def _hostile(rng: np.random.Generator, batch: int, width: int, page: int, num_pa
 @pytest.mark.parametrize("batch, width, page, max_q_len", [
     (1, 3, 16, 1), (5, 4, 4, None), (9, 2, 64, 2), (33, 1, 16, None), (3, 1030, 16, None),   # 2 steps of COLS
 ])
-def test_matches_the_reference(batch, width, page, max_q_len):
+def test_matches_the_reference(batch, width, page, max_q_len, on_platform):
     rng = np.random.default_rng(batch * 1000 + width)
     num_pages = batch * width // 2 + 3
     run = jax.jit(lambda cu, kv, tables, num_tokens: sanitize.sanitize(
@@ -53,7 +53,7 @@ def test_matches_the_reference(batch, width, page, max_q_len):
             np.testing.assert_array_equal(got_array, want, err_msg=f"{name}, trial {trial}")
 
 
-def test_a_table_without_columns():
+def test_a_table_without_columns(on_platform):
     """P = 0: nothing to check or read; every sequence with keys breaks the contract."""
     cu, kv = np.array([0, 1, 1], np.int32), np.array([1, 0], np.int32)
     tables = np.zeros((2, 0), np.int32)

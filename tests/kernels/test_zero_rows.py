@@ -33,7 +33,7 @@ def _case(q_lens, used, num_tokens, row_shape, seed):
     # every row written: nothing changes
     ([5, 11], [5, 11], 16, (4, 8)),
 ])
-def test_zeroes_exactly_the_unwritten_rows(q_lens, used, num_tokens, row_shape, dtype):
+def test_zeroes_exactly_the_unwritten_rows(q_lens, used, num_tokens, row_shape, dtype, on_platform):
     """Unwritten rows become zero; every written row keeps its bits (a kept NaN shows a missed row)."""
     cu, rows_used, out, written = _case(q_lens, used, num_tokens, row_shape, seed=len(q_lens))
     out = jnp.asarray(out, dtype)
