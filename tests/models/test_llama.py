@@ -105,6 +105,7 @@ def test_gpu_metadata_kernel_runs_once_per_step_not_per_layer():
     counts = [len(launches.findall(_compiled_step(layers, jax.devices("gpu")[0]))) for layers in (1, 3)]
     assert counts == [1, 1], f"sanitize kernels in the compiled step at 1 and 3 layers: {counts}"
 
+
 # ------------------------------------------------------------------------------- tensor parallelism
 
 def _flat_specs(model: Llama, mesh) -> dict[str, tuple]:
