@@ -336,6 +336,9 @@ def main() -> None:
                         help="where each measured workload is saved (default: $OUT, else benchmarks/out, tune_auto_rows.json)")
     parser.add_argument("--resume", action="store_true",
                         help="keep the workloads saved in --rows by an earlier run on this machine; measure the rest")
+    parser.add_argument("--device-table", action="store_true",
+                        help="name the table after this kind of GPU (jaxattn/tuning/<device kind>.json), which auto "
+                             "reads before the arch's")
     parser.add_argument("--smoke", action="store_true", help="CPU: a tiny grid, written to $OUT or a temporary directory")
     args = parser.parse_args()
     arch = choice_table.current_arch()
@@ -343,7 +346,9 @@ def main() -> None:
         sys.exit("tune_auto measures a GPU and none is visible to JAX (on CPU: --smoke)")
     arch = arch or "cpu"
     out_dir = choice_table.TABLE_DIR if not args.smoke else os.environ.get("OUT") or tempfile.mkdtemp()
-    path = args.out or os.path.join(out_dir, f"{arch}.json")
+    kind = choice_table.current_device_kind() or "cpu"
+    name = choice_table.device_table_name(kind) if args.device_table else arch
+    path = args.out or os.path.join(out_dir, f"{name}.json")
     rows_path = args.rows or os.path.join(os.environ.get("OUT") or os.path.join(HERE, "out"), "tune_auto_rows.json")
     grid = workloads(args.smoke)
     by_name = {w.name: w for w in grid}

@@ -1,7 +1,8 @@
 """``auto``'s measured choice table: for buckets of calls, the plans in the order a sweep timed them.
 
 One JSON file per GPU architecture ships in ``jaxattn/tuning/`` (``sm_90.json`` for compute
-capability 9.0), written by ``python -m benchmarks.tune_auto`` on such a GPU. ``dispatch.ranking``
+capability 9.0), written by ``python -m benchmarks.tune_auto`` on such a GPU; a file for one kind of
+GPU (``nvidia_h100_80gb_hbm3.json``, ``tune_auto --device-table``) comes before its arch's. ``dispatch.ranking``
 orders the backends that rank a call by the entry of the nearest measured bucket (see there), and
 ``attention.auto_plan`` reads from it whether a step's decodes go to a second backend;
 without a file for this GPU (or on a machine without one), or with no entry near the call, the
@@ -42,6 +43,7 @@ import functools
 import json
 import math
 import os
+import re
 from collections.abc import Sequence
 
 from jaxattn import backends
@@ -211,7 +213,7 @@ def measured_split(call: Call, main: str, decode: str) -> bool | None:
 
 
 def _nearest_entry(call: Call) -> Entry | None:
-    table = shipped_table(current_arch())
+    table = current_table()
     return table.nearest(Key.of(call)) if table is not None else None
 
 
@@ -224,11 +226,33 @@ def current_arch() -> str | None:
     return f"sm_{major}{minor}"
 
 
+def current_device_kind() -> str | None:
+    """The first GPU's ``device_kind`` ("NVIDIA H100 80GB HBM3"); None without a GPU."""
+    gpus = gpu_devices()
+    return gpus[0].device_kind if gpus else None
+
+
+def device_table_name(device_kind: str) -> str:
+    """The name of a table swept on one kind of GPU: its ``device_kind`` in lower case, each run of
+    other characters than letters and digits one ``_`` ("NVIDIA H100 80GB HBM3" -> "nvidia_h100_80gb_hbm3")."""
+    return re.sub(r"[^a-z0-9]+", "_", device_kind.lower()).strip("_")
+
+
+def current_table() -> Table | None:
+    """This GPU's table: the one swept on its kind of GPU when it ships (GPUs of one arch differ in
+    their ratio of memory bandwidth to compute, the H100 and the H200 among them), else its arch's;
+    None without a GPU or a table."""
+    kind, arch = current_device_kind(), current_arch()
+    names = ([device_table_name(kind)] if kind else []) + ([arch] if arch else [])
+    return next((table for table in map(shipped_table, names) if table is not None), None)
+
+
 @functools.cache
-def shipped_table(arch: str | None) -> Table | None:
-    """The table shipped for ``arch`` (``TABLE_DIR/<arch>.json``), or None when there is none."""
-    path = None if arch is None else os.path.join(TABLE_DIR, f"{arch}.json")
-    return load(path) if path is not None and os.path.exists(path) else None
+def shipped_table(name: str) -> Table | None:
+    """The table shipped as ``TABLE_DIR/<name>.json`` (an arch's, ``sm_90``, or a kind of GPU's,
+    ``device_table_name``), or None when there is none."""
+    path = os.path.join(TABLE_DIR, f"{name}.json")
+    return load(path) if os.path.exists(path) else None
 
 
 def load(path: str) -> Table:

@@ -15,6 +15,7 @@ from jaxattn.kv_cache import KVCache
 from jaxattn.metadata import AttentionMetadata
 
 BACKENDS = ("xla", "cudnn", "trtllm", "triton")
+H100 = "NVIDIA H100 80GB HBM3"
 PARAMS = AttentionParams(scale=0.125, causal=True, sliding_window=None, softcap=None, has_sinks=False)
 
 
@@ -48,6 +49,7 @@ def on_sm90(monkeypatch, tmp_path):
     writes ``sm_90.json``); the registry's first four backends, each of which runs here."""
     monkeypatch.setattr(backends, "REGISTRY", {name: backends.REGISTRY[name] for name in BACKENDS})
     monkeypatch.setattr(choice_table, "current_arch", lambda: "sm_90")
+    monkeypatch.setattr(choice_table, "current_device_kind", lambda: H100)
     monkeypatch.setattr(choice_table, "TABLE_DIR", str(tmp_path))
     monkeypatch.setattr(backends, "unavailable_reason", lambda name: None)
     monkeypatch.setattr(dispatch, "_logged", set())
@@ -56,8 +58,8 @@ def on_sm90(monkeypatch, tmp_path):
     choice_table.shipped_table.cache_clear()
 
 
-def write_table(directory, data: dict) -> None:
-    with open(os.path.join(directory, "sm_90.json"), "w") as f:
+def write_table(directory, data: dict, name: str = "sm_90") -> None:
+    with open(os.path.join(directory, f"{name}.json"), "w") as f:
         json.dump(data, f)
     choice_table.shipped_table.cache_clear()
 
@@ -105,6 +107,7 @@ def test_without_a_gpu_or_a_table_the_ranks_decide(on_sm90, monkeypatch):
     write_table(on_sm90, table_json(entry(["triton", "trtllm"], seqs=1024)))   # nothing near a 3-sequence call
     assert dispatch.ranking(call) == ["trtllm", "triton", "xla"]
     monkeypatch.setattr(choice_table, "current_arch", lambda: None)   # a machine without a GPU
+    monkeypatch.setattr(choice_table, "current_device_kind", lambda: None)
     write_table(on_sm90, table_json(entry(["triton", "trtllm"])))
     assert choice_table.measured_order(call) is None and dispatch.ranking(call)[0] == "trtllm"
 
@@ -112,7 +115,21 @@ def test_without_a_gpu_or_a_table_the_ranks_decide(on_sm90, monkeypatch):
 def test_current_arch_is_none_on_this_cpu_machine():
     if backends.base.gpu_devices():
         pytest.skip("a GPU is visible")
-    assert choice_table.current_arch() is None
+    assert choice_table.current_arch() is None and choice_table.current_device_kind() is None
+    assert choice_table.current_table() is None
+
+
+def test_a_table_for_this_kind_of_gpu_comes_before_the_arch_table(on_sm90):
+    """GPUs of one arch (the H100, the H200) each may ship a table of their own; the arch's serves
+    the others."""
+    assert choice_table.device_table_name(H100) == "nvidia_h100_80gb_hbm3"
+    assert choice_table.device_table_name("NVIDIA H200") == "nvidia_h200"
+    call = make_call()
+    write_table(on_sm90, table_json(entry(["triton", "trtllm"])))
+    assert choice_table.measured_order(call) == ("triton", "trtllm")
+    write_table(on_sm90, table_json(entry(["trtllm", "triton"])), name="nvidia_h100_80gb_hbm3")
+    assert choice_table.measured_order(call) == ("trtllm", "triton")
+    assert choice_table.current_table().entries[0].order == ("trtllm", "triton")
 
 
 def test_a_table_reorders_auto_and_leaves_explicit_backends_alone(on_sm90):
@@ -171,11 +188,13 @@ def test_dump_and_load_round_trip(tmp_path):
 
 
 def test_the_shipped_tables_load():
-    """Every table in the package is well formed and named after its arch."""
+    """Every table in the package is well formed and named after its arch or the kind of GPU that
+    swept it (``device``: nvidia-smi's name, then the driver)."""
     for name in os.listdir(choice_table.TABLE_DIR):
         if name.endswith(".json"):
             table = choice_table.load(os.path.join(choice_table.TABLE_DIR, name))
-            assert name == f"{table.arch}.json"
+            kind = table.device.split(",")[0]
+            assert name in (f"{table.arch}.json", f"{choice_table.device_table_name(kind)}.json")
 
 
 def test_plan_labels_name_the_main_backend_after_the_last_plus():
