@@ -1,6 +1,7 @@
 """Where one paged-attention call's GPU time goes: the kernels of a jitted ``paged_attention``
 call, per workload of ``bench_jax_peers`` and per backend, split into the backend's attention
-kernels and XLA's own (metadata preparation, ``sanitize``, split combines, zeroed rows, copies).
+kernels and the per-call work around them: XLA's own kernels (metadata preparation, split
+combines, zeroed rows, copies) and jaxattn's metadata checks (``kernels/sanitize.py`` on CUDA).
 
     python -m benchmarks.profile_calls [--workloads "decode B=1 kv=4096,prefill B=1 x 512"]
                                        [--backends auto,trtllm,cudnn,triton,fa4] [--budget-s 420]
@@ -8,7 +9,8 @@ kernels and XLA's own (metadata preparation, ``sanitize``, split combines, zeroe
 For each workload and backend that takes it: GPU time per call (the summed durations of the
 kernels it launches, ``benchmarks.common.device_events``, median of ``--rounds`` rounds of
 ``--calls`` calls after a warm-up call; compilation excluded), the part in the backend's kernels
-and in XLA's (each with its launches per call), and XLA's three costliest kernels by name. A
+and in the per-call work (each with its launches per call), and the three costliest kernels of
+the per-call work by name. A
 backend that refuses the workload is listed with its reason. This is the profile behind the
 jax_peers rows that trail a peer: a miss in the attention kernel and a miss in the per-call work
 around it call for different fixes. Writes the call_profile section of benchmarks/RESULTS.md.
@@ -31,15 +33,16 @@ from benchmarks.common import (Budget, Case, command_line, device_events, device
                                write_section)
 from jaxattn.attention import backend_for
 
-# Kernels XLA generates itself (fusions, copies, memsets); every other kernel is the backend's.
-XLA_KERNEL = re.compile(r"fusion|^wrapped_|^copy|^memset|^memcpy|^input_|^loop_|^concatenate|^transpose|^slice"
-                        r"|^dynamic|^scatter|^gather|^select|^iota|^broadcast|^reduce|^convert|^compare",
-                        re.IGNORECASE)
+# The per-call work: kernels XLA generates itself (fusions, copies, memsets) and jaxattn's metadata
+# checks (the Triton kernel of kernels/sanitize.py); every other kernel is the backend's.
+PER_CALL_KERNEL = re.compile(r"fusion|^wrapped_|^copy|^memset|^memcpy|^input_|^loop_|^concatenate|^transpose"
+                             r"|^slice|^dynamic|^scatter|^gather|^select|^iota|^broadcast|^reduce|^convert|^compare"
+                             r"|^sanitize_kernel", re.IGNORECASE)
 SMOKE_WORKLOADS = (Case.decode(2, 100), Case.prefill(1, 40))
 
 
-def is_xla_kernel(name: str) -> bool:
-    return bool(XLA_KERNEL.search(name))
+def is_per_call_kernel(name: str) -> bool:
+    return bool(PER_CALL_KERNEL.search(name))
 
 
 def workload_names(text: str) -> list[str]:
@@ -48,9 +51,10 @@ def workload_names(text: str) -> list[str]:
 
 
 def split_events(events: dict[str, tuple[float, float]]) -> dict:
-    """``device_events``' ``{name: (seconds, launches)}`` per call -> the backend's kernels and XLA's:
-    seconds and launches of each, and XLA's kernels by time, costliest first."""
-    xla = {name: v for name, v in events.items() if is_xla_kernel(name)}
+    """``device_events``' ``{name: (seconds, launches)}`` per call -> the backend's kernels and the
+    per-call work's (``xla``): seconds and launches of each, and the per-call kernels by time,
+    costliest first."""
+    xla = {name: v for name, v in events.items() if is_per_call_kernel(name)}
     own = {name: v for name, v in events.items() if name not in xla}
     return dict(total=sum(s for s, _ in events.values()),
                 kernel=sum(s for s, _ in own.values()), kernel_launches=sum(n for _, n in own.values()),
@@ -90,8 +94,8 @@ def profile_workload(case: Case, names: list[str], rounds: int, calls: int, on_g
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| workload | backend | GPU us / call | backend kernels us (launches) | XLA kernels us (launches) "
-             "| XLA's costliest kernels (us) |", "|---|---|---|---|---|---|"]
+    lines = ["| workload | backend | GPU us / call | backend kernels us (launches) | metadata and XLA kernels us "
+             "(launches) | their costliest kernels (us) |", "|---|---|---|---|---|---|"]
     for r in rows:
         if "refused" in r:
             lines.append(f"| {r['workload']} | {r['backend']} | refused: {r['refused']} | | | |")
@@ -129,8 +133,9 @@ def main(argv: list[str] | None = None) -> None:
         rows += profile_workload(case, names, args.rounds, args.calls, on_gpu)
     text = (f"- device: {device_name()}; jax {jax.__version__}; date: {utc_now()}; command: `{command_line()}`\n"
             "- bf16, Hq 32, Hkv 8, D 128, page 64, HND; GPU time per call from the profiler (median of "
-            f"{args.rounds} rounds of {args.calls} calls); XLA kernels: fusions, copies and memsets XLA "
-            "generates (metadata, sanitize, combines, zeroed rows); backend kernels: the rest.\n\n" + table(rows))
+            f"{args.rounds} rounds of {args.calls} calls); metadata and XLA kernels: jaxattn's metadata "
+            "checks (sanitize_kernel) and the fusions, copies and memsets XLA generates (the backend's "
+            "arguments, combines, zeroed rows); backend kernels: the rest.\n\n" + table(rows))
     if skipped:
         text += "\n\nNot run (time budget): " + ", ".join(skipped) + "."
     print(write_section("call_profile", text, heading="Where a call's GPU time goes (benchmarks/profile_calls.py)",
