@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxattn import backends, choice_table, dispatch
-from jaxattn.backends.base import AttentionParams, Call
+from jaxattn.backends.base import AttentionParams, Call, gpu_devices
 from jaxattn.checks import is_int, is_real
 from jaxattn.kv_cache import KVCache, MLACache
 from jaxattn.metadata import AttentionMetadata
@@ -71,10 +71,12 @@ def paged_attention(
 def sanitize(q: jax.Array, cache: KVCache | MLACache, meta: AttentionMetadata) -> tuple[AttentionMetadata, jax.Array]:
     """``meta.sanitize`` for this call, with every sequence emptied when an FP8 cache's scales
     are not positive and finite (traced scales cannot be checked at trace time). Lowered for CUDA
-    with Triton installed, the checks are one kernel (``kernels.sanitize``), not XLA's 3-5."""
+    with Triton installed, the checks are one kernel (``kernels.sanitize``), not XLA's 3-5; on a
+    machine without a GPU (lowering for CUDA elsewhere, as tests do) the kernel cannot compile and
+    the jnp form serves every platform."""
     args = (meta.cu_q_lens, meta.kv_lens, meta.block_tables)
     reference = functools.partial(_sanitized_arrays, meta, q.shape[0], cache)
-    if importlib.util.find_spec("triton") is None:
+    if importlib.util.find_spec("triton") is None or not gpu_devices():
         cu, kv_lens, tables, valid = reference(*args)
     else:
         from jaxattn.kernels import sanitize as kernel
