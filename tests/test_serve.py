@@ -238,9 +238,11 @@ def test_the_openai_client_raises_on_bad_input(server):
 
 # ----------------------------------------------------------------------------------------- load
 
-async def _stream(http: httpx.AsyncClient, prompt: list[int], leave_after: int | None) -> tuple[int, object]:
+async def _stream(http: httpx.AsyncClient, prompt: list[int], leave_after: int | None,
+                  first_chunk: asyncio.Event | None = None) -> tuple[int, object]:
     """(status, streamed token ids, or None for a client that left after ``leave_after`` chunks
-    of LEAVER_TOKENS asked for, or the message of an error event)."""
+    of LEAVER_TOKENS asked for, or the message of an error event); sets ``first_chunk`` when a
+    chunk arrives."""
     body = {"model": "tiny-llama", "prompt": prompt, "max_tokens": NEW_TOKENS if leave_after is None else LEAVER_TOKENS,
             "temperature": 0, "stream": True, "return_token_ids": True}
     async with http.stream("POST", "/v1/completions", json=body) as response:
@@ -255,18 +257,22 @@ async def _stream(http: httpx.AsyncClient, prompt: list[int], leave_after: int |
                 return response.status_code, data["error"]["message"]
             ids += data["choices"][0]["token_ids"]
             chunks += 1
+            if first_chunk is not None:
+                first_chunk.set()
             if chunks == leave_after:
                 return response.status_code, None   # closing the response drops the connection
         return response.status_code, ids
 
 
-async def _leave_a_plain_request(http: httpx.AsyncClient, prompt: list[int]) -> str:
-    """A non-streamed request, sent after the streams (so it queues behind them), whose client gives
-    up waiting after 0.1 s: "left" (else "finished")."""
+async def _leave_a_plain_request(http: httpx.AsyncClient, prompt: list[int], streaming: asyncio.Event) -> str:
+    """A non-streamed request, sent once the server streams (the other requests are in by then),
+    whose client gives up waiting after 10 ms: "left" (else "finished"). Its LEAVER_TOKENS take at
+    least as many engine steps: with a 0.1 s wait, a server that admitted it at once (as this one
+    may: it preempts) could finish it first (3 of 8 local runs did)."""
     body = {"model": "tiny-llama", "prompt": prompt, "max_tokens": LEAVER_TOKENS, "temperature": 0}
-    await asyncio.sleep(0.05)
+    await asyncio.wait_for(streaming.wait(), timeout=60)
     try:
-        await http.post("/v1/completions", json=body, timeout=httpx.Timeout(60, read=0.1))
+        await http.post("/v1/completions", json=body, timeout=httpx.Timeout(60, read=0.01))
     except httpx.ReadTimeout:
         return "left"
     return "finished"
@@ -277,9 +283,10 @@ async def _load(base_url: str, prompts: list[list[int]], leave: set[int], plain:
     last non-streamed request that its client leaves (``_leave_a_plain_request``)."""
     limits = httpx.Limits(max_connections=len(prompts) + 1, max_keepalive_connections=0)
     async with httpx.AsyncClient(base_url=base_url, limits=limits, timeout=120) as http:
-        clients = [_stream(http, p, 2 if i in leave else None) for i, p in enumerate(prompts)]
+        streaming = asyncio.Event()
+        clients = [_stream(http, p, 2 if i in leave else None, streaming) for i, p in enumerate(prompts)]
         if plain:
-            clients.append(_leave_a_plain_request(http, prompts[0]))
+            clients.append(_leave_a_plain_request(http, prompts[0], streaming))
         return await asyncio.gather(*clients, return_exceptions=True)
 
 
