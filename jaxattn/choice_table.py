@@ -2,11 +2,11 @@
 
 One JSON file per GPU architecture ships in ``jaxattn/tuning/`` (``sm_90.json`` for compute
 capability 9.0), written by ``python -m benchmarks.tune_auto`` on such a GPU; a file for one kind of
-GPU (``nvidia_h100_80gb_hbm3.json``, ``tune_auto --device-table``) comes before its arch's. ``dispatch.ranking``
-orders the backends that rank a call by the entry of the nearest measured bucket (see there), and
-``attention.auto_plan`` reads from it whether a step's decodes go to a second backend;
-without a file for this GPU (or on a machine without one), or with no entry near the call, the
-backends' ranks decide alone.
+GPU (``nvidia_h100_80gb_hbm3.json``, ``tune_auto --device-table``) comes before its arch's
+(``current_table``). ``dispatch.ranking`` orders the backends that rank a call by the entry of the
+nearest measured bucket (see there), and ``attention.auto_plan`` reads from it whether a step's
+decodes go to a second backend; without a file for this GPU (or on a machine without one), or with
+no entry near the call, the backends' ranks decide alone.
 
 A call's bucket (``Key``) uses static facts only: the op, phase, query and page dtypes, group size,
 head dim, page size, layout and options must equal an entry's; the number of sequences (the block
