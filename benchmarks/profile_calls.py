@@ -10,10 +10,9 @@ For each workload and backend that takes it: GPU time per call (the summed durat
 kernels it launches, ``benchmarks.common.device_events``, median of ``--rounds`` rounds of
 ``--calls`` calls after a warm-up call; compilation excluded), the part in the backend's kernels
 and in the per-call work (each with its launches per call), and the three costliest kernels of
-the per-call work by name. A
-backend that refuses the workload is listed with its reason. This is the profile behind the
-jax_peers rows that trail a peer: a miss in the attention kernel and a miss in the per-call work
-around it call for different fixes. Writes the call_profile section of benchmarks/RESULTS.md.
+the per-call work by name. A backend that refuses the workload is listed with its reason. This is
+the profile behind the jax_peers rows that trail a peer: a miss in the attention kernel and a miss
+in the per-call work around it call for different fixes. Writes the call_profile section of benchmarks/RESULTS.md.
 ``--smoke`` runs two tiny workloads on the xla backend on any device (CPU: wall time as one
 event) and writes only $OUT.
 """
@@ -52,14 +51,14 @@ def workload_names(text: str) -> list[str]:
 
 def split_events(events: dict[str, tuple[float, float]]) -> dict:
     """``device_events``' ``{name: (seconds, launches)}`` per call -> the backend's kernels and the
-    per-call work's (``xla``): seconds and launches of each, and the per-call kernels by time,
-    costliest first."""
-    xla = {name: v for name, v in events.items() if is_per_call_kernel(name)}
-    own = {name: v for name, v in events.items() if name not in xla}
+    per-call work's: seconds and launches of each, and the per-call kernels by time, costliest first."""
+    per_call = {name: v for name, v in events.items() if is_per_call_kernel(name)}
+    own = {name: v for name, v in events.items() if name not in per_call}
     return dict(total=sum(s for s, _ in events.values()),
                 kernel=sum(s for s, _ in own.values()), kernel_launches=sum(n for _, n in own.values()),
-                xla=sum(s for s, _ in xla.values()), xla_launches=sum(n for _, n in xla.values()),
-                top_xla=sorted(((s, name) for name, (s, _) in xla.items()), reverse=True)[:3])
+                per_call=sum(s for s, _ in per_call.values()),
+                per_call_launches=sum(n for _, n in per_call.values()),
+                top_per_call=sorted(((s, name) for name, (s, _) in per_call.items()), reverse=True)[:3])
 
 
 def profile_call(call, rounds: int, calls: int, on_gpu: bool) -> dict:
@@ -100,9 +99,9 @@ def table(rows: list[dict]) -> str:
         if "refused" in r:
             lines.append(f"| {r['workload']} | {r['backend']} | refused: {r['refused']} | | | |")
             continue
-        top = ", ".join(f"{name.split('(')[0]} {s * 1e6:.1f}" for s, name in r["top_xla"])   # no C++ signature
+        top = ", ".join(f"{name.split('(')[0]} {s * 1e6:.1f}" for s, name in r["top_per_call"])   # no C++ signature
         lines.append(f"| {r['workload']} | {r['backend']} | {r['total'] * 1e6:.1f} | {r['kernel'] * 1e6:.1f} "
-                     f"({r['kernel_launches']:.0f}) | {r['xla'] * 1e6:.1f} ({r['xla_launches']:.0f}) | {top} |")
+                     f"({r['kernel_launches']:.0f}) | {r['per_call'] * 1e6:.1f} ({r['per_call_launches']:.0f}) | {top} |")
     return "\n".join(lines)
 
 

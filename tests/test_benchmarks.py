@@ -32,8 +32,8 @@ def test_profile_calls_splits_backend_kernels_from_the_per_call_work():
               "kernel_cutlass_kernel_flash_attncuteflash_fwd_sm90FlashAttentionForwardSm90": (5e-6, 1.0)}
     split = split_events(events)
     assert split["kernel"] == pytest.approx(1e-3 + 14e-6) and split["kernel_launches"] == 3
-    assert split["xla"] == pytest.approx(7.5e-6) and split["xla_launches"] == 5
-    assert [name for _, name in split["top_xla"]] == ["wrapped_concatenate", "loop_select_fusion", "sanitize_kernel"]
+    assert split["per_call"] == pytest.approx(7.5e-6) and split["per_call_launches"] == 5
+    assert [name for _, name in split["top_per_call"]] == ["wrapped_concatenate", "loop_select_fusion", "sanitize_kernel"]
 
 
 def test_profile_calls_workload_names_keep_bracketed_commas():
