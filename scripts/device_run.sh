@@ -6,7 +6,8 @@
 #   scripts/device_run.sh                                   # GPU tests only
 #   scripts/device_run.sh python -m benchmarks.bench_xxx    # GPU tests, then a benchmark
 #   PYTEST_ARGS="--shard 2/3" scripts/device_run.sh         # the second third of the GPU tests
-#   GPU_SHARDS=4 scripts/device_run.sh                      # 4 GPUs: a quarter each at once, then -m multigpu
+#   GPU_SHARDS="1/6 2/6" scripts/device_run.sh              # 2 GPUs: shards 1/6 and 2/6 at once, one per GPU
+#   PYTEST_ARGS="-m multigpu" scripts/device_run.sh         # the tests that need 2 or more GPUs
 #
 # On a fresh machine the whole GPU suite outlasts one 10-minute call (the first use of each XQA
 # variant compiles it): run it in shards, one call each, on the same warm machine.
@@ -30,23 +31,24 @@ else
     || { tail -40 "$OUT/install.log"; echo "jaxattn install failed"; exit 1; }
 fi
 python3 -m jaxattn.info 2>&1 | tee "$OUT/info.txt"
-shards=${GPU_SHARDS:-1}
-if [ "$shards" -gt 1 ]; then
-  # One shard of the GPU tests per GPU, side by side (a multi-GPU machine's held time counts once
-  # whatever its GPUs do); the tests that need several GPUs run after, on all of them.
+if [ -n "${GPU_SHARDS:-}" ]; then
+  # One shard of the GPU tests per GPU, side by side: device time is the machine's held time
+  # whatever its GPUs do. GPU_SHARDS="1/6 2/6" runs shard 1/6 on GPU 0 and 2/6 on GPU 1.
   pids=()
-  for i in $(seq 1 "$shards"); do
-    CUDA_VISIBLE_DEVICES=$((i - 1)) python3 -m pytest -m gpu -q -rs --shard "$i/$shards" ${PYTEST_ARGS:-} \
-      > "$OUT/gpu_tests_$i.log" 2>&1 &
+  gpu=0
+  for shard in $GPU_SHARDS; do
+    log="$OUT/gpu_tests_${shard//\//_of_}.log"
+    CUDA_VISIBLE_DEVICES=$gpu python3 -m pytest -m gpu -q -rs --shard "$shard" ${PYTEST_ARGS:-} > "$log" 2>&1 &
     pids+=($!)
+    gpu=$((gpu + 1))
   done
   status=0
-  for i in $(seq 1 "$shards"); do
-    wait "${pids[$((i - 1))]}" || status=1
-    echo "== shard $i/$shards: $(tail -1 "$OUT/gpu_tests_$i.log")"
+  for pid in "${pids[@]}"; do
+    wait "$pid" || status=1
   done
-  python3 -m pytest -m multigpu -q -rs ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/gpu_tests_multigpu.log"
-  status=$(( status | PIPESTATUS[0] ))
+  for shard in $GPU_SHARDS; do
+    echo "== shard $shard: $(tail -1 "$OUT/gpu_tests_${shard//\//_of_}.log")"
+  done
 else
   python3 -m pytest -m gpu -q -rs ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/gpu_tests.log"
   status=${PIPESTATUS[0]}
