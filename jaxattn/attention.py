@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import importlib.util
 import math
 from typing import Callable
 
@@ -12,7 +11,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxattn import backends, choice_table, dispatch
-from jaxattn.backends.base import AttentionParams, Call, gpu_devices
+from jaxattn.backends.base import AttentionParams, Call
 from jaxattn.checks import is_int, is_real
 from jaxattn.kv_cache import KVCache, MLACache
 from jaxattn.metadata import AttentionMetadata
@@ -71,12 +70,13 @@ def paged_attention(
 def sanitize(q: jax.Array, cache: KVCache | MLACache, meta: AttentionMetadata) -> tuple[AttentionMetadata, jax.Array]:
     """``meta.sanitize`` for this call, with every sequence emptied when an FP8 cache's scales
     are not positive and finite (traced scales cannot be checked at trace time). Lowered for CUDA
-    with Triton installed, the checks are one kernel (``kernels.sanitize``), not XLA's 3-5; on a
-    machine without a GPU (lowering for CUDA elsewhere, as tests do) the kernel cannot compile and
-    the jnp form serves every platform."""
+    where jaxattn's Triton kernels run (the triton backend's requirements: a GPU, the triton
+    package, jaxlib's launcher), the checks are one kernel (``kernels.sanitize``), not XLA's 3-5;
+    elsewhere (lowering for CUDA on a machine without a GPU, as tests do, included) the jnp form
+    serves every platform."""
     args = (meta.cu_q_lens, meta.kv_lens, meta.block_tables)
     reference = functools.partial(_sanitized_arrays, meta, q.shape[0], cache)
-    if importlib.util.find_spec("triton") is None or not gpu_devices():
+    if backends.unavailable_reason("triton") is not None:
         cu, kv_lens, tables, valid = reference(*args)
     else:
         from jaxattn.kernels import sanitize as kernel
@@ -92,11 +92,10 @@ def sanitize(q: jax.Array, cache: KVCache | MLACache, meta: AttentionMetadata) -
     return meta, valid
 
 
-def _sanitized_arrays(meta: AttentionMetadata, num_tokens: int, cache: KVCache | MLACache, *arrays: jax.Array
-                      ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
-    """``meta.sanitize`` (XLA ops) on ``arrays = (cu_q_lens, kv_lens, block_tables)``:
-    ``(cu_q_lens, kv_lens, block_tables, valid)``."""
-    checked, valid = dataclasses.replace(meta, cu_q_lens=arrays[0], kv_lens=arrays[1], block_tables=arrays[2]
+def _sanitized_arrays(meta: AttentionMetadata, num_tokens: int, cache: KVCache | MLACache, cu_q_lens: jax.Array,
+                      kv_lens: jax.Array, block_tables: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """``meta.sanitize`` (XLA ops) with these arrays: ``(cu_q_lens, kv_lens, block_tables, valid)``."""
+    checked, valid = dataclasses.replace(meta, cu_q_lens=cu_q_lens, kv_lens=kv_lens, block_tables=block_tables
                                          ).sanitize(num_tokens, cache.num_pages, cache.page_size)
     return checked.cu_q_lens, checked.kv_lens, checked.block_tables, valid
 
