@@ -34,6 +34,14 @@ table and section of them all (the table's ``comment`` names the earlier runs):
 
     python -m benchmarks.tune_auto --budget-s 500 --rows /tmp/rows.json            # one call
     python -m benchmarks.tune_auto --budget-s 500 --rows /tmp/rows.json --resume   # the next
+
+On a machine of several GPUs of one kind, ``--shard K/N`` measures every N-th workload (from the
+K-th) and saves its rows without writing a table, one process per GPU; a last run merges their
+rows (``--merge``, same machine) and writes the table:
+
+    for k in 1 2 3 4; do CUDA_VISIBLE_DEVICES=$((k-1)) python -m benchmarks.tune_auto --shard $k/4 \
+        --rows /tmp/rows_$k.json & done; wait
+    python -m benchmarks.tune_auto --rows /tmp/rows.json --merge /tmp/rows_[1-4].json --device-table
 """
 
 from __future__ import annotations
@@ -314,11 +322,22 @@ def load_rows(path: str, machine: dict, by_name: dict[str, Workload]) -> tuple[l
     with open(path) as f:
         data = json.load(f)
     if data["machine"] != machine:
-        raise SystemExit(f"--resume: {path} was measured on {data['machine']}, not this {machine}")
+        raise SystemExit(f"tune_auto: rows file {path} was measured on {data['machine']}, not this {machine}")
     unknown = [r["workload"] for r in data["rows"] if r["workload"] not in by_name]
     if unknown:
-        raise SystemExit(f"--resume: {path} has workloads this grid lacks: {unknown}")
+        raise SystemExit(f"tune_auto: rows file {path} has workloads this grid lacks: {unknown}")
     return [row_of(r, by_name) for r in data["rows"]], data["runs"]
+
+
+def parse_shard(text: str) -> tuple[int, int]:
+    """``"K/N"`` -> ``(K, N)`` with ``1 <= K <= N``."""
+    try:
+        k, n = (int(part) for part in text.split("/"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--shard must be K/N, got {text!r}") from None
+    if not 1 <= k <= n:
+        raise argparse.ArgumentTypeError(f"--shard K/N needs 1 <= K <= N, got {text!r}")
+    return k, n
 
 
 def save_rows(path: str, machine: dict, runs: list[dict], rows: list[Row]) -> None:
@@ -336,6 +355,10 @@ def main() -> None:
                         help="where each measured workload is saved (default: $OUT, else benchmarks/out, tune_auto_rows.json)")
     parser.add_argument("--resume", action="store_true",
                         help="keep the workloads saved in --rows by an earlier run on this machine; measure the rest")
+    parser.add_argument("--shard", type=parse_shard, default=None, metavar="K/N",
+                        help="measure every N-th workload from the K-th and save the rows only (no table)")
+    parser.add_argument("--merge", nargs="+", default=[], metavar="ROWS",
+                        help="also keep the workloads saved in these rows files (--shard runs on this machine)")
     parser.add_argument("--device-table", action="store_true",
                         help="name the table after this kind of GPU (jaxattn/tuning/<device kind>.json), which auto "
                              "reads before the arch's")
@@ -354,13 +377,18 @@ def main() -> None:
     by_name = {w.name: w for w in grid}
     machine = {"arch": arch, "device": device_name(), "jax": jax.__version__, "rounds": args.rounds, "smoke": args.smoke}
     measured, runs = load_rows(rows_path, machine, by_name) if args.resume else ([], [])
+    for merged_path in args.merge:
+        merged_rows, merged_runs = load_rows(merged_path, machine, by_name)
+        measured += merged_rows
+        runs += merged_runs
     done = {row.workload.name: row for row in measured}
     runs.append({"command": command_line(), "date": utc_now(), "workloads": []})
     save_rows(rows_path, machine, runs, measured)      # this run is on file even if it measures nothing
     budget = Budget(args.budget_s)
     rounds, calls = (1, 2) if args.smoke else (args.rounds, CALLS_PER_ROUND)
-    for w in grid:
-        if w.name in done or budget.spent(w.name):
+    shard_k, shard_n = args.shard or (1, 1)
+    for index, w in enumerate(grid):
+        if index % shard_n != shard_k - 1 or w.name in done or budget.spent(w.name):
             continue
         done[w.name] = measure(w, rounds, calls)
         runs[-1]["workloads"].append(w.name)
@@ -368,6 +396,9 @@ def main() -> None:
         times = ", ".join(f"{label} {'failed' if t is None else f'{t:.3f} ms'}" for label, t in done[w.name].ms.items())
         print(f"{w.name}: {times}", file=sys.stderr, flush=True)
         jax.clear_caches()
+    if args.shard:
+        print(f"shard {shard_k}/{shard_n}: rows saved to {rows_path}; merge them with --merge to write the table")
+        return
     rows = [done[w.name] for w in grid if w.name in done]
     skipped = [w.name for w in grid if w.name not in done]
     earlier = "; ".join(f"{len(run['workloads'])} workloads by `{run['command']}` ({run['date']})" for run in runs[:-1])

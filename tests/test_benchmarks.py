@@ -3,6 +3,7 @@ nothing, but keep the benchmarks from breaking between GPU sessions. And RESULTS
 table is the one its sections give."""
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
@@ -89,6 +90,37 @@ def test_tune_auto_resumes_a_sweep_across_runs(tmp_path):
                              f"`python -m benchmarks.tune_auto --smoke --rows {rows} --budget-s 1` ({saved['runs'][0]['date']})")
     section = (tmp_path / "auto-table_results.md").read_text()
     assert "| decode B=2 kv=128 | 2, 128, 2 |" in section and "This run resumed from earlier runs" in section
+
+
+def test_tune_auto_shards_merge_into_one_table(tmp_path):
+    """Two --shard runs (one per GPU on a device) split the grid between them and write no table;
+    a --merge run keeps both shards' rows, measures nothing more, and writes the table of all."""
+    from jaxattn import choice_table
+
+    env = dict(os.environ, OUT=str(tmp_path), JAX_PLATFORMS="cpu")
+    run = lambda *args: subprocess.run([sys.executable, "-m", "benchmarks.tune_auto", "--smoke", *args],  # noqa: E731
+                                       check=False, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    shards = [str(tmp_path / f"rows_{k}.json") for k in (1, 2)]
+    for k, rows in enumerate(shards, start=1):
+        result = run("--shard", f"{k}/2", "--rows", rows)
+        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert not (tmp_path / "cpu.json").exists()
+    names = [[r["workload"] for r in json.load(open(rows))["rows"]] for rows in shards]
+    assert len(names[0]) == 3 and len(names[1]) == 2 and not set(names[0]) & set(names[1])
+    merged = run("--rows", str(tmp_path / "rows.json"), "--merge", *shards)
+    assert merged.returncode == 0, merged.stdout[-3000:] + merged.stderr[-3000:]
+    saved = json.load(open(tmp_path / "rows.json"))
+    assert [len(r["workloads"]) for r in saved["runs"]] == [3, 2, 0] and len(saved["rows"]) == 5
+    table = choice_table.load(str(tmp_path / "cpu.json"))
+    assert len(table.entries) == 5 and table.comment.count("--shard") == 2
+
+
+@pytest.mark.parametrize("shard", ["0/2", "3/2", "1", "a/b"])
+def test_tune_auto_refuses_a_bad_shard(shard):
+    from benchmarks import tune_auto
+
+    with pytest.raises(argparse.ArgumentTypeError, match="--shard"):
+        tune_auto.parse_shard(shard)
 
 
 def test_tune_auto_resume_refuses_rows_of_another_machine(tmp_path):

@@ -23,6 +23,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxattn.backends.base import (RANK_GENERAL, AttentionParams, Backend, Call, Capabilities, OpSupport,
                                     constant_rank)
@@ -179,8 +180,10 @@ def attention(q: jax.Array, cache: KVCache, meta: AttentionMetadata, params: Att
     num_tokens, num_q_heads, head_dim = q.shape
     batch, width = meta.batch_size, meta.max_pages_per_seq
     group = num_q_heads // cache.num_kv_heads
-    sinks_arg = jnp.zeros((1,), jnp.float32) if sinks is None else sinks.astype(jnp.float32)
-    scales = (jnp.zeros((2,), jnp.float32) if not cache.is_fp8
+    # Operands the kernel does not read in this configuration are numpy constants: XLA keeps them
+    # as literals, where a jnp.zeros would cost a broadcast kernel on every call.
+    sinks_arg = np.zeros((1,), np.float32) if sinks is None else sinks.astype(jnp.float32)
+    scales = (np.zeros((2,), np.float32) if not cache.is_fp8
               else jnp.stack([cache.k_scale, cache.v_scale]).astype(jnp.float32))
     strides = _kv_strides(cache)
     dot_f32 = q.dtype == jnp.float32 or _interpreting()
@@ -197,7 +200,7 @@ def attention(q: jax.Array, cache: KVCache, meta: AttentionMetadata, params: Att
     out = None
     if launch == "split":
         if decode_only:
-            num_decodes = jnp.full((1,), batch, jnp.int32)
+            num_decodes = np.full((1,), batch, np.int32)
         else:
             num_decodes = meta.checked_num_decodes.reshape(1)
         cfg = decode or decode_config(head_dim, batch, cache.num_kv_heads, width * cache.page_size)
@@ -219,7 +222,7 @@ def attention(q: jax.Array, cache: KVCache, meta: AttentionMetadata, params: Att
         if decode_only:
             return out
     else:
-        num_decodes = jnp.zeros((1,), jnp.int32)
+        num_decodes = np.zeros((1,), np.int32)
 
     cfg = (prefill or short_query_config(head_dim, q.dtype, meta.max_q_len, group, batch, cache.num_kv_heads)
            or prefill_config(head_dim, q.dtype))
@@ -320,7 +323,7 @@ def mla_attention(q_latent: jax.Array, q_rope: jax.Array, cache: MLACache, meta:
     direct = nseg == 1
     acc_type = (jax.ShapeDtypeStruct(q_latent.shape, q_latent.dtype) if direct
                 else jax.ShapeDtypeStruct((num_tokens, num_q_heads, nseg, rank), jnp.float32))
-    scales = jnp.zeros((1,), jnp.float32) if cache.scale is None else cache.scale.reshape(1).astype(jnp.float32)
+    scales = np.zeros((1,), np.float32) if cache.scale is None else cache.scale.reshape(1).astype(jnp.float32)
     acc, ml = triton_call(
         q_latent, q_rope, cache.pages, meta.block_tables, meta.kv_lens, meta.cu_q_lens, scales,
         kernel=kernels.mla_decode_kernel,
