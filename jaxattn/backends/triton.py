@@ -180,10 +180,11 @@ def attention(q: jax.Array, cache: KVCache, meta: AttentionMetadata, params: Att
     num_tokens, num_q_heads, head_dim = q.shape
     batch, width = meta.batch_size, meta.max_pages_per_seq
     group = num_q_heads // cache.num_kv_heads
-    # Operands the kernel does not read in this configuration are numpy constants: XLA keeps them
-    # as literals, where a jnp.zeros would cost a broadcast kernel on every call.
+    # Operands the kernels do not read in this configuration are one-element numpy constants: XLA
+    # keeps them as literals, where a jnp.zeros (or a numpy splat of more than one element, which
+    # jax lowers as a broadcast) costs a broadcast kernel on every call.
     sinks_arg = np.zeros((1,), np.float32) if sinks is None else sinks.astype(jnp.float32)
-    scales = (np.zeros((2,), np.float32) if not cache.is_fp8
+    scales = (np.zeros((1,), np.float32) if not cache.is_fp8
               else jnp.stack([cache.k_scale, cache.v_scale]).astype(jnp.float32))
     strides = _kv_strides(cache)
     dot_f32 = q.dtype == jnp.float32 or _interpreting()
