@@ -181,8 +181,8 @@ def attention(q: jax.Array, cache: KVCache, meta: AttentionMetadata, params: Att
     batch, width = meta.batch_size, meta.max_pages_per_seq
     group = num_q_heads // cache.num_kv_heads
     # Operands the kernels do not read in this configuration are one-element numpy constants: XLA
-    # keeps them as literals, where a jnp.zeros (or a numpy splat of more than one element, which
-    # jax lowers as a broadcast) costs a broadcast kernel on every call.
+    # keeps them as literals, where a jnp.zeros (or a constant of two or more equal elements, which
+    # XLA's simplifier rewrites as a broadcast) costs a broadcast kernel on every call.
     sinks_arg = np.zeros((1,), np.float32) if sinks is None else sinks.astype(jnp.float32)
     scales = (np.zeros((1,), np.float32) if not cache.is_fp8
               else jnp.stack([cache.k_scale, cache.v_scale]).astype(jnp.float32))
