@@ -157,6 +157,21 @@ def test_short_query_tiles(monkeypatch):
 
 # --- errors and availability --------------------------------------------------------------------
 
+@pytest.mark.parametrize("launch, q_lens", [("split", [1, 1, 1]), ("single", [1, 3, 2])])
+def test_calls_trace_to_the_kernels_alone(launch, q_lens):
+    """A decode-only call (split launch) and a single launch add no XLA work: the jaxpr holds only
+    the kernels, and the operands they do not read are one-element constants, which XLA keeps as
+    literals (a splat of two or more elements would become a broadcast kernel on every call)."""
+    problem = make_problem(np.random.default_rng(0), q_lens=q_lens, kv_lens=[7, 40, 3], num_q_heads=4,
+                           num_kv_heads=2, head_dim=16, page_size=8, dtype=BF16,
+                           max_q_len=1 if launch == "split" else None)
+    params = _params(16)
+    jaxpr = jax.make_jaxpr(lambda q, c, m: tb.attention(q, c, m, params, None, launch=launch))(
+        problem.q, problem.cache, problem.meta)
+    assert {eqn.primitive.name for eqn in jaxpr.jaxpr.eqns} == {"jaxattn_triton_call"}
+    assert jaxpr.consts and all(np.size(const) == 1 for const in jaxpr.consts)
+
+
 def test_unsupported_configurations_raise():
     problem = make_problem(np.random.default_rng(6), q_lens=[2], kv_lens=[4], num_q_heads=2, num_kv_heads=2,
                            head_dim=8, page_size=4)
