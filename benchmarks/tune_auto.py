@@ -15,7 +15,7 @@ after), each backend whole.
 
 Each workload's candidates are the backends that rank its call (``dispatch.rank_order``) and can
 take it here. Each candidate X runs whole (plan label "X") and, where ``auto`` weighs a split for
-it (``jaxattn.attention.split_plan``: a step that is not decode-only, the leading decodes to the
+it (``jaxattn.dispatch.split_route``: a step that is not decode-only, the leading decodes to the
 backend D that ``auto`` picks for decodes), also split ("D+X"), so the table says which is faster.
 Time: GPU busy time per call from the profiler (``benchmarks.common.device_seconds``: every kernel
 of the call, metadata sanitizing included), median of ``--rounds`` rounds of 10 calls that
@@ -64,7 +64,7 @@ import jaxattn
 from benchmarks.common import (HERE, MLA_SCALE, D, Budget, Case, Inputs, MLAPrefillInputs, command_line, device_name,
                                device_seconds, fp8_inputs, make_inputs, mla_prefill_inputs, rel_error, utc_now,
                                write_section)
-from jaxattn import attention, backends, choice_table, dispatch
+from jaxattn import attention, attention_plan, backends, choice_table, dispatch
 from jaxattn.backends.base import AttentionParams, Call
 
 PARAMS = AttentionParams(scale=1 / math.sqrt(D), causal=True, sliding_window=None, softcap=None, has_sinks=False)
@@ -159,26 +159,27 @@ class Row:
     key: choice_table.Key
     by_rank: list[str]
     candidates: list[str]
-    plans: dict[str, attention.Plan]
+    plans: dict[str, dispatch.Route]
     ms: dict[str, float | None] = dataclasses.field(default_factory=dict)
     reference: str | None = None
     errors: dict[str, float] = dataclasses.field(default_factory=dict)
     notes: list[str] = dataclasses.field(default_factory=list)
 
-    def split(self, main: str) -> attention.Plan | None:
+    def split(self, main: str) -> dispatch.Route | None:
         """The split plan timed with ``main`` as the main backend, or None."""
         return next((plan for plan in self.plans.values() if plan.main == main and plan.decode), None)
 
 
-def plan_call(plan: attention.Plan, x: Inputs | MLAPrefillInputs) -> Callable[[], jax.Array]:
-    """A zero-argument call of ``plan`` on ``x``, jitted as ``paged_attention`` runs it (sanitized
-    metadata); MLA inputs: ``mla_prefill`` on the plan's backend."""
+def plan_call(plan: dispatch.Route, x: Inputs | MLAPrefillInputs) -> Callable[[], jax.Array]:
+    """A zero-argument call of ``plan`` on ``x``, jitted as ``paged_attention`` given bare metadata
+    runs it (planned per call); MLA inputs: ``mla_prefill`` on the plan's backend."""
     if isinstance(x, MLAPrefillInputs):
         fn = jax.jit(lambda *args: jaxattn.mla_prefill(*args, scale=MLA_SCALE, backend=plan.main))
         return lambda: fn(*x.args)
 
     def run(q, cache, meta):
-        return attention.run_plan(plan, q, cache, attention.sanitize(q, cache, meta)[0], PARAMS, None)
+        call = Call("paged_attention", q, cache, meta, PARAMS)
+        return attention.run(q, cache, attention_plan.build(call, "auto", route=plan), None)
 
     fn = jax.jit(run)
     return lambda: fn(x.q, x.cache, x.meta)
@@ -193,9 +194,9 @@ def measure(w: Workload, rounds: int, calls_per_round: int) -> Row:
         call = Call("paged_attention", x.q, x.cache, x.meta, PARAMS)
     by_rank = dispatch.rank_order(call)
     names = [name for name in by_rank if backends.check(name, call) is None]
-    split = attention.split_plan if call.op == "paged_attention" else lambda call, name: None
+    split = dispatch.split_route if call.op == "paged_attention" else lambda call, name: None
     plans = {plan.label: plan for name in names
-             for plan in (attention.Plan(name), split(call, name)) if plan is not None}
+             for plan in (dispatch.Route(name), split(call, name)) if plan is not None}
     row = Row(w, choice_table.Key.of(call), by_rank, names, plans)
     runs, outputs, slow = {}, {}, {}
     for label, plan in plans.items():
@@ -247,7 +248,7 @@ def entries(rows: list[Row]) -> list[choice_table.Entry]:
 
 def auto_choice(row: Row, order: list[str], entry: choice_table.Entry | None) -> str:
     """The label of the plan ``auto`` makes for ``row``'s call with backends tried in ``order`` and
-    ``entry`` as the nearest table entry (None: the split rule), as ``attention.auto_plan`` does."""
+    ``entry`` as the nearest table entry (None: the split rule), as ``dispatch.auto_route`` does."""
     main = next(name for name in order if name in row.candidates)
     split = row.split(main)
     if split is None or (entry is not None and entry.split_first(main, split.decode) is False):
@@ -269,7 +270,7 @@ def section(rows: list[Row], table: choice_table.Table, path: str, skipped: list
              + " | decodes to | auto by ranks | auto by table |",
              "|---" * (len(columns) + 5) + "|"]
     for row in rows:
-        cells = [" / ".join(time_cell(row, plan.label) for plan in (attention.Plan(name), row.split(name)) if plan)
+        cells = [" / ".join(time_cell(row, plan.label) for plan in (dispatch.Route(name), row.split(name)) if plan)
                  if name in row.ms else "" for name in columns]
         decodes = next((plan.decode for plan in row.plans.values() if plan.decode), "")
         entry = table.nearest(row.key)
@@ -312,7 +313,7 @@ def row_json(row: Row) -> dict:
 
 
 def row_of(data: dict, by_name: dict[str, Workload]) -> Row:
-    plans = {label: attention.Plan(main, decode) for label, (main, decode) in data["plans"].items()}
+    plans = {label: dispatch.Route(main, decode) for label, (main, decode) in data["plans"].items()}
     return Row(by_name[data["workload"]], choice_table.Key.from_json(data["key"]), data["by_rank"], data["candidates"], plans, data["ms"],
                data["reference"], data["errors"], data["notes"])
 

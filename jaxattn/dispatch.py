@@ -13,7 +13,11 @@ out whatever the table says. Without a table for this GPU (and on CPU) or a near
 decide alone. The table orders plans (``"X"`` whole, ``"D+X"`` with the decodes split off to D);
 ``ranking`` reads each backend at its fastest plan (``choice_table.measured_order``), and whether
 a ``paged_attention`` step splits its decodes off is read from the same entry when it timed both
-plans, else a rule (``jaxattn.attention.auto_plan``).
+plans, else a rule (``auto_route``).
+
+``route`` is what a call runs: one backend, or for ``paged_attention`` under ``auto`` the leading
+decodes of a mixed batch on one backend and the rest on another (``Route``). ``jaxattn.plan`` asks
+for it once per step; a call given bare metadata asks per call.
 
 Choices use static information only (shapes, dtypes, options, ``meta.max_q_len``, what is
 installed), and each distinct choice that skipped a backend is logged once with the reasons.
@@ -21,7 +25,10 @@ installed), and each distinct choice that skipped a backend is logged once with 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+
+import jax
 
 from jaxattn import backends, choice_table
 from jaxattn.backends.base import NO_GPU, Call, gpu_devices
@@ -82,3 +89,66 @@ def log_once(message: str, level: int = logging.WARNING) -> None:
     if message not in _logged:
         _logged.add(message)
         logger.log(level, message)
+
+
+@dataclasses.dataclass(frozen=True)
+class Route:
+    """The backends that run one call: ``decode`` serves the leading decodes of a mixed batch
+    and ``main`` the rest; with ``decode=None``, ``main`` serves the whole batch."""
+
+    main: str
+    decode: str | None = None
+
+    @property
+    def label(self) -> str:
+        """Its name in a measured choice table: ``"main"``, or ``"decode+main"`` when split."""
+        return choice_table.plan_label(self.main, self.decode)
+
+    def __str__(self) -> str:
+        return self.main if self.decode is None else f"{self.decode} (decodes) + {self.main} (the rest)"
+
+
+def route(call: Call, backend: str = "auto") -> Route:
+    """The backends that run ``call``, from static information only.
+
+    An explicit backend serves the whole call. ``auto`` takes ``choose``'s backend and, for a
+    ``paged_attention`` call, ``auto_route`` decides whether the step's leading decodes go to another
+    backend.
+    """
+    main = choose(call, backend)
+    return Route(main) if backend != "auto" or call.op != "paged_attention" else auto_route(call, main)
+
+
+def auto_route(call: Call, main: str) -> Route:
+    """The route ``auto`` takes for a ``paged_attention`` call once it chose ``main`` for it:
+    ``split_route``'s when there is one and the measured table does not have ``main`` whole
+    before it, else ``main`` whole. The nearest entry of this GPU's table decides when it timed both
+    (``choice_table.measured_split``); otherwise (no table, no near entry, a table of plain
+    backend names) the split is taken: the rule."""
+    split = split_route(call, main)
+    if split is None or choice_table.measured_split(call, main, split.decode) is False:
+        return Route(main)
+    return split
+
+
+def split_route(call: Call, main: str) -> Route | None:
+    """The split route ``auto`` weighs against ``main`` whole for a ``paged_attention`` call: in a
+    step that is not decode-only, the leading decodes to the backend ``auto`` picks for a
+    decode-only step, when that is another backend and the step is a prefill step (``meta.max_q_len``
+    None or above ``SPEC_DECODE_MAX_Q_LEN``) or ``main`` does not rank decodes (cudnn); None when
+    there is none (a speculative-decode kernel serves its step whole)."""
+    if call.phase == "decode":
+        return None
+    decodes = decode_call(call)
+    decode = choose(decodes, "auto")
+    main_takes_decodes = backends.REGISTRY[main].ops[call.op].rank(decodes) is not None
+    split = decode != main and (call.phase == "prefill" or not main_takes_decodes)
+    return Route(main, decode) if split else None
+
+
+def decode_call(call: Call) -> Call:
+    """``call``'s leading decodes as a decode-only call: the first ``min(T, B)`` query tokens (decode
+    b is token b), ``meta.max_q_len`` 1."""
+    num_tokens, num_q_heads, head_dim = call.q.shape
+    q = jax.ShapeDtypeStruct((min(num_tokens, call.meta.batch_size), num_q_heads, head_dim), call.q.dtype)
+    return dataclasses.replace(call, q=q, meta=dataclasses.replace(call.meta, max_q_len=1))

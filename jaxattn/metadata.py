@@ -7,6 +7,8 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from jaxattn.checks import is_int
+
 # A step whose ``max_q_len`` is 2..SPEC_DECODE_MAX_Q_LEN is a speculative-decode step (each sequence
 # verifies up to that many draft tokens); backends may serve such steps with decode-style kernels.
 SPEC_DECODE_MAX_Q_LEN = 16
@@ -138,3 +140,31 @@ def count_leading_decodes(q_lens: jax.Array) -> jax.Array:
 def pages_for(lens: jax.Array, page_size: int) -> jax.Array:
     """int32[...]: pages that hold ``lens`` tokens (negative lengths hold none)."""
     return (jnp.maximum(lens, 0) + page_size - 1) // page_size
+
+
+def check_metadata(where: str, meta: AttentionMetadata, cache) -> None:
+    """ValueError (prefixed by ``where``) unless ``meta`` has consistent shapes, int32 arrays and
+    a valid ``max_q_len``, and was built for ``cache``'s pool (a ``KVCache`` or ``MLACache``: page
+    size, pool size) when it says."""
+    if not isinstance(meta, AttentionMetadata):
+        raise ValueError(f"{where}: meta must be a jaxattn.AttentionMetadata, got {type(meta).__name__}")
+    if meta.kv_lens.ndim != 1 or meta.kv_lens.shape[0] < 1:
+        raise ValueError(f"{where}: meta.kv_lens must have shape [B] with B >= 1, got {list(meta.kv_lens.shape)}")
+    batch = meta.kv_lens.shape[0]
+    for field, shape in (("cu_q_lens", (batch + 1,)), ("num_decodes", ())):
+        value = getattr(meta, field)
+        if value.shape != shape:
+            raise ValueError(f"{where}: meta.{field} must have shape {list(shape)} (B={batch}), got {list(value.shape)}")
+    if meta.block_tables.ndim != 2 or meta.block_tables.shape[0] != batch:
+        raise ValueError(f"{where}: meta.block_tables must be [B={batch}, P], got {list(meta.block_tables.shape)}")
+    for field in ("cu_q_lens", "kv_lens", "block_tables", "num_decodes"):
+        dtype = getattr(meta, field).dtype
+        if dtype != jnp.int32:
+            raise ValueError(f"{where}: meta.{field} must be int32, got {dtype}")
+    if meta.max_q_len is not None and not (is_int(meta.max_q_len) and meta.max_q_len >= 1):
+        raise ValueError(f"{where}: meta.max_q_len must be None or an int >= 1, got {meta.max_q_len!r}")
+    for field in ("page_size", "num_pages"):
+        built_for, actual = getattr(meta, field), getattr(cache, field)
+        if built_for is not None and built_for != actual:
+            raise ValueError(f"{where}: meta was built by a PageTable with {field}={built_for}, but the cache has "
+                             f"{field}={actual}; the page table and the cache must describe the same pool")

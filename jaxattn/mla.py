@@ -21,15 +21,12 @@ not positive and finite), zero rows for padding.
 
 from __future__ import annotations
 
-import math
-
 import jax
 import jax.numpy as jnp
 
-from jaxattn import backends, dispatch
-from jaxattn.attention import check_metadata, sanitize
+from jaxattn import attention_plan
+from jaxattn.attention_plan import AttentionPlan
 from jaxattn.backends.base import AttentionParams, Call
-from jaxattn.checks import is_real
 from jaxattn.kv_cache import MLACache
 from jaxattn.metadata import SPEC_DECODE_MAX_Q_LEN, AttentionMetadata
 
@@ -43,7 +40,7 @@ def mla_paged_attention(
     q_latent: jax.Array,
     q_rope: jax.Array,
     cache: MLACache,
-    meta: AttentionMetadata,
+    meta: AttentionMetadata | AttentionPlan,
     *,
     scale: float,
     causal: bool = True,
@@ -57,7 +54,8 @@ def mla_paged_attention(
       q_rope: ``[T, Hq, Dr]``, the RoPE'd query part.
       cache: the layer's ``MLACache`` (``R = cache.kv_lora_rank``, ``Dr = cache.rope_dim``); this
         step's latents must already be written to it.
-      meta: ``AttentionMetadata`` for the step (B sequences).
+      meta: ``AttentionMetadata`` for the step (B sequences), or the step's ``AttentionPlan``
+        (``jaxattn.plan(..., op="mla_paged_attention")``), as ``paged_attention`` takes it.
       scale: logit scale (DeepSeek: ``1/sqrt(Dn + Dr)``, times the YaRN mscale squared where it applies), required.
       causal: bottom-right causal mask.
       backend: "auto" or a backend that implements this op (``jaxattn.backends.names(
@@ -71,11 +69,9 @@ def mla_paged_attention(
       with ``return_status``, ``(out, valid)`` as ``paged_attention``.
     """
     where = "mla_paged_attention"
-    params = _check_common(where, (("q_latent", q_latent, "kv_lora_rank"), ("q_rope", q_rope, "rope_dim")),
-                           cache, meta, scale, causal, return_status, backend)
-    name = dispatch.choose(Call(where, q_latent, cache, meta, params, q_rope=q_rope), backend)
-    meta, valid = sanitize(q_latent, cache, meta)
-    out = backends.REGISTRY[name].ops[where].run(q_latent, q_rope, cache, meta, params)
+    plan, params = _plan(where, q_latent, q_rope, cache, meta, None, scale, causal, backend, return_status)
+    out = plan.main.run(where, (q_latent, q_rope, cache), (params,))
+    out, valid = attention_plan.with_scales_checked(cache, out, plan.valid)
     return (out, valid) if return_status else out
 
 
@@ -83,7 +79,7 @@ def mla_prefill(
     q_nope: jax.Array,
     q_rope: jax.Array,
     cache: MLACache,
-    meta: AttentionMetadata,
+    meta: AttentionMetadata | AttentionPlan,
     w_uk: jax.Array,
     w_uv: jax.Array,
     *,
@@ -111,19 +107,9 @@ def mla_prefill(
       ``out``: ``[T, Hq, Dv]`` in ``q_nope.dtype``; with ``return_status``, ``(out, valid)``.
     """
     where = "mla_prefill"
-    params = _check_common(where, (("q_nope", q_nope, None), ("q_rope", q_rope, "rope_dim")),
-                           cache, meta, scale, causal, return_status, backend)
-    num_q_heads, nope_dim = q_nope.shape[1:]
-    for name, w, last, last_name in (("w_uk", w_uk, nope_dim, f"Dn={nope_dim}"), ("w_uv", w_uv, None, "Dv")):
-        shape = tuple(getattr(w, "shape", ()))
-        if len(shape) != 3 or shape[:2] != (cache.kv_lora_rank, num_q_heads) or last not in (None, shape[2]):
-            raise ValueError(f"{where}: {name} must be [kv_lora_rank={cache.kv_lora_rank}, Hq={num_q_heads}, "
-                             f"{last_name}], got {list(shape)}")
-        if w.dtype != q_nope.dtype:
-            raise ValueError(f"{where}: {name}.dtype must be {q_nope.dtype} (like q_nope), got {w.dtype}")
-    name = dispatch.choose(Call(where, q_nope, cache, meta, params, q_rope=q_rope, w_uv=w_uv), backend)
-    meta, valid = sanitize(q_nope, cache, meta)
-    out = backends.REGISTRY[name].ops[where].run(q_nope, q_rope, cache, meta, w_uk, w_uv, params)
+    plan, params = _plan(where, q_nope, q_rope, cache, meta, (w_uk, w_uv), scale, causal, backend, return_status)
+    out = plan.main.run(where, (q_nope, q_rope, cache), (w_uk, w_uv, params))
+    out, valid = attention_plan.with_scales_checked(cache, out, plan.valid)
     return (out, valid) if return_status else out
 
 
@@ -139,34 +125,20 @@ def project_values(out_latent: jax.Array, w_uv: jax.Array) -> jax.Array:
     return jnp.einsum("thr,rhv->thv", out_latent, w_uv, preferred_element_type=jnp.float32).astype(out_latent.dtype)
 
 
-def _check_common(where: str, queries: tuple[tuple[str, jax.Array, str | None], ...], cache: MLACache,
-                  meta: AttentionMetadata, scale, causal, return_status, backend) -> AttentionParams:
-    """Checks shared by both entry points; ``queries``: (name, array, the cache property its last
-    dimension must equal, or None)."""
-    if not isinstance(cache, MLACache):
-        raise ValueError(f"{where}: cache must be a jaxattn.MLACache, got {type(cache).__name__}")
-    first_name, first, _ = queries[0]
-    if getattr(first, "ndim", None) != 3 or first.shape[0] < 1:
-        raise ValueError(f"{where}: {first_name} must be [T, Hq, D] with T >= 1, got "
-                         f"shape {getattr(first, 'shape', None)}")
-    if not any(first.dtype == jnp.dtype(d) for d in _DTYPES):
-        raise ValueError(f"{where}: {first_name}.dtype must be float32, bfloat16 or float16, got {first.dtype}")
-    for name, x, last in queries:
-        if getattr(x, "ndim", None) != 3 or x.shape[:2] != first.shape[:2]:
-            raise ValueError(f"{where}: {name} must be [T={first.shape[0]}, Hq={first.shape[1]}, D] like "
-                             f"{first_name}, got shape {getattr(x, 'shape', None)}")
-        if last is not None and x.shape[2] != getattr(cache, last):
-            raise ValueError(f"{where}: {name} must have the cache's {last}={getattr(cache, last)} values per "
-                             f"head, got {x.shape[2]}")
-        if x.dtype != first.dtype or not (cache.is_fp8 or x.dtype == cache.dtype):
-            raise ValueError(f"{where}: {name}.dtype must be the cache's {cache.dtype} (or any query dtype "
-                             f"over FP8 pages) and {first_name}'s, got {x.dtype}")
-    check_metadata(where, meta, cache)
-    dispatch.check_name(where, backend)
-    if not (is_real(scale) and math.isfinite(scale) and scale > 0):
-        raise ValueError(f"{where}: scale must be a positive finite float, got {scale!r}")
-    if not isinstance(causal, bool):
-        raise ValueError(f"{where}: causal must be a bool, got {causal!r}")
+def _plan(where: str, q: jax.Array, q_rope: jax.Array, cache: MLACache, meta: AttentionMetadata | AttentionPlan,
+          weights: tuple[jax.Array, jax.Array] | None, scale, causal, backend: str,
+          return_status) -> tuple[AttentionPlan, AttentionParams]:
+    """The call's checks, and its plan: ``meta`` when it is one (checked against the call), else
+    made for this call."""
     if not isinstance(return_status, bool):
         raise ValueError(f"{where}: return_status must be a bool, got {return_status!r}")
-    return AttentionParams(scale=float(scale), causal=causal, sliding_window=None, softcap=None, has_sinks=False)
+    w_uk, w_uv = weights or (None, None)
+    planned = isinstance(meta, AttentionPlan)
+    params = attention_plan.check_mla_args(where, q, q_rope, cache, meta.meta if planned else meta, scale=scale,
+                                           causal=causal, backend=backend, w_uk=w_uk, w_uv=w_uv)
+    call = Call(where, q, cache, meta.meta if planned else meta, params, q_rope=q_rope, w_uv=w_uv)
+    if not planned:
+        return attention_plan.build(call, backend), params
+    params = attention_plan.merge_options(where, meta, params, given={"scale"} | ({"causal"} if not causal else set()))
+    attention_plan.check_plan(where, meta, call, backend)
+    return meta, params

@@ -17,7 +17,7 @@ head as before.
 from __future__ import annotations
 
 import math
-from typing import Callable
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -26,18 +26,18 @@ from jax.experimental.custom_partitioning import (ArrayMapping, CompoundFactor, 
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from jaxattn.kv_cache import KVCache, pool_sharding
-from jaxattn.metadata import AttentionMetadata
 
-# attend(q, cache, meta, sinks) -> [T, Hq, D]: the unsharded attention, traced per shard.
-Attend = Callable[[jax.Array, KVCache, AttentionMetadata, "jax.Array | None"], jax.Array]
+# attend(q, cache, plan, sinks) -> [T, Hq, D]: the unsharded attention, traced per shard; ``plan`` is
+# any pytree of arrays every shard reads whole (the step's AttentionPlan).
+Attend = Callable[[jax.Array, KVCache, Any, "jax.Array | None"], jax.Array]
 MeshAxes = str | tuple[str, ...] | None
 _SUPPORTED = ("q P(None, axes, None), HND pages P(None, axes, None, None), NHD pages "
               "P(None, None, axes, None), sinks P(axes) over the same mesh axes (or all replicated)")
 
 
-def shard_by_heads(attend: Attend, q: jax.Array, cache: KVCache, meta: AttentionMetadata,
+def shard_by_heads(attend: Attend, q: jax.Array, cache: KVCache, meta: Any,
                    sinks: jax.Array | None) -> jax.Array:
-    """``attend(q, cache, meta, sinks)`` run per head shard when the arguments are sharded on their
+    """``attend(q, cache, meta, sinks)`` run per head shard (``meta``: a pytree of arrays, replicated) when the arguments are sharded on their
     head axes (module docstring); ``[T, Hq, D]`` sharded like q. In a one-device process it is
     ``attend`` itself.
 
@@ -109,9 +109,9 @@ def tensor_parallel_mesh(mesh: Mesh, axes: MeshAxes = None) -> tuple[Mesh, str |
     return mesh.update(axis_types=(AxisType.Auto,) * len(mesh.axis_names)), axes
 
 
-def _roles(cache: KVCache, meta: AttentionMetadata, sinks: jax.Array | None, num_consts: int) -> tuple[str, ...]:
+def _roles(cache: KVCache, meta: Any, sinks: jax.Array | None, num_consts: int) -> tuple[str, ...]:
     """What each operand ``(q, cache, meta, sinks)`` leaves, then constants, is: "q", "pool" (K or
-    V pages), "scale" (FP8 scales), "meta" (metadata arrays), "sinks" or "const"."""
+    V pages), "scale" (FP8 scales), "meta" (the plan's arrays), "sinks" or "const"."""
     pools = ["pool" if leaf.ndim == 4 else "scale" for leaf in jax.tree.leaves(cache)]
     return ("q", *pools, *["meta"] * len(jax.tree.leaves(meta)), *(["sinks"] if sinks is not None else []),
             *["const"] * num_consts)

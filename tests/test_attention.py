@@ -15,7 +15,7 @@ import pytest
 import jaxattn
 from jaxattn import AttentionMetadata, KVCache
 from jaxattn import attention as attention_module
-from jaxattn import backends, dispatch
+from jaxattn import attention_plan, backends, dispatch
 from jaxattn.backends.base import Call
 from tests.conftest import HAS_GPU
 from tests.paged_inputs import (RANDOM_SEEDS, RANDOM_TOLERANCE, XQA_FP8_TOLERANCE, RandomCase, make_problem,
@@ -131,7 +131,7 @@ def test_auto_falls_back_with_one_warning_line(caplog, monkeypatch):
     _only(monkeypatch, "xla")
     with caplog.at_level(logging.WARNING, logger="jaxattn"):
         for _ in range(3):
-            assert attention_module.backend_for(q0, cache0, meta0) == attention_module.Plan("xla")
+            assert attention_module.backend_for(q0, cache0, meta0) == dispatch.Route("xla")
     lines = [r.getMessage() for r in caplog.records]
     assert len(lines) == len(set(lines)) == 2, lines          # prefill and decode choice, once each
     assert "cudnn skipped (cudnn is switched off for this test)" in lines[0]
@@ -157,7 +157,7 @@ def test_every_op_has_the_reference_backend_and_a_known_ranking():
         assert "xla" in backends.names(op)
     for name, backend in backends.REGISTRY.items():
         assert backend.name == name and set(backend.ops) <= set(backends.OPS) and backend.archs
-    call = backends.Call("paged_attention", q0, cache0, meta0, attention_module._check_args(q0, cache0, meta0))
+    call = backends.Call("paged_attention", q0, cache0, meta0, attention_plan.check_attention_args(q0, cache0, meta0))
     assert dispatch.ranking(call) == ["cudnn", "triton", "fa4", "xla"]
     assert dispatch.ranking(dataclasses.replace(call, meta=_with(meta0, max_q_len=1))) == ["trtllm", "triton", "fa4", "xla"]
     assert dispatch.ranking(dataclasses.replace(call, meta=_with(meta0, max_q_len=4))) == [
@@ -191,7 +191,7 @@ def test_auto_matches_xla():
     q = jnp.asarray(rng.normal(size=q0.shape), jnp.bfloat16)
     cache = KVCache(*(jnp.asarray(rng.normal(size=cache0.k_pages.shape), jnp.bfloat16) for _ in range(2)))
     auto = jaxattn.paged_attention(q, cache, meta0)
-    if attention_module.backend_for(q, cache, meta0) == attention_module.Plan("xla"):
+    if attention_module.backend_for(q, cache, meta0) == dispatch.Route("xla"):
         np.testing.assert_array_equal(np.asarray(auto, np.float32),
                                       np.asarray(jaxattn.paged_attention(q, cache, meta0, backend="xla"), np.float32))
 
@@ -214,7 +214,7 @@ def test_split_of_a_mixed_batch_matches_a_single_call(monkeypatch, claimed_decod
     problem = make_problem(rng, q_lens=[1, 1, 1, 6, 1, 9], kv_lens=[40, 3, 77, 20, 5, 30], num_q_heads=4,
                            num_kv_heads=2, head_dim=64, page_size=16, max_q_len=9)
     meta = _with(problem.meta, num_decodes=jnp.asarray(claimed_decodes, jnp.int32))
-    monkeypatch.setattr(attention_module, "plan_backends", lambda *a, **k: attention_module.Plan("xla", "xla"))
+    monkeypatch.setattr(dispatch, "route", lambda *a, **k: dispatch.Route("xla", "xla"))
     out = jax.jit(lambda q, c, m: jaxattn.paged_attention(q, c, m, sliding_window=25))(problem.q, problem.cache, meta)
     assert rel_error(out, reference(problem, sliding_window=25)) < 1e-5
 
@@ -226,10 +226,10 @@ def _decode_only(call):
 def test_auto_plans_a_split_when_decode_and_prefill_backends_differ(monkeypatch):
     _only(monkeypatch, "xla", "trtllm", checks={"trtllm": _decode_only})
     mixed = attention_module.backend_for(q0, cache0, meta0)
-    assert mixed == attention_module.Plan("xla", "trtllm") and str(mixed) == "trtllm (decodes) + xla (the rest)"
+    assert mixed == dispatch.Route("xla", "trtllm") and str(mixed) == "trtllm (decodes) + xla (the rest)"
     # A speculative-decode step goes whole to a backend that also runs decodes.
-    assert attention_module.backend_for(q0, cache0, _with(meta0, max_q_len=4)) == attention_module.Plan("xla")
-    assert attention_module.backend_for(q0[:2], cache0, _with(meta0, max_q_len=1)) == attention_module.Plan("trtllm")
+    assert attention_module.backend_for(q0, cache0, _with(meta0, max_q_len=4)) == dispatch.Route("xla")
+    assert attention_module.backend_for(q0[:2], cache0, _with(meta0, max_q_len=1)) == dispatch.Route("trtllm")
 
 
 def test_auto_sends_speculative_decode_steps_to_trtllm_whole(monkeypatch, caplog):
@@ -245,14 +245,14 @@ def test_auto_sends_speculative_decode_steps_to_trtllm_whole(monkeypatch, caplog
     _only(monkeypatch, "xla", "trtllm", checks={"trtllm": check})
     for max_q_len in (2, 4, 16):
         plan = attention_module.backend_for(q0, cache0, _with(meta0, max_q_len=max_q_len))
-        assert plan == attention_module.Plan("trtllm")
+        assert plan == dispatch.Route("trtllm")
     asked.clear()
     plan = attention_module.backend_for(q0, cache0, _with(meta0, max_q_len=17))
-    assert plan == attention_module.Plan("xla", "trtllm")
+    assert plan == dispatch.Route("xla", "trtllm")
     assert asked == [1], "a step longer than speculative decode only sends its decodes to trtllm"
     with caplog.at_level(logging.WARNING, logger="jaxattn"):
         plan = attention_module.backend_for(q0, cache0, _with(meta0, max_q_len=4), softcap=30.0)
-    assert plan == attention_module.Plan("xla")
+    assert plan == dispatch.Route("xla")
     assert any("trtllm skipped (softcap not supported" in r.getMessage() for r in caplog.records)
 
 
@@ -261,8 +261,8 @@ def test_auto_sends_long_drafts_to_triton_first(monkeypatch):
     _only(monkeypatch, "xla", "trtllm", "triton")
     q = jnp.zeros((5, 8, 64), jnp.bfloat16)                          # group 4
     plan = lambda max_q_len: attention_module.backend_for(q, cache0, _with(meta0, max_q_len=max_q_len))  # noqa: E731
-    assert plan(8) == attention_module.Plan("trtllm")                # 32 rows
-    assert plan(9) == attention_module.Plan("triton") == plan(16)
+    assert plan(8) == dispatch.Route("trtllm")                # 32 rows
+    assert plan(9) == dispatch.Route("triton") == plan(16)
 
 
 def test_numpy_scalars_are_accepted_as_static_options():
@@ -287,9 +287,9 @@ def test_gpu_auto_speculative_decode_steps(max_q_len):
         if backends.unavailable_reason(name) is not None:
             pytest.skip(backends.unavailable_reason(name))
     plan = attention_module.backend_for(problem.q, problem.cache, problem.meta)
-    params = attention_module._check_args(problem.q, problem.cache, problem.meta)
+    params = attention_plan.check_attention_args(problem.q, problem.cache, problem.meta)
     call = Call("paged_attention", problem.q, problem.cache, problem.meta, params)
-    assert plan == attention_module.Plan(dispatch.choose(call, "auto"))
+    assert plan == dispatch.Route(dispatch.choose(call, "auto"))
     run = jax.jit(jaxattn.paged_attention, static_argnames="backend")
     out = run(problem.q, problem.cache, problem.meta)
     ref = run(problem.q, problem.cache, problem.meta, backend="xla")
@@ -297,21 +297,25 @@ def test_gpu_auto_speculative_decode_steps(max_q_len):
 
 
 def test_a_split_plan_gives_the_rows_of_one_backend():
-    """run_plan with the leading decodes on a second backend: the rows of one backend over the whole
+    """A plan with the leading decodes on a second backend: the rows of one backend over the whole
     batch, to float32 rounding (decodes, a chunked prefill, a contract-breaking decode and padding
     tokens, whose rows stay zero)."""
     problem = make_problem(np.random.default_rng(11), q_lens=[1, 1, 1, 30, 7], kv_lens=[40, 9, 70, 50, 7],
                            num_q_heads=8, num_kv_heads=2, head_dim=32, page_size=16, dtype=jnp.float32,
                            pad_seqs=2, pad_tokens=4)
     meta = dataclasses.replace(problem.meta, kv_lens=problem.meta.kv_lens.at[1].set(10_000))
-    params = attention_module._check_args(problem.q, problem.cache, meta)
-    meta, _ = attention_module.sanitize(problem.q, problem.cache, meta)
-    run = functools.partial(attention_module.run_plan, q=problem.q, cache=problem.cache, meta=meta, params=params,
-                            sinks=None)
-    whole, split = run(attention_module.Plan("xla")), run(attention_module.Plan("xla", "xla"))
+    params = attention_plan.check_attention_args(problem.q, problem.cache, meta)
+    run = functools.partial(_run_route, q=problem.q, cache=problem.cache, meta=meta, params=params)
+    whole, split = run(dispatch.Route("xla")), run(dispatch.Route("xla", "xla"))
     np.testing.assert_allclose(np.asarray(split), np.asarray(whole), rtol=1e-4, atol=1e-5)
     assert not np.asarray(split[1]).any() and not np.asarray(split[-4:]).any()
     assert not np.asarray(whole[1]).any(), "the contract-breaking decode's row is not zero"
+
+
+def _run_route(route, q, cache, meta, params):
+    """paged_attention's kernels on ``route``'s backends (a plan made for it)."""
+    plan = attention_plan.build(Call("paged_attention", q, cache, meta, params), "auto", route=route)
+    return attention_module.run(q, cache, plan, None)
 
 
 @pytest.mark.gpu
@@ -327,13 +331,9 @@ def test_gpu_split_plans_match_float64(decode, main):
     problem = make_problem(np.random.default_rng(seed), q_lens=[1, 1, 1, 300, 77], kv_lens=[700, 90, 3, 1200, 77],
                            num_q_heads=32, num_kv_heads=8, head_dim=128, page_size=64, dtype=jnp.bfloat16)
     meta = dataclasses.replace(problem.meta, kv_lens=problem.meta.kv_lens.at[1].set(10_000))
-    params = attention_module._check_args(problem.q, problem.cache, meta)
+    params = attention_plan.check_attention_args(problem.q, problem.cache, meta)
 
-    @jax.jit
-    def run(q, cache, meta):
-        meta, _ = attention_module.sanitize(q, cache, meta)
-        return attention_module.run_plan(attention_module.Plan(main, decode), q, cache, meta, params, None)
-
+    run = jax.jit(lambda q, cache, meta: _run_route(dispatch.Route(main, decode), q, cache, meta, params))
     out = run(problem.q, problem.cache, meta)
     ref = reference(problem)
     ref[1] = 0.0                                                     # the contract-breaking decode

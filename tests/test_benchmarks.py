@@ -138,12 +138,12 @@ def test_tune_auto_times_split_plans_by_label(monkeypatch, tmp_path):
     loads, and the section shows both times in one cell and auto's plan by the table."""
     from benchmarks import tune_auto
     from benchmarks.common import Case
-    from jaxattn import attention, choice_table
+    from jaxattn import choice_table, dispatch
 
-    monkeypatch.setattr(attention, "split_plan", lambda call, main: attention.Plan(main, "xla"))
+    monkeypatch.setattr(dispatch, "split_route", lambda call, main: dispatch.Route(main, "xla"))
     row = tune_auto.measure(tune_auto.Workload("prefill", Case.prefill(1, 64)), rounds=1, calls_per_round=1)
     assert list(row.plans) == ["xla", "xla+xla"] and set(row.ms) == {"xla", "xla+xla"}
-    assert row.split("xla") == attention.Plan("xla", "xla") and set(row.errors) == {"xla+xla"}
+    assert row.split("xla") == dispatch.Route("xla", "xla") and set(row.errors) == {"xla+xla"}
     [entry] = tune_auto.entries([row])
     assert entry.order == tuple(sorted(row.ms, key=row.ms.get)) and entry.backend_order == ("xla",)
     table = choice_table.Table(arch="cpu", command="test", device="cpu", date="today", jax="0", entries=(entry,))

@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 
 import jaxattn
 from jaxattn import attention as attention_module
+from jaxattn import dispatch
 from jaxattn.engine import Engine, Request
 from jaxattn.models.deepseek import PRESETS as DEEPSEEK_PRESETS
 from jaxattn.models.deepseek import DeepSeek
@@ -592,7 +593,7 @@ def test_gpu_short_prefill_chunks_run_whole_on_one_fast_backend():
     rng = np.random.default_rng()
     hidden_states, cache, meta = _mixed_step(model, rng, [90, 40, 80, 5], [1, 1, 8, 5], max_q_len=8, num_tokens=20)
     q = jnp.zeros((20, model.cfg.num_q_heads, model.cfg.head_dim), jnp.bfloat16)
-    assert attention_module.backend_for(q, cache, meta) == attention_module.Plan("trtllm")
+    assert attention_module.backend_for(q, cache, meta) == dispatch.Route("trtllm")
     assert rel_error(hidden_states("auto"), hidden_states("xla")) < 2e-2
 
     outputs = {}

@@ -140,10 +140,10 @@ def test_a_table_reorders_auto_and_leaves_explicit_backends_alone(on_sm90):
     assert dispatch.ranking(call) == ["triton", "trtllm", "xla"]
     assert dispatch.choose(call) == "triton" and dispatch.choose(call, "trtllm") == "trtllm"
     q, cache, meta = call.q, call.cache, call.meta
-    assert attention.backend_for(q, cache, meta, scale=0.125) == attention.Plan("triton")
-    assert attention.backend_for(q, cache, meta, scale=0.125, backend="trtllm") == attention.Plan("trtllm")
+    assert attention.backend_for(q, cache, meta, scale=0.125) == dispatch.Route("triton")
+    assert attention.backend_for(q, cache, meta, scale=0.125, backend="trtllm") == dispatch.Route("trtllm")
     # A step with options the table did not measure keeps the ranks.
-    assert attention.backend_for(q, cache, meta, scale=0.125, sliding_window=4) == attention.Plan("trtllm")
+    assert attention.backend_for(q, cache, meta, scale=0.125, sliding_window=4) == dispatch.Route("trtllm")
 
 
 def test_a_measured_backend_that_cannot_take_the_call_is_skipped(on_sm90, monkeypatch):
@@ -202,7 +202,7 @@ def test_plan_labels_name_the_main_backend_after_the_last_plus():
     assert choice_table.split_label("fa4") == (None, "fa4")
     assert choice_table.split_label("trtllm+fa4") == ("trtllm", "fa4")
     assert choice_table.split_label("a+b+c") == ("a+b", "c")        # load rejects "a+b": not a backend
-    assert attention.Plan("fa4", "triton").label == "triton+fa4" and attention.Plan("cudnn").label == "cudnn"
+    assert dispatch.Route("fa4", "triton").label == "triton+fa4" and dispatch.Route("cudnn").label == "cudnn"
 
 
 def test_an_entry_orders_backends_by_their_fastest_plan_and_says_which_plan_of_one_is_faster():
@@ -240,10 +240,10 @@ def test_measured_order_and_split_read_labels_from_this_gpus_table(on_sm90):
 
 
 @pytest.mark.parametrize("order, plan", [
-    (["xla", "trtllm+xla"], attention.Plan("xla")),                  # measured: whole first
-    (["trtllm+xla", "xla"], attention.Plan("xla", "trtllm")),        # measured: split first
-    (["xla"], attention.Plan("xla", "trtllm")),                      # plain names (the shipped table): the rule
-    (["xla", "triton+xla"], attention.Plan("xla", "trtllm")),        # a split to another decode backend: the rule
+    (["xla", "trtllm+xla"], dispatch.Route("xla")),                  # measured: whole first
+    (["trtllm+xla", "xla"], dispatch.Route("xla", "trtllm")),        # measured: split first
+    (["xla"], dispatch.Route("xla", "trtllm")),                      # plain names (the shipped table): the rule
+    (["xla", "triton+xla"], dispatch.Route("xla", "trtllm")),        # a split to another decode backend: the rule
 ])
 def test_auto_splits_a_prefill_step_as_the_table_measured(on_sm90, monkeypatch, order, plan):
     """xla is the main backend (cudnn and triton switched off) and trtllm the decodes'; the
@@ -251,15 +251,15 @@ def test_auto_splits_a_prefill_step_as_the_table_measured(on_sm90, monkeypatch, 
     monkeypatch.setattr(backends, "unavailable_reason", lambda name: None if name in ("xla", "trtllm") else "off")
     write_table(on_sm90, table_json(prefill_entry(order)))
     call = prefill_call()
-    assert attention.split_plan(call, "xla") == attention.Plan("xla", "trtllm")
-    assert attention.auto_plan(call, "xla") == plan
+    assert dispatch.split_route(call, "xla") == dispatch.Route("xla", "trtllm")
+    assert dispatch.auto_route(call, "xla") == plan
     assert attention.backend_for(call.q, call.cache, call.meta, scale=0.125) == plan
-    assert attention.backend_for(call.q, call.cache, call.meta, scale=0.125, backend="xla") == attention.Plan("xla")
+    assert attention.backend_for(call.q, call.cache, call.meta, scale=0.125, backend="xla") == dispatch.Route("xla")
 
 
 def test_no_split_is_weighed_for_decode_steps_or_one_backend(on_sm90, monkeypatch):
-    assert attention.split_plan(make_call(), "trtllm") is None                  # a decode-only step
+    assert dispatch.split_route(make_call(), "trtllm") is None                  # a decode-only step
     monkeypatch.setattr(backends, "unavailable_reason", lambda name: None if name == "xla" else "off")
     write_table(on_sm90, table_json(prefill_entry(["xla+xla", "xla"])))
-    assert attention.split_plan(prefill_call(), "xla") is None                  # decodes would go to xla too
-    assert attention.auto_plan(prefill_call(), "xla") == attention.Plan("xla")
+    assert dispatch.split_route(prefill_call(), "xla") is None                  # decodes would go to xla too
+    assert dispatch.auto_route(prefill_call(), "xla") == dispatch.Route("xla")

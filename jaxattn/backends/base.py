@@ -5,12 +5,21 @@ entry in the registry (``jaxattn.backends.REGISTRY``). Its ``Backend`` says, as 
 runs (``archs``) and which ops it implements (``ops``: op name -> ``OpSupport``); each
 ``OpSupport`` carries the op's kernel entry (``run``), its ``Capabilities`` (dtypes, FP8 pages,
 layouts, query lengths, options), a ``check`` for the limits that data does not express (page
-sizes, head dims, ...) and the ``rank`` by which ``auto`` orders the backends for a call.
+sizes, head dims, ...), the ``rank`` by which ``auto`` orders the backends for a call, and an
+optional ``prepare``: the operands the kernel needs that depend on the metadata and static shapes
+alone, made once per step by ``jaxattn.plan`` and passed to every layer's ``run``.
 
 The ops and their ``run`` signatures (all static options in ``AttentionParams``):
   paged_attention:      run(q, cache, meta, params, sinks) -> [T, Hq, D]
   mla_paged_attention:  run(q_latent, q_rope, cache, meta, params) -> [T, Hq, R]
   mla_prefill:          run(q_nope, q_rope, cache, meta, w_uk, w_uv, params) -> [T, Hq, Dv]
+An op with a ``prepare`` also takes ``prepared=``: ``prepare``'s result for this call's metadata,
+or None (the default), in which case ``run`` prepares it itself.
+
+``prepare(call)`` gets the call with abstract queries (``jax.ShapeDtypeStruct``) and sanitized
+metadata, and returns a pytree of arrays. It must not depend on the number of query or KV heads
+beyond ``call.group_size`` where the op can be split over devices by heads (``paged_attention``:
+``jaxattn.sharding`` runs ``run`` per head shard on the plan made for all heads).
 
 Every op hands ``run`` sanitized metadata (``AttentionMetadata.sanitize``): offsets
 non-decreasing within ``[0, T]``, ``kv_lens`` within the block tables' width and 0 for sequences
@@ -23,7 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Callable
+from typing import Any, Callable
 
 import jax
 
@@ -70,7 +79,8 @@ RANK_FIRST, RANK_GENERAL, RANK_REFERENCE = 0, 10, 100
 class Call:
     """One op call as the registry judges it: static facts only (shapes, dtypes, options).
 
-    ``q`` is the op's first query (``q``, ``q_latent`` or ``q_nope``: ``[T, Hq, D]``);
+    ``q`` is the op's first query (``q``, ``q_latent`` or ``q_nope``: ``[T, Hq, D]``, an array or a
+    ``jax.ShapeDtypeStruct``: only its shape and dtype are read);
     ``q_rope`` the MLA ops' RoPE part, ``w_uv`` ``mla_prefill``'s value projection.
     """
 
@@ -169,12 +179,14 @@ class OpSupport:
       capabilities: what it takes, as data.
       check: the limits ``capabilities`` do not express; None or why not (no op or backend prefix).
       rank: ``auto``'s order for this call (lower first, ``RANK_*`` bands); None: ``auto`` skips it.
+      prepare: the kernel's per-step operands for this call (module docstring), or None: it has none.
     """
 
     run: Callable[..., jax.Array]
     capabilities: Capabilities
     check: Callable[[Call], str | None] = no_limits
     rank: Callable[[Call], int | None] = constant_rank(RANK_GENERAL)
+    prepare: Callable[[Call], Any] | None = None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -45,10 +45,28 @@ def check(call: Call) -> str | None:
     return reason
 
 
+def prepare(call: Call) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The per-step operands of a ``paged_attention`` call: ``lengths``."""
+    return lengths(call.meta, call.q.shape[0], call.cache.page_size)
+
+
+def lengths(meta: AttentionMetadata, num_tokens: int, page_size: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The graph's lengths for sanitized ``meta``: ``(seq_len_q int32[B], seq_len_kv int32[B],
+    q_offsets int32[B+1])``. Queries bounded by the step's ``max_q_len`` (as the xla reference
+    does) and by the tokens that exist, none for sequences without keys (cuDNN writes exactly these
+    rows; the handler zeroes the rest); keys bounded by the block tables' width; each sequence's
+    first query token (times ``Hq * D``, the ragged offsets in elements)."""
+    max_q = num_tokens if meta.max_q_len is None else min(meta.max_q_len, num_tokens)
+    q_start = jnp.clip(meta.cu_q_lens[:-1], 0, num_tokens)
+    seq_len_kv = jnp.clip(meta.kv_lens, 0, meta.max_pages_per_seq * page_size)
+    seq_len_q = jnp.where(seq_len_kv > 0, jnp.clip(jnp.minimum(meta.q_lens, num_tokens - q_start), 0, max_q), 0)
+    return seq_len_q, seq_len_kv, jnp.clip(meta.cu_q_lens, 0, num_tokens)
+
+
 def attention(q: jax.Array, cache: KVCache, meta: AttentionMetadata, params: AttentionParams,
-              sinks: jax.Array | None) -> jax.Array:
-    """``q: [T, Hq, D]`` -> ``[T, Hq, D]`` in ``q.dtype``."""
-    return _paged_prefill(q, cache, meta, params, sinks, return_lse=False)[0]
+              sinks: jax.Array | None, *, prepared: tuple[jax.Array, ...] | None = None) -> jax.Array:
+    """``q: [T, Hq, D]`` -> ``[T, Hq, D]`` in ``q.dtype``; ``prepared``: ``lengths`` (made here when None)."""
+    return _paged_prefill(q, cache, meta, params, sinks, return_lse=False, prepared=prepared)[0]
 
 
 def mla_prefill_check(call: Call) -> str | None:
@@ -95,19 +113,14 @@ def attention_with_lse(q: jax.Array, cache: KVCache, meta: AttentionMetadata, pa
 
 
 def _paged_prefill(q: jax.Array, cache: KVCache, meta: AttentionMetadata, params: AttentionParams,
-                   sinks: jax.Array | None, return_lse: bool) -> tuple[jax.Array, jax.Array | None]:
+                   sinks: jax.Array | None, return_lse: bool,
+                   prepared: tuple[jax.Array, ...] | None = None) -> tuple[jax.Array, jax.Array | None]:
     num_tokens, num_q_heads, head_dim = q.shape
     batch, pages_per_seq = meta.block_tables.shape
     max_q = num_tokens if meta.max_q_len is None else min(meta.max_q_len, num_tokens)
-    seq_width = pages_per_seq * cache.page_size
-
-    # Lengths as cuDNN takes them: queries bounded by max_q (as the xla reference does) and by
-    # the tokens that exist, none for sequences without keys (cuDNN writes exactly these rows; the
-    # handler zeroes the rest), keys bounded by the block tables' width; offsets in elements.
-    q_start = jnp.clip(meta.cu_q_lens[:-1], 0, num_tokens)
-    seq_len_kv = jnp.clip(meta.kv_lens, 0, seq_width)
-    seq_len_q = jnp.where(seq_len_kv > 0, jnp.clip(jnp.minimum(meta.q_lens, num_tokens - q_start), 0, max_q), 0)
-    ragged_offsets = jnp.clip(meta.cu_q_lens, 0, num_tokens) * (num_q_heads * head_dim)
+    seq_len_q, seq_len_kv, q_offsets = lengths(meta, num_tokens, cache.page_size) if prepared is None else prepared
+    # In elements of this call's q (under head sharding, one shard's heads): the one per-call op.
+    ragged_offsets = q_offsets * (num_q_heads * head_dim)
 
     config = dict(
         dtype=_DTYPE_CODES[jnp.dtype(q.dtype)],
@@ -156,7 +169,8 @@ BACKEND = Backend(
         # for decodes (the decode kernels read pages at the copy rate, cuDNN's prefill graph not).
         "paged_attention": OpSupport(
             run=attention, capabilities=CAPABILITIES, check=check,
-            rank=lambda call: {"prefill": RANK_FIRST, "spec_decode": 3 * RANK_GENERAL}.get(call.phase)),
+            rank=lambda call: {"prefill": RANK_FIRST, "spec_decode": 3 * RANK_GENERAL}.get(call.phase),
+            prepare=prepare),
         "mla_prefill": OpSupport(run=mla_prefill, capabilities=Capabilities(dtypes=DTYPES, fp8_pages=True, layouts=(),
                                                                            options=("non_causal",)),
                                  check=mla_prefill_check, rank=constant_rank(RANK_FIRST)),

@@ -90,10 +90,23 @@ def mla_check(call: Call) -> str | None:
     return None
 
 
+def prepare(call: Call) -> jax.Array:
+    """The per-step operand of a ``paged_attention`` call: ``rows_with_keys``."""
+    return rows_with_keys(call.meta)
+
+
+def rows_with_keys(meta: AttentionMetadata) -> jax.Array:
+    """int32[B]: the query rows the kernel computes and writes for each sequence of sanitized
+    ``meta``: its query length when it has keys, else none (every sequence that breaks the
+    contract has ``kv_lens == 0``, so it gets no tiles and no reads)."""
+    return jnp.where(meta.kv_lens > 0, meta.q_lens, 0).astype(jnp.int32)
+
+
 def attention(q: jax.Array, cache: KVCache, meta: AttentionMetadata, params: AttentionParams,
-              sinks: jax.Array | None) -> jax.Array:
-    """``q: [T, Hq, D]`` -> ``[T, Hq, D]`` in ``q.dtype``; ``sinks``: float32 ``[Hq]`` or None."""
-    return attend_pages(q, cache.k_pages, cache.v_pages, cache.layout, meta, params, sinks)
+              sinks: jax.Array | None, *, prepared: jax.Array | None = None) -> jax.Array:
+    """``q: [T, Hq, D]`` -> ``[T, Hq, D]`` in ``q.dtype``; ``sinks``: float32 ``[Hq]`` or None;
+    ``prepared``: ``prepare``'s operand (made here when None)."""
+    return attend_pages(q, cache.k_pages, cache.v_pages, cache.layout, meta, params, sinks, prepared)
 
 
 def mla_prefill(q_nope: jax.Array, q_rope: jax.Array, cache: MLACache, meta: AttentionMetadata, w_uk: jax.Array,
@@ -115,10 +128,10 @@ def mla_pages(cache: MLACache, meta: AttentionMetadata, w_uk: jax.Array, w_uv: j
 
 
 def attend_pages(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, layout: str, meta: AttentionMetadata,
-                 params: AttentionParams, sinks: jax.Array | None) -> jax.Array:
+                 params: AttentionParams, sinks: jax.Array | None, q_used: jax.Array | None = None) -> jax.Array:
     """The kernel over page pools ``[pages, Hkv, page, D]`` (HND) or ``[pages, page, Hkv, D]``
     (NHD), V's width Dv may differ from K's, and sanitized ``meta``: ``q: [T, Hq, D]`` ->
-    ``[T, Hq, Dv]`` in ``q.dtype``."""
+    ``[T, Hq, Dv]`` in ``q.dtype``. ``q_used``: ``rows_with_keys(meta)`` (made here when None)."""
     from cutlass.jax import TensorSpec, cutlass_call
 
     from jaxattn.kernels.zero_rows import zero_unwritten_rows
@@ -130,9 +143,8 @@ def attend_pages(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, layout: s
                      causal=params.causal or params.sliding_window is not None,
                      window_left=None if params.sliding_window is None else params.sliding_window - 1,
                      softcap=params.softcap, page_size=k_pages.shape[3 - heads_axis])
-    # Rows the kernel writes: each sequence's queries when it has keys (sanitized metadata: every
-    # sequence that breaks the contract has kv_lens == 0, so it gets no tiles and no reads).
-    q_used = jnp.where(meta.kv_lens > 0, meta.q_lens, 0).astype(jnp.int32)
+    if q_used is None:
+        q_used = rows_with_keys(meta)
     pool = TensorSpec(mode=(0, 2, 1, 3)) if layout == "HND" else None
     out = cutlass_call(
         _launch(), output_shape_dtype=jax.ShapeDtypeStruct((num_tokens, num_q_heads, config.head_dim_v), q.dtype),
@@ -216,7 +228,8 @@ BACKEND = Backend(
     # MLA prefill after cudnn where no measured table decides (sm_90's puts fa4 first at every
     # MLA prefill point it timed).
     ops={"paged_attention": OpSupport(run=attention, capabilities=CAPABILITIES, check=check,
-                                      rank=lambda call: RANK_GENERAL + 1 if call.phase == "prefill" else RANK_LAST_GPU),
+                                      rank=lambda call: RANK_GENERAL + 1 if call.phase == "prefill" else RANK_LAST_GPU,
+                                      prepare=prepare),
          "mla_prefill": OpSupport(run=mla_prefill, capabilities=MLA_CAPABILITIES, check=mla_check,
                                   rank=constant_rank(RANK_GENERAL))},
 )

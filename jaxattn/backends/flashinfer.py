@@ -151,14 +151,23 @@ def plan(cu_q_lens: jax.Array, kv_lens: jax.Array, pages_per_seq: int, num_token
     return Plan(works.astype(i32), work_indptr, merge.astype(i32), cluster, clusters, 2 * clusters * tile_q)
 
 
+def prepare(call: Call) -> Plan:
+    """The per-step operand of an ``mla_paged_attention`` call: the kernel's schedule (``plan``)."""
+    num_tokens, num_heads, _ = call.q.shape
+    meta = call.meta
+    return plan(meta.cu_q_lens, meta.kv_lens, meta.max_pages_per_seq, num_tokens, num_heads, sm_count(),
+                meta.max_q_len, call.params.causal)
+
+
 def mla_attention(q_latent: jax.Array, q_rope: jax.Array, cache: MLACache, meta: AttentionMetadata,
-                  params: AttentionParams) -> jax.Array:
-    """Absorbed MLA: ``q_latent: [T, Hq, 512]``, ``q_rope: [T, Hq, 64]`` -> ``[T, Hq, 512]``."""
+                  params: AttentionParams, *, prepared: Plan | None = None) -> jax.Array:
+    """Absorbed MLA: ``q_latent: [T, Hq, 512]``, ``q_rope: [T, Hq, 64]`` -> ``[T, Hq, 512]``;
+    ``prepared``: the schedule (``prepare``; made here when None)."""
     variant = _mla_build.Variant(q_latent.dtype.name, cache.dtype.name, cache.kv_lora_rank, cache.rope_dim)
     target = _mla_build.load(variant)
-    num_tokens, num_heads, rank = q_latent.shape
-    schedule = plan(meta.cu_q_lens, meta.kv_lens, meta.max_pages_per_seq, num_tokens, num_heads, sm_count(),
-                    meta.max_q_len, params.causal)
+    rank = q_latent.shape[2]
+    schedule = prepared if prepared is not None else prepare(Call("mla_paged_attention", q_latent, cache, meta,
+                                                                   params))
     if cache.is_fp8:
         # The kernel's own FP8 scales are launch constants; the pool's scale is traced. Logits are
         # linear in the latents and the output is too, so q carries it in and the output back.
@@ -204,5 +213,5 @@ BACKEND = Backend(
     # auto: first for every step it takes (bench_mla: 1.01x flashinfer's own MLA wrapper at B=64 x
     # kv 4k x 128 heads, 2.5x triton).
     ops={"mla_paged_attention": OpSupport(run=mla_attention, capabilities=CAPABILITIES, check=check,
-                                          rank=constant_rank(RANK_FIRST))},
+                                          rank=constant_rank(RANK_FIRST), prepare=prepare)},
 )

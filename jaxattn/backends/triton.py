@@ -168,10 +168,18 @@ def short_query_config(head_dim: int, dtype, max_q_len: int | None, group: int, 
     return PrefillConfig(block_m=block_m, block_n=block_n, num_warps=4, num_stages=2)
 
 
+def prepare(call: Call) -> jax.Array | None:
+    """The per-step operand of a split launch over a step that is not decode-only: its decode count
+    (``meta.checked_num_decodes``, int32[1]); None for a decode-only step, whose count is the batch
+    (a constant)."""
+    return None if call.meta.max_q_len == 1 else call.meta.checked_num_decodes.reshape(1)
+
+
 def attention(q: jax.Array, cache: KVCache, meta: AttentionMetadata, params: AttentionParams,
               sinks: jax.Array | None, *, launch: str = "split", decode: DecodeConfig | None = None,
-              prefill: PrefillConfig | None = None) -> jax.Array:
-    """``q: [T, Hq, D]`` -> ``[T, Hq, D]`` in ``q.dtype``; ``launch`` is "split" or "single"."""
+              prefill: PrefillConfig | None = None, prepared: jax.Array | None = None) -> jax.Array:
+    """``q: [T, Hq, D]`` -> ``[T, Hq, D]`` in ``q.dtype``; ``launch`` is "split" or "single";
+    ``prepared``: ``prepare``'s decode count (made here when None)."""
     from jaxattn.kernels import triton_attention as kernels
     from jaxattn.kernels.triton_call import triton_call
 
@@ -202,6 +210,8 @@ def attention(q: jax.Array, cache: KVCache, meta: AttentionMetadata, params: Att
     if launch == "split":
         if decode_only:
             num_decodes = np.full((1,), batch, np.int32)
+        elif prepared is not None:
+            num_decodes = prepared
         else:
             num_decodes = meta.checked_num_decodes.reshape(1)
         cfg = decode or decode_config(head_dim, batch, cache.num_kv_heads, width * cache.page_size)
@@ -376,7 +386,7 @@ BACKEND = Backend(
     ops={
         # auto: behind trtllm (decode, short speculative decode) and cudnn (prefill), ahead of xla.
         "paged_attention": OpSupport(run=attention, capabilities=CAPABILITIES, check=check,
-                                     rank=constant_rank(RANK_GENERAL)),
+                                     rank=constant_rank(RANK_GENERAL), prepare=prepare),
         "mla_paged_attention": OpSupport(run=mla_attention, capabilities=Capabilities(dtypes=DTYPES, fp8_pages=True, layouts=(),
                                                                                       options=("non_causal",)),
                                          check=mla_check, rank=mla_rank),

@@ -108,22 +108,28 @@ def variant(q: jax.Array, cache: KVCache, params: AttentionParams, spec_dec: boo
     )
 
 
+def prepare(call: Call) -> tuple[jax.Array, ...]:
+    """The per-step operands of a call (the same for every layer): ``decode_inputs`` for a decode
+    step, ``spec_inputs`` for a speculative-decode step."""
+    num_tokens, capacity = call.q.shape[0], call.meta.max_pages_per_seq * call.cache.page_size
+    if call.meta.max_q_len == 1:
+        return decode_inputs(call.meta, num_tokens, capacity)
+    causal = call.params.causal or call.params.sliding_window is not None  # a window also bounds keys by position
+    return spec_inputs(call.meta, num_tokens, min(call.meta.max_q_len, num_tokens), capacity, causal)
+
+
 def attention(q: jax.Array, cache: KVCache, meta: AttentionMetadata, params: AttentionParams,
-              sinks: jax.Array | None) -> jax.Array:
-    """``q: [T, Hq, D]`` -> ``[T, Hq, D]`` in ``q.dtype``."""
+              sinks: jax.Array | None, *, prepared: tuple[jax.Array, ...] | None = None) -> jax.Array:
+    """``q: [T, Hq, D]`` -> ``[T, Hq, D]`` in ``q.dtype``; ``prepared``: ``prepare``'s operands for
+    this call (made here when None)."""
+    if prepared is None:
+        prepared = prepare(Call("paged_attention", q, cache, meta, params))
     if meta.max_q_len != 1:
-        return _spec_attention(q, cache, meta, params, sinks)
+        return _spec_attention(q, cache, meta, params, sinks, prepared)
     kernel = _xqa_build.load(variant(q, cache, params))
     num_tokens, num_q_heads, head_dim = q.shape
-    batch, max_pages = meta.block_tables.shape
-
-    # Token t is a request of its own: the first token of sequence seq[t] attends to all its keys.
-    token = jnp.arange(num_tokens, dtype=jnp.int32)
-    seq = jnp.sum(meta.cu_q_lens[None, 1:] <= token[:, None], axis=1, dtype=jnp.int32)
-    seq_c = jnp.minimum(seq, batch - 1)
-    first = (seq < batch) & (token == meta.cu_q_lens[seq_c])
-    seq_lens = jnp.where(first, jnp.clip(meta.kv_lens[seq_c], 0, max_pages * cache.page_size), 0)
-    tables = meta.block_tables[seq_c]
+    max_pages = meta.max_pages_per_seq
+    seq_lens, tables = prepared
 
     split_sms = split_sm_count(kernel.variant, num_tokens, cache.num_kv_heads, max_pages)
     semaphores, scratch = kernel.workspace(split_sms, num_tokens, cache.num_kv_heads, max_pages)
@@ -147,15 +153,27 @@ def attention(q: jax.Array, cache: KVCache, meta: AttentionMetadata, params: Att
     return out
 
 
+def decode_inputs(meta: AttentionMetadata, num_tokens: int, capacity: int) -> tuple[jax.Array, jax.Array]:
+    """XQA's decode operands: ``(seq_lens int32[T], tables int32[T, P])``. Token t is a request of
+    its own: the first token of sequence seq[t] attends to all its keys (at most ``capacity``), the
+    others (and padding tokens) to none."""
+    batch = meta.batch_size
+    token = jnp.arange(num_tokens, dtype=jnp.int32)
+    seq = jnp.sum(meta.cu_q_lens[None, 1:] <= token[:, None], axis=1, dtype=jnp.int32)
+    seq_c = jnp.minimum(seq, batch - 1)
+    first = (seq < batch) & (token == meta.cu_q_lens[seq_c])
+    seq_lens = jnp.where(first, jnp.clip(meta.kv_lens[seq_c], 0, capacity), 0)
+    return seq_lens, meta.block_tables[seq_c]
+
+
 def _spec_attention(q: jax.Array, cache: KVCache, meta: AttentionMetadata, params: AttentionParams,
-                    sinks: jax.Array | None) -> jax.Array:
+                    sinks: jax.Array | None, prepared: tuple[jax.Array, ...]) -> jax.Array:
     """Speculative decode: one XQA request per sequence, its tokens packed by ``cu_q_lens``."""
     kernel = _xqa_build.load(variant(q, cache, params, spec_dec=True))
     num_tokens, num_q_heads, _ = q.shape
     batch, max_pages = meta.block_tables.shape
     max_q = min(meta.max_q_len, num_tokens)
-    causal = params.causal or params.sliding_window is not None     # a window also bounds keys by position
-    seq_lens, cu, mask, row_valid = spec_inputs(meta, num_tokens, max_q, max_pages * cache.page_size, causal)
+    seq_lens, cu, mask, row_valid = prepared
 
     semaphores, scratch = kernel.workspace(sm_count(), batch, cache.num_kv_heads, max_pages, max_q)
     stride_page, stride_token, stride_head = _strides(cache)
@@ -280,5 +298,6 @@ BACKEND = Backend(
     kernel="TensorRT-LLM XQA decode (flashinfer-python's sources, nvcc on first use) via XLA FFI",
     archs=("sm_90",),
     requirements=lambda: _nvcc.toolchain_reason(_xqa_build.check_toolchain),
-    ops={"paged_attention": OpSupport(run=attention, capabilities=CAPABILITIES, check=check, rank=rank)},
+    ops={"paged_attention": OpSupport(run=attention, capabilities=CAPABILITIES, check=check, rank=rank,
+                                      prepare=prepare)},
 )

@@ -106,9 +106,10 @@ class DeepSeek(layers.Decoder):
         super().__init__(cfg, rngs, Attention)
 
     def forward_paged(self, tokens: jax.Array, caches: list[jaxattn.MLACache], meta: jaxattn.AttentionMetadata,
-                      slots: jax.Array, backend: str = "auto") -> tuple[jax.Array, list[jaxattn.MLACache]]:
+                      slots: jax.Array, backend: str = "auto",
+                      plan: jaxattn.AttentionPlan | None = None) -> tuple[jax.Array, list[jaxattn.MLACache]]:
         """``forward_paged(self, ...)``, the step the engine runs."""
-        return forward_paged(self, tokens, caches, meta, slots, backend)
+        return forward_paged(self, tokens, caches, meta, slots, backend, plan)
 
     def init_caches(self, num_pages: int, page_size: int, layout: str = "HND", dtype=None,
                     mesh: Mesh | None = None) -> list[jaxattn.MLACache]:
@@ -128,23 +129,46 @@ class DeepSeek(layers.Decoder):
         raise ValueError("DeepSeek.param_shardings: tensor parallelism of MLA is not supported yet")
 
 
+def plan_step(model: DeepSeek, num_tokens: int, caches: list[jaxattn.MLACache], meta: jaxattn.AttentionMetadata,
+              backend: str = "auto") -> jaxattn.AttentionPlan:
+    """The step's attention plan (``jaxattn.plan``), shared by every layer's call: of
+    ``mla_paged_attention`` when every query is at most ``MAX_DECODE_Q_LEN`` tokens
+    (``meta.max_q_len``), else of ``mla_prefill``; queries of ``num_tokens`` tokens in the model's
+    dtype over caches like ``caches[0]``."""
+    cfg = model.cfg
+    dtype = jnp.dtype(cfg.dtype)
+
+    def shape(*dims: int) -> jax.ShapeDtypeStruct:
+        return jax.ShapeDtypeStruct(dims, dtype)
+
+    q_rope = shape(num_tokens, cfg.num_q_heads, cfg.qk_rope_dim)
+    if meta.max_q_len is not None and meta.max_q_len <= MAX_DECODE_Q_LEN:
+        return jaxattn.plan(meta, caches[0], shape(num_tokens, cfg.num_q_heads, cfg.kv_lora_rank),
+                            op="mla_paged_attention", q_rope=q_rope, scale=cfg.scale, backend=backend)
+    return jaxattn.plan(meta, caches[0], shape(num_tokens, cfg.num_q_heads, cfg.qk_nope_dim), op="mla_prefill",
+                        q_rope=q_rope, w_uk=shape(cfg.kv_lora_rank, cfg.num_q_heads, cfg.qk_nope_dim),
+                        w_uv=shape(cfg.kv_lora_rank, cfg.num_q_heads, cfg.v_head_dim), scale=cfg.scale,
+                        backend=backend)
+
+
 def forward_paged(model: DeepSeek, tokens: jax.Array, caches: list[jaxattn.MLACache], meta: jaxattn.AttentionMetadata,
-                  slots: jax.Array, backend: str = "auto") -> tuple[jax.Array, list[jaxattn.MLACache]]:
+                  slots: jax.Array, backend: str = "auto",
+                  plan: jaxattn.AttentionPlan | None = None) -> tuple[jax.Array, list[jaxattn.MLACache]]:
     """One step over packed tokens with paged latents: writes each layer's latents at ``slots``
-    and attends, absorbed (``mla_paged_attention``) when every query is at most
-    ``MAX_DECODE_Q_LEN`` tokens (``meta.max_q_len``), else over expanded K/V (``mla_prefill``);
+    and attends on the step's ``plan`` (``plan_step``'s when None: made once, not per layer),
+    absorbed (``mla_paged_attention``) or over expanded K/V (``mla_prefill``) as it was made;
     returns (hidden ``[T, dim]``, updated caches)."""
     new_caches = list(caches)
     scale = model.cfg.scale
-    absorbed = meta.max_q_len is not None and meta.max_q_len <= MAX_DECODE_Q_LEN
+    if plan is None:
+        plan = plan_step(model, tokens.shape[0], caches, meta, backend)
 
     def attend(layer: int, q_nope: jax.Array, q_rope: jax.Array, latents: jax.Array, w_uk: jax.Array,
                w_uv: jax.Array) -> jax.Array:
         cache = new_caches[layer] = new_caches[layer].write(latents, slots)
-        if absorbed:
-            out = jaxattn.mla_paged_attention(absorb_query(q_nope, w_uk), q_rope, cache, meta, scale=scale,
-                                              backend=backend)
+        if plan.op == "mla_paged_attention":
+            out = jaxattn.mla_paged_attention(absorb_query(q_nope, w_uk), q_rope, cache, plan, scale=scale)
             return project_values(out, w_uv)
-        return jaxattn.mla_prefill(q_nope, q_rope, cache, meta, w_uk, w_uv, scale=scale, backend=backend)
+        return jaxattn.mla_prefill(q_nope, q_rope, cache, plan, w_uk, w_uv, scale=scale)
 
     return model.hidden(tokens, meta.positions(tokens.shape[0]), attend), new_caches

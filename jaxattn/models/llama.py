@@ -19,6 +19,7 @@ import dataclasses
 from typing import Callable
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh
 
@@ -29,7 +30,7 @@ from jaxattn.models.layers import MLP, Block, Llama3RopeScaling, rope, rope_freq
 from jaxattn.sharding import MeshAxes, num_head_shards, replicate_kv_heads, tensor_parallel_mesh
 
 __all__ = ["AttendFn", "Attention", "Block", "Llama", "Llama3RopeScaling", "LlamaConfig", "MLP", "PRESETS",
-           "forward_paged", "param_shardings", "random_model", "rope", "rope_frequencies", "shard_model",
+           "forward_paged", "param_shardings", "plan_step", "random_model", "rope", "rope_frequencies", "shard_model",
            "tensor_parallel_rules"]
 
 
@@ -109,9 +110,10 @@ class Llama(layers.Decoder):
         super().__init__(cfg, rngs, Attention)
 
     def forward_paged(self, tokens: jax.Array, caches: list[jaxattn.KVCache], meta: jaxattn.AttentionMetadata,
-                      slots: jax.Array, backend: str = "auto") -> tuple[jax.Array, list[jaxattn.KVCache]]:
+                      slots: jax.Array, backend: str = "auto",
+                      plan: jaxattn.AttentionPlan | None = None) -> tuple[jax.Array, list[jaxattn.KVCache]]:
         """``forward_paged(self, ...)``, the step the engine runs."""
-        return forward_paged(self, tokens, caches, meta, slots, backend)
+        return forward_paged(self, tokens, caches, meta, slots, backend, plan)
 
     def init_caches(self, num_pages: int, page_size: int, layout: str = "HND", dtype=None, mesh: Mesh | None = None,
                     axes: MeshAxes = None) -> list[jaxattn.KVCache]:
@@ -184,17 +186,29 @@ def random_model(preset: str, *, layers: int | None = None, dtype: str | None = 
     return shard_model(model, mesh) if mesh is not None else model
 
 
+def plan_step(model: Llama, num_tokens: int, caches: list[jaxattn.KVCache], meta: jaxattn.AttentionMetadata,
+              backend: str = "auto") -> jaxattn.AttentionPlan:
+    """The step's attention plan (``jaxattn.plan``), shared by every layer's ``paged_attention``:
+    queries ``[num_tokens, Hq, D]`` in the model's dtype over caches like ``caches[0]``."""
+    cfg = model.cfg
+    q = jax.ShapeDtypeStruct((num_tokens, cfg.num_q_heads, cfg.head_dim), jnp.dtype(cfg.dtype))
+    return jaxattn.plan(meta, caches[0], q, sliding_window=cfg.sliding_window, backend=backend)
+
+
 def forward_paged(model: Llama, tokens: jax.Array, caches: list[jaxattn.KVCache], meta: jaxattn.AttentionMetadata,
-                  slots: jax.Array, backend: str = "auto") -> tuple[jax.Array, list[jaxattn.KVCache]]:
+                  slots: jax.Array, backend: str = "auto",
+                  plan: jaxattn.AttentionPlan | None = None) -> tuple[jax.Array, list[jaxattn.KVCache]]:
     """One step over packed tokens with paged KV: writes each layer's K/V at ``slots``, attends
-    with ``jaxattn.paged_attention``; returns (hidden ``[T, dim]``, updated caches)."""
+    with ``jaxattn.paged_attention`` on the step's ``plan`` (``plan_step``'s when None: made once,
+    not per layer); returns (hidden ``[T, dim]``, updated caches)."""
     new_caches = list(caches)
+    if plan is None:
+        plan = plan_step(model, tokens.shape[0], caches, meta, backend)
 
     def attend(layer: int, q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
         num_kv_heads = new_caches[layer].num_kv_heads     # more than the model's: KV heads replicated
         new_caches[layer] = new_caches[layer].write(replicate_kv_heads(k, num_kv_heads),
                                                     replicate_kv_heads(v, num_kv_heads), slots)
-        return jaxattn.paged_attention(q, new_caches[layer], meta, sliding_window=model.cfg.sliding_window,
-                                       backend=backend)
+        return jaxattn.paged_attention(q, new_caches[layer], plan)
 
     return model.hidden(tokens, meta.positions(tokens.shape[0]), attend), new_caches

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import jaxattn
-from jaxattn import attention, backends
+from jaxattn import attention_plan, backends
 from jaxattn.backends import xla
 from jaxattn.backends.base import AttentionParams, Call
 from tests.conftest import HAS_GPU
@@ -72,7 +72,7 @@ def test_random_configurations(seed):
     reason = backends.takes("triton", Call("paged_attention", p.q, p.cache, p.meta, params))
     if reason is not None:
         pytest.skip(reason)
-    meta, valid = attention.sanitize(p.q, p.cache, p.meta)
+    meta, valid = attention_plan.sanitize(p.q.shape[0], p.cache, p.meta)
     out = jax.jit(lambda q, c, m, s: tb.attention(q, c, m, params, s))(p.q, p.cache, meta, case.sinks)
     case.check(out, valid, RANDOM_TOLERANCE[p.q.dtype.name], "triton")
 
