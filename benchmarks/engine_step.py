@@ -3,6 +3,8 @@ whole-step benchmarks (bench_e2e, bench_tp)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -15,16 +17,21 @@ from jaxattn.engine_step import make_engine_step
 from jaxattn.models.llama import Llama
 
 
-def fill(model: Llama, batch: int, context: int, steps: int, seed: int, mesh: Mesh | None = None):
-    """Caches with random KV, and a table where every sequence holds ``context - 1`` tokens; with
-    a ``mesh``, the pools split by KV heads and the table replicated (as ``Engine(mesh=)``)."""
+def fill(model: Llama, batch: int, context: int, steps: int, seed: int, mesh: Mesh | None = None,
+         kv_dtype=None):
+    """Caches with random KV (of ``kv_dtype``, default the model's; FP8 caches keep their unit
+    scales), and a table where every sequence holds ``context - 1`` tokens; with a ``mesh``, the
+    pools split by KV heads and the table replicated (as ``Engine(mesh=)``)."""
     pages_per_seq = -(-(context + steps) // PAGE)
     num_pages = 1 + batch * pages_per_seq
-    caches = model.init_caches(num_pages, PAGE, "HND", mesh=mesh)
+    caches = model.init_caches(num_pages, PAGE, "HND", dtype=kv_dtype, mesh=mesh)
     key = jax.random.key(seed)
-    caches = [jaxattn.KVCache(*(jax.device_put(jax.random.normal(k, c.k_pages.shape, c.dtype), c.k_pages.sharding)
-                                for k in keys), layout=c.layout)
-              for c, keys in zip(caches, jax.random.split(key, (len(caches), 2)))]
+
+    def random_pages(k, pages):
+        return jax.device_put(jax.random.normal(k, pages.shape, jnp.bfloat16).astype(pages.dtype), pages.sharding)
+
+    caches = [dataclasses.replace(c, k_pages=random_pages(k_key, c.k_pages), v_pages=random_pages(v_key, c.v_pages))
+              for c, (k_key, v_key) in zip(caches, jax.random.split(key, (len(caches), 2)))]
     table = jaxattn.PageTable.create(num_pages, batch, pages_per_seq, PAGE)
     if mesh is not None:
         table = jax.device_put(table, NamedSharding(caches[0].k_pages.sharding.mesh, PartitionSpec()))
@@ -34,15 +41,17 @@ def fill(model: Llama, batch: int, context: int, steps: int, seed: int, mesh: Me
     return caches, table
 
 
-def decode_step(model: Llama, backend: str, batch: int, context: int, steps: int, mesh: Mesh | None = None):
+def decode_step(model: Llama, backend: str, batch: int, context: int, steps: int, mesh: Mesh | None = None,
+                kv_dtype=None):
     """``(model_step, state, weights, plan)``: one greedy decode step of the engine as a function
     of its state (next tokens, caches, table), chained calls of which decode ``batch`` sequences
     from ``context - 1`` tokens on (room for ``7 * steps + 8`` steps); the first state; the
     model's weights; what ``paged_attention`` runs. With a ``mesh`` (a model placed by
-    ``shard_model``), the caches and table are placed as ``Engine(mesh=)`` places them."""
+    ``shard_model``), the caches and table are placed as ``Engine(mesh=)`` places them;
+    ``kv_dtype``: the caches' (default the model's)."""
     cfg = model.cfg
     step, weights = make_engine_step(model)
-    caches, table = fill(model, batch, context, 7 * steps + 8, seed=batch + context, mesh=mesh)
+    caches, table = fill(model, batch, context, 7 * steps + 8, seed=batch + context, mesh=mesh, kv_dtype=kv_dtype)
     ids = jnp.arange(batch, dtype=jnp.int32)
     ones = jnp.ones((batch,), jnp.int32)
     no_release = jnp.full((batch,), -1, jnp.int32)

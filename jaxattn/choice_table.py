@@ -4,7 +4,7 @@ One JSON file per GPU architecture ships in ``jaxattn/tuning/`` (``sm_90.json`` 
 capability 9.0), written by ``python -m benchmarks.tune_auto`` on such a GPU; a file for one kind of
 GPU (``nvidia_h100_80gb_hbm3.json``, ``tune_auto --device-table``) comes before its arch's
 (``current_table``). ``dispatch.ranking`` orders the backends that rank a call by the entry of the
-nearest measured bucket (see there), and ``attention.auto_plan`` reads from it whether a step's
+nearest measured bucket (see there), and ``dispatch.auto_route`` reads from it whether a step's
 decodes go to a second backend; without a file for this GPU (or on a machine without one), or with
 no entry near the call, the backends' ranks decide alone.
 
@@ -24,14 +24,14 @@ File format (``FORMAT``)::
 
 ``order`` is what ``auto`` reads: the plans timed, fastest first (those that failed in the sweep
 last), each by its label: ``"X"`` for backend X serving the whole call, ``"D+X"`` for X with the
-leading decodes split off to backend D (``jaxattn.attention.Plan``); each part must be a backend
+leading decodes split off to backend D (``jaxattn.dispatch.Route``); each part must be a backend
 that implements the entry's op. ``ms`` (per label) and ``workloads`` say where it came from. An
 optional ``comment`` is free text.
 
 Two readings of the nearest entry: ``measured_order``, the backends by their fastest plan (each
 label's main backend, first occurrence), which ``dispatch.ranking`` takes; and ``measured_split``,
 whether ``"D+X"`` came before ``"X"`` (None when the entry lacks either: a table of plain names,
-or a plan not timed), which ``attention.auto_plan`` takes for a split's yes or no.
+or a plan not timed), which ``dispatch.auto_route`` takes for a split's yes or no.
 No knobs: no backend exposes a static tuning argument through its op's ``run`` (triton's split
 counts and XQA's SM count are chosen inside the backends), so an entry orders plans only.
 """

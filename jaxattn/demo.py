@@ -35,11 +35,10 @@ from jax.sharding import AxisType
 
 import jaxattn
 from jaxattn.attention import backend_for
+from jaxattn.cli_args import DTYPES, positive_int
 from jaxattn.engine import Engine
 from jaxattn.models import from_pretrained
 from jaxattn.models.llama import PRESETS, LlamaConfig, random_model
-
-DTYPES = ("float32", "bfloat16", "float16")
 
 
 def attention_plans(cfg: LlamaConfig, engine: Engine) -> dict[str, str]:
@@ -73,17 +72,6 @@ def progress_bar(width: int = 30) -> Callable[[int, int], None]:
         sys.stderr.flush()
 
     return show
-
-
-def positive_int(text: str) -> int:
-    """argparse type: an int >= 1."""
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be an int >= 1, got {text!r}")
-    return value
 
 
 def read_prompt_ids(path: str, vocab_size: int) -> list[np.ndarray]:

@@ -21,7 +21,7 @@ import uvicorn
 from jax.sharding import AxisType
 
 import jaxattn
-from jaxattn.demo import DTYPES, positive_int
+from jaxattn.cli_args import DTYPES, positive_int
 from jaxattn.engine import Engine
 from jaxattn.models import from_pretrained
 from jaxattn.models.llama import PRESETS, random_model
