@@ -72,7 +72,7 @@ def paged_attention(
     # Under head sharding this runs once per shard, on its local heads (jaxattn.sharding); the
     # plan's arrays enter it as replicated operands.
     out = shard_by_heads(run, q, cache, plan, sinks)
-    out, valid = attention_plan.with_scales_checked(cache, out, plan.valid)
+    out, valid = attention_plan.with_scales_checked(plan, cache, out)
     return (out, valid) if return_status else out
 
 

@@ -234,13 +234,19 @@ def scales_ok(cache: KVCache | MLACache) -> jax.Array | None:
     return jnp.all(jnp.isfinite(scales) & (scales > 0))
 
 
-def with_scales_checked(cache: KVCache | MLACache, out: jax.Array, valid: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """``(out, valid)`` of a call over ``cache``: all zero and all False when its FP8 scales are not
-    positive and finite (``scales_ok``), else as given."""
+def with_scales_checked(plan_: AttentionPlan, cache: KVCache | MLACache, out: jax.Array
+                        ) -> tuple[jax.Array, jax.Array]:
+    """``(out, valid)`` of a call of ``plan_`` over ``cache``: all zero and all False when its FP8
+    scales are not positive and finite (``scales_ok``), else ``out`` and the plan's flags. The
+    output is selected only where a routed backend's kernels do not zero such rows themselves
+    (``OpSupport.checks_fp8_scales``): a select is one more pass over the output per layer."""
     ok = scales_ok(cache)
     if ok is None:
-        return out, valid
-    return jnp.where(ok, out, jnp.zeros((), out.dtype)), valid & ok
+        return out, plan_.valid
+    phases = [phase for phase in (plan_.decode, plan_.main) if phase is not None]
+    if not all(backends.REGISTRY[phase.backend].ops[plan_.op].checks_fp8_scales for phase in phases):
+        out = jnp.where(ok, out, jnp.zeros((), out.dtype))
+    return out, plan_.valid & ok
 
 
 def split_decodes(meta: AttentionMetadata, num_tokens: int, num_decode_rows: int

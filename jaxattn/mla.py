@@ -71,7 +71,7 @@ def mla_paged_attention(
     where = "mla_paged_attention"
     plan, params = _plan(where, q_latent, q_rope, cache, meta, None, scale, causal, backend, return_status)
     out = plan.main.run(where, (q_latent, q_rope, cache), (params,))
-    out, valid = attention_plan.with_scales_checked(cache, out, plan.valid)
+    out, valid = attention_plan.with_scales_checked(plan, cache, out)
     return (out, valid) if return_status else out
 
 
@@ -109,7 +109,7 @@ def mla_prefill(
     where = "mla_prefill"
     plan, params = _plan(where, q_nope, q_rope, cache, meta, (w_uk, w_uv), scale, causal, backend, return_status)
     out = plan.main.run(where, (q_nope, q_rope, cache), (w_uk, w_uv, params))
-    out, valid = attention_plan.with_scales_checked(cache, out, plan.valid)
+    out, valid = attention_plan.with_scales_checked(plan, cache, out)
     return (out, valid) if return_status else out
 
 

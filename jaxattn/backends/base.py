@@ -180,6 +180,9 @@ class OpSupport:
       check: the limits ``capabilities`` do not express; None or why not (no op or backend prefix).
       rank: ``auto``'s order for this call (lower first, ``RANK_*`` bands); None: ``auto`` skips it.
       prepare: the kernel's per-step operands for this call (module docstring), or None: it has none.
+      checks_fp8_scales: its kernels give all-zero rows themselves over FP8 pages whose scales are
+        not positive and finite, so the op adds no select over their output (the op still reports
+        every sequence invalid then).
     """
 
     run: Callable[..., jax.Array]
@@ -187,6 +190,7 @@ class OpSupport:
     check: Callable[[Call], str | None] = no_limits
     rank: Callable[[Call], int | None] = constant_rank(RANK_GENERAL)
     prepare: Callable[[Call], Any] | None = None
+    checks_fp8_scales: bool = False
 
 
 @dataclasses.dataclass(frozen=True)

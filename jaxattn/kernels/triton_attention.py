@@ -6,7 +6,9 @@ Shared conventions (all kernels):
   token within the page), so HND and NHD both work; tables: int32 ``[B, P]``; kv_lens: int32 ``[B]``
   (already clipped to ``P * PAGE``); cu: int32 ``[B + 1]``; nd: int32 ``[1]``, the number of leading
   sequences handled by the decode kernels; sinks: float32 ``[HQ]``; scales: float32 ``[2]``
-  (k_scale, v_scale of FP8 pages). Page ids outside ``[0, NUM_PAGES)`` read the null page 0.
+  (k_scale, v_scale of FP8 pages; when they are not both positive and finite, every sequence has
+  no keys and every row is zero: the call's own check, no XLA op). Page ids outside
+  ``[0, NUM_PAGES)`` read the null page 0.
   Logits are kept in base 2 (``s * log2(e)``) so the softmax uses ``exp2``. Dots take K, V and the
   probabilities in q's dtype, or float32 with ``DOT_F32`` (float32 q, and Triton's interpreter,
   whose dot reads bfloat16 as raw integers).
@@ -24,6 +26,17 @@ LOG2E = tl.constexpr(1.4426950408889634)
 # Running maximum before any key: finite, so that fully masked tiles give exp2(-inf - m) = 0
 # without NaNs from (-inf) - (-inf).
 NEG_INIT = tl.constexpr(-1.0e30)
+
+
+@triton.jit
+def _fp8_scales(scales_ptr):
+    """``(ok, k_scale, v_scale)`` of FP8 pages: ``ok`` when both are positive and finite (NaN fails
+    every comparison, inf * 0 is NaN); otherwise the scales used are 1 and 0, so that nothing
+    non-finite reaches a row that has no keys."""
+    k_scale = tl.load(scales_ptr)
+    v_scale = tl.load(scales_ptr + 1)
+    ok = (k_scale > 0) & (k_scale * 0.0 == 0.0) & (v_scale > 0) & (v_scale * 0.0 == 0.0)
+    return ok, tl.where(ok, k_scale, 1.0), tl.where(ok, v_scale, 0.0)
 
 
 @triton.jit
@@ -125,6 +138,9 @@ def paged_prefill_kernel(
     row0 = tl.where(in_head, pid * BQ, row0)
     q_end = tl.minimum(tl.where(in_head, head_end, q_end), T)
     kv_len = tl.where(in_head, 0, kv_len)
+    if FP8:
+        scales_ok, k_scale, v_scale = _fp8_scales(scales_ptr)
+        kv_len = tl.where(scales_ok, kv_len, 0)
     if row0 >= q_end:
         return
     q_len = q_end - q_start
@@ -166,7 +182,7 @@ def paged_prefill_kernel(
     acc = tl.zeros([BLOCK_M, D_P], tl.float32)
     qk_scale = SCALE
     if FP8:
-        qk_scale = SCALE * tl.load(scales_ptr)
+        qk_scale = SCALE * k_scale
     table_row = tables_ptr + tl.minimum(b, B - 1).to(tl.int64) * P
     for tile in range(tile_lo, tile_hi):
         acc, m_i, l_i = _attend_tile(
@@ -174,7 +190,7 @@ def paged_prefill_kernel(
             (tile < full_lo) | (tile >= full_hi), BLOCK_N, D, D_P, PAGE, NUM_PAGES, SK_P, SK_T, SOFTCAP,
             WINDOW, CAUSAL, PRECISION)
     if FP8:
-        acc = acc * tl.load(scales_ptr + 1)
+        acc = acc * v_scale
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(out_ptr + q_off, out.to(out_ptr.dtype.element_ty), mask=io_mask)
 
@@ -198,6 +214,9 @@ def paged_decode_kernel(
     if (b >= tl.load(nd_ptr)) | (tl.load(cu_ptr + b + 1) - q_start != 1) | (q_start >= T):
         return
     kv_len = tl.minimum(tl.maximum(tl.load(kv_lens_ptr + b), 0), P * PAGE)
+    if FP8:
+        scales_ok, k_scale, _ = _fp8_scales(scales_ptr)
+        kv_len = tl.where(scales_ok, kv_len, 0)
     offs_h = tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, D_P)
     head = kvh * G + offs_h
@@ -222,7 +241,7 @@ def paged_decode_kernel(
     acc = tl.zeros([BLOCK_H, D_P], tl.float32)
     qk_scale = SCALE
     if FP8:
-        qk_scale = SCALE * tl.load(scales_ptr)
+        qk_scale = SCALE * k_scale
     table_row = tables_ptr + b.to(tl.int64) * P
     for tile in range(seg_lo, seg_hi):
         acc, m_i, l_i = _attend_tile(
@@ -280,7 +299,7 @@ def paged_decode_reduce_kernel(
                     mask=h_ok[:, None, None] & d_ok[None, None, :], other=0.0)  # [G_P, NSEG, D_P]
     acc = tl.sum(w[:, :, None] * acc_s, 1)
     if FP8:
-        acc = acc * tl.load(scales_ptr + 1)
+        acc = acc * _fp8_scales(scales_ptr)[2]
     out = acc / tl.where(l_sum > 0, l_sum, 1.0)[:, None]
     out_mask = ((offs_h < G)[:, None]) & d_ok[None, :]
     tl.store(out_ptr + t.to(tl.int64) * (HQ * D) + head[:, None] * D + offs_d[None, :],

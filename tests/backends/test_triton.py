@@ -87,6 +87,26 @@ def test_batches_and_layouts(launch, shape, layout):
     _check(problem, _run(problem, launch=launch))
 
 
+@pytest.mark.parametrize("launch", tb.LAUNCHES)
+@pytest.mark.parametrize("shape", [MIXED, dict(q_lens=[1, 1, 1, 1], kv_lens=[5, 1, 0, 47], max_q_len=1)],
+                         ids=["mixed", "decode_only"])
+def test_fp8_scales_are_checked_in_the_kernels(launch, shape):
+    """FP8 pages whose scales are not positive and finite (pages holding NaN, as a write with such
+    a scale leaves them): every row is an exact zero, with sinks too; good scales still attend
+    (the op adds no select after these kernels: ``checks_fp8_scales``)."""
+    problem = make_problem(np.random.default_rng(3), num_q_heads=4, num_kv_heads=2, head_dim=32, page_size=8,
+                           kv_dtype=FP8, **shape)
+    nan_pages = jnp.full(problem.cache.k_pages.shape, jnp.nan, jnp.float32).astype(FP8)
+    sinks = jnp.ones((4,), jnp.float32)
+    for bad in (jnp.nan, 0.0, -2.0, jnp.inf):
+        cache = dataclasses.replace(problem.cache, v_pages=nan_pages, v_scale=jnp.asarray(bad, jnp.float32))
+        for k_scale in (problem.cache.k_scale, jnp.asarray(bad, jnp.float32)):
+            bad_problem = dataclasses.replace(problem, cache=dataclasses.replace(cache, k_scale=k_scale))
+            out = np.asarray(_run(bad_problem, launch=launch, sinks=sinks), np.float32)
+            assert not out.any() and not np.isnan(out).any(), (bad, launch)
+    assert np.asarray(_run(problem, launch=launch), np.float32)[:sum(problem.q_lens)].any()
+
+
 @pytest.mark.parametrize("feature", [
     dict(sliding_window=5), dict(softcap=2.0), dict(sinks=True), dict(causal=False),
     dict(sliding_window=9, softcap=3.0, sinks=True), dict(scale=0.3)], ids=str)
