@@ -192,8 +192,11 @@ def attention(q: jax.Array, cache: KVCache, meta: AttentionMetadata, params: Att
     # keeps them as literals, where a jnp.zeros (or a constant of two or more equal elements, which
     # XLA's simplifier rewrites as a broadcast) costs a broadcast kernel on every call.
     sinks_arg = np.zeros((1,), np.float32) if sinks is None else sinks.astype(jnp.float32)
-    scales = (np.zeros((1,), np.float32) if not cache.is_fp8
-              else jnp.stack([cache.k_scale, cache.v_scale]).astype(jnp.float32))
+    # FP8 scales as two operands: the cache's scalars as they are (a reshape is free), not a stack
+    # (a concatenate kernel per call); the kernels check them (checks_fp8_scales).
+    k_scale, v_scale = (np.zeros((1,), np.float32),) * 2
+    if cache.is_fp8:
+        k_scale, v_scale = (scale.reshape(1).astype(jnp.float32) for scale in (cache.k_scale, cache.v_scale))
     strides = _kv_strides(cache)
     dot_f32 = q.dtype == jnp.float32 or _interpreting()
     shared = dict(
@@ -217,7 +220,8 @@ def attention(q: jax.Array, cache: KVCache, meta: AttentionMetadata, params: Att
         cfg = decode or decode_config(head_dim, batch, cache.num_kv_heads, width * cache.page_size)
         nseg = cfg.num_segments
         seg_acc, seg_ml = triton_call(
-            q, cache.k_pages, cache.v_pages, meta.block_tables, meta.kv_lens, meta.cu_q_lens, num_decodes, scales,
+            q, cache.k_pages, cache.v_pages, meta.block_tables, meta.kv_lens, meta.cu_q_lens, num_decodes, k_scale,
+            v_scale,
             kernel=kernels.paged_decode_kernel,
             out_shape=[jax.ShapeDtypeStruct((batch, num_q_heads, nseg, head_dim), jnp.float32),
                        jax.ShapeDtypeStruct((batch, num_q_heads, nseg, 2), jnp.float32)],
@@ -226,7 +230,8 @@ def attention(q: jax.Array, cache: KVCache, meta: AttentionMetadata, params: Att
             **_subset(shared, "T B P HQ G D D_P PAGE NUM_PAGES SK_P SK_H SK_T SCALE SOFTCAP WINDOW CAUSAL FP8 "
                               "DOT_F32 PRECISION"))
         (out,) = triton_call(
-            meta.cu_q_lens, num_decodes, sinks_arg, scales, seg_acc, seg_ml, kernel=kernels.paged_decode_reduce_kernel,
+            meta.cu_q_lens, num_decodes, sinks_arg, k_scale, v_scale, seg_acc, seg_ml,
+            kernel=kernels.paged_decode_reduce_kernel,
             out_shape=[out_type], grid=(num_tokens if decode_only else batch, cache.num_kv_heads), num_warps=4,
             num_stages=1, LOG_B=log_b, G_P=_pow2_ceil(group), NSEG=nseg, HAS_SINKS=sinks is not None,
             WRITE_ALL=decode_only, **_subset(shared, "T B HQ G D D_P FP8"))
@@ -241,11 +246,11 @@ def attention(q: jax.Array, cache: KVCache, meta: AttentionMetadata, params: Att
     rows_per_block = block_m // _pow2_ceil(group)
     (out,) = triton_call(
         q, cache.k_pages, cache.v_pages, meta.block_tables, meta.kv_lens, meta.cu_q_lens, num_decodes, sinks_arg,
-        scales, num_decodes if out is None else out,
+        k_scale, v_scale, num_decodes if out is None else out,
         kernel=kernels.paged_prefill_kernel, out_shape=[out_type],
         grid=(num_tokens // rows_per_block + batch + 2, cache.num_kv_heads),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        input_output_aliases=None if out is None else {9: 0},
+        input_output_aliases=None if out is None else {10: 0},
         LOG_B=log_b, G_P=_pow2_ceil(group), BLOCK_M=block_m, BLOCK_N=cfg.block_n, HAS_SINKS=sinks is not None,
         **_subset(shared, "T B P HQ G D D_P PAGE NUM_PAGES SK_P SK_H SK_T SCALE SOFTCAP WINDOW CAUSAL FP8 "
                           "DOT_F32 PRECISION"))

@@ -5,9 +5,10 @@ Shared conventions (all kernels):
   q, out: ``[T, HQ, D]``; K/V pools addressed by strides (``SK_P`` page, ``SK_H`` KV head, ``SK_T``
   token within the page), so HND and NHD both work; tables: int32 ``[B, P]``; kv_lens: int32 ``[B]``
   (already clipped to ``P * PAGE``); cu: int32 ``[B + 1]``; nd: int32 ``[1]``, the number of leading
-  sequences handled by the decode kernels; sinks: float32 ``[HQ]``; scales: float32 ``[2]``
-  (k_scale, v_scale of FP8 pages; when they are not both positive and finite, every sequence has
-  no keys and every row is zero: the call's own check, no XLA op). Page ids outside
+  sequences handled by the decode kernels; sinks: float32 ``[HQ]``; k_scale, v_scale: float32 ``[1]``
+  each, the scales of FP8 pages (two operands, so the cache's scalars go in as they are, without a
+  stack per call; when they are not both positive and finite, every sequence has no keys and every
+  row is zero: the call's own check, no XLA op). Page ids outside
   ``[0, NUM_PAGES)`` read the null page 0.
   Logits are kept in base 2 (``s * log2(e)``) so the softmax uses ``exp2``. Dots take K, V and the
   probabilities in q's dtype, or float32 with ``DOT_F32`` (float32 q, and Triton's interpreter,
@@ -29,12 +30,12 @@ NEG_INIT = tl.constexpr(-1.0e30)
 
 
 @triton.jit
-def _fp8_scales(scales_ptr):
+def _fp8_scales(k_scale_ptr, v_scale_ptr):
     """``(ok, k_scale, v_scale)`` of FP8 pages: ``ok`` when both are positive and finite (NaN fails
     every comparison, inf * 0 is NaN); otherwise the scales used are 1 and 0, so that nothing
     non-finite reaches a row that has no keys."""
-    k_scale = tl.load(scales_ptr)
-    v_scale = tl.load(scales_ptr + 1)
+    k_scale = tl.load(k_scale_ptr)
+    v_scale = tl.load(v_scale_ptr)
     ok = (k_scale > 0) & (k_scale * 0.0 == 0.0) & (v_scale > 0) & (v_scale * 0.0 == 0.0)
     return ok, tl.where(ok, k_scale, 1.0), tl.where(ok, v_scale, 0.0)
 
@@ -97,7 +98,8 @@ def _find_seq(cu_ptr, key, first, last, LOG_N: tl.constexpr, BQ: tl.constexpr, B
 
 @triton.jit
 def paged_prefill_kernel(
-        q_ptr, k_ptr, v_ptr, tables_ptr, kv_lens_ptr, cu_ptr, nd_ptr, sinks_ptr, scales_ptr, prev_ptr, out_ptr,
+        q_ptr, k_ptr, v_ptr, tables_ptr, kv_lens_ptr, cu_ptr, nd_ptr, sinks_ptr, k_scale_ptr, v_scale_ptr, prev_ptr,
+        out_ptr,
         T: tl.constexpr, B: tl.constexpr, LOG_B: tl.constexpr, P: tl.constexpr, HQ: tl.constexpr,
         G: tl.constexpr, G_P: tl.constexpr, D: tl.constexpr, D_P: tl.constexpr, PAGE: tl.constexpr,
         NUM_PAGES: tl.constexpr, SK_P: tl.constexpr, SK_H: tl.constexpr, SK_T: tl.constexpr,
@@ -139,7 +141,7 @@ def paged_prefill_kernel(
     q_end = tl.minimum(tl.where(in_head, head_end, q_end), T)
     kv_len = tl.where(in_head, 0, kv_len)
     if FP8:
-        scales_ok, k_scale, v_scale = _fp8_scales(scales_ptr)
+        scales_ok, k_scale, v_scale = _fp8_scales(k_scale_ptr, v_scale_ptr)
         kv_len = tl.where(scales_ok, kv_len, 0)
     if row0 >= q_end:
         return
@@ -197,7 +199,7 @@ def paged_prefill_kernel(
 
 @triton.jit
 def paged_decode_kernel(
-        q_ptr, k_ptr, v_ptr, tables_ptr, kv_lens_ptr, cu_ptr, nd_ptr, scales_ptr, seg_acc_ptr, seg_ml_ptr,
+        q_ptr, k_ptr, v_ptr, tables_ptr, kv_lens_ptr, cu_ptr, nd_ptr, k_scale_ptr, v_scale_ptr, seg_acc_ptr, seg_ml_ptr,
         T: tl.constexpr, B: tl.constexpr, P: tl.constexpr, HQ: tl.constexpr, G: tl.constexpr, BLOCK_H: tl.constexpr,
         D: tl.constexpr, D_P: tl.constexpr, PAGE: tl.constexpr, NUM_PAGES: tl.constexpr,
         SK_P: tl.constexpr, SK_H: tl.constexpr, SK_T: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -215,7 +217,7 @@ def paged_decode_kernel(
         return
     kv_len = tl.minimum(tl.maximum(tl.load(kv_lens_ptr + b), 0), P * PAGE)
     if FP8:
-        scales_ok, k_scale, _ = _fp8_scales(scales_ptr)
+        scales_ok, k_scale, _ = _fp8_scales(k_scale_ptr, v_scale_ptr)
         kv_len = tl.where(scales_ok, kv_len, 0)
     offs_h = tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, D_P)
@@ -256,7 +258,7 @@ def paged_decode_kernel(
 
 @triton.jit
 def paged_decode_reduce_kernel(
-        cu_ptr, nd_ptr, sinks_ptr, scales_ptr, seg_acc_ptr, seg_ml_ptr, out_ptr,
+        cu_ptr, nd_ptr, sinks_ptr, k_scale_ptr, v_scale_ptr, seg_acc_ptr, seg_ml_ptr, out_ptr,
         T: tl.constexpr, B: tl.constexpr, LOG_B: tl.constexpr, HQ: tl.constexpr, G: tl.constexpr, G_P: tl.constexpr,
         D: tl.constexpr, D_P: tl.constexpr, NSEG: tl.constexpr, HAS_SINKS: tl.constexpr, FP8: tl.constexpr,
         WRITE_ALL: tl.constexpr):
@@ -299,7 +301,7 @@ def paged_decode_reduce_kernel(
                     mask=h_ok[:, None, None] & d_ok[None, None, :], other=0.0)  # [G_P, NSEG, D_P]
     acc = tl.sum(w[:, :, None] * acc_s, 1)
     if FP8:
-        acc = acc * _fp8_scales(scales_ptr)[2]
+        acc = acc * _fp8_scales(k_scale_ptr, v_scale_ptr)[2]
     out = acc / tl.where(l_sum > 0, l_sum, 1.0)[:, None]
     out_mask = ((offs_h < G)[:, None]) & d_ok[None, :]
     tl.store(out_ptr + t.to(tl.int64) * (HQ * D) + head[:, None] * D + offs_d[None, :],
