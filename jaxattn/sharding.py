@@ -16,6 +16,7 @@ head as before.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any, Callable
 
@@ -51,21 +52,32 @@ def shard_by_heads(attend: Attend, q: jax.Array, cache: KVCache, meta: Any,
     typed_mesh = jax.typeof(q).sharding.mesh
     if not typed_mesh.empty and all(axis_type == AxisType.Explicit for axis_type in typed_mesh.axis_types):
         _head_axes(typed_mesh, [_typed_shape(leaf) for leaf in leaves], _roles(cache, meta, sinks, 0), cache)
+    partitioned, consts = _head_partitioned(attend, treedef, tuple(_typed_shape(leaf) for leaf in leaves))
+    return partitioned(*leaves, *consts)
+
+
+@functools.cache
+def _head_partitioned(attend: Attend, treedef, shapes: tuple[jax.ShapeDtypeStruct, ...]
+                      ) -> tuple[custom_partitioning, list]:
+    """``attend`` over operands of these ``shapes`` (the flattened ``(q, cache, meta, sinks)``) as a
+    ``custom_partitioning`` call, and the constants to pass after the operands. Built once per
+    structure and shapes: the layers of a step, which share their plan, share one."""
+    _, cache, meta, sinks = jax.tree.unflatten(treedef, shapes)
 
     def attend_leaves(*leaves: jax.Array) -> jax.Array:
         return attend(*jax.tree.unflatten(treedef, leaves))
 
     # custom_partitioning traces its function once more and refuses constants captured there
     # (arrays a backend builds from NumPy): they become operands of the call, replicated.
-    traced = jax.make_jaxpr(attend_leaves)(*leaves)
+    traced = jax.make_jaxpr(attend_leaves)(*shapes)
     consts = list(traced.consts)
     roles = _roles(cache, meta, sinks, len(consts))
 
     def attend_operands(*operands: jax.Array) -> jax.Array:
-        return jax.core.eval_jaxpr(traced.jaxpr, operands[len(leaves):], *operands[:len(leaves)])[0]
+        return jax.core.eval_jaxpr(traced.jaxpr, operands[len(shapes):], *operands[:len(shapes)])[0]
 
     def per_shard(*operands: jax.Array) -> jax.Array:
-        return attend_leaves(*operands[:len(leaves)])
+        return attend_leaves(*operands[:len(shapes)])
 
     def partition(mesh: Mesh, arg_shapes: tuple, result_shape):
         del result_shape
@@ -77,9 +89,9 @@ def shard_by_heads(attend: Attend, q: jax.Array, cache: KVCache, meta: Any,
     partitioned.def_partition(
         partition=partition,
         infer_sharding_from_operands=_infer_output_sharding,
-        sharding_rule=_sharding_rule(roles, leaves + consts, q.shape[1], cache),
+        sharding_rule=_sharding_rule(roles, list(shapes) + consts, shapes[0].shape[1], cache),
     )
-    return partitioned(*leaves, *consts)
+    return partitioned, consts
 
 
 def replicate_kv_heads(kv: jax.Array, num_shards: int) -> jax.Array:

@@ -182,7 +182,16 @@ def test_a_model_step_pays_its_metadata_work_once(make_model):
 
 
 def check_sharded_step_pays_its_metadata_work_once() -> None:
-    check_metadata_work_per_layer(_llama, jax.make_mesh((jax.device_count(),), ("tp",)))
+    from jaxattn import sharding
+
+    mesh = jax.make_mesh((jax.device_count(),), ("tp",))
+    check_metadata_work_per_layer(_llama, mesh)
+    # One custom_partitioning call built per step shape, shared by the step's layers (3: a model
+    # not traced above, whose step jax has not cached).
+    sharding._head_partitioned.cache_clear()
+    metadata_instructions(_llama(3), None, False, mesh)
+    info = sharding._head_partitioned.cache_info()
+    assert (info.misses, info.hits) == (1, 2), info
 
 
 def test_a_sharded_model_step_pays_its_metadata_work_once():
