@@ -43,13 +43,13 @@ from jaxattn.models.llama import PRESETS, LlamaConfig, random_model
 
 def attention_plans(cfg: LlamaConfig, engine: Engine) -> dict[str, str]:
     """What ``paged_attention`` runs for the engine's largest decode-only and mixed steps."""
-    cache = engine.caches[0]
+    cache = engine.runner.caches[0]
     shapes = engine.buckets.shapes
     plans = {}
     for phase, shape in {"decode step": shapes[len(engine.buckets.rows) - 1], "prefill/mixed step": shapes[-1]}.items():
         b = shape.rows
         meta = jaxattn.AttentionMetadata(jnp.zeros((b + 1,), jnp.int32), jnp.zeros((b,), jnp.int32),
-                                         engine.table.block_tables[:b], jnp.zeros((), jnp.int32),
+                                         engine.runner.table.block_tables[:b], jnp.zeros((), jnp.int32),
                                          max_q_len=shape.max_q_len)
         q = jnp.zeros((shape.tokens, cfg.num_q_heads, cfg.head_dim), cfg.dtype)
         plans[phase] = str(backend_for(q, cache, meta, backend=engine.backend))

@@ -25,17 +25,15 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.experimental import multihost_utils
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh
 
-import jaxattn
 from jaxattn.backends import OPS, check_serves
 from jaxattn.checks import is_positive_int
-from jaxattn.engine_step import PrefixOps, StepBuckets, StepRecord, StepShape, make_engine_step, pack_step
+from jaxattn.engine_step import StepBuckets, StepRecord, StepRunner
 from jaxattn.kv_cache import LAYOUTS
 from jaxattn.models.base import ModelConfig, PagedModel, page_bytes
-from jaxattn.sampling import SamplingBatch, SamplingParams
+from jaxattn.sampling import SamplingParams
 from jaxattn.scheduler import PageUsage, Request, Schedule, Scheduler
-from jaxattn.sharding import tensor_parallel_mesh
 
 __all__ = ["Engine", "Request"]
 
@@ -147,25 +145,23 @@ class Engine:
         self.model = model
         self.max_seqs, self.max_seq_len, self.max_step_tokens = max_seqs, max_seq_len, max_step_tokens
         self.page_size, self.num_pages, self.backend, self.overlap = page_size, num_pages, backend, overlap
-        self._step, self._weights = make_engine_step(model)
-        self.caches = model.init_caches(num_pages, page_size, layout, kv_dtype, mesh=mesh)
-        self.table = jaxattn.PageTable.create(num_pages, max_seqs, pages_per_seq, page_size)
-        self._prev_tokens = jnp.zeros((max_seqs,), jnp.int32)
-        if mesh is not None:
-            replicated = NamedSharding(tensor_parallel_mesh(mesh)[0], PartitionSpec())
-            self._weights = jax.device_put(self._weights, jax.tree.leaves(model.param_shardings(mesh)))
-            self.table, self._prev_tokens = jax.device_put((self.table, self._prev_tokens), replicated)
+        self.runner = StepRunner(model, max_seqs=max_seqs, num_pages=num_pages, page_size=page_size,
+                                 pages_per_seq=pages_per_seq, max_step_tokens=max_step_tokens,
+                                 prefill_chunk=prefill_chunk, layout=layout, kv_dtype=kv_dtype, mesh=mesh,
+                                 backend=backend, enable_prefix_caching=enable_prefix_caching)
         self.scheduler = Scheduler(max_seqs=max_seqs, num_pages=num_pages, page_size=page_size,
                                    max_step_tokens=max_step_tokens, enable_prefix_caching=enable_prefix_caching,
                                    prefill_chunk=prefill_chunk)
-        self.buckets = StepBuckets.default(max_seqs, max_step_tokens, prefill_chunk)
-        # pages one step may allocate (rows of one page, plus its prompt chunks' pages) or cache
-        self._step_pages = max_seqs + max_step_tokens // page_size + 1 if enable_prefix_caching else None
         self._launched: collections.deque[_Launched] = collections.deque()
         self._previous_rows: dict[Request, int] = {}
         self.step_records: list[StepRecord] | None = [] if record_steps else None
         self._next_id = 0
         self._seeds = np.random.default_rng(_shared_entropy())
+
+    @property
+    def buckets(self) -> StepBuckets:
+        """The step shapes the runner compiles (``StepBuckets``)."""
+        return self.runner.buckets
 
     @property
     def stats(self) -> collections.Counter[str]:
@@ -268,17 +264,7 @@ class Engine:
         return events
 
     def _launch(self, schedule: Schedule, start: float) -> _Launched:
-        shape = self.buckets.shape(schedule)
-        inputs = pack_step(schedule, shape, max_seqs=self.max_seqs, page_size=self.page_size,
-                           max_pages_per_seq=self.table.max_pages_per_seq, step_pages=self._step_pages,
-                           previous_rows=self._previous_rows)
-        next_tokens, ok, pages, self.caches, self.table = self._step(
-            self._weights, self.caches, self.table, self._prev_tokens, inputs.release_ids, inputs.tokens,
-            inputs.token_src, inputs.seq_ids, inputs.q_lens, inputs.sampling, inputs.prefix,
-            max_q_len=shape.max_q_len, backend=self.backend)
-        next_tokens.copy_to_host_async()
-        ok.copy_to_host_async()
-        self._prev_tokens = next_tokens
+        shape, next_tokens, ok, pages = self.runner.launch(schedule, self._previous_rows)
         self._previous_rows = {row.request: i for i, row in enumerate(schedule.rows) if row.samples}
         record = None
         if self.step_records is not None:
@@ -302,28 +288,8 @@ class Engine:
         if self.has_work:
             raise RuntimeError("Engine.warmup: call it before adding requests")
         start = time.perf_counter()
-        for shape in self.buckets.shapes:
-            self._padding_step(shape, sampled=False)
-            if sampled:
-                self._padding_step(shape, sampled=True)
-        jax.block_until_ready(self.table)
+        self.runner.warmup(sampled=sampled)
         return time.perf_counter() - start
-
-    def _padding_step(self, shape: StepShape, *, sampled: bool) -> None:
-        """Runs the step of ``shape`` on padding rows only (it changes no state): compiles it."""
-        padding = np.full(shape.rows, -1, np.int32)
-        prefix = None
-        if self._step_pages is not None:
-            no_pages = np.full(self._step_pages, -1, np.int32)
-            prefix = PrefixOps(no_pages, no_pages, np.zeros((shape.rows, self.table.max_pages_per_seq), np.int32))
-        sampling = None
-        if sampled:
-            sampling = SamplingBatch.from_params([SamplingParams(temperature=1.0)] * shape.rows, [0] * shape.rows)
-        _, _, _, self.caches, self.table = self._step(
-            self._weights, self.caches, self.table, self._prev_tokens, np.full(self.max_seqs, -1, np.int32),
-            np.zeros(shape.tokens, np.int32), np.full(shape.tokens, -1, np.int32), padding,
-            np.zeros(shape.rows, np.int32), sampling, prefix, max_q_len=shape.max_q_len,
-            backend=self.backend)
 
 
 def _default_num_pages(model: PagedModel, max_seqs: int | None, pages_per_seq: int, page_size: int, layout: str,

@@ -1,5 +1,6 @@
 """The engine's device step: one jitted function per model structure, the shapes it is compiled
-for, and the packing of a ``jaxattn.scheduler.Schedule`` into its operands.
+for, the packing of a ``jaxattn.scheduler.Schedule`` into its operands, and the ``StepRunner``
+that holds the device state the step runs over.
 
 The step frees finished sequences, runs prefix caching's page operations, allocates pages, writes
 K/V, runs attention in every layer and samples the next tokens, over donated KV caches and page
@@ -21,11 +22,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 import jaxattn
 from jaxattn.models.base import Cache, PagedModel
-from jaxattn.sampling import SamplingBatch, sample
+from jaxattn.sampling import SamplingBatch, SamplingParams, sample
 from jaxattn.scheduler import Request, Schedule
+from jaxattn.sharding import tensor_parallel_mesh
 
 
 @jax.tree_util.register_dataclass
@@ -288,3 +291,84 @@ class StepRecord:
                    context_tokens=sum(row.start + row.count for row in rows),
                    attention_pairs=sum(row.count * row.start + row.count * (row.count + 1) // 2 for row in rows),
                    padded_rows=shape.rows, padded_tokens=shape.tokens, t_start=t_start)
+
+
+class StepRunner:
+    """The engine's device side (vLLM's model runner beside its engine core): the model's weights,
+    one KV cache per layer, the page table and the previous step's sampled tokens, all on the
+    device, and the jitted step over them (``make_engine_step``), compiled once per ``buckets``
+    shape. ``launch`` runs one step of a schedule and returns its outputs without waiting for them;
+    the ``Engine`` keeps the requests, the scheduler and the loop.
+
+    With a ``mesh``, the weights are placed for tensor parallelism, the caches split by KV heads
+    and the table and tokens replicated (``Engine``'s docstring).
+    """
+
+    def __init__(self, model: PagedModel, *, max_seqs: int, num_pages: int, page_size: int, pages_per_seq: int,
+                 max_step_tokens: int, prefill_chunk: int | None, layout: str, kv_dtype, mesh: Mesh | None,
+                 backend: str, enable_prefix_caching: bool):
+        self.max_seqs, self.backend = max_seqs, backend
+        self._step, self._weights = make_engine_step(model)
+        self.caches = model.init_caches(num_pages, page_size, layout, kv_dtype, mesh=mesh)
+        self.table = jaxattn.PageTable.create(num_pages, max_seqs, pages_per_seq, page_size)
+        self.prev_tokens = jnp.zeros((max_seqs,), jnp.int32)
+        if mesh is not None:
+            replicated = NamedSharding(tensor_parallel_mesh(mesh)[0], PartitionSpec())
+            self._weights = jax.device_put(self._weights, jax.tree.leaves(model.param_shardings(mesh)))
+            self.table, self.prev_tokens = jax.device_put((self.table, self.prev_tokens), replicated)
+        self.buckets = StepBuckets.default(max_seqs, max_step_tokens, prefill_chunk)
+        # pages one step may allocate (rows of one page, plus its prompt chunks' pages) or cache
+        self.step_pages = max_seqs + max_step_tokens // page_size + 1 if enable_prefix_caching else None
+
+    def launch(self, schedule: Schedule, previous_rows: Mapping[Request, int]
+               ) -> tuple[StepShape, jax.Array, jax.Array, jax.Array]:
+        """Runs the step of ``schedule`` (``previous_rows``: ``pack_step``'s), its outputs copied to
+        the host asynchronously: ``(shape, next_tokens, ok, pages)`` (``make_engine_step``'s)."""
+        shape = self.buckets.shape(schedule)
+        inputs = pack_step(schedule, shape, max_seqs=self.max_seqs, page_size=self.table.page_size,
+                           max_pages_per_seq=self.table.max_pages_per_seq, step_pages=self.step_pages,
+                           previous_rows=previous_rows)
+        next_tokens, ok, pages = self._run(inputs)
+        next_tokens.copy_to_host_async()
+        ok.copy_to_host_async()
+        self.prev_tokens = next_tokens
+        return shape, next_tokens, ok, pages
+
+    def warmup(self, *, sampled: bool = True) -> None:
+        """Compiles the step for every shape in ``buckets`` (greedy, and with ``sampled`` the
+        sampling variant too) by running it on padding rows, which changes no state."""
+        for shape in self.buckets.shapes:
+            self._run(self.padding_inputs(shape, sampled=False))
+            if sampled:
+                self._run(self.padding_inputs(shape, sampled=True))
+        jax.block_until_ready(self.table)
+
+    def trace(self, inputs: StepInputs) -> jax.stages.Traced:
+        """The step traced on this runner's state and ``inputs`` (for tests and tools)."""
+        args, kwargs = self._operands(inputs)
+        return self._step.trace(*args, **kwargs)
+
+    def padding_inputs(self, shape: StepShape, *, sampled: bool) -> StepInputs:
+        """The operands of a step of ``shape`` whose rows are all padding (sampling ones with ``sampled``)."""
+        prefix = None
+        if self.step_pages is not None:
+            no_pages = np.full(self.step_pages, -1, np.int32)
+            prefix = PrefixOps(no_pages, no_pages, np.zeros((shape.rows, self.table.max_pages_per_seq), np.int32))
+        sampling = None
+        if sampled:
+            sampling = SamplingBatch.from_params([SamplingParams(temperature=1.0)] * shape.rows, [0] * shape.rows)
+        return StepInputs(shape, np.full(self.max_seqs, -1, np.int32), np.zeros(shape.tokens, np.int32),
+                          np.full(shape.tokens, -1, np.int32), np.full(shape.rows, -1, np.int32),
+                          np.zeros(shape.rows, np.int32), sampling, prefix)
+
+    def _run(self, inputs: StepInputs) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """The jitted step on ``inputs``: updates the caches and table, returns ``(next_tokens, ok, pages)``."""
+        args, kwargs = self._operands(inputs)
+        next_tokens, ok, pages, self.caches, self.table = self._step(*args, **kwargs)
+        return next_tokens, ok, pages
+
+    def _operands(self, inputs: StepInputs) -> tuple[tuple, dict]:
+        """The step's arguments: the device state, then ``inputs``."""
+        return ((self._weights, self.caches, self.table, self.prev_tokens, inputs.release_ids, inputs.tokens,
+                 inputs.token_src, inputs.seq_ids, inputs.q_lens, inputs.sampling, inputs.prefix),
+                dict(max_q_len=inputs.shape.max_q_len, backend=self.backend))

@@ -49,18 +49,18 @@ def test_continuous_batching_matches_dense_greedy():
 def check_host_view(engine: Engine) -> None:
     """Between steps: each running request's pages and length are the device table's, and the
     cached pages are the host's (less those it marks in the next step)."""
-    tables, lens = np.asarray(engine.table.block_tables), np.asarray(engine.table.seq_lens)
+    tables, lens = np.asarray(engine.runner.table.block_tables), np.asarray(engine.runner.table.seq_lens)
     for r in engine.scheduler.running:
         assert lens[r.slot] == r.computed and len(r.blocks) == -(-r.computed // engine.page_size)
         known = np.asarray(r.blocks) > 0
         np.testing.assert_array_equal(tables[r.slot, :len(r.blocks)][known], np.asarray(r.blocks)[known])
-    cached = set(np.nonzero(np.asarray(engine.table.cached))[0].tolist())
+    cached = set(np.nonzero(np.asarray(engine.runner.table.cached))[0].tolist())
     assert cached == set(engine.scheduler.pool.key_of) - set(engine.scheduler.to_mark)
 
 
 def check_drained(engine: Engine) -> None:
     """After an idle step: no page is held, and the host's view of the pool is the device's."""
-    table, pool = engine.table, engine.scheduler.pool
+    table, pool = engine.runner.table, engine.scheduler.pool
     cached = np.asarray(table.cached)
     assert not np.asarray(table.refcount).any() and not np.asarray(table.seq_lens).any()
     assert int(table.num_free) == pool.free
@@ -207,11 +207,11 @@ def test_warmup_compiles_every_step_shape_and_records_steps():
     engine = Engine(model, max_seqs=3, max_seq_len=48, page_size=8, max_step_tokens=16, backend="xla",
                     record_steps=True)
     assert engine.warmup(sampled=False) > 0 and engine.step_records == []
-    compiled = engine._step._cache_size()
+    compiled = engine.runner._step._cache_size()
     rng = np.random.default_rng()
     handles = [engine.add_request(rng.integers(0, 512, size=n), m) for n, m in ((5, 4), (33, 3), (1, 6), (20, 2))]
     engine.run()
-    assert engine._step._cache_size() == compiled
+    assert engine.runner._step._cache_size() == compiled
     records = engine.step_records
     assert sum(r.tokens for r in records) == engine.stats["computed_tokens"]
     assert sum(r.prefill_tokens for r in records) + sum(r.decode_rows for r in records) == sum(r.tokens for r in records)
@@ -468,11 +468,11 @@ def check_engine_on_mesh() -> None:
     expected = _greedy_outputs(engine(), prompts, 5)
     sharded = engine(jax.make_mesh((num_devices,), ("tp",)))
     assert _greedy_outputs(sharded, prompts, 5) == expected
-    pools = jaxattn.kv_cache.pool_sharding(sharded.caches[0].k_pages.sharding.mesh, "tp")
-    assert all(c.k_pages.sharding.is_equivalent_to(pools, 4) for c in sharded.caches)
-    assert sharded.caches[0].num_kv_heads == max(2, num_devices)
-    assert all(x.sharding.is_fully_replicated for x in jax.tree.leaves(sharded.table))
-    pool_shard = sharded.caches[0].k_pages.addressable_shards[0].data.size
+    pools = jaxattn.kv_cache.pool_sharding(sharded.runner.caches[0].k_pages.sharding.mesh, "tp")
+    assert all(c.k_pages.sharding.is_equivalent_to(pools, 4) for c in sharded.runner.caches)
+    assert sharded.runner.caches[0].num_kv_heads == max(2, num_devices)
+    assert all(x.sharding.is_fully_replicated for x in jax.tree.leaves(sharded.runner.table))
+    pool_shard = sharded.runner.caches[0].k_pages.addressable_shards[0].data.size
     for shape in (sharded.buckets.shapes[0], sharded.buckets.shapes[-1]):
         hlo = trace_step(sharded, shape).lower().compile().as_text()
         sizes = _communicated(hlo)
@@ -625,8 +625,8 @@ def test_gpu_engine_on_two_gpus(backend):
     agree = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), len(x)) for x, y in zip(one_gpu, two_gpus)]
     print(f"{backend}: tokens agreeing with one GPU before the first difference, per request:", agree)
     assert min(agree) >= 1, agree
-    assert sharded.caches[0].k_pages.addressable_shards[0].data.shape[1] == model.cfg.num_kv_heads // 2
+    assert sharded.runner.caches[0].k_pages.addressable_shards[0].data.shape[1] == model.cfg.num_kv_heads // 2
     hlo = trace_step(sharded, sharded.buckets.shapes[0]).lower().compile().as_text()
     sizes = _communicated(hlo)
     assert sizes.get("all-reduce") and set(sizes) <= {"all-reduce", "all-gather"}, sizes
-    assert max(sizes.get("all-gather", [0])) < sharded.caches[0].k_pages.addressable_shards[0].data.size, sizes
+    assert max(sizes.get("all-gather", [0])) < sharded.runner.caches[0].k_pages.addressable_shards[0].data.size, sizes

@@ -3,12 +3,13 @@ its operands."""
 
 from __future__ import annotations
 
-import jax.numpy as jnp
+import dataclasses
+
 import numpy as np
 from flax import nnx
 
 from jaxattn.engine import Engine
-from jaxattn.engine_step import PrefixOps, StepBuckets, StepShape, pack_step, page_window
+from jaxattn.engine_step import StepBuckets, StepShape, pack_step, page_window
 from jaxattn.models.llama import PRESETS, Llama
 from jaxattn.sampling import SamplingBatch, SamplingParams
 from jaxattn.scheduler import Request, Row, Schedule
@@ -20,13 +21,9 @@ def trace_step(engine: Engine, shape: StepShape):
     rows = shape.rows
     sampling = SamplingBatch.from_params([SamplingParams(temperature=0.7, top_k=5, top_p=0.9)] * rows,
                                          list(range(1, rows + 1)))
-    prefix = PrefixOps(mark=np.full(engine._step_pages, -1, np.int32), evict=np.full(engine._step_pages, -1, np.int32),
-                       attach=np.zeros((rows, engine.table.max_pages_per_seq), np.int32))
-    return engine._step.trace(
-        engine._weights, engine.caches, engine.table, engine._prev_tokens, jnp.full((engine.max_seqs,), -1, jnp.int32),
-        jnp.zeros((shape.tokens,), jnp.int32), jnp.full((shape.tokens,), -1, jnp.int32),
-        jnp.arange(rows, dtype=jnp.int32), jnp.ones((rows,), jnp.int32), sampling, prefix,
-        max_q_len=shape.max_q_len, backend=engine.backend)
+    inputs = dataclasses.replace(engine.runner.padding_inputs(shape, sampled=False), sampling=sampling,
+                                 seq_ids=np.arange(rows, dtype=np.int32), q_lens=np.ones((rows,), np.int32))
+    return engine.runner.trace(inputs)
 
 
 def test_step_has_no_loops():
