@@ -33,12 +33,11 @@ import jax
 import jax.numpy as jnp
 
 from jaxattn import backends, dispatch
-from jaxattn.backends.base import AttentionParams, Call
+from jaxattn.backends.base import OPS, AttentionParams, Call
 from jaxattn.checks import is_int, is_real
 from jaxattn.kv_cache import KVCache, MLACache
 from jaxattn.metadata import AttentionMetadata, check_metadata
 
-OPS = ("paged_attention", "mla_paged_attention", "mla_prefill")
 _Q_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 
 

@@ -33,7 +33,6 @@ from jaxattn.metadata import SPEC_DECODE_MAX_Q_LEN, AttentionMetadata
 # Steps of at most this many query tokens per sequence (decode, speculative decode) suit the
 # absorbed form (``mla_paged_attention``); longer ones the expanded form (``mla_prefill``).
 MAX_DECODE_Q_LEN = SPEC_DECODE_MAX_Q_LEN
-_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 
 
 def mla_paged_attention(
@@ -134,9 +133,10 @@ def _plan(where: str, q: jax.Array, q_rope: jax.Array, cache: MLACache, meta: At
         raise ValueError(f"{where}: return_status must be a bool, got {return_status!r}")
     w_uk, w_uv = weights or (None, None)
     planned = isinstance(meta, AttentionPlan)
-    params = attention_plan.check_mla_args(where, q, q_rope, cache, meta.meta if planned else meta, scale=scale,
-                                           causal=causal, backend=backend, w_uk=w_uk, w_uv=w_uv)
-    call = Call(where, q, cache, meta.meta if planned else meta, params, q_rope=q_rope, w_uv=w_uv)
+    metadata = meta.meta if planned else meta
+    params = attention_plan.check_mla_args(where, q, q_rope, cache, metadata, scale=scale, causal=causal,
+                                           backend=backend, w_uk=w_uk, w_uv=w_uv)
+    call = Call(where, q, cache, metadata, params, q_rope=q_rope, w_uv=w_uv)
     if not planned:
         return attention_plan.build(call, backend), params
     params = attention_plan.merge_options(where, meta, params, given={"scale"} | ({"causal"} if not causal else set()))

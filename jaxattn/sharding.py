@@ -38,9 +38,9 @@ _SUPPORTED = ("q P(None, axes, None), HND pages P(None, axes, None, None), NHD p
 
 def shard_by_heads(attend: Attend, q: jax.Array, cache: KVCache, meta: Any,
                    sinks: jax.Array | None) -> jax.Array:
-    """``attend(q, cache, meta, sinks)`` run per head shard (``meta``: a pytree of arrays, replicated) when the arguments are sharded on their
-    head axes (module docstring); ``[T, Hq, D]`` sharded like q. In a one-device process it is
-    ``attend`` itself.
+    """``attend(q, cache, meta, sinks)`` run per head shard when the arguments are sharded on their
+    head axes (module docstring; ``meta`` is a pytree of arrays every shard reads whole, the plan);
+    ``[T, Hq, D]`` sharded like q. In a one-device process it is ``attend`` itself.
 
     Unsupported shardings raise ValueError: at trace time when the mesh axes are Explicit (the
     shardings are in the types), else when XLA partitions the jitted program (the error it
