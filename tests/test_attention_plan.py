@@ -98,6 +98,15 @@ def test_calls_that_do_not_match_their_plan_raise():
         (lambda: jaxattn.plan(meta, cache, q, op="attention"), "op must be one of"),
         (lambda: jaxattn.plan(meta, cache, q, q_rope=q), "q_rope is an MLA argument"),
         (lambda: jaxattn.plan(meta, cache, q, scale=-1.0), "paged_attention: scale must be a positive finite"),
+        (lambda: jaxattn.plan(meta, cache, q[0]), "paged_attention: q must be [T, Hq, D]"),
+        (lambda: jaxattn.plan(meta, cache, q.astype(jnp.int32)), "paged_attention: q.dtype must be"),
+        (lambda: jaxattn.plan(meta, cache, q[:, :3]), "must be a multiple of the cache's num_kv_heads"),
+        (lambda: jaxattn.plan(meta, cache, q, sinks=jnp.zeros(3)), "sinks must be float32[4]"),
+        (lambda: jaxattn.plan(meta, cache, q, backend="nope"), "backend must be one of"),
+        (lambda: jaxattn.plan(meta, cache, q, op="mla_prefill", sliding_window=4),
+         "sliding_window is a paged_attention option"),
+        (lambda: jaxattn.plan(meta, cache, q, op="mla_paged_attention", scale=0.1),
+         "mla_paged_attention: cache must be a jaxattn.MLACache"),
     ]
     for call, message in cases:
         with pytest.raises(ValueError, match=re.escape(message)):
