@@ -7,6 +7,7 @@
 #   scripts/device_run.sh python -m benchmarks.bench_xxx    # GPU tests, then a benchmark
 #   PYTEST_ARGS="--shard 2/3" scripts/device_run.sh         # the second third of the GPU tests
 #   GPU_SHARDS="1/6 2/6" scripts/device_run.sh              # 2 GPUs: shards 1/6 and 2/6 at once, one per GPU
+#   GPU_SHARDS="1/8 ... 8/8" SHARD_LIMIT=540 scripts/device_run.sh  # 4 GPUs, two shards each, each cut at 540 s
 #   PYTEST_ARGS="-m multigpu" scripts/device_run.sh         # the tests that need 2 or more GPUs
 #
 # On a fresh machine the whole GPU suite outlasts one 10-minute call (the first use of each XQA
@@ -32,21 +33,30 @@ else
 fi
 python3 -m jaxattn.info 2>&1 | tee "$OUT/info.txt"
 if [ -n "${GPU_SHARDS:-}" ]; then
-  # One shard of the GPU tests per GPU, side by side: device time is the machine's held time
-  # whatever its GPUs do. GPU_SHARDS="1/6 2/6" runs shard 1/6 on GPU 0 and 2/6 on GPU 1.
+  # Shards of the GPU tests side by side, dealt round-robin over the GPUs: device time is the
+  # machine's held time whatever its GPUs do, and the suite is mostly compile time (CPU), so a GPU
+  # may take two shards; then each process gets a share of its memory instead of XLA's 75%.
+  # Each test is logged (-v) so that a shard cut at SHARD_LIMIT seconds still says what ran.
+  num_gpus=$(nvidia-smi -L | wc -l)
+  read -ra shards <<< "$GPU_SHARDS"
+  per_gpu=$(( (${#shards[@]} + num_gpus - 1) / num_gpus ))
+  if [ "$per_gpu" -gt 1 ]; then
+    export XLA_PYTHON_CLIENT_MEM_FRACTION=$(python3 -c "print(round(0.9 / $per_gpu, 2))")
+  fi
   pids=()
-  gpu=0
-  for shard in $GPU_SHARDS; do
+  i=0
+  for shard in "${shards[@]}"; do
     log="$OUT/gpu_tests_${shard//\//_of_}.log"
-    CUDA_VISIBLE_DEVICES=$gpu python3 -m pytest -m gpu -q -rs --shard "$shard" ${PYTEST_ARGS:-} > "$log" 2>&1 &
+    CUDA_VISIBLE_DEVICES=$(( i % num_gpus )) timeout "${SHARD_LIMIT:-0}" \
+      python3 -m pytest -m gpu -v -rs --shard "$shard" ${PYTEST_ARGS:-} > "$log" 2>&1 &
     pids+=($!)
-    gpu=$((gpu + 1))
+    i=$((i + 1))
   done
   status=0
   for pid in "${pids[@]}"; do
     wait "$pid" || status=1
   done
-  for shard in $GPU_SHARDS; do
+  for shard in "${shards[@]}"; do
     echo "== shard $shard: $(tail -1 "$OUT/gpu_tests_${shard//\//_of_}.log")"
   done
 else

@@ -21,7 +21,7 @@ from jaxattn.models.deepseek import DeepSeek
 from jaxattn.models.llama import PRESETS, Llama, forward_paged
 from jaxattn.sampling import SamplingParams
 from tests.conftest import HAS_GPU
-from tests.models.test_llama import dense_greedy
+from tests.models.test_llama import dense_greedy, dense_hidden
 from tests.test_engine_step import trace_step
 from tests.paged_inputs import rel_error
 from tests.test_sharding import run_on_cpu_devices
@@ -558,8 +558,9 @@ def _mixed_step(model: Llama, rng: np.random.Generator, kv_lens: list[int], q_le
 @pytest.mark.gpu
 def test_gpu_backends_agree():
     """One mixed step (decodes + prefill chunks) through the model gives the xla backend's hidden
-    states with every GPU backend; greedy generation starts with the same tokens (after a first
-    bf16-level difference in a near tie, greedy sequences are free to part)."""
+    states with every GPU backend; greedy generation starts with the same tokens, unless the first
+    token is a near tie in a float32 reference (random weights make ties common; after a first
+    bf16-level difference greedy sequences are free to part)."""
     model = _small_model()
     rng = np.random.default_rng()
     backends = ("xla", "auto", "cudnn", "triton")
@@ -581,7 +582,16 @@ def test_gpu_backends_agree():
     agree = {b: [next((i for i, (x, y) in enumerate(zip(o, r)) if x != y), len(o))
                  for o, r in zip(outputs[b], outputs["xla"])] for b in backends[1:]}
     print("tokens agreeing with xla before the first difference, per request:", agree)
-    assert all(n >= 1 for counts in agree.values() for n in counts), agree
+    for b, counts in agree.items():
+        for prompt, n, out, ref in zip(prompts, counts, outputs[b], outputs["xla"]):
+            assert n >= 1 or _near_tie(model, prompt, out[0], ref[0]), (b, agree)
+
+
+def _near_tie(model: Llama, prompt: np.ndarray, token: int, other: int) -> bool:
+    """Whether the next-token logits after ``prompt`` (attended densely) put ``token`` and
+    ``other`` within bf16 noise of each other (1% of the largest logit)."""
+    logits = model.logits(dense_hidden(*nnx.split(model), jnp.asarray(prompt, jnp.int32))[-1])
+    return bool(jnp.abs(logits[token] - logits[other]) <= 1e-2 * jnp.abs(logits).max())
 
 
 @pytest.mark.gpu
