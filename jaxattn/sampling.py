@@ -13,6 +13,7 @@ altogether) when no row of the step needs it.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
@@ -45,10 +46,11 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self):
-        if not is_real(self.temperature) or not self.temperature >= 0:
-            raise ValueError(f"SamplingParams: temperature must be a number >= 0, got {self.temperature!r}")
-        if not is_int(self.top_k) or self.top_k < -1:
-            raise ValueError(f"SamplingParams: top_k must be an int >= -1 (0 or -1: all tokens), got {self.top_k!r}")
+        if not is_real(self.temperature) or not 0 <= self.temperature < math.inf:
+            raise ValueError(f"SamplingParams: temperature must be a finite number >= 0, got {self.temperature!r}")
+        if not is_int(self.top_k) or not -1 <= self.top_k < 2**31:
+            raise ValueError(f"SamplingParams: top_k must be an int in [-1, 2**31) (0 or -1: all tokens), "
+                             f"got {self.top_k!r}")
         if not is_real(self.top_p) or not 0 < self.top_p <= 1:
             raise ValueError(f"SamplingParams: top_p must be a number in (0, 1], got {self.top_p!r}")
         if self.seed is not None and not (is_int(self.seed) and 0 <= self.seed < 2**32):

@@ -2,8 +2,10 @@
 as server-sent events), the model list, health and Prometheus metrics, over an ``EngineLoop``.
 
 Every request is checked before it reaches the engine; what a client can get wrong is a 4xx with
-an OpenAI-style error body naming the field (``param``). A client that disconnects has its request
-aborted at the next engine step (its pages freed).
+an OpenAI-style error body naming the field (``param``): a body over ``max_request_bytes`` is a
+413 before it is read, the rest is ``protocol.parse_body``'s. Tokenizing and the chat template run
+in a worker thread, so that a long prompt delays no other request. A client that disconnects has
+its request aborted at the next engine step (its pages freed).
 """
 
 from __future__ import annotations
@@ -16,7 +18,6 @@ import uuid
 from collections.abc import AsyncIterator
 
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -24,13 +25,16 @@ from jaxattn.engine import Engine
 from jaxattn.sampling import SamplingParams
 from jaxattn.serve.loop import Admitted, EngineLoop, Event, Failed, Job
 from jaxattn.serve.metrics import CONTENT_TYPE_LATEST, Metrics
-from jaxattn.serve.protocol import APIError, ChatRequest, CompletionRequest, error_body
+from jaxattn.serve.protocol import APIError, Body, ChatRequest, CompletionRequest, error_body, parse_body
 from jaxattn.serve.text import TextStream, TextTokenizer
 
-__all__ = ["build_app"]
+__all__ = ["MAX_REQUEST_BYTES", "build_app"]
 
 # What a client disconnecting before its answer gets (nginx's "client closed request"; never sent).
 CLIENT_CLOSED = 499
+# The default bound on a request body (413 above it): a prompt of 128k tokens as JSON token ids or
+# as text escaped to \uXXXX is well under it.
+MAX_REQUEST_BYTES = 8 * 2**20
 # Seconds the app's end waits for the engine thread to finish its step and abort what is left.
 ENGINE_STOP_S = 60.0
 
@@ -144,28 +148,11 @@ def _sse(data: dict | str) -> str:
     return f"data: {data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)}\n\n"
 
 
-def _validation_error(err: RequestValidationError) -> tuple[str, str | None]:
-    """(message, param) of a request body pydantic refused: the first field at fault."""
-    errors = err.errors()
-    first = errors[0]
-    if first["type"] == "json_invalid":
-        return f"the body is not valid JSON: {first.get('ctx', {}).get('error', first['msg'])}", None
-    loc = [str(part) for part in first["loc"] if part != "body"]
-    if not loc:
-        return f"the body must be a JSON object (Content-Type: application/json): {first['msg']}", None
-    param = loc[0]
-    same = [e for e in errors if [str(p) for p in e["loc"] if p != "body"][:1] == [param]]
-    if any(e["type"] == "missing" for e in same):
-        return f"{param}: a required field is missing", param
-    if first["type"] == "literal_error":
-        return f"{param}: this server supports only {first['ctx']['expected']}", param
-    hint = " (one prompt per request: a text or a list of token ids)" if param == "prompt" else ""
-    return f"{param}: " + "; ".join(dict.fromkeys(e["msg"] for e in same)) + hint, param
-
-
-def build_app(engine: Engine, *, model_name: str, tokenizer: TextTokenizer | None = None) -> FastAPI:
+def build_app(engine: Engine, *, model_name: str, tokenizer: TextTokenizer | None = None,
+              max_request_bytes: int = MAX_REQUEST_BYTES) -> FastAPI:
     """The server's app over ``engine`` (its thread starts and stops with the app's lifespan),
-    serving it as ``model_name``; without ``tokenizer``, prompts are token ids only."""
+    serving it as ``model_name``; without ``tokenizer``, prompts are token ids only; bodies over
+    ``max_request_bytes`` get a 413."""
     metrics = Metrics()
     engine_loop = EngineLoop(engine, metrics)
     created = int(time.time())
@@ -180,11 +167,6 @@ def build_app(engine: Engine, *, model_name: str, tokenizer: TextTokenizer | Non
     app = FastAPI(title="jaxattn", lifespan=lifespan)
     app.state.engine_loop = engine_loop
 
-    @app.exception_handler(RequestValidationError)
-    async def _invalid(_: Request, err: RequestValidationError) -> JSONResponse:
-        message, param = _validation_error(err)
-        return JSONResponse(error_body(message, param=param), status_code=400)
-
     @app.exception_handler(APIError)
     async def _api_error(_: Request, err: APIError) -> JSONResponse:
         code = "model_not_found" if err.status == 404 else None
@@ -198,6 +180,21 @@ def build_app(engine: Engine, *, model_name: str, tokenizer: TextTokenizer | Non
     async def _internal(_: Request, err: Exception) -> JSONResponse:
         return JSONResponse(error_body(f"internal error: {type(err).__name__}: {err}", kind="server_error"),
                             status_code=500)
+
+    async def read(request: Request, request_type: type[Body]) -> Body:
+        """The request's body, read up to ``max_request_bytes`` (413 beyond), parsed."""
+        too_large = APIError(413, f"the request body is over this server's limit of {max_request_bytes} bytes "
+                             "(--max-request-bytes)")
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > max_request_bytes:
+            raise too_large
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > max_request_bytes:
+                raise too_large
+            chunks.append(chunk)
+        return parse_body(b"".join(chunks), request_type)
 
     def check_model(name: str) -> None:
         if name != model_name:
@@ -229,7 +226,8 @@ def build_app(engine: Engine, *, model_name: str, tokenizer: TextTokenizer | Non
                            f"{max_tokens} exceed this server's max_seq_len {max_seq_len}", param=max_tokens_param)
         if body.stop_strings:
             need_tokenizer("stop", "stop strings need")
-        stop_ids = tokenizer.stop_token_ids if tokenizer is not None and not body.ignore_eos else ()
+        eos_ids = tokenizer.stop_token_ids if tokenizer is not None and not body.ignore_eos else ()
+        stop_ids = tuple(sorted(set(eos_ids) | set(body.stop_token_ids or ())))
         sampling = SamplingParams(temperature=float(1.0 if body.temperature is None else body.temperature),
                                   top_k=-1 if body.top_k is None else body.top_k,
                                   top_p=float(1.0 if body.top_p is None else body.top_p), seed=body.seed,
@@ -298,25 +296,28 @@ def build_app(engine: Engine, *, model_name: str, tokenizer: TextTokenizer | Non
             if include_usage:
                 yield _sse({**head, "choices": [], "usage": generation.usage})
             yield _sse("[DONE]")
-        except APIError as err:                      # after the headers: the error as the last event
-            yield _sse(error_body(err.message, kind=err.kind))
+        except APIError as err:                      # after the headers: the error as the last event,
+            yield _sse(error_body(err.message, kind=err.kind, code=err.status))   # its status as the code
 
     @app.post("/v1/completions")
-    async def completions(body: CompletionRequest, request: Request) -> Response:
+    async def completions(request: Request) -> Response:
+        body = await read(request, CompletionRequest)
         check_model(body.model)
         if isinstance(body.prompt, list):
             prompt = body.prompt
         else:
-            prompt = need_tokenizer("prompt", "a text prompt needs").encode(body.prompt)
+            text_tokenizer = need_tokenizer("prompt", "a text prompt needs")
+            prompt = await asyncio.to_thread(text_tokenizer.encode, body.prompt)
         return await respond(request, body, make_job(body, prompt, "prompt", body.max_tokens, "max_tokens"), False)
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatRequest, request: Request) -> Response:
+    async def chat_completions(request: Request) -> Response:
+        body = await read(request, ChatRequest)
         check_model(body.model)
         chat_tokenizer = need_tokenizer("messages", "chat needs")
         try:
             messages = [{**m.model_dump(exclude_none=True), "content": m.text()} for m in body.messages]
-            prompt = chat_tokenizer.encode_chat(messages)
+            prompt = await asyncio.to_thread(chat_tokenizer.encode_chat, messages)
         except ValueError as err:                    # ChatTemplateError too
             raise APIError(400, f"messages: {err}", param="messages") from err
         limit_param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"

@@ -25,7 +25,7 @@ from jaxattn.cli_args import DTYPES, positive_int
 from jaxattn.engine import Engine
 from jaxattn.models import from_pretrained
 from jaxattn.models.llama import PRESETS, random_model
-from jaxattn.serve.app import build_app
+from jaxattn.serve.app import MAX_REQUEST_BYTES, build_app
 from jaxattn.serve.loop import EngineLoop
 from jaxattn.serve.text import TextTokenizer
 
@@ -73,6 +73,8 @@ def build_parser(on_gpu: bool) -> argparse.ArgumentParser:
     server = parser.add_argument_group("server")
     server.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
     server.add_argument("--port", type=int, default=8000, help="port to listen on (default: %(default)s)")
+    server.add_argument("--max-request-bytes", type=positive_int, metavar="N", default=MAX_REQUEST_BYTES,
+                        help="larger request bodies get a 413 (default: %(default)s, 8 MiB)")
     server.add_argument("--shutdown-timeout", type=float, metavar="S", default=30.0,
                         help="on SIGTERM, seconds requests in flight may take to finish before they are "
                              "aborted (default: %(default)s)")
@@ -135,7 +137,8 @@ def main(argv: list[str] | None = None) -> None:
     log = logging.getLogger("jaxattn.serve")
     log.info("compiling the engine's steps (%d sequences in flight, %d pages)", engine.max_seqs, engine.num_pages)
     log.info("compiled in %.1f s", engine.warmup())
-    app = build_app(engine, model_name=args.served_model_name or name, tokenizer=tokenizer)
+    app = build_app(engine, model_name=args.served_model_name or name, tokenizer=tokenizer,
+                    max_request_bytes=args.max_request_bytes)
     # uvicorn re-raises the signal that stopped it once it has shut down: a handler of ours makes
     # that a no-op, so a SIGTERM'd server exits with status 0.
     for sig in (signal.SIGTERM, signal.SIGINT):

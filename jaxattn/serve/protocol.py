@@ -1,13 +1,25 @@
-"""The OpenAI-compatible request bodies (pydantic) and error bodies of the HTTP server.
+"""The OpenAI-compatible request bodies (pydantic), how a body is read, and the error bodies of
+the HTTP server.
 
-Fields follow OpenAI's completions and chat completions APIs; ``top_k`` and ``return_token_ids``
-are vLLM's extensions. Fields OpenAI has that the engine does not implement are accepted only at
-their default values, and refused (400 naming the field) otherwise, rather than ignored.
+Fields follow OpenAI's completions and chat completions APIs; ``top_k``, ``ignore_eos``,
+``stop_token_ids`` and ``return_token_ids`` are vLLM's extensions. The policy for fields the server
+does not implement: those of OpenAI's API or vLLM's that change what is returned (``n``,
+``logprobs``, ``response_format``, ``tools``, penalties, ...: ``UNIMPLEMENTED``) are accepted only
+absent, null or at their default, and refused otherwise (400 naming the field), never ignored;
+any other unknown field (``user``, ``metadata``, ``store``, ...: nothing that changes the answer)
+is accepted and ignored, and logged once per name.
+
+``parse_body`` reads a body before pydantic does: strict UTF-8, JSON without ``NaN`` or
+``Infinity`` (or numbers too large for a float), no lone UTF-16 surrogates (``"\\ud800"`` is valid
+JSON but no text), a JSON object; each a 400 naming the field.
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+import json
+import logging
+import math
+from typing import Annotated, Any, ClassVar, TypeVar
 
 from pydantic import (
     BaseModel,
@@ -17,13 +29,17 @@ from pydantic import (
     StrictFloat,
     StrictInt,
     StrictStr,
+    ValidationError,
 )
 
-__all__ = ["APIError", "ChatMessage", "ChatRequest", "CompletionRequest", "error_body"]
+__all__ = ["APIError", "Body", "ChatMessage", "ChatRequest", "CompletionRequest", "error_body", "parse_body"]
+
+log = logging.getLogger("jaxattn.serve")
 
 PositiveInt = Annotated[StrictInt, Field(ge=1)]
 NonEmptyStr = Annotated[StrictStr, Field(min_length=1)]
 Number = StrictInt | StrictFloat
+TokenId = Annotated[StrictInt, Field(ge=0, lt=2**31)]
 
 
 class APIError(Exception):
@@ -35,7 +51,7 @@ class APIError(Exception):
 
 
 def error_body(message: str, *, kind: str = "invalid_request_error", param: str | None = None,
-               code: str | None = None) -> dict:
+               code: str | int | None = None) -> dict:
     """OpenAI's error object: ``{"error": {"message", "type", "param", "code"}}``."""
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
@@ -44,28 +60,37 @@ class StreamOptions(BaseModel):
     include_usage: StrictBool = False
 
 
+# Fields that change what is returned and that the server does not implement (OpenAI's, vLLM's),
+# with the values it accepts (their defaults; null is accepted for every one).
+_UNIMPLEMENTED_SAMPLING: dict[str, tuple] = {
+    "n": (1,), "presence_penalty": (0,), "frequency_penalty": (0,), "repetition_penalty": (1,), "min_p": (0,),
+    "logit_bias": ({},), "min_tokens": (0,), "include_stop_str_in_output": (False,),
+    "skip_special_tokens": (True,), "spaces_between_special_tokens": (True,),
+    "response_format": ({"type": "text"},), "structured_outputs": (), "guided_json": (), "guided_regex": (),
+    "guided_choice": (), "guided_grammar": (), "allowed_token_ids": (), "bad_words": ([],),
+    "prompt_logprobs": (), "truncate_prompt_tokens": (), "use_beam_search": (False,), "length_penalty": (1,),
+    "logits_processors": (),
+}
+
+
 class _Sampling(BaseModel):
     """What both endpoints share: the model, sampling, stop conditions, streaming."""
 
     model_config = ConfigDict(extra="ignore")
+    UNIMPLEMENTED: ClassVar[dict[str, tuple]] = _UNIMPLEMENTED_SAMPLING
 
     model: StrictStr
     # None (JSON null) is the default: temperature 1 (OpenAI's), top_p 1, top_k -1 (all tokens)
     temperature: Annotated[Number, Field(ge=0)] | None = None
     top_p: Annotated[Number, Field(gt=0, le=1)] | None = None
-    top_k: Annotated[StrictInt, Field(ge=-1)] | None = None
+    top_k: Annotated[StrictInt, Field(ge=-1, lt=2**31)] | None = None
     seed: Annotated[StrictInt, Field(ge=0, lt=2**32)] | None = None
     stop: NonEmptyStr | Annotated[list[NonEmptyStr], Field(max_length=16)] | None = None
-    n: Literal[1] = 1
+    stop_token_ids: Annotated[list[TokenId], Field(max_length=64)] | None = None
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     ignore_eos: StrictBool = False
     return_token_ids: StrictBool = False
-    # OpenAI's, not implemented: only their defaults
-    presence_penalty: Literal[0] = 0
-    frequency_penalty: Literal[0] = 0
-    logit_bias: None = None
-    logprobs: Literal[False] | None = None
 
     @property
     def stop_strings(self) -> tuple[str, ...]:
@@ -77,11 +102,11 @@ class _Sampling(BaseModel):
 class CompletionRequest(_Sampling):
     """``POST /v1/completions``: ``prompt`` is a text or a list of token ids (one prompt)."""
 
-    prompt: StrictStr | Annotated[list[Annotated[StrictInt, Field(ge=0)]], Field(min_length=1)]
+    UNIMPLEMENTED: ClassVar[dict[str, tuple]] = {**_UNIMPLEMENTED_SAMPLING, "logprobs": (), "echo": (False,),
+                                                  "best_of": (1,), "suffix": ()}
+
+    prompt: StrictStr | Annotated[list[TokenId], Field(min_length=1)]
     max_tokens: PositiveInt | None = 16
-    echo: Literal[False] = False
-    best_of: Literal[1] | None = None
-    suffix: None = None
 
 
 class ChatMessage(BaseModel):
@@ -102,11 +127,115 @@ class ChatMessage(BaseModel):
 class ChatRequest(_Sampling):
     """``POST /v1/chat/completions``: the messages go through the checkpoint's chat template."""
 
+    UNIMPLEMENTED: ClassVar[dict[str, tuple]] = {
+        **_UNIMPLEMENTED_SAMPLING, "logprobs": (False,), "top_logprobs": (), "tools": ([],),
+        "tool_choice": ("none",), "functions": ([],), "function_call": ("none",), "audio": (),
+        "modalities": (["text"],), "echo": (False,), "add_generation_prompt": (True,),
+        "continue_final_message": (False,), "chat_template": (), "chat_template_kwargs": (),
+        "documents": (),
+    }
+
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_tokens: PositiveInt | None = None
     max_completion_tokens: PositiveInt | None = None
-    tools: None = None
 
     @property
     def token_limit(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+Body = TypeVar("Body", CompletionRequest, ChatRequest)
+_ignored_fields: set[str] = set()       # unknown fields already logged
+_JSON_TYPES = {list: "an array", str: "a string", int: "a number", float: "a number", bool: "a boolean",
+               type(None): "null"}
+
+
+def parse_body(raw: bytes, request_type: type[Body]) -> Body:
+    """The ``request_type`` of a request body ``raw``; APIError (400, naming the field where there is one)
+    when the body is not UTF-8 JSON, holds a lone surrogate or a non-finite number, is not an
+    object, sets an unimplemented field (``UNIMPLEMENTED``) off its default, or fails the model."""
+    try:
+        value = json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError as err:
+        raise APIError(400, f"the body is not UTF-8: byte {err.start} ({raw[err.start:err.start + 1]!r}) "
+                       "starts no character") from None
+    except json.JSONDecodeError as err:
+        raise APIError(400, f"the body is not valid JSON: {err}") from None
+    except ValueError:                            # Python's bound on int digits
+        raise APIError(400, "the body holds an integer of over 4300 digits") from None
+    except RecursionError:
+        raise APIError(400, "the body nests arrays or objects too deeply") from None
+    if not isinstance(value, dict):
+        raise APIError(400, f"the body must be a JSON object, got {_JSON_TYPES[type(value)]}")
+    _check_values(value)
+    for name, accepted in request_type.UNIMPLEMENTED.items():
+        given = value.get(name)
+        if given is not None and not any(_same(given, a) for a in accepted):
+            only = f"only {' or '.join(json.dumps(a) for a in accepted)} or null" if accepted else "only null"
+            raise APIError(400, f"{name}: this server does not implement it ({only} accepted), got "
+                           f"{_shorten(json.dumps(given))}", param=name)
+    for name in value.keys() - request_type.model_fields.keys() - request_type.UNIMPLEMENTED.keys():
+        if name not in _ignored_fields:
+            _ignored_fields.add(name)
+            log.warning("the request field %r is not one this server knows: ignored (logged once)", _shorten(name))
+    try:
+        return request_type.model_validate(value)
+    except ValidationError as err:
+        message, param = _validation_error(err)
+        raise APIError(400, message, param=param) from None
+
+
+def _check_values(body: dict) -> None:
+    """APIError naming the field of the first lone surrogate (in a string or a key) or non-finite
+    number in ``body`` (``json.loads`` takes ``NaN``, ``Infinity`` and ``1e999`` as floats). Keys
+    are checked before they are part of a path (an error message is text)."""
+    for key in body:
+        _check_text("a field name", key)
+    pending: list[tuple[str, Any]] = list(body.items())
+    while pending:
+        path, value = pending.pop()
+        if isinstance(value, float) and not math.isfinite(value):
+            raise APIError(400, f"{_shorten(path)}: {value} is not a finite number (JSON has no NaN or Infinity)",
+                           param=_field(path))
+        if isinstance(value, str):
+            _check_text(path, value)
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                _check_text(f"{path} (a key)", key)
+                pending.append((f"{path}.{key}", item))
+        elif isinstance(value, list):
+            pending += [(f"{path}[{i}]", item) for i, item in enumerate(value)]
+
+
+def _check_text(path: str, text: str) -> None:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        raise APIError(400, f"{_shorten(path)}: a lone UTF-16 surrogate ({text[err.start]!r} at character "
+                       f"{err.start}) is not text", param=_field(path)) from None
+
+
+def _field(path: str) -> str | None:
+    """The top-level field of a path like ``messages[0].content``."""
+    return None if path == "a field name" else path.split(".", 1)[0].split("[", 1)[0].split(" ", 1)[0]
+
+
+def _same(given: Any, accepted: Any) -> bool:
+    """``given == accepted``, but a bool is no number (``false == 0`` in Python)."""
+    return given == accepted and isinstance(given, bool) == isinstance(accepted, bool)
+
+
+def _shorten(text: str, limit: int = 80) -> str:
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def _validation_error(err: ValidationError) -> tuple[str, str | None]:
+    """(message, param) of a body pydantic refused: the first field at fault."""
+    errors = err.errors()
+    first = errors[0]
+    param = str(first["loc"][0])
+    same = [e for e in errors if [str(p) for p in e["loc"]][:1] == [param]]
+    if any(e["type"] == "missing" for e in same):
+        return f"{param}: a required field is missing", param
+    hint = " (one prompt per request: a text or a list of token ids)" if param == "prompt" else ""
+    return _shorten(f"{param}: " + "; ".join(dict.fromkeys(e["msg"] for e in same)), 400) + hint, param

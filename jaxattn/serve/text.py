@@ -57,7 +57,9 @@ class TextTokenizer:
         self.stop_token_ids: tuple[int, ...] = tuple(sorted(set(eos_ids)))
 
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
-        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+        # encode_batch releases the GIL while it tokenizes (encode holds it): a long prompt
+        # tokenized in a worker thread then leaves the server's event loop free.
+        return self.tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def decode(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=True)
