@@ -94,7 +94,9 @@ def test_greedy_rows_and_the_same_seed_and_position_repeat():
     np.testing.assert_array_equal(sample(logits, top_k1, positions), np.argmax(logits, axis=-1))
 
 
-@pytest.mark.parametrize("field, value", [("temperature", -1.0), ("top_k", -2), ("top_k", 1.5), ("top_p", 0.0),
+@pytest.mark.parametrize("field, value", [("temperature", -1.0), ("temperature", float("inf")),
+                                          ("temperature", float("nan")), ("top_k", -2), ("top_k", 1.5),
+                                          ("top_k", 2**31), ("top_p", 0.0), ("top_p", float("nan")),
                                           ("top_p", 1.5), ("seed", -1), ("seed", 2**32),
                                           ("stop_token_ids", (1, -3))])
 def test_bad_parameters_are_named(field, value):
