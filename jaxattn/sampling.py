@@ -23,6 +23,8 @@ from jaxattn.checks import is_int, is_real
 
 # Temperatures below this are greedy (as vLLM's _SAMPLING_EPS).
 GREEDY_TEMPERATURE = 1e-5
+# The most alternatives a token's logprobs list (OpenAI's bound, vLLM's default max_logprobs).
+MAX_LOGPROBS = 20
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,6 +39,9 @@ class SamplingParams:
       seed: the request's random stream, an int in [0, 2**32); None: the engine draws one.
       stop_token_ids: the request ends when it generates one of these; the stop token is the last
         token of its output (as in vLLM's ``token_ids``).
+      logprobs: None, or report each generated token's log-probability and the ``logprobs`` most
+        likely alternatives (0 to ``MAX_LOGPROBS``), from the model's own distribution (the
+        log-softmax of the logits, before temperature, top-k and top-p: vLLM's default).
     """
 
     temperature: float = 0.0
@@ -44,6 +49,7 @@ class SamplingParams:
     top_p: float = 1.0
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
+    logprobs: int | None = None
 
     def __post_init__(self):
         if not is_real(self.temperature) or not 0 <= self.temperature < math.inf:
@@ -59,6 +65,9 @@ class SamplingParams:
         if not all(is_int(t) and t >= 0 for t in stop):
             raise ValueError(f"SamplingParams: stop_token_ids must be ints >= 0, got {self.stop_token_ids!r}")
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in stop))
+        if self.logprobs is not None and not (is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise ValueError(f"SamplingParams: logprobs must be None or an int in [0, {MAX_LOGPROBS}], "
+                             f"got {self.logprobs!r}")
 
     @property
     def greedy(self) -> bool:
@@ -106,6 +115,16 @@ def sample(logits: jax.Array, params: SamplingBatch, positions: jax.Array) -> ja
     greedy_tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     sampled = _unless(jnp.all(greedy), lambda: _sample(logits, params, positions), lambda: greedy_tokens)
     return jnp.where(greedy, greedy_tokens, sampled)
+
+
+def token_logprobs(logits: jax.Array, tokens: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The model's log-probabilities (log-softmax of the logits in float32) of ``tokens`` int32[B]
+    and of each row's ``MAX_LOGPROBS`` most likely tokens: ``(float32[B], top ids int32[B, K],
+    their log-probabilities float32[B, K])``, K = min(MAX_LOGPROBS, V), most likely first."""
+    logprobs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    chosen = jnp.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
+    top_logprobs, top_ids = jax.lax.top_k(logprobs, min(MAX_LOGPROBS, logits.shape[-1]))
+    return chosen, top_ids.astype(jnp.int32), top_logprobs
 
 
 def _sample(logits: jax.Array, params: SamplingBatch, positions: jax.Array) -> jax.Array:

@@ -1,6 +1,6 @@
 """Sampling: top-k / top-p never emit an excluded token (property test against a sort-based
-reference), sampled frequencies follow the softmax, greedy rows take the argmax, and bad
-parameters are named."""
+reference), sampled frequencies follow the softmax, greedy rows take the argmax, logprobs are
+the log-softmax, and bad parameters are named."""
 
 from __future__ import annotations
 
@@ -13,7 +13,15 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jaxattn.sampling import SamplingBatch, SamplingParams, _sortable, _threshold, sample
+from jaxattn.sampling import (
+    MAX_LOGPROBS,
+    SamplingBatch,
+    SamplingParams,
+    _sortable,
+    _threshold,
+    sample,
+    token_logprobs,
+)
 
 B, V = 4, 12
 
@@ -102,3 +110,27 @@ def test_greedy_rows_and_the_same_seed_and_position_repeat():
 def test_bad_parameters_are_named(field, value):
     with pytest.raises(ValueError, match=f"SamplingParams: {field} must be"):
         SamplingParams(**{field: value})
+
+
+def test_token_logprobs_are_the_log_softmax():
+    """The chosen tokens' log-probabilities and the top MAX_LOGPROBS, most likely first, equal a
+    float64 log-softmax of the same logits (bf16 logits computed in float32)."""
+    rng = np.random.default_rng()
+    logits = jnp.asarray(rng.normal(size=(3, 50)) * 4, jnp.bfloat16)
+    tokens = jnp.asarray(rng.integers(0, 50, size=3), jnp.int32)
+    chosen, top_ids, top_logprobs = token_logprobs(logits, tokens)
+    reference = np.asarray(logits, np.float64)
+    reference = reference - np.log(np.sum(np.exp(reference - reference.max(-1, keepdims=True)), -1,
+                                          keepdims=True)) - reference.max(-1, keepdims=True)
+    np.testing.assert_allclose(chosen, reference[np.arange(3), tokens], atol=1e-5)
+    assert top_ids.shape == (3, MAX_LOGPROBS)
+    np.testing.assert_array_equal(np.sort(top_ids, -1), np.sort(np.argsort(-reference, -1)[:, :MAX_LOGPROBS], -1))
+    np.testing.assert_allclose(top_logprobs, np.take_along_axis(reference, np.asarray(top_ids), -1), atol=1e-5)
+    assert np.all(np.diff(np.asarray(top_logprobs), axis=-1) <= 0)
+    assert token_logprobs(logits[:, :7], jnp.zeros(3, jnp.int32))[1].shape == (3, 7)
+
+
+@pytest.mark.parametrize("value", [-1, MAX_LOGPROBS + 1, 1.5, True])
+def test_logprobs_outside_0_to_20_are_refused(value):
+    with pytest.raises(ValueError, match="SamplingParams: logprobs must be None or an int in"):
+        SamplingParams(logprobs=value)
