@@ -1,10 +1,11 @@
-"""``python -m jaxattn.serve`` over loopback, on a tiny Llama checkpoint that transformers writes
-(with a word-level tokenizer and a chat template): the openai client's completions, chats and
-streams equal transformers' greedy tokens; bad input gets a 4xx naming the field; 64 concurrent
-streams with a quarter of the clients leaving mid-stream all end well and free their pages (the
-pool short, so requests are preempted); SIGTERM during load exits 0, the streams finished within
-the grace period and ended by a 503 event after it; the README's section runs as written; the
-benchmark's smoke mode runs. In process (no checkpoint): a request, or a step, that fails in the
+"""``python -m jaxattn.serve`` over loopback, on a tiny Llama checkpoint written without torch
+(tests/serve_helpers.py: a byte-level BPE tokenizer and a chat template): the openai client's
+completions, chats and streams equal the greedy tokens of the checkpoint's model run densely (no
+paging, no cache), their text the tokenizer's decoding; bad input gets a 4xx naming the field; 64
+concurrent streams with a quarter of the clients leaving mid-stream all end well and free their
+pages (the pool short, so requests are preempted); SIGTERM during load exits 0, the streams
+finished within the grace period and ended by a 503 event after it; the README's section runs as
+written; the benchmark's smoke mode runs. In process (no checkpoint): a request, or a step, that fails in the
 engine fails alone; the command line's usage errors."""
 
 from __future__ import annotations
@@ -28,8 +29,8 @@ openai = pytest.importorskip("openai", reason="needs the openai client (pip inst
 import httpx
 
 from jaxattn.serve.process import free_port
-from tests.conftest import require_parity
-from tests.serve_helpers import BOS, EOS, metric, running_server, save_chat_checkpoint
+from tests.models.test_llama import dense_greedy
+from tests.serve_helpers import BOS, EOS, VOCAB, metric, running_server, save_chat_checkpoint
 
 MAX_SEQ_LEN = 64
 # 16 pages (2 sequences of 64 tokens), so loads preempt; steps of at most 8 tokens (few shapes to compile)
@@ -42,11 +43,14 @@ FINISH_REASONS = ("stop", "length", "abort", "error")
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    """(checkpoint directory, its transformers model, its transformers tokenizer)."""
-    transformers = require_parity()
+    """(checkpoint directory, its model from jaxattn.models.from_pretrained, its tokenizers.Tokenizer)."""
+    from tokenizers import Tokenizer
+
+    from jaxattn.models import from_pretrained
+
     path = tmp_path_factory.mktemp("tiny-llama")
-    reference = save_chat_checkpoint(path)
-    return path, reference, transformers.AutoTokenizer.from_pretrained(path)
+    save_chat_checkpoint(path)
+    return path, from_pretrained(str(path), dtype="float32"), Tokenizer.from_file(str(path / "tokenizer.json"))
 
 
 @pytest.fixture(scope="module")
@@ -59,11 +63,10 @@ def server(checkpoint, tmp_path_factory):
         yield f"http://127.0.0.1:{port}"
 
 
-def expected_tokens(reference, prompt: list[int], new_tokens: int) -> list[int]:
-    """transformers' greedy tokens, ending at the first EOS (included), as the server's."""
-    from tests.models.hf_checkpoints import generate
-
-    out = generate(reference, prompt, new_tokens)
+def expected_tokens(model, prompt: list[int], new_tokens: int) -> list[int]:
+    """The dense greedy tokens (tests/models/test_llama.py), ending at the first EOS (included), as
+    the server's."""
+    out = dense_greedy(model, prompt, new_tokens, max_len=MAX_SEQ_LEN)
     return out[:out.index(EOS) + 1] if EOS in out else out
 
 
@@ -94,11 +97,11 @@ def test_models_and_health(server):
     assert httpx.get(f"{server}/health").json() == {"status": "ok"}
 
 
-def test_completions_equal_transformers(server, checkpoint):
-    _, reference, tokenizer = checkpoint
-    text = "w5 w6 w7 w8"
-    prompt = tokenizer(text).input_ids
-    expected = expected_tokens(reference, prompt, NEW_TOKENS)
+def test_completions_equal_the_dense_greedy_tokens(server, checkpoint):
+    _, model, tokenizer = checkpoint
+    text = 'The "café" {costs: [3 €]}'            # non-ASCII and JSON's punctuation: byte tokens
+    prompt = tokenizer.encode(text).ids
+    expected = expected_tokens(model, prompt, NEW_TOKENS)
     for given in (text, prompt):
         out = client(server).completions.create(model="tiny-llama", prompt=given, max_tokens=NEW_TOKENS,
                                                 temperature=0, extra_body={"return_token_ids": True})
@@ -110,9 +113,9 @@ def test_completions_equal_transformers(server, checkpoint):
 
 
 def test_streamed_completion_is_the_completion(server, checkpoint):
-    _, reference, tokenizer = checkpoint
+    _, model, tokenizer = checkpoint
     prompt = [BOS, 40, 41, 42, 43, 44]
-    expected = expected_tokens(reference, prompt, NEW_TOKENS)
+    expected = expected_tokens(model, prompt, NEW_TOKENS)
     chunks = list(client(server).completions.create(model="tiny-llama", prompt=prompt, max_tokens=NEW_TOKENS,
                                                     temperature=0, stream=True,
                                                     stream_options={"include_usage": True}))
@@ -122,12 +125,15 @@ def test_streamed_completion_is_the_completion(server, checkpoint):
 
 
 def test_chat_applies_the_chat_template(server, checkpoint):
-    _, reference, tokenizer = checkpoint
-    messages = [{"role": "user", "content": "w40 w41"}, {"role": "assistant", "content": "w42"},
-                {"role": "user", "content": "w43 w44 w45"}]
-    prompt = list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)["input_ids"])
-    assert 0 not in prompt, "the template's words are all in the vocabulary"
-    expected = expected_tokens(reference, prompt, NEW_TOKENS)
+    from jaxattn.serve.text import TextTokenizer
+
+    path, model, tokenizer = checkpoint
+    messages = [{"role": "user", "content": "Hi there"}, {"role": "assistant", "content": "Hello."},
+                {"role": "user", "content": "Name three rivers."}]
+    rendered = "<s>user: Hi there\nassistant: Hello.\nuser: Name three rivers.\nassistant:"
+    prompt = tokenizer.encode(rendered, add_special_tokens=False).ids      # the chat template written out
+    assert prompt[0] == BOS and TextTokenizer(path).encode_chat(messages) == prompt
+    expected = expected_tokens(model, prompt, NEW_TOKENS)
     out = client(server).chat.completions.create(model="tiny-llama", messages=messages, max_tokens=NEW_TOKENS,
                                                  temperature=0)
     assert out.choices[0].message.role == "assistant"
@@ -142,13 +148,12 @@ def test_chat_applies_the_chat_template(server, checkpoint):
 
 
 def test_stop_strings_cut_the_text_and_end_the_request(server, checkpoint):
-    _, reference, tokenizer = checkpoint
+    _, model, tokenizer = checkpoint
     prompt = [BOS, 30, 31, 32]
-    expected = expected_tokens(reference, prompt, NEW_TOKENS)
+    expected = expected_tokens(model, prompt, NEW_TOKENS)
     full = expected_text(tokenizer, prompt, expected)
-    words = full.split()
-    assert len(words) >= 4, full
-    stop = " " + words[3]                     # the text ends before the fourth word's first appearance
+    assert len(full) >= 8, full
+    stop = full[len(full) // 2:][:3]          # the text ends before its first appearance
     for stream in (False, True):
         out = client(server).completions.create(model="tiny-llama", prompt=prompt, max_tokens=NEW_TOKENS,
                                                 temperature=0, stop=[stop, "never"], stream=stream)
@@ -173,8 +178,8 @@ def _too_long() -> list[int]:
     return [BOS] * MAX_SEQ_LEN
 
 
-COMPLETION = {"model": "tiny-llama", "prompt": "w5 w6", "max_tokens": 4}
-CHAT = {"model": "tiny-llama", "messages": [{"role": "user", "content": "w5"}], "max_tokens": 4}
+COMPLETION = {"model": "tiny-llama", "prompt": "Hello there", "max_tokens": 4}
+CHAT = {"model": "tiny-llama", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}
 # (endpoint, body (or raw bytes), status, the field the error names)
 BAD = [
     ("completions", b'{"model": "tiny-llama", "prompt": ', 400, None),
@@ -182,7 +187,7 @@ BAD = [
     ("completions", {"model": "tiny-llama", "max_tokens": 4}, 400, "prompt"),
     ("chat/completions", {"model": "tiny-llama", "max_tokens": 4}, 400, "messages"),
     ("chat/completions", {**CHAT, "messages": []}, 400, "messages"),
-    ("chat/completions", {**CHAT, "messages": [{"content": "w5"}]}, 400, "messages"),
+    ("chat/completions", {**CHAT, "messages": [{"content": "Hi"}]}, 400, "messages"),
     ("chat/completions", {**CHAT, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400,
      "messages"),
     ("completions", {**COMPLETION, "max_tokens": 0}, 400, "max_tokens"),
@@ -201,7 +206,7 @@ BAD = [
     ("completions", {**COMPLETION, "prompt": _too_long()}, 400, "prompt"),
     ("completions", {**COMPLETION, "prompt": [BOS] * 10, "max_tokens": MAX_SEQ_LEN - 9}, 400, "max_tokens"),
     ("chat/completions", {**CHAT, "max_tokens": MAX_SEQ_LEN}, 400, "max_tokens"),
-    ("completions", {**COMPLETION, "prompt": [BOS, 128]}, 400, "prompt"),
+    ("completions", {**COMPLETION, "prompt": [BOS, VOCAB]}, 400, "prompt"),
     ("completions", {**COMPLETION, "prompt": [BOS, -1]}, 400, "prompt"),
     ("completions", {**COMPLETION, "prompt": [[1, 2], [3]]}, 400, "prompt"),
     ("completions", {**COMPLETION, "model": "gpt-4"}, 404, "model"),
@@ -230,9 +235,9 @@ def test_bad_input_gets_a_4xx_naming_the_field(server):
 
 def test_the_openai_client_raises_on_bad_input(server):
     with pytest.raises(openai.BadRequestError, match="max_tokens"):
-        client(server).completions.create(model="tiny-llama", prompt="w1", max_tokens=MAX_SEQ_LEN)
+        client(server).completions.create(model="tiny-llama", prompt="Hi", max_tokens=MAX_SEQ_LEN)
     with pytest.raises(openai.NotFoundError):
-        client(server).chat.completions.create(model="nope", messages=[{"role": "user", "content": "w1"}])
+        client(server).chat.completions.create(model="nope", messages=[{"role": "user", "content": "Hi"}])
 
 
 
@@ -295,8 +300,8 @@ async def _load(base_url: str, prompts: list[list[int]], leave: set[int], plain:
 def _load_prompts(count: int) -> list[list[int]]:
     """Prompts of 4 to 19 tokens; eight distinct ones, some sharing a page-long prefix."""
     rng = np.random.default_rng(0)
-    shared = [BOS] + rng.integers(3, 128, size=8).tolist()
-    distinct = [(shared if i % 2 else [BOS]) + rng.integers(3, 128, size=3 + i).tolist() for i in range(8)]
+    shared = [BOS] + rng.integers(EOS + 1, VOCAB, size=8).tolist()
+    distinct = [(shared if i % 2 else [BOS]) + rng.integers(EOS + 1, VOCAB, size=3 + i).tolist() for i in range(8)]
     return [distinct[i % 8] for i in range(count)]
 
 
@@ -305,9 +310,9 @@ def test_64_streams_a_quarter_leaving(server, checkpoint):
     client gives up: no error, the others' tokens right, every request counted once (most leavers'
     aborted), no page held at the end (the pool holds 2 sequences of max_seq_len: requests wait or
     are preempted; which of the two depends on how far the leavers got, so neither is asserted)."""
-    reference = checkpoint[1]
+    model = checkpoint[1]
     prompts = _load_prompts(64)
-    expected = {tuple(p): expected_tokens(reference, p, NEW_TOKENS) for p in prompts}
+    expected = {p: expected_tokens(model, list(p), NEW_TOKENS) for p in set(map(tuple, prompts))}
     leave = set(range(0, 64, 4))
     finished = {reason: metric(server, f'jaxattn_requests_finished_total{{finish_reason="{reason}"}}')
                 for reason in FINISH_REASONS}
@@ -338,7 +343,7 @@ def test_sigterm_during_load_exits_0(checkpoint, tmp_path, grace):
     (--shutdown-timeout) the streams finish, after it they end with a 503 error event. Without a
     grace period the streams ask for LEAVER_TOKENS: with NEW_TOKENS a fast machine could finish
     all 16 before the signal lands (1 of 6 local runs did), leaving none to end."""
-    path, reference, _ = checkpoint
+    path, model, _ = checkpoint
     port = free_port()
     base_url = f"http://127.0.0.1:{port}"
     prompts = _load_prompts(16)
@@ -361,7 +366,7 @@ def test_sigterm_during_load_exits_0(checkpoint, tmp_path, grace):
     aborted = 0
     for prompt, result in zip(prompts, results):
         assert not isinstance(result, BaseException), result
-        if result != (200, expected_tokens(reference, prompt, max_tokens)):
+        if result != (200, expected_tokens(model, prompt, max_tokens)):
             assert grace == "0" and result == (200, "the server is shutting down"), result
             aborted += 1
     assert aborted > 0 if grace == "0" else aborted == 0
@@ -484,7 +489,9 @@ def test_a_stream_behind_the_engine_gets_the_same_tokens_and_text(checkpoint):
     from jaxattn.serve.text import TextTokenizer
 
     tokenizer = TextTokenizer(checkpoint[0])
-    steps = [Tokens([40 + i], None) for i in range(5)] + [Tokens([EOS], "stop")]
+    words = tokenizer.encode(" the sequence pages and completions", add_special_tokens=False)
+    assert len(words) == 5, "a token a word"
+    steps = [Tokens([word], None) for word in words] + [Tokens([EOS], "stop")]
     full = "".join(chunk[0] for chunk in _generate(tokenizer, [[step] for step in steps])[0])
     stop = " " + full.split()[3]
     for stops in ((), (stop,)):
