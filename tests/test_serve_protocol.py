@@ -1,0 +1,250 @@
+"""What a client can send the HTTP server, in process (``fastapi.testclient``, one engine over a
+tiny checkpoint): malformed text, non-finite numbers, oversized and deeply nested bodies, fields
+the server does not implement get a 4xx naming the field; unknown fields are ignored; a property
+-based fuzz of request bodies gets no 5xx; a long prompt is tokenized off the event loop (the
+server answers meanwhile) and an oversized one is a 413 before it is read."""
+
+from __future__ import annotations
+
+import json
+import math
+import threading
+import time
+
+import pytest
+
+pytest.importorskip("fastapi", reason="needs the [serve] extra (pip install -e \".[test]\")")
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from jaxattn.serve.protocol import APIError, ChatRequest, CompletionRequest, parse_body
+
+MAX_SEQ_LEN = 24
+MAX_REQUEST_BYTES = 4 * 2**20
+
+
+@pytest.fixture(scope="module")
+def http(tmp_path_factory):
+    """A TestClient of the app over a tiny checkpoint's engine (its thread runs while the module's
+    tests do), its tokenizer included, bodies limited to MAX_REQUEST_BYTES."""
+    from fastapi.testclient import TestClient
+
+    from jaxattn.engine import Engine
+    from jaxattn.models import from_pretrained
+    from jaxattn.serve.app import build_app
+    from jaxattn.serve.text import TextTokenizer
+    from tests.serve_helpers import save_chat_checkpoint
+
+    path = tmp_path_factory.mktemp("tiny-llama")
+    save_chat_checkpoint(path)
+    engine = Engine(from_pretrained(path, dtype="float32"), max_seqs=4, max_seq_len=MAX_SEQ_LEN, page_size=8,
+                    max_step_tokens=8, backend="xla")
+    engine.warmup()
+    app = build_app(engine, model_name="tiny", tokenizer=TextTokenizer(path), max_request_bytes=MAX_REQUEST_BYTES)
+    with TestClient(app) as client:
+        yield client
+
+
+def post(http, body: bytes | str | dict, endpoint: str = "completions"):
+    if isinstance(body, dict):
+        body = json.dumps(body)
+    if isinstance(body, str):
+        body = body.encode("utf-8", "surrogatepass")
+    return http.post(f"/v1/{endpoint}", content=body, headers={"content-type": "application/json"})
+
+
+def refused(response, status: int, param: str | None) -> str:
+    """The error message of ``response``, after checking its status, body and ``param``."""
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert error["param"] == param and error["type"] and error["message"], error
+    if param is not None:
+        assert error["message"].startswith(param), error
+    return error["message"]
+
+
+COMPLETION = '{"model": "tiny", "max_tokens": 2, "prompt": %s}'
+CHAT = '{"model": "tiny", "max_tokens": 2, "messages": [{"role": "user", "content": %s}]}'
+
+# (endpoint, raw body, status, the field the error names, a piece of its message)
+MALFORMED = [
+    ("completions", COMPLETION % '"a\\ud800b"', 400, "prompt", "surrogate"),
+    ("completions", COMPLETION % '"\\udfff"', 400, "prompt", "surrogate"),
+    ("chat/completions", CHAT % '"a\\ud800b"', 400, "messages", "messages[0].content"),
+    ("chat/completions", CHAT % '[{"type": "text", "text": "\\udc00"}]', 400, "messages", "surrogate"),
+    ("completions", '{"model": "tiny", "prompt": "a", "\\ud800": 1}', 400, None, "a field name"),
+    ("completions", '{"model": "tiny", "prompt": "a", "metadata": {"\\ud800": 1}}', 400, "metadata", "key"),
+    ("completions", b'{"model": "tiny", "prompt": "\xff\xfe"}', 400, None, "not UTF-8"),
+    ("completions", b'{"model": "tiny", "prompt": "\xed\xa0\x80"}', 400, None, "not UTF-8"),  # an encoded surrogate
+    ("completions", '{"model": "tiny", "prompt": "a", "temperature": Infinity}', 400, "temperature", "finite"),
+    ("completions", '{"model": "tiny", "prompt": "a", "temperature": NaN}', 400, "temperature", "finite"),
+    ("completions", '{"model": "tiny", "prompt": "a", "top_p": -Infinity}', 400, "top_p", "finite"),
+    ("completions", '{"model": "tiny", "prompt": "a", "temperature": 1e999}', 400, "temperature", "finite"),
+    ("completions", '{"model": "tiny", "prompt": "a", "user": {"x": [NaN]}}', 400, "user", "user.x[0]"),
+    ("completions", '{"model": "tiny", "prompt": "a", "max_tokens": %s}' % ("9" * 5000), 400, None, "4300 digits"),
+    ("completions", "[" * 100_000 + "]" * 100_000, 400, None, "too deeply"),
+    ("completions", '{"model": "tiny", "prompt": ', 400, None, "not valid JSON"),
+    ("completions", "null", 400, None, "got null"),
+    ("completions", '"text"', 400, None, "got a string"),
+    ("completions", '{"model": "tiny", "prompt": "a", "top_k": 4294967296}', 400, "top_k", "less than"),
+    ("completions", '{"model": "tiny", "prompt": [1, 4294967296]}', 400, "prompt", "less than"),
+    ("completions", '{"model": "tiny", "prompt": "a", "stop_token_ids": [-1]}', 400, "stop_token_ids", ""),
+]
+
+
+@pytest.mark.parametrize("endpoint,body,status,param,says", MALFORMED)
+def test_malformed_bodies_get_a_400_naming_the_field(http, endpoint, body, status, param, says):
+    assert says in refused(post(http, body, endpoint), status, param)
+
+
+# Fields that change what is returned: refused unless null or at their default, never ignored.
+UNIMPLEMENTED = [
+    ("completions", {"n": 2}), ("completions", {"logprobs": 0}), ("completions", {"echo": True}),
+    ("completions", {"best_of": 2}), ("completions", {"suffix": "x"}), ("completions", {"presence_penalty": 0.5}),
+    ("completions", {"presence_penalty": False}), ("completions", {"logit_bias": {"5": 100}}),
+    ("completions", {"min_p": 0.1}), ("completions", {"repetition_penalty": 1.2}),
+    ("completions", {"min_tokens": 3}), ("completions", {"response_format": {"type": "json_object"}}),
+    ("completions", {"guided_json": {"type": "object"}}), ("completions", {"skip_special_tokens": False}),
+    ("chat/completions", {"logprobs": True}), ("chat/completions", {"top_logprobs": 2}),
+    ("chat/completions", {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}}),
+    ("chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}]}),
+    ("chat/completions", {"tool_choice": "required"}), ("chat/completions", {"add_generation_prompt": False}),
+    ("chat/completions", {"chat_template": "{{ messages }}"}),
+]
+ACCEPTED_DEFAULTS = {"n": 1, "logprobs": None, "presence_penalty": 0.0, "frequency_penalty": 0, "logit_bias": {},
+                     "response_format": {"type": "text"}, "best_of": 1, "echo": False, "min_tokens": 0}
+
+
+@pytest.mark.parametrize("endpoint,extra", UNIMPLEMENTED, ids=lambda v: v if isinstance(v, str) else next(iter(v)))
+def test_fields_that_would_change_the_answer_are_refused(http, endpoint, extra):
+    base = {"model": "tiny", "max_tokens": 2, **({"prompt": "Hi"} if endpoint == "completions" else
+                                               {"messages": [{"role": "user", "content": "Hi"}]})}
+    (name,) = extra
+    assert "does not implement" in refused(post(http, {**base, **extra}, endpoint), 400, name)
+
+
+def test_defaults_and_unknown_fields_are_accepted(http, caplog):
+    body = {"model": "tiny", "prompt": "Hi", "max_tokens": 2, **ACCEPTED_DEFAULTS, "user": "u1",
+            "metadata": {"k": "v"}, "store": False, "service_tier": "auto"}
+    with caplog.at_level("WARNING", logger="jaxattn.serve"):
+        assert post(http, body).status_code == 200
+        assert post(http, body).status_code == 200
+    ignored = [r.getMessage() for r in caplog.records if "is not one this server knows" in r.getMessage()]
+    assert sum("'service_tier'" in m for m in ignored) <= 1, ignored      # once per name, not per request
+
+
+def test_stop_token_ids_end_the_request(http):
+    out = post(http, {"model": "tiny", "prompt": "Paged attention", "max_tokens": 8, "temperature": 0,
+                      "ignore_eos": True, "return_token_ids": True}).json()["choices"][0]
+    first = out["token_ids"][0]
+    stopped = post(http, {"model": "tiny", "prompt": "Paged attention", "max_tokens": 8, "temperature": 0,
+                          "ignore_eos": True, "return_token_ids": True, "stop_token_ids": [first]}).json()
+    assert stopped["choices"][0]["token_ids"] == [first] and stopped["choices"][0]["finish_reason"] == "stop"
+
+
+def test_parse_body_alone():
+    """parse_body without HTTP: the request types, their defaults, an APIError naming the field."""
+    request = parse_body(b'{"model": "m", "prompt": [1, 2], "user": "x"}', CompletionRequest)
+    assert request.prompt == [1, 2] and request.max_tokens == 16 and request.stop_strings == ()
+    chat = parse_body(json.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}],
+                                  "stop": "x"}).encode(), ChatRequest)
+    assert chat.stop_strings == ("x",) and chat.token_limit is None
+    with pytest.raises(APIError) as err:
+        parse_body(b'{"model": "m", "messages": [], "tools": [{}]}', ChatRequest)
+    assert err.value.param == "tools" and err.value.status == 400
+
+
+def test_an_oversized_body_is_a_413_and_a_long_prompt_stalls_no_one(http):
+    """A body over the limit is refused from its Content-Length; a long prompt under it (about
+    3 MB of text: seconds of tokenizing) is tokenized in a worker thread while /health and a short
+    request are answered within a second each."""
+    big = "x" * (MAX_REQUEST_BYTES + 1)
+    start = time.monotonic()
+    refused(post(http, {"model": "tiny", "prompt": big}), 413, None)
+    assert time.monotonic() - start < 5
+
+    words = "Paged attention keeps the keys and values of every sequence in pages; "
+    long_prompt = {"model": "tiny", "prompt": words * (3_000_000 // len(words))}
+    answers = {}
+    worker = threading.Thread(target=lambda: answers.setdefault("long", post(http, long_prompt)))
+    worker.start()
+    time.sleep(0.3)                                  # the long request is being tokenized
+    latencies = []
+    while worker.is_alive() and len(latencies) < 50:
+        start = time.monotonic()
+        assert http.get("/health").status_code == 200
+        latencies.append(time.monotonic() - start)
+        time.sleep(0.05)
+    worker.join()
+    assert "max_seq_len" in refused(answers["long"], 400, "prompt")
+    assert len(latencies) >= 3 and max(latencies) < 1.0, latencies
+
+
+# ------------------------------------------------------------------------------------------ fuzz
+
+# Any code point (lone surrogates too, rare there), and short texts full of surrogates and JSON's
+# own characters.
+_TEXT = (st.text(st.characters(exclude_categories=()), max_size=12)
+         | st.text(st.sampled_from('ab \ud800\udc00{}"\\\x00'), max_size=6))
+_SCALARS = (st.none() | st.booleans() | st.integers(-2**40, 2**40) | st.floats(allow_nan=True, allow_infinity=True)
+            | _TEXT)
+_JSON = st.recursive(_SCALARS, lambda inner: st.lists(inner, max_size=3) | st.dictionaries(_TEXT, inner, max_size=3),
+                     max_leaves=6)
+_TOKEN_IDS = st.lists(st.integers(-2, 400), min_size=0, max_size=30)
+_MESSAGES = st.lists(st.fixed_dictionaries({"role": st.sampled_from(["user", "assistant", "system"]) | _TEXT},
+                                           optional={"content": _TEXT | st.none() | _JSON, "name": _JSON}),
+                     max_size=3)
+# Each known field: plausible values, mostly in range, and any JSON value now and then.
+_FIELDS = {
+    "model": st.just("tiny") | _TEXT, "prompt": _TEXT | _TOKEN_IDS, "messages": _MESSAGES,
+    "max_tokens": st.integers(-1, 30) | st.none(), "max_completion_tokens": st.integers(-1, 30),
+    "temperature": st.floats(-1, 3) | st.sampled_from([0, 1e-30, 1e30, float("inf"), float("nan")]),
+    "top_p": st.floats(-0.5, 1.5), "top_k": st.integers(-3, 2**32), "seed": st.integers(-1, 2**33),
+    "stop": _TEXT | st.lists(_TEXT, max_size=3), "stop_token_ids": _TOKEN_IDS, "stream": st.booleans(),
+    "stream_options": st.fixed_dictionaries({"include_usage": st.booleans()}) | _JSON,
+    "ignore_eos": st.booleans(), "return_token_ids": st.booleans(), "n": st.integers(0, 3),
+    "logprobs": st.booleans() | st.integers(0, 5), "top_logprobs": st.integers(0, 5), "echo": st.booleans(),
+    "presence_penalty": st.floats(-2, 2), "response_format": st.fixed_dictionaries(
+        {"type": st.sampled_from(["text", "json_object", "json_schema"])}), "tools": _JSON, "user": _JSON,
+}
+
+
+@st.composite
+def _bodies(draw) -> tuple[str, bytes]:
+    """(endpoint, raw body): a JSON object of known and unknown fields (any value now and then,
+    NaN and lone surrogates serialized as Python's json writes them), sometimes cut or corrupted."""
+    endpoint = draw(st.sampled_from(["completions", "chat/completions"]))
+    names = draw(st.lists(st.sampled_from(sorted(_FIELDS)), max_size=8, unique=True))
+    body = {"model": "tiny", **({"prompt": "Hi"} if endpoint == "completions" else
+                                {"messages": [{"role": "user", "content": "Hi"}]})}
+    for name in names:
+        body[name] = draw(_JSON) if draw(st.integers(0, 9)) == 0 else draw(_FIELDS[name])
+    if draw(st.booleans()):
+        body.update(draw(st.dictionaries(_TEXT, _JSON, max_size=2)))
+    if body.get("max_tokens") is None or not isinstance(body.get("max_tokens"), int) or body["max_tokens"] > 4:
+        body.setdefault("max_completion_tokens", 4)
+    raw = json.dumps(body).encode()
+    mutation = draw(st.integers(0, 9))
+    if mutation == 0:
+        raw = raw[:draw(st.integers(0, len(raw)))]
+    elif mutation == 1:
+        at = draw(st.integers(0, len(raw) - 1))
+        raw = raw[:at] + bytes([draw(st.integers(0, 255))]) + raw[at + 1:]
+    return endpoint, raw
+
+
+@settings(max_examples=2000, deadline=None, suppress_health_check=list(HealthCheck))
+@given(case=_bodies())
+def test_fuzzed_bodies_get_no_5xx(http, case):
+    endpoint, raw = case
+    response = post(http, raw, endpoint)
+    assert response.status_code < 500, (raw, response.text)
+    if response.status_code >= 400:
+        assert response.json()["error"]["message"], response.text
+    elif "text/event-stream" in response.headers["content-type"]:
+        events = [line[len("data: "):] for line in response.text.splitlines() if line.startswith("data: ")]
+        assert events[-1] == "[DONE]", (raw, response.text)
+    else:
+        choice = response.json()["choices"][0]
+        assert choice["finish_reason"] in ("stop", "length"), response.text
+        assert all(math.isfinite(v) for v in response.json()["usage"].values())
