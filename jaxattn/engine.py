@@ -18,6 +18,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import time
+import weakref
 from typing import Callable, Iterator
 
 import jax
@@ -156,6 +157,7 @@ class Engine:
         self._previous_rows: dict[Request, int] = {}
         self.step_records: list[StepRecord] | None = [] if record_steps else None
         self._next_id = 0
+        self._requests: weakref.WeakSet[Request] = weakref.WeakSet()    # add_request's, for abort's check
         self._seeds = np.random.default_rng(_shared_entropy())
 
     @property
@@ -196,16 +198,18 @@ class Engine:
         seed = int(self._seeds.integers(2**32)) if sampling.seed is None else sampling.seed
         request = Request(self._next_id, prompt, max_new_tokens, sampling, seed)
         self._next_id += 1
+        self._requests.add(request)
         self.scheduler.add(request)
         return request
 
     def abort(self, request: Request) -> None:
-        """Ends ``request`` (``finish_reason`` "abort") if it has not finished: it leaves the
-        queue, or its slot and pages are freed in the next step; no more of its tokens come.
-        ValueError unless ``request`` is a ``Request`` with an id this engine's ``add_request`` gave."""
-        if not isinstance(request, Request) or not (0 <= request.id < self._next_id):
-            raise ValueError(f"Engine.abort: request must be a Request from this engine's add_request (it gave "
-                             f"{self._next_id} ids, from 0), got "
+        """Ends ``request`` (``finish_reason`` "abort"): it leaves the queue, or its slot and pages
+        are freed in the next step; no more of its tokens come. A request that already finished
+        stays as it is (a no-op: an abort may race the request's last step). ValueError, changing
+        nothing, unless ``request`` is a ``Request`` this engine's ``add_request`` made (not one of
+        another engine, whose slot and pages are that engine's)."""
+        if not isinstance(request, Request) or request not in self._requests:
+            raise ValueError(f"Engine.abort: request must be a Request from this engine's add_request, got "
                              f"{request!r:.80}")
         self.scheduler.abort(request)
 

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
+import time
 from typing import Callable, Mapping
 
 import jax
@@ -29,6 +31,10 @@ from jaxattn.models.base import Cache, PagedModel
 from jaxattn.sampling import SamplingBatch, SamplingParams, sample
 from jaxattn.scheduler import Request, Schedule
 from jaxattn.sharding import tensor_parallel_mesh
+
+# The engine's own log (the warm-up's compiles); a handler on the root logger (``logging.basicConfig``,
+# as ``jaxattn.serve``'s command line sets up) shows its INFO records.
+logger = logging.getLogger("jaxattn.engine")
 
 
 @jax.tree_util.register_dataclass
@@ -336,12 +342,20 @@ class StepRunner:
 
     def warmup(self, *, sampled: bool = True) -> None:
         """Compiles the step for every shape in ``buckets`` (greedy, and with ``sampled`` the
-        sampling variant too) by running it on padding rows, which changes no state."""
-        for shape in self.buckets.shapes:
-            self._run(self.padding_inputs(shape, sampled=False))
-            if sampled:
-                self._run(self.padding_inputs(shape, sampled=True))
-        jax.block_until_ready(self.table)
+        sampling variant too) by running it on padding rows, which changes no state. Logs one
+        INFO line per step compiled (its shape and seconds) and one for the total on the
+        ``jaxattn.engine`` logger."""
+        variants = (False, True) if sampled else (False,)
+        steps = [(shape, sampling) for shape in self.buckets.shapes for sampling in variants]
+        start = time.perf_counter()
+        for i, (shape, sampling) in enumerate(steps, 1):
+            step_start = time.perf_counter()
+            self._run(self.padding_inputs(shape, sampled=sampling))
+            jax.block_until_ready(self.table)
+            logger.info("compiled step %d/%d (%s, %d rows, %d tokens, max_q_len %d, %s) in %.1f s", i, len(steps),
+                        "decode" if shape.max_q_len == 1 else "mixed", shape.rows, shape.tokens, shape.max_q_len,
+                        "sampled" if sampling else "greedy", time.perf_counter() - step_start)
+        logger.info("compiled %d steps in %.1f s", len(steps), time.perf_counter() - start)
 
     def trace(self, inputs: StepInputs) -> jax.stages.Traced:
         """The step traced on this runner's state and ``inputs`` (for tests and tools)."""

@@ -1,5 +1,5 @@
-"""Paged KV caches: K and V page pools plus optional FP8 scales (``KVCache``), and the latent
-pool of multi-head latent attention (``MLACache``)."""
+"""Paged KV caches: K and V page pools plus optional FP8 scales (``KVCache``), the latent pool of
+multi-head latent attention (``MLACache``), and the slots a step writes (``SlotMapping``)."""
 
 from __future__ import annotations
 
@@ -38,6 +38,24 @@ def pool_sharding(mesh: Mesh, axis: str | tuple[str, ...], layout: Layout = "HND
     spec = [None] * 4
     spec[kv_head_axis(layout)] = axis
     return NamedSharding(mesh, PartitionSpec(*spec))
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class SlotMapping:
+    """The cache slot of each packed token of a step, as ``PageTable.slot_mapping`` makes it.
+
+    Attributes:
+      slots: int32[T], ``page * page_size + offset`` of each token; -1 for padding tokens.
+      page_size, num_pages: static, the pool of the ``PageTable`` that made them. A slot is only
+        meaningful in a pool of the same page size (and pool size): ``KVCache.write`` and
+        ``MLACache.write`` raise ``ValueError`` when they differ from the cache's. A plain int
+        array of slots carries no pool and is written as it is.
+    """
+
+    slots: jax.Array
+    page_size: int = dataclasses.field(metadata=dict(static=True))
+    num_pages: int = dataclasses.field(metadata=dict(static=True))
 
 
 @jax.tree_util.register_dataclass
@@ -137,12 +155,13 @@ class KVCache:
         """The FP8 scales (k_scale, v_scale); empty for other dtypes."""
         return () if self.k_scale is None else (self.k_scale, self.v_scale)
 
-    def write(self, k: jax.Array, v: jax.Array, slot_mapping: jax.Array) -> "KVCache":
+    def write(self, k: jax.Array, v: jax.Array, slot_mapping: SlotMapping | jax.Array) -> "KVCache":
         """Scatters tokens ``k, v: [T, Hkv, D]`` to ``slot = page * page_size + offset``.
 
-        ``slot_mapping``: int[T] (an array or a list). Tokens with ``slot < 0`` (padding), a slot
-        in the null page 0 or outside the pool are skipped. The update is in place when the
-        caller's jit donates the cache.
+        ``slot_mapping``: a ``SlotMapping`` (``PageTable.slot_mapping``'s, ValueError unless its
+        page table has this cache's page size and pool size), or int[T] slots (an array or a
+        list). Tokens with ``slot < 0`` (padding), a slot in the null page 0 or outside the pool
+        are skipped. The update is in place when the caller's jit donates the cache.
         """
         t = _check_tokens("KVCache.write", self, k, v)
         page, offset = _slots("KVCache.write", slot_mapping, t, self.num_pages, self.page_size)
@@ -266,9 +285,10 @@ class MLACache:
         """The FP8 scale, as ``(scale,)``; empty for other dtypes."""
         return () if self.scale is None else (self.scale,)
 
-    def write(self, latents: jax.Array, slot_mapping: jax.Array) -> "MLACache":
+    def write(self, latents: jax.Array, slot_mapping: SlotMapping | jax.Array) -> "MLACache":
         """Scatters ``latents: [T, kv_lora_rank + rope_dim]`` (``c_kv`` then ``k_rope``) to
-        ``slot = page * page_size + offset``; slots are skipped as in ``KVCache.write``."""
+        ``slot = page * page_size + offset``; ``slot_mapping`` is checked and its slots skipped
+        as in ``KVCache.write``."""
         if getattr(latents, "ndim", None) != 2 or latents.shape[1] != self.head_dim:
             raise ValueError(f"MLACache.write: latents must be [T, {self.head_dim}] (kv_lora_rank + rope_dim), "
                              f"got {list(getattr(latents, 'shape', []))}")
@@ -297,7 +317,16 @@ def _quantize(x: jax.Array, dtype, scale: jax.Array | None) -> jax.Array:
 
 def _slots(where: str, slot_mapping, num_tokens: int, num_pages: int, page_size: int) -> tuple[jax.Array, jax.Array]:
     """(page, offset) of each token's slot; slots outside ``[page_size, num_pages * page_size)``
-    (padding, the null page, outside the pool) get page ``num_pages``, which ``mode="drop"`` discards."""
+    (padding, the null page, outside the pool) get page ``num_pages``, which ``mode="drop"`` discards.
+    ValueError when a ``SlotMapping``'s page table describes another pool than the cache's."""
+    if isinstance(slot_mapping, SlotMapping):
+        for field, actual in (("page_size", page_size), ("num_pages", num_pages)):
+            made_for = getattr(slot_mapping, field)
+            if made_for != actual:
+                raise ValueError(f"{where}: slot_mapping was made by a PageTable with {field}={made_for}, but the "
+                                 f"cache has {field}={actual}; the page table and the cache must describe the "
+                                 f"same pool")
+        slot_mapping = slot_mapping.slots
     slot_mapping = int_array(where, "slot_mapping", slot_mapping, f"int[{num_tokens}]", (num_tokens,))
     in_pool = (slot_mapping >= page_size) & (slot_mapping < num_pages * page_size)
     page = jnp.where(in_pool, slot_mapping // page_size, num_pages)

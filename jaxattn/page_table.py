@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxattn.checks import is_positive_int
-from jaxattn.kv_cache import KVCache, MLACache
+from jaxattn.kv_cache import KVCache, MLACache, SlotMapping
 from jaxattn.metadata import AttentionMetadata, count_leading_decodes, pages_for, token_sequences
 
 
@@ -147,31 +147,38 @@ class PageTable:
         """
         (seq_ids,) = self._check_requests("release", seq_ids)
         valid = self._valid_ids(seq_ids)
-        row = jnp.where(valid, seq_ids, 0)
-        entries = self.block_tables[row]                                    # [N, MP]
-        held = valid[:, None] & (jnp.arange(self.max_pages_per_seq)[None, :] < self.num_pages_held[row][:, None])
-        held &= entries > 0
-        pages = jnp.where(held, entries, self.num_pages).reshape(-1)
-        refcount = self.refcount.at[pages].add(-1, mode="drop")
-        # A page freed by this call is pushed once, by its first entry.
-        index = jnp.arange(pages.shape[0], dtype=jnp.int32)
-        first = jnp.full((self.num_pages,), pages.shape[0], jnp.int32).at[pages].min(index, mode="drop")
-        pages_c = jnp.minimum(pages, self.num_pages - 1)
-        freed = (pages < self.num_pages) & (refcount[pages_c] == 0) & (first[pages_c] == index) & ~self.cached[pages_c]
-        table = self._push(jnp.where(freed, pages, -1))
-        rows = jnp.where(valid, row, self.max_seqs)
-        table = dataclasses.replace(
-            table,
-            refcount=refcount,
-            block_tables=table.block_tables.at[rows].set(0, mode="drop"),
-            seq_lens=table.seq_lens.at[rows].set(0, mode="drop"),
-        )
+        table, freed_pages = self._shrink(valid, jnp.where(valid, seq_ids, 0), jnp.zeros_like(seq_ids))
         if scrub is None:
             return table
-        freed_pages = jnp.where(freed, pages, -1)
         scrubbed = jax.tree.map(lambda c: c.zero_pages(freed_pages), scrub,
                                 is_leaf=lambda x: isinstance(x, (KVCache, MLACache)))
         return table, scrubbed
+
+    def truncate(self, seq_ids: jax.Array, new_lens: jax.Array) -> tuple["PageTable", jax.Array]:
+        """Shrinks sequences to ``new_lens`` total tokens, dropping the pages past them (a page
+        returns to the free stack when no one else holds it and it is not cached): e.g. a step's
+        tokens rolled back after ``paged_attention`` flagged the sequence invalid, or rejected
+        draft tokens. Kept tokens keep their K/V; the dropped ones are written again when the
+        sequence is extended over them.
+
+        Args:
+          seq_ids: int32[N]; ids < 0 are padding.
+          new_lens: int32[N], the new total length of each sequence.
+
+        Returns:
+          (table, ok): ``ok[i]`` is False for padding, an invalid or repeated id, a length that
+          is negative or grows, or one that ends inside a page that is shared or cached (its
+          next tokens would be written into a page that must never be written again; release
+          the sequence instead). A request that is not ok leaves its sequence unchanged.
+        """
+        seq_ids, new_lens = self._check_requests("truncate", seq_ids, new_lens=new_lens)
+        valid = self._valid_ids(seq_ids)
+        row = jnp.where(valid, seq_ids, 0)
+        keep = pages_for(new_lens, self.page_size)
+        last = self.block_tables[row, jnp.clip(keep - 1, 0, self.max_pages_per_seq - 1)]
+        writable = (new_lens % self.page_size == 0) | ((self.refcount[last] == 1) & ~self.cached[last])
+        ok = valid & (new_lens >= 0) & (new_lens <= self.seq_lens[row]) & writable
+        return self._shrink(ok, row, new_lens)[0], ok
 
     def fork(self, src_ids: jax.Array, dst_ids: jax.Array) -> tuple["PageTable", jax.Array, jax.Array]:
         """Makes each ``dst`` a copy of ``src`` (e.g. for beam search or parallel sampling).
@@ -307,8 +314,10 @@ class PageTable:
         return AttentionMetadata(cu_q_lens, kv_lens, block_tables, num_decodes, max_q_len=max_q_len,
                                  page_size=self.page_size, num_pages=self.num_pages)
 
-    def slot_mapping(self, seq_ids: jax.Array, q_lens: jax.Array, num_tokens: int) -> jax.Array:
-        """int32[num_tokens]: cache slot of each packed new token, -1 for padding tokens.
+    def slot_mapping(self, seq_ids: jax.Array, q_lens: jax.Array, num_tokens: int) -> SlotMapping:
+        """The cache slot of each packed new token (``SlotMapping``: int32[num_tokens] ``slots``,
+        -1 for padding tokens, with this table's page size and pool size, which
+        ``KVCache.write`` checks against the cache's).
 
         Token i of sequence s (in ``seq_ids`` order) sits at position ``seq_lens[s] - q_len + i``.
         Tokens of rows with an id outside ``[0, max_seqs)`` keep their place in the packing and
@@ -325,7 +334,8 @@ class PageTable:
         page_idx = jnp.clip(pos // self.page_size, 0, self.max_pages_per_seq - 1)
         page = self.block_tables[r, page_idx]
         ok = (seq < seq_ids.shape[0]) & valid[seq_c] & (pos >= 0) & (pos < self.seq_lens[r]) & (page > 0)
-        return jnp.where(ok, page * self.page_size + pos % self.page_size, -1)
+        slots = jnp.where(ok, page * self.page_size + pos % self.page_size, -1)
+        return SlotMapping(slots, page_size=self.page_size, num_pages=self.num_pages)
 
     # -- helpers ----------------------------------------------------------------------------
 
@@ -342,6 +352,32 @@ class PageTable:
                                  f"got {value.dtype}{list(value.shape)}")
             out.append(value.astype(jnp.int32))
         return tuple(out)
+
+    def _shrink(self, active: jax.Array, row: jax.Array, new_lens: jax.Array) -> tuple["PageTable", jax.Array]:
+        """Sets rows ``row`` (where ``active``, no row twice) to ``new_lens`` tokens (no more than
+        they have), dropping their pages past ``pages_for(new_lens)``: refcount - 1, and a page
+        no one holds any more and not cached goes back to the free stack. Returns the table and
+        the pages freed, int32[N * max_pages_per_seq] (-1 elsewhere)."""
+        entries = self.block_tables[row]                                    # [N, MP]
+        index = jnp.arange(self.max_pages_per_seq)[None, :]
+        dropped = active[:, None] & (index >= pages_for(new_lens, self.page_size)[:, None])
+        dropped &= (index < self.num_pages_held[row][:, None]) & (entries > 0)
+        pages = jnp.where(dropped, entries, self.num_pages).reshape(-1)
+        refcount = self.refcount.at[pages].add(-1, mode="drop")
+        # A page freed by this call is pushed once, by its first entry.
+        index = jnp.arange(pages.shape[0], dtype=jnp.int32)
+        first = jnp.full((self.num_pages,), pages.shape[0], jnp.int32).at[pages].min(index, mode="drop")
+        pages_c = jnp.minimum(pages, self.num_pages - 1)
+        freed = (pages < self.num_pages) & (refcount[pages_c] == 0) & (first[pages_c] == index) & ~self.cached[pages_c]
+        freed_pages = jnp.where(freed, pages, -1)
+        table = self._push(freed_pages)
+        rows = jnp.where(active, row, self.max_seqs)
+        return dataclasses.replace(
+            table,
+            refcount=refcount,
+            block_tables=table.block_tables.at[rows].set(jnp.where(dropped, 0, entries), mode="drop"),
+            seq_lens=table.seq_lens.at[rows].set(new_lens, mode="drop"),
+        ), freed_pages
 
     def _valid_ids(self, ids: jax.Array) -> jax.Array:
         """In range and not a repeat of an earlier entry."""

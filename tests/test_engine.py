@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import functools
+import logging
+import re
 
 import jax
 import jax.numpy as jnp
@@ -201,12 +203,46 @@ def test_abort_ends_a_request_and_frees_its_pages():
     check_drained(engine)
 
 
-def test_warmup_compiles_every_step_shape_and_records_steps():
-    """After ``warmup`` a trace compiles nothing more; ``step_records`` count what each step ran."""
+def test_abort_of_another_engines_request_raises_and_changes_neither_engine():
+    """Two engines' first requests share id 0: each engine refuses to abort the other's (running or
+    waiting there, or finished), and both then serve their own requests to the dense tokens."""
+    model = _tiny_model()
+    rng = np.random.default_rng()
+    prompts = [rng.integers(0, 512, size=n) for n in (9, 20)]
+    engines = [Engine(model, max_seqs=2, max_seq_len=48, page_size=8, max_step_tokens=16, backend="xla")
+               for _ in prompts]
+    handles = [engine.add_request(prompt, 4) for engine, prompt in zip(engines, prompts)]
+    engines[0].step()                                # handles[0] running, handles[1] waiting
+    for engine, foreign in ((engines[0], handles[1]), (engines[1], handles[0])):
+        with pytest.raises(ValueError, match="Engine.abort: request must be a Request from this engine's add_request"):
+            engine.abort(foreign)
+    for engine, handle, prompt in zip(engines, handles, prompts):
+        engine.run()
+        assert handle.finish_reason == "length" and handle.output == dense_greedy(model, prompt, 4)
+        engine.step()
+        check_drained(engine)
+    with pytest.raises(ValueError, match="Engine.abort: request must be a Request from this engine's add_request"):
+        engines[1].abort(handles[0])                 # finished, but not this engine's
+    engines[0].abort(handles[0])                     # its own, finished: nothing changes
+    assert handles[0].finish_reason == "length"
+
+
+def test_warmup_compiles_every_step_shape_and_records_steps(caplog):
+    """After ``warmup`` a trace compiles nothing more, and the warm-up logged each step it compiled
+    (on the ``jaxattn.engine`` logger, which reaches the root logger's handlers); ``step_records``
+    count what each step ran."""
     model = _tiny_model()
     engine = Engine(model, max_seqs=3, max_seq_len=48, page_size=8, max_step_tokens=16, backend="xla",
                     record_steps=True)
-    assert engine.warmup(sampled=False) > 0 and engine.step_records == []
+    with caplog.at_level(logging.INFO, logger="jaxattn.engine"):
+        assert engine.warmup(sampled=False) > 0 and engine.step_records == []
+    lines = [r.getMessage() for r in caplog.records if r.name == "jaxattn.engine"]
+    shapes = engine.buckets.shapes
+    assert [(s.rows, s.tokens, s.max_q_len) for s in shapes] == [(3, 3, 1), (3, 16, 16)]
+    assert len(lines) == len(shapes) + 1
+    assert re.fullmatch(r"compiled step 1/2 \(decode, 3 rows, 3 tokens, max_q_len 1, greedy\) in \d+\.\d s", lines[0])
+    assert re.fullmatch(r"compiled step 2/2 \(mixed, 3 rows, 16 tokens, max_q_len 16, greedy\) in \d+\.\d s", lines[1])
+    assert re.fullmatch(r"compiled 2 steps in \d+\.\d s", lines[2])
     compiled = engine.runner._step._cache_size()
     rng = np.random.default_rng()
     handles = [engine.add_request(rng.integers(0, 512, size=n), m) for n, m in ((5, 4), (33, 3), (1, 6), (20, 2))]

@@ -7,7 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxattn import KVCache, MLACache, kv_cache
+from jaxattn import KVCache, MLACache, PageTable, kv_cache
+from jaxattn.kv_cache import SlotMapping
 
 
 def _read_slots(cache: KVCache, slots: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -138,6 +139,36 @@ def test_write_errors():
         cache.write(k, k, jnp.zeros(3, jnp.float32))
     with pytest.raises(ValueError, match=r"copies must be int\[N, 2\]"):
         cache.copy_pages(jnp.zeros((3,), jnp.int32))
+
+
+def test_write_takes_a_slot_mapping_of_its_own_pool_only():
+    """A ``SlotMapping`` writes what its slots as a plain array write; one made by a table of
+    another page size or pool size is refused at trace time, naming ``slot_mapping`` and both
+    sizes, for ``KVCache`` and ``MLACache`` alike."""
+    table = PageTable.create(6, 2, 4, 4)
+    ids, q_lens = jnp.asarray([0, 1]), jnp.asarray([5, 2])
+    table, _ = table.extend(ids, q_lens)
+    slots = table.slot_mapping(ids, q_lens, 8)
+    assert isinstance(slots, SlotMapping) and (slots.page_size, slots.num_pages) == (4, 6)
+    assert slots.slots.dtype == jnp.int32 and slots.slots.shape == (8,)
+    k = jnp.arange(8 * 2 * 3, dtype=jnp.float32).reshape(8, 2, 3)
+    cache = KVCache.create(6, 4, 2, 3, dtype=jnp.float32)
+    written = jax.jit(KVCache.write)(cache, k, -k, slots)
+    expected = cache.write(k, -k, np.asarray(slots.slots))
+    np.testing.assert_array_equal(written.k_pages, expected.k_pages)
+    np.testing.assert_array_equal(written.v_pages, expected.v_pages)
+    mla = MLACache.create(6, 4, kv_lora_rank=4, rope_dim=2, dtype=jnp.float32)
+    np.testing.assert_array_equal(mla.write(k.reshape(8, 6), slots).pages,
+                                  mla.write(k.reshape(8, 6), slots.slots).pages)
+    refused = [
+        (KVCache.create(6, 8, 2, 3), lambda c: c.write(k, k, slots), "page_size=4, but the cache has page_size=8"),
+        (KVCache.create(9, 4, 2, 3), lambda c: c.write(k, k, slots), "num_pages=6, but the cache has num_pages=9"),
+        (MLACache.create(6, 2, kv_lora_rank=4, rope_dim=2), lambda c: c.write(k.reshape(8, 6), slots),
+         "page_size=4, but the cache has page_size=2"),
+    ]
+    for other, write, sizes in refused:
+        with pytest.raises(ValueError, match=f"write: slot_mapping was made by a PageTable with {sizes}"):
+            jax.jit(write)(other)
 
 
 @pytest.mark.gpu

@@ -1,5 +1,6 @@
-"""PageTable: invariants under random extend/release/fork sequences (hypothesis), KV contents
-through slot_mapping + KVCache.write, step metadata, scrub, and argument errors."""
+"""PageTable: invariants under random extend/release/fork/truncate sequences (hypothesis), KV
+contents through slot_mapping + KVCache.write, step metadata, scrub, rolling back an invalid
+sequence, and argument errors."""
 
 from __future__ import annotations
 
@@ -64,6 +65,26 @@ def _jitted():
     return jax.jit(extend), jax.jit(fork), jax.jit(PageTable.release)
 
 
+def _truncate(table: PageTable, model: dict[int, list[float]], ids: list[int], cuts: list[int]) -> PageTable:
+    """``table.truncate`` of sequences ``ids`` by ``cuts`` tokens each: checks ``ok`` (a valid first
+    occurrence, a length in ``[0, old]``, and a cut at a page boundary or in a private, uncached
+    page) and cuts ``model``'s contents likewise."""
+    tables, refcount, cached = (np.asarray(x) for x in (table.block_tables, table.refcount, table.cached))
+    new_lens = [len(model[s]) - cut if 0 <= s < MAX_SEQS else 0 for s, cut in zip(ids, cuts)]
+    table, ok = jax.jit(PageTable.truncate)(table, jnp.asarray(ids, jnp.int32), jnp.asarray(new_lens, jnp.int32))
+    seen = set()
+    for i, (s, new_len) in enumerate(zip(ids, new_lens)):
+        expect = 0 <= s < MAX_SEQS and s not in seen and 0 <= new_len <= len(model[s])
+        seen.add(s)
+        if expect and new_len % PAGE:
+            page = tables[s, new_len // PAGE]
+            expect = refcount[page] == 1 and not cached[page]
+        assert bool(ok[i]) == expect, (ids, cuts, i)
+        if expect:
+            model[s] = model[s][:new_len]
+    return table
+
+
 def _read(table: PageTable, cache: KVCache, seq: int) -> list[float]:
     n = int(table.seq_lens[seq])
     pages = np.asarray(table.block_tables)[seq]
@@ -76,6 +97,7 @@ op_st = st.one_of(
     st.tuples(st.just("extend"), ids_st, st.lists(st.integers(0, MAX_NEW), min_size=N, max_size=N)),
     st.tuples(st.just("release"), ids_st),
     st.tuples(st.just("fork"), ids_st, ids_st),
+    st.tuples(st.just("truncate"), ids_st, st.lists(st.integers(-1, 2 * PAGE), min_size=N, max_size=N)),
 )
 
 
@@ -117,6 +139,8 @@ def test_random_operations_keep_invariants_and_contents(ops):
             for s in ids.tolist():
                 if 0 <= s < MAX_SEQS:
                     model[s] = []
+        elif kind == "truncate":
+            table = _truncate(table, model, ids.tolist(), op[2])
         else:
             dst = np.asarray(op[2], np.int32)
             table, cache, ok = fork(table, cache, jnp.asarray(ids), jnp.asarray(dst))
@@ -137,16 +161,17 @@ prefix_op_st = st.one_of(
     st.tuples(st.just("mark"), st.integers(0, MAX_SEQS - 1)),
     st.tuples(st.just("evict"), st.lists(st.integers(-1, NUM_PAGES), min_size=N, max_size=N)),
     st.tuples(st.just("attach"), st.integers(-1, MAX_SEQS - 1), st.lists(st.integers(0, 30), max_size=MAX_PAGES)),
+    st.tuples(st.just("truncate"), st.integers(-1, MAX_SEQS - 1), st.integers(-1, 2 * PAGE)),
 )
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.lists(prefix_op_st, min_size=1, max_size=16))
 def test_prefix_caching_operations_keep_invariants_and_never_write_a_cached_page(ops):
-    """extend/release with mark_cached (a sequence's full pages), evict and attach (cached pages
-    chosen at random): the invariants hold, sequences read what was written or attached, a
-    cached page's contents never change, and only attach and release bring cached pages into or
-    out of use."""
+    """extend/release/truncate with mark_cached (a sequence's full pages), evict and attach (cached
+    pages chosen at random): the invariants hold, sequences read what was written or attached, a
+    cached page's contents never change (truncate never leaves one partial), and only attach,
+    release and truncate bring cached pages into or out of use."""
     extend, _, release = _jitted()
     mark, evict, attach = jax.jit(PageTable.mark_cached), jax.jit(PageTable.evict), jax.jit(PageTable.attach)
     table = PageTable.create(NUM_PAGES, MAX_SEQS, MAX_PAGES, PAGE)
@@ -190,6 +215,8 @@ def test_prefix_caching_operations_keep_invariants_and_never_write_a_cached_page
             assert int(table.num_free) == num_free + len(gone)
             for p in gone:
                 del snapshot[p]
+        elif kind == "truncate":
+            table = _truncate(table, model, [op[1]], [op[2]])
         else:
             dst, picks = op[1], op[2]
             cached_pages = np.nonzero(np.asarray(table.cached))[0]
@@ -275,7 +302,7 @@ def test_metadata_and_slot_mapping_decodes_first_and_padding():
     np.testing.assert_array_equal(meta.kv_lens, [9, 6, 3, 0])
     np.testing.assert_array_equal(meta.block_tables[3], 0)
     assert int(meta.num_decodes) == 2 and meta.max_q_len == 3
-    slots = np.asarray(table.slot_mapping(ids, q_lens, 8))
+    slots = np.asarray(table.slot_mapping(ids, q_lens, 8).slots)
     bt = np.asarray(table.block_tables)
     expected = [bt[0, 2] * 4 + 0, bt[2, 1] * 4 + 1, bt[1, 0] * 4, bt[1, 0] * 4 + 1, bt[1, 0] * 4 + 2, -1, -1, -1]
     np.testing.assert_array_equal(slots, expected)
@@ -314,17 +341,77 @@ def test_end_to_end_step_matches_reference():
     out = np.asarray(jaxattn.paged_attention(jnp.asarray(q), cache, meta, backend="xla"))
     start = 0
     for s, n in enumerate(q_lens):
-        kv = len(keys[s])
-        mask = (np.arange(n)[:, None] + kv - n) >= np.arange(kv)[None]
-        # Dense float64 attention (GQA: query head h reads KV head h // 2) from the float32 inputs.
-        k_h, v_h = (np.repeat(x.astype(np.float32).astype(np.float64), 2, axis=1) for x in (keys[s], vals[s]))
-        logits = np.einsum("qhd,khd->hqk", q[start:start + n].astype(np.float64), k_h) / np.sqrt(16)
-        logits = np.where(mask[None], logits, -np.inf)
-        weights = np.exp(logits - logits.max(axis=-1, keepdims=True))
-        ref = np.einsum("hqk,khd->qhd", weights / weights.sum(axis=-1, keepdims=True), v_h)
-        np.testing.assert_allclose(out[start:start + n], ref, **ALLCLOSE[jnp.dtype(jnp.float32)])
+        np.testing.assert_allclose(out[start:start + n], _dense_attention(q[start:start + n], keys[s], vals[s]),
+                                   **ALLCLOSE[jnp.dtype(jnp.float32)])
         start += n
     np.testing.assert_array_equal(out[start:], 0)
+
+
+def _dense_attention(q: np.ndarray, keys: np.ndarray, vals: np.ndarray) -> np.ndarray:
+    """Causal float64 attention of one sequence's last ``len(q)`` tokens ``q [n, Hq, D]`` over its
+    ``keys, vals [kv, Hkv, D]`` (GQA: query head h reads KV head ``h // (Hq / Hkv)``) -> [n, Hq, D]."""
+    n, kv, group = q.shape[0], keys.shape[0], q.shape[1] // keys.shape[1]
+    mask = (np.arange(n)[:, None] + kv - n) >= np.arange(kv)[None]
+    k_h, v_h = (np.repeat(x.astype(np.float64), group, axis=1) for x in (keys, vals))
+    logits = np.einsum("qhd,khd->hqk", q.astype(np.float64), k_h) / np.sqrt(q.shape[2])
+    weights = np.exp(np.where(mask[None], logits, -np.inf) - logits.max(axis=-1, keepdims=True))
+    return np.einsum("hqk,khd->qhd", weights / weights.sum(axis=-1, keepdims=True), v_h)
+
+
+def test_truncate_drops_pages_past_the_new_length_and_never_cuts_into_a_shared_page():
+    table = PageTable.create(12, 4, 4, 4)
+    table, _ = table.extend(jnp.asarray([0, 1]), jnp.asarray([14, 6]))        # 0: pages 1-4; 1: pages 5, 6
+    table, _, _ = table.fork(jnp.asarray([0]), jnp.asarray([2]))              # 2 shares 1-3, copies 4 into 7
+    table = table.mark_cached(jnp.asarray([5]))
+    free = int(table.num_free)
+    table, ok = table.truncate(jnp.asarray([0, 2, 2, 1, 3, -1]), jnp.asarray([6, 12, 0, 2, 0, 0]))
+    # 0 -> 6 tokens ends inside shared page 2; 2 -> 12 drops its copy 7; 2 again is a repeat;
+    # 1 -> 2 ends inside cached page 5; 3 is empty (0 -> 0); -1 is padding
+    np.testing.assert_array_equal(ok, [False, True, False, False, True, False])
+    np.testing.assert_array_equal(table.seq_lens, [14, 6, 12, 0])
+    np.testing.assert_array_equal(table.block_tables[2], [1, 2, 3, 0])
+    assert int(table.num_free) == free + 1 and int(table.refcount[7]) == 0
+    table, ok = table.truncate(jnp.asarray([0, 1, 2]), jnp.asarray([8, 4, 15]))   # 15 grows: refused
+    np.testing.assert_array_equal(ok, [True, True, False])
+    np.testing.assert_array_equal(table.block_tables[:2], [[1, 2, 0, 0], [5, 0, 0, 0]])
+    np.testing.assert_array_equal(table.refcount[:8], [0, 2, 2, 1, 0, 1, 0, 0])
+    assert int(table.num_free) == free + 3                                     # 4 and 6 freed too
+    table, ok = table.truncate(jnp.asarray([2]), jnp.asarray([9]))            # page 3 is 2's alone now
+    assert bool(ok[0]) and int(table.seq_lens[2]) == 9
+
+
+def test_an_invalid_sequence_rolled_back_by_truncate_is_computed_again():
+    """A step whose query tokens run past T flags the sequences past it invalid (zero rows) after
+    ``extend`` counted their tokens; truncating them back to their length before the step and
+    computing their tokens again in a step that holds them gives dense attention."""
+    rng = np.random.default_rng()
+    table = PageTable.create(16, 2, 4, 4)
+    cache = KVCache.create(16, 4, 1, 8, dtype=jnp.float32)
+    ids = jnp.asarray([0, 1])
+
+    def step(table, cache, q_lens, q, kv):
+        table, ok = table.extend(ids, table.seq_lens + q_lens)
+        cache = cache.write(kv, -kv, table.slot_mapping(ids, q_lens, q.shape[0]))
+        out, valid = jaxattn.paged_attention(q, cache, table.metadata(ids, q_lens), backend="xla", return_status=True)
+        return table, cache, ok, out, valid
+
+    kv = rng.normal(size=(12, 1, 8)).astype(np.float32)
+    q = rng.normal(size=(12, 2, 8)).astype(np.float32)
+    table, cache, _, _, _ = step(table, cache, jnp.asarray([3, 2]), jnp.asarray(q[:5]), jnp.asarray(kv[:5]))
+    q_lens = jnp.asarray([2, 5])
+    table, cache, ok, out, valid = step(table, cache, q_lens, jnp.asarray(q[5:11]), jnp.asarray(kv[5:11]))
+    np.testing.assert_array_equal(ok, [True, True])
+    np.testing.assert_array_equal(valid, [True, False])                      # 2 + 5 tokens, T = 6
+    assert not np.asarray(out[2:]).any()
+    free = int(table.num_free)
+    table, ok = table.truncate(jnp.where(valid, -1, ids), table.seq_lens[jnp.maximum(ids, 0)] - q_lens)  # README's
+    np.testing.assert_array_equal(ok, [False, True])
+    np.testing.assert_array_equal(table.seq_lens, [5, 2])
+    assert int(table.num_free) == free + 1                                   # the page of positions 4..6
+    q1, kv1 = q[np.r_[3:5, 7:12]], kv[np.r_[3:5, 7:12]]                     # sequence 1's tokens, new ones again
+    table, cache, _, out, valid = step(table, cache, jnp.asarray([0, 5]), jnp.asarray(q1[2:]), jnp.asarray(kv1[2:]))
+    assert bool(valid.all())
+    np.testing.assert_allclose(out, _dense_attention(q1[2:], kv1, -kv1), **ALLCLOSE[jnp.dtype(jnp.float32)])
 
 
 def test_errors():

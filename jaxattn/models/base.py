@@ -17,6 +17,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 import jaxattn
+from jaxattn.kv_cache import SlotMapping
 
 Cache = jaxattn.KVCache | jaxattn.MLACache
 
@@ -47,13 +48,14 @@ class PagedModel(Protocol):
         ...
 
     def forward_paged(self, tokens: jax.Array, caches: list[Cache], meta: jaxattn.AttentionMetadata,
-                      slots: jax.Array, backend: str = "auto",
+                      slots: SlotMapping | jax.Array, backend: str = "auto",
                       plan: jaxattn.AttentionPlan | None = None) -> tuple[jax.Array, list[Cache]]:
         """One jittable step: ``tokens int32[T]`` (packed as ``meta`` says, at positions
-        ``meta.positions(T)``) write their K/V (or latents) at ``slots int32[T]`` (-1: padding) of
-        every layer's cache and attend through ``attention_ops`` with ``backend``, every layer on
-        the step's one ``AttentionPlan`` (``plan``, or the model's ``plan_step`` made once when
-        None); returns (final hidden states ``[T, dim]``, the updated caches)."""
+        ``meta.positions(T)``) write their K/V (or latents) at ``slots`` (``PageTable.slot_mapping``'s
+        ``SlotMapping``, or int32[T]; -1: padding) of every layer's cache and attend through
+        ``attention_ops`` with ``backend``, every layer on the step's one ``AttentionPlan``
+        (``plan``, or the model's ``plan_step`` made once when None); returns (final hidden states
+        ``[T, dim]``, the updated caches)."""
         ...
 
     def logits(self, hidden: jax.Array) -> jax.Array:

@@ -21,7 +21,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 import jaxattn
-from jaxattn.kv_cache import LAYOUTS
+from jaxattn.kv_cache import LAYOUTS, SlotMapping
 from jaxattn.mla import MAX_DECODE_Q_LEN, absorb_query, project_values
 from jaxattn.models import layers
 from jaxattn.models.layers import rope, rope_frequencies
@@ -106,7 +106,7 @@ class DeepSeek(layers.Decoder):
         super().__init__(cfg, rngs, Attention)
 
     def forward_paged(self, tokens: jax.Array, caches: list[jaxattn.MLACache], meta: jaxattn.AttentionMetadata,
-                      slots: jax.Array, backend: str = "auto",
+                      slots: SlotMapping | jax.Array, backend: str = "auto",
                       plan: jaxattn.AttentionPlan | None = None) -> tuple[jax.Array, list[jaxattn.MLACache]]:
         """``forward_paged(self, ...)``, the step the engine runs."""
         return forward_paged(self, tokens, caches, meta, slots, backend, plan)
@@ -152,7 +152,7 @@ def plan_step(model: DeepSeek, num_tokens: int, caches: list[jaxattn.MLACache], 
 
 
 def forward_paged(model: DeepSeek, tokens: jax.Array, caches: list[jaxattn.MLACache], meta: jaxattn.AttentionMetadata,
-                  slots: jax.Array, backend: str = "auto",
+                  slots: SlotMapping | jax.Array, backend: str = "auto",
                   plan: jaxattn.AttentionPlan | None = None) -> tuple[jax.Array, list[jaxattn.MLACache]]:
     """One step over packed tokens with paged latents: writes each layer's latents at ``slots``
     and attends on the step's ``plan`` (``plan_step``'s when None: made once, not per layer),

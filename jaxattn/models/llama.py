@@ -24,7 +24,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 import jaxattn
-from jaxattn.kv_cache import pool_sharding
+from jaxattn.kv_cache import SlotMapping, pool_sharding
 from jaxattn.models import layers
 from jaxattn.models.layers import MLP, Block, Llama3RopeScaling, rope, rope_frequencies
 from jaxattn.sharding import MeshAxes, num_head_shards, replicate_kv_heads, tensor_parallel_mesh
@@ -110,7 +110,7 @@ class Llama(layers.Decoder):
         super().__init__(cfg, rngs, Attention)
 
     def forward_paged(self, tokens: jax.Array, caches: list[jaxattn.KVCache], meta: jaxattn.AttentionMetadata,
-                      slots: jax.Array, backend: str = "auto",
+                      slots: SlotMapping | jax.Array, backend: str = "auto",
                       plan: jaxattn.AttentionPlan | None = None) -> tuple[jax.Array, list[jaxattn.KVCache]]:
         """``forward_paged(self, ...)``, the step the engine runs."""
         return forward_paged(self, tokens, caches, meta, slots, backend, plan)
@@ -196,7 +196,7 @@ def plan_step(model: Llama, num_tokens: int, caches: list[jaxattn.KVCache], meta
 
 
 def forward_paged(model: Llama, tokens: jax.Array, caches: list[jaxattn.KVCache], meta: jaxattn.AttentionMetadata,
-                  slots: jax.Array, backend: str = "auto",
+                  slots: SlotMapping | jax.Array, backend: str = "auto",
                   plan: jaxattn.AttentionPlan | None = None) -> tuple[jax.Array, list[jaxattn.KVCache]]:
     """One step over packed tokens with paged KV: writes each layer's K/V at ``slots``, attends
     with ``jaxattn.paged_attention`` on the step's ``plan`` (``plan_step``'s when None: made once,
