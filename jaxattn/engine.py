@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import time
 import weakref
 from typing import Callable, Iterator
@@ -29,11 +30,11 @@ from jax.experimental import multihost_utils
 from jax.sharding import Mesh
 
 from jaxattn.backends import OPS, check_serves
-from jaxattn.checks import is_positive_int
+from jaxattn.checks import is_int, is_positive_int
 from jaxattn.engine_step import StepBuckets, StepRecord, StepRunner
 from jaxattn.kv_cache import LAYOUTS
 from jaxattn.models.base import ModelConfig, PagedModel, page_bytes
-from jaxattn.sampling import SamplingParams
+from jaxattn.sampling import MAX_LOGPROBS, SamplingParams
 from jaxattn.scheduler import PageUsage, Request, Schedule, Scheduler
 
 __all__ = ["Engine", "Request"]
@@ -64,6 +65,7 @@ class _Launched:
     next_tokens: jax.Array
     ok: jax.Array
     pages: jax.Array
+    logprobs: tuple[jax.Array, ...] | None
     record: StepRecord | None
 
 
@@ -98,6 +100,10 @@ class Engine:
         docstring); False waits after every step (the same tokens).
       kv_memory_fraction: the share of free device memory a pool sized from memory takes.
       record_steps: keep a ``StepRecord`` per step in ``step_records``.
+      max_logprobs: the most alternatives a request's ``SamplingParams.logprobs`` may ask for (0
+        to ``MAX_LOGPROBS``; 0 refuses logprobs). Steps with a row that asks for logprobs run a
+        third compiled variant of the step (``warmup`` compiles it unless this is 0); the others
+        pay nothing for them.
 
     Raises ValueError naming the argument that does not fit. ``stats`` counts prompt tokens,
     cached tokens, computed tokens, evicted pages and preemptions (``jaxattn.scheduler.Scheduler``).
@@ -107,7 +113,7 @@ class Engine:
                  num_pages: int | None = None, max_step_tokens: int | None = None, backend: str = "auto",
                  layout: str = "HND", kv_dtype=None, enable_prefix_caching: bool = True, mesh: Mesh | None = None,
                  prefill_chunk: int | None = DEFAULT_PREFILL_CHUNK, overlap: bool = True,
-                 kv_memory_fraction: float = 0.9, record_steps: bool = False):
+                 kv_memory_fraction: float = 0.9, record_steps: bool = False, max_logprobs: int = MAX_LOGPROBS):
         _check_model(model)
         check_serves(backend, model.attention_ops, where="Engine")
         for name, value in (("max_seq_len", max_seq_len), ("page_size", page_size)):
@@ -125,6 +131,8 @@ class Engine:
                             ("record_steps", record_steps)):
             if not isinstance(value, bool):
                 raise ValueError(f"Engine: {name} must be a bool, got {value!r}")
+        if not (is_int(max_logprobs) and 0 <= max_logprobs <= MAX_LOGPROBS):
+            raise ValueError(f"Engine: max_logprobs must be an int in [0, {MAX_LOGPROBS}], got {max_logprobs!r}")
         if not (isinstance(kv_memory_fraction, float | int) and 0 < kv_memory_fraction <= 1):
             raise ValueError(f"Engine: kv_memory_fraction must be a number in (0, 1], got {kv_memory_fraction!r}")
         if mesh is not None and not isinstance(mesh, Mesh):
@@ -146,6 +154,7 @@ class Engine:
         self.model = model
         self.max_seqs, self.max_seq_len, self.max_step_tokens = max_seqs, max_seq_len, max_step_tokens
         self.page_size, self.num_pages, self.backend, self.overlap = page_size, num_pages, backend, overlap
+        self.max_logprobs = max_logprobs
         self.runner = StepRunner(model, max_seqs=max_seqs, num_pages=num_pages, page_size=page_size,
                                  pages_per_seq=pages_per_seq, max_step_tokens=max_step_tokens,
                                  prefill_chunk=prefill_chunk, layout=layout, kv_dtype=kv_dtype, mesh=mesh,
@@ -195,6 +204,9 @@ class Engine:
             sampling = SamplingParams()
         if not isinstance(sampling, SamplingParams):
             raise ValueError(f"Engine.add_request: sampling must be a SamplingParams, got {type(sampling).__name__}")
+        if sampling.logprobs is not None and sampling.logprobs > self.max_logprobs:
+            raise ValueError(f"Engine.add_request: sampling.logprobs must be <= this engine's max_logprobs="
+                             f"{self.max_logprobs}, got {sampling.logprobs}")
         seed = int(self._seeds.integers(2**32)) if sampling.seed is None else sampling.seed
         request = Request(self._next_id, prompt, max_new_tokens, sampling, seed)
         self._next_id += 1
@@ -268,14 +280,14 @@ class Engine:
         return events
 
     def _launch(self, schedule: Schedule, start: float) -> _Launched:
-        shape, next_tokens, ok, pages = self.runner.launch(schedule, self._previous_rows)
+        shape, next_tokens, ok, pages, logprobs = self.runner.launch(schedule, self._previous_rows)
         self._previous_rows = {row.request: i for i, row in enumerate(schedule.rows) if row.samples}
         record = None
         if self.step_records is not None:
             record = StepRecord.of(schedule, shape, start)
             record.t_launched = time.perf_counter()
             self.step_records.append(record)
-        return _Launched(schedule, next_tokens, ok, pages, record)
+        return _Launched(schedule, next_tokens, ok, pages, logprobs, record)
 
     def _complete(self, launched: _Launched) -> list[tuple[Request, list[int]]]:
         next_tokens, ok = np.asarray(launched.next_tokens), np.asarray(launched.ok)
@@ -283,16 +295,17 @@ class Engine:
             launched.record.t_done = time.perf_counter()
         if not ok[:len(launched.schedule.rows)].all():
             raise RuntimeError("Engine: page allocation failed for a scheduled request (allocator bug)")
-        return self.scheduler.complete(launched.schedule, next_tokens, lambda: np.asarray(launched.pages))
+        logprobs = None if launched.logprobs is None else functools.partial(jax.device_get, launched.logprobs)
+        return self.scheduler.complete(launched.schedule, next_tokens, lambda: np.asarray(launched.pages), logprobs)
 
     def warmup(self, *, sampled: bool = True) -> float:
-        """Compiles the step for every shape in ``buckets`` (greedy, and with ``sampled`` the
-        sampling variant too) by running it on padding rows, before serving; returns the seconds
-        it took. Call it before adding requests."""
+        """Compiles the step for every shape in ``buckets`` (greedy; with ``sampled`` the sampling
+        variant too, and its logprobs variant unless ``max_logprobs`` is 0) by running it on
+        padding rows, before serving; returns the seconds it took. Call it before adding requests."""
         if self.has_work:
             raise RuntimeError("Engine.warmup: call it before adding requests")
         start = time.perf_counter()
-        self.runner.warmup(sampled=sampled)
+        self.runner.warmup(sampled=sampled, logprobs=sampled and self.max_logprobs > 0)
         return time.perf_counter() - start
 
 

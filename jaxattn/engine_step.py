@@ -28,7 +28,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 import jaxattn
 from jaxattn.models.base import Cache, PagedModel
-from jaxattn.sampling import SamplingBatch, SamplingParams, sample
+from jaxattn.sampling import SamplingBatch, SamplingParams, sample, token_logprobs
 from jaxattn.scheduler import Request, Schedule
 from jaxattn.sharding import tensor_parallel_mesh
 
@@ -61,15 +61,16 @@ def make_engine_step(model: PagedModel) -> tuple[StepFn, list[jax.Array]]:
     flat list it takes.
 
     ``step(weights, caches, table, prev_tokens, release_ids, tokens, token_src, seq_ids, q_lens,
-    sampling=None, prefix=None, *, max_q_len, backend)`` frees ``release_ids``
+    sampling=None, prefix=None, *, max_q_len, backend, logprobs=False)`` frees ``release_ids``
     (int32[max_seqs], -1 padding), appends ``q_lens`` tokens to sequences ``seq_ids`` (int32[R],
-    decodes first, -1 padding) and returns ``(next_tokens, ok, pages, caches, table)``; caches and
-    table are donated. ``tokens`` (int32[T]) are the rows' tokens packed; where ``token_src``
+    decodes first, -1 padding) and returns ``(next_tokens, ok, pages, caches, table,
+    step_logprobs)``; caches and table are donated. ``tokens`` (int32[T]) are the rows' tokens packed; where ``token_src``
     (int32[T]) is >= 0 the token is ``prev_tokens[token_src]`` instead (``prev_tokens``: the
     previous step's ``next_tokens``). Outputs: ``next_tokens`` int32[max_seqs], each row's next
     token (0 past R); ``ok`` bool[R], its pages were granted; ``pages`` int32[R, W],
     each row's page ids from the page of its first token on (0 past its pages; W =
-    ``page_window(max_q_len, page_size)``). Rows sample with
+    ``page_window(max_q_len, page_size)``); ``step_logprobs``, with ``logprobs``, each row's
+    ``sampling.token_logprobs`` of its next token (None without). Rows sample with
     ``sampling`` (a ``SamplingBatch``; None: greedy). ``prefix`` (``PrefixOps``) marks pages cached
     before the release, then evicts pages and attaches cached pages to new sequences before the
     extend. The model's structure is closed over rather than passed, so a call neither hashes it
@@ -85,9 +86,10 @@ def make_engine_step(model: PagedModel) -> tuple[StepFn, list[jax.Array]]:
 def _jitted_step(graphdef: nnx.GraphDef, treedef) -> StepFn:
     """One jitted step per model structure, shared by engines (and their compile caches)."""
 
-    @functools.partial(jax.jit, static_argnames=("max_q_len", "backend"), donate_argnames=("caches", "table"))
+    @functools.partial(jax.jit, static_argnames=("max_q_len", "backend", "logprobs"),
+                       donate_argnames=("caches", "table"))
     def step(weights, caches, table, prev_tokens, release_ids, tokens, token_src, seq_ids, q_lens, sampling=None,
-             prefix=None, *, max_q_len: int, backend: str):
+             prefix=None, *, max_q_len: int, backend: str, logprobs: bool = False):
         model = nnx.merge(graphdef, jax.tree.unflatten(treedef, weights))
         tokens = jnp.where(token_src >= 0, prev_tokens[jnp.maximum(token_src, 0)], tokens)
         if prefix is not None:
@@ -110,9 +112,10 @@ def _jitted_step(graphdef: nnx.GraphDef, treedef) -> StepFn:
             next_tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
         else:   # the sampled token's position seeds its random numbers
             next_tokens = sample(logits, sampling, meta.kv_lens)
+        step_logprobs = token_logprobs(logits, next_tokens) if logprobs else None
         next_tokens = jnp.zeros((table.max_seqs,), jnp.int32).at[:next_tokens.shape[0]].set(next_tokens)
         pages = _row_pages(table, seq_ids, q_lens, page_window(max_q_len, table.page_size))
-        return next_tokens, ok, pages, caches, table
+        return next_tokens, ok, pages, caches, table, step_logprobs
 
     return step
 
@@ -203,8 +206,10 @@ class StepInputs:
       tokens: int32[T], the rows' tokens packed; token_src: int32[T], where >= 0 the token is the
         previous step's ``next_tokens[token_src]`` (a decode whose input is not on the host yet).
       seq_ids: int32[R], each row's slot (-1 padding); q_lens: int32[R], its token count.
-      sampling: per-row sampling parameters and seeds; None when every row is greedy.
+      sampling: per-row sampling parameters and seeds; None when every row is greedy (and no
+        row asks for logprobs).
       prefix: prefix caching's page operations (None without prefix caching).
+      logprobs: a row asks for its token's logprobs (the step computes them for every row).
     """
 
     shape: StepShape
@@ -215,6 +220,7 @@ class StepInputs:
     q_lens: np.ndarray
     sampling: SamplingBatch | None
     prefix: PrefixOps | None
+    logprobs: bool = False
 
 
 def _padded(values: list[int], size: int) -> np.ndarray:
@@ -244,8 +250,9 @@ def pack_step(schedule: Schedule, shape: StepShape, *, max_seqs: int, page_size:
             token_src[offset + known] = previous_rows[r]
         offset += row.count
     sampled = [row.request.sampling for row in schedule.rows]
+    logprobs = any(row.samples and row.request.sampling.logprobs is not None for row in schedule.rows)
     sampling = None
-    if not all(p.greedy for p in sampled):
+    if logprobs or not all(p.greedy for p in sampled):       # logprobs steps are sampling ones: 3 variants
         padding = shape.rows - len(sampled)
         sampling = SamplingBatch.from_params(sampled + [None] * padding,
                                              [row.request.seed for row in schedule.rows] + [0] * padding)
@@ -259,7 +266,7 @@ def pack_step(schedule: Schedule, shape: StepShape, *, max_seqs: int, page_size:
         prefix = PrefixOps(mark=_padded(schedule.mark, step_pages), evict=_padded(schedule.evicted, step_pages),
                            attach=attach)
     return StepInputs(shape, _padded(schedule.release, max_seqs), tokens, token_src, seq_ids, q_lens, sampling,
-                      prefix)
+                      prefix, logprobs)
 
 
 @dataclasses.dataclass
@@ -327,34 +334,36 @@ class StepRunner:
         self.step_pages = max_seqs + max_step_tokens // page_size + 1 if enable_prefix_caching else None
 
     def launch(self, schedule: Schedule, previous_rows: Mapping[Request, int]
-               ) -> tuple[StepShape, jax.Array, jax.Array, jax.Array]:
+               ) -> tuple[StepShape, jax.Array, jax.Array, jax.Array, tuple[jax.Array, ...] | None]:
         """Runs the step of ``schedule`` (``previous_rows``: ``pack_step``'s), its outputs copied to
-        the host asynchronously: ``(shape, next_tokens, ok, pages)`` (``make_engine_step``'s)."""
+        the host asynchronously: ``(shape, next_tokens, ok, pages, step_logprobs)``
+        (``make_engine_step``'s)."""
         shape = self.buckets.shape(schedule)
         inputs = pack_step(schedule, shape, max_seqs=self.max_seqs, page_size=self.table.page_size,
                            max_pages_per_seq=self.table.max_pages_per_seq, step_pages=self.step_pages,
                            previous_rows=previous_rows)
-        next_tokens, ok, pages = self._run(inputs)
-        next_tokens.copy_to_host_async()
-        ok.copy_to_host_async()
+        next_tokens, ok, pages, step_logprobs = self._run(inputs)
+        for output in (next_tokens, ok, *(step_logprobs or ())):
+            output.copy_to_host_async()
         self.prev_tokens = next_tokens
-        return shape, next_tokens, ok, pages
+        return shape, next_tokens, ok, pages, step_logprobs
 
-    def warmup(self, *, sampled: bool = True) -> None:
-        """Compiles the step for every shape in ``buckets`` (greedy, and with ``sampled`` the
-        sampling variant too) by running it on padding rows, which changes no state. Logs one
-        INFO line per step compiled (its shape and seconds) and one for the total on the
-        ``jaxattn.engine`` logger."""
-        variants = (False, True) if sampled else (False,)
-        steps = [(shape, sampling) for shape in self.buckets.shapes for sampling in variants]
+    def warmup(self, *, sampled: bool = True, logprobs: bool = False) -> None:
+        """Compiles the step for every shape in ``buckets`` (greedy; with ``sampled`` the sampling
+        variant too, and with ``logprobs`` the sampling one with logprobs) by running it on
+        padding rows, which changes no state. Logs one INFO line per step compiled (its shape and
+        seconds) and one for the total on the ``jaxattn.engine`` logger."""
+        variants = [("greedy", False, False)] + [("sampled", True, False)] * sampled + \
+            [("sampled with logprobs", True, True)] * logprobs
+        steps = [(shape, variant) for shape in self.buckets.shapes for variant in variants]
         start = time.perf_counter()
-        for i, (shape, sampling) in enumerate(steps, 1):
+        for i, (shape, (name, sampling, with_logprobs)) in enumerate(steps, 1):
             step_start = time.perf_counter()
-            self._run(self.padding_inputs(shape, sampled=sampling))
+            self._run(self.padding_inputs(shape, sampled=sampling, logprobs=with_logprobs))
             jax.block_until_ready(self.table)
             logger.info("compiled step %d/%d (%s, %d rows, %d tokens, max_q_len %d, %s) in %.1f s", i, len(steps),
                         "decode" if shape.max_q_len == 1 else "mixed", shape.rows, shape.tokens, shape.max_q_len,
-                        "sampled" if sampling else "greedy", time.perf_counter() - step_start)
+                        name, time.perf_counter() - step_start)
         logger.info("compiled %d steps in %.1f s", len(steps), time.perf_counter() - start)
 
     def trace(self, inputs: StepInputs) -> jax.stages.Traced:
@@ -362,8 +371,9 @@ class StepRunner:
         args, kwargs = self._operands(inputs)
         return self._step.trace(*args, **kwargs)
 
-    def padding_inputs(self, shape: StepShape, *, sampled: bool) -> StepInputs:
-        """The operands of a step of ``shape`` whose rows are all padding (sampling ones with ``sampled``)."""
+    def padding_inputs(self, shape: StepShape, *, sampled: bool, logprobs: bool = False) -> StepInputs:
+        """The operands of a step of ``shape`` whose rows are all padding (sampling ones with
+        ``sampled``; asking for logprobs with ``logprobs``, which needs ``sampled``)."""
         prefix = None
         if self.step_pages is not None:
             no_pages = np.full(self.step_pages, -1, np.int32)
@@ -373,16 +383,17 @@ class StepRunner:
             sampling = SamplingBatch.from_params([SamplingParams(temperature=1.0)] * shape.rows, [0] * shape.rows)
         return StepInputs(shape, np.full(self.max_seqs, -1, np.int32), np.zeros(shape.tokens, np.int32),
                           np.full(shape.tokens, -1, np.int32), np.full(shape.rows, -1, np.int32),
-                          np.zeros(shape.rows, np.int32), sampling, prefix)
+                          np.zeros(shape.rows, np.int32), sampling, prefix, logprobs)
 
-    def _run(self, inputs: StepInputs) -> tuple[jax.Array, jax.Array, jax.Array]:
-        """The jitted step on ``inputs``: updates the caches and table, returns ``(next_tokens, ok, pages)``."""
+    def _run(self, inputs: StepInputs) -> tuple[jax.Array, jax.Array, jax.Array, tuple[jax.Array, ...] | None]:
+        """The jitted step on ``inputs``: updates the caches and table, returns ``(next_tokens, ok,
+        pages, step_logprobs)``."""
         args, kwargs = self._operands(inputs)
-        next_tokens, ok, pages, self.caches, self.table = self._step(*args, **kwargs)
-        return next_tokens, ok, pages
+        next_tokens, ok, pages, self.caches, self.table, step_logprobs = self._step(*args, **kwargs)
+        return next_tokens, ok, pages, step_logprobs
 
     def _operands(self, inputs: StepInputs) -> tuple[tuple, dict]:
         """The step's arguments: the device state, then ``inputs``."""
         return ((self._weights, self.caches, self.table, self.prev_tokens, inputs.release_ids, inputs.tokens,
                  inputs.token_src, inputs.seq_ids, inputs.q_lens, inputs.sampling, inputs.prefix),
-                dict(max_q_len=inputs.shape.max_q_len, backend=self.backend))
+                dict(max_q_len=inputs.shape.max_q_len, backend=self.backend, logprobs=inputs.logprobs))

@@ -33,6 +33,15 @@ from jaxattn.prefix_cache import page_keys
 from jaxattn.sampling import SamplingParams
 
 
+@dataclasses.dataclass(frozen=True)
+class TokenLogprobs:
+    """A generated token's log-probability and the ``SamplingParams.logprobs`` most likely tokens
+    of its step, ``(token id, log-probability)`` most likely first (``jaxattn.sampling.token_logprobs``)."""
+
+    logprob: float
+    top: tuple[tuple[int, float], ...]
+
+
 @dataclasses.dataclass(eq=False)
 class Request:
     """A request and its state: ``output`` grows as tokens come; ``finish_reason`` is set when it ends."""
@@ -43,6 +52,8 @@ class Request:
     sampling: SamplingParams = SamplingParams()
     seed: int = 0                           # sampling.seed, or the one the engine drew
     output: list[int] = dataclasses.field(default_factory=list)
+    # with sampling.logprobs: one entry per output token
+    logprobs: list[TokenLogprobs] = dataclasses.field(default_factory=list)
     # "stop": output ends with a stop token; "length": max_new_tokens; "abort": Engine.abort
     finish_reason: str | None = None
     slot: int = -1                          # sequence id in the page table while running
@@ -363,17 +374,19 @@ class Scheduler:
         self.pool.release(request.blocks)
         request.blocks, request.slot = [], -1
 
-    def complete(self, schedule: Schedule, next_tokens: np.ndarray,
-                 pages: Callable[[], np.ndarray]) -> list[tuple[Request, list[int]]]:
+    def complete(self, schedule: Schedule, next_tokens: np.ndarray, pages: Callable[[], np.ndarray],
+                 logprobs: Callable[[], tuple[np.ndarray, ...]] | None = None) -> list[tuple[Request, list[int]]]:
         """Applies the step that ran ``schedule``: ``next_tokens`` (int32[>= rows], per step row)
         are appended to the requests of the rows that sampled (dropped for requests that ended
         meanwhile), finished requests released, and (with prefix caching) the prompt pages the
         step filled cached, their ids read from ``pages()`` (int32[rows, W]: per row, the page
-        ids from the one holding its first token on; read only when needed). Returns
-        ``(request, new tokens)`` of each request that got some."""
+        ids from the one holding its first token on; read only when needed). ``logprobs()``
+        (``sampling.token_logprobs``' arrays, per row) gives the entries of requests that ask
+        for them. Returns ``(request, new tokens)`` of each request that got some."""
         if self.enable_prefix_caching:
             self._register(schedule.rows, pages)
         events = []
+        step_logprobs = None                         # read once, if a row asks
         for i, row in enumerate(schedule.rows):
             r = row.request
             if not row.samples:
@@ -381,6 +394,12 @@ class Scheduler:
             r.pending -= 1
             if r.done:                               # stopped or aborted while this row ran
                 continue
+            if r.sampling.logprobs is not None:
+                if step_logprobs is None:
+                    step_logprobs = logprobs()
+                chosen, top_ids, top_logprobs = step_logprobs
+                top = zip(top_ids[i, :r.sampling.logprobs].tolist(), top_logprobs[i, :r.sampling.logprobs].tolist())
+                r.logprobs.append(TokenLogprobs(float(chosen[i]), tuple(top)))
             r._append(int(next_tokens[i]))
             events.append((r, r.output[-1:]))
             if r.done:

@@ -319,6 +319,45 @@ def test_a_pool_too_small_for_all_requests_preempts_and_recomputes(prefix_cachin
     check_drained(engine)
 
 
+@pytest.mark.parametrize("overlap", [True, False])
+def test_logprobs_are_the_models_on_a_small_pool(overlap):
+    """Requests asking for logprobs (greedy and sampled, 0 and 5 alternatives) beside ones that do
+    not, on a pool that preempts: one entry per output token, the chosen token's and the top
+    alternatives' log-probabilities within 2e-3 of a float64 log-softmax of the dense model's
+    logits (recomputed requests keep theirs), none for requests that did not ask; an engine's
+    max_logprobs bounds what a request may ask."""
+    model = Llama(PRESETS["tiny"], nnx.Rngs(0))
+    rng = np.random.default_rng()
+    asks = [SamplingParams(logprobs=5), None, SamplingParams(temperature=0.9, seed=4, logprobs=0),
+            SamplingParams(temperature=0.7, seed=9), SamplingParams(logprobs=2)]
+    engine = Engine(model, max_seqs=3, max_seq_len=48, page_size=8, max_step_tokens=16, backend="xla", num_pages=8,
+                    overlap=overlap)
+    prompts = [rng.integers(0, 512, size=n) for n in (20, 33, 5, 17, 26)]
+    handles = [engine.add_request(prompt, 12, sampling=sampling) for prompt, sampling in zip(prompts, asks)]
+    engine.run()
+    assert engine.stats["preemptions"] > 0
+    for prompt, request in zip(prompts, handles):
+        if request.sampling.logprobs is None:
+            assert request.logprobs == []
+            continue
+        assert len(request.logprobs) == len(request.output)
+        sequence = jnp.asarray(np.concatenate([prompt, request.output]), jnp.int32)
+        logits = np.asarray(model.logits(dense_hidden(*nnx.split(model), sequence)[len(prompt) - 1:-1]), np.float64)
+        reference = logits - logits.max(-1, keepdims=True)
+        reference -= np.log(np.exp(reference).sum(-1, keepdims=True))
+        for entry, row, token in zip(request.logprobs, reference, request.output):
+            assert abs(entry.logprob - row[token]) < 2e-3
+            top_ids = [t for t, _ in entry.top]
+            assert len(top_ids) == request.sampling.logprobs
+            np.testing.assert_allclose([lp for _, lp in entry.top], np.sort(row)[::-1][:len(top_ids)], atol=2e-3)
+            np.testing.assert_allclose([row[t] for t in top_ids], [lp for _, lp in entry.top], atol=2e-3)
+    limited = Engine(model, max_seqs=2, max_seq_len=16, page_size=8, backend="xla", max_logprobs=2)
+    with pytest.raises(ValueError, match="sampling.logprobs must be <= this engine's max_logprobs=2"):
+        limited.add_request([1, 2], 2, sampling=SamplingParams(logprobs=3))
+    with pytest.raises(ValueError, match="max_logprobs must be an int in"):
+        Engine(model, max_seqs=2, max_seq_len=16, page_size=8, backend="xla", max_logprobs=21)
+
+
 request_st = st.tuples(st.sampled_from([None, "a", "b"]), st.integers(1, 10), st.integers(1, 8), st.booleans())
 
 

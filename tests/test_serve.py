@@ -212,7 +212,8 @@ BAD = [
     ("completions", {**COMPLETION, "model": "gpt-4"}, 404, "model"),
     ("chat/completions", {**CHAT, "model": "gpt-4"}, 404, "model"),
     ("completions", {**COMPLETION, "n": 2}, 400, "n"),
-    ("completions", {**COMPLETION, "logprobs": 2}, 400, "logprobs"),
+    ("completions", {**COMPLETION, "logprobs": 21}, 400, "logprobs"),
+    ("chat/completions", {**CHAT, "top_logprobs": 2}, 400, "top_logprobs"),
     ("completions", {**COMPLETION, "stream": "yes"}, 400, "stream"),
 ]
 
@@ -505,7 +506,7 @@ def test_a_stream_behind_the_engine_gets_the_same_tokens_and_text(checkpoint):
             assert sum((c[1] for c in chunks), []) == sum((c[1] for c in one_by_one), [])
             assert chunks[-1][2] == one_by_one[-1][2] == "stop" and aborted_too == aborted == bool(stops)
     chunks, _ = _generate(None, [[Tokens([7], None), Tokens([8], None), Failed(500, "injected")]])
-    assert chunks[0] == ("", [7, 8], None) and isinstance(chunks[1], APIError) and chunks[1].status == 500
+    assert chunks[0] == ("", [7, 8], None, None) and isinstance(chunks[1], APIError) and chunks[1].status == 500
 
 
 # -------------------------------------------------------------------------- the README's section

@@ -1,8 +1,9 @@
 """What a client can send the HTTP server, in process (``fastapi.testclient``, one engine over a
 tiny checkpoint): malformed text, non-finite numbers, oversized and deeply nested bodies, fields
-the server does not implement get a 4xx naming the field; unknown fields are ignored; a property
--based fuzz of request bodies gets no 5xx; a long prompt is tokenized off the event loop (the
-server answers meanwhile) and an oversized one is a 413 before it is read."""
+the server does not implement get a 4xx naming the field; unknown fields are ignored; logprobs
+are the model's (a dense float64 reference), streamed or not; a property-based fuzz of request
+bodies gets no 5xx; a long prompt is tokenized off the event loop (the server answers meanwhile)
+and an oversized one is a 413 before it is read."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ import math
 import threading
 import time
 
+import jax.numpy as jnp
+import numpy as np
 import pytest
 
 pytest.importorskip("fastapi", reason="needs the [serve] extra (pip install -e \".[test]\")")
@@ -24,23 +27,30 @@ MAX_REQUEST_BYTES = 4 * 2**20
 
 
 @pytest.fixture(scope="module")
-def http(tmp_path_factory):
-    """A TestClient of the app over a tiny checkpoint's engine (its thread runs while the module's
-    tests do), its tokenizer included, bodies limited to MAX_REQUEST_BYTES."""
-    from fastapi.testclient import TestClient
-
-    from jaxattn.engine import Engine
+def checkpoint(tmp_path_factory):
+    """(the tiny checkpoint's directory, its model in float32, its TextTokenizer)."""
     from jaxattn.models import from_pretrained
-    from jaxattn.serve.app import build_app
     from jaxattn.serve.text import TextTokenizer
     from tests.serve_helpers import save_chat_checkpoint
 
     path = tmp_path_factory.mktemp("tiny-llama")
     save_chat_checkpoint(path)
-    engine = Engine(from_pretrained(path, dtype="float32"), max_seqs=4, max_seq_len=MAX_SEQ_LEN, page_size=8,
-                    max_step_tokens=8, backend="xla")
+    return path, from_pretrained(path, dtype="float32"), TextTokenizer(path)
+
+
+@pytest.fixture(scope="module")
+def http(checkpoint):
+    """A TestClient of the app over the checkpoint's engine (its thread runs while the module's
+    tests do), its tokenizer included, bodies limited to MAX_REQUEST_BYTES."""
+    from fastapi.testclient import TestClient
+
+    from jaxattn.engine import Engine
+    from jaxattn.serve.app import build_app
+
+    _, model, tokenizer = checkpoint
+    engine = Engine(model, max_seqs=4, max_seq_len=MAX_SEQ_LEN, page_size=8, max_step_tokens=8, backend="xla")
     engine.warmup()
-    app = build_app(engine, model_name="tiny", tokenizer=TextTokenizer(path), max_request_bytes=MAX_REQUEST_BYTES)
+    app = build_app(engine, model_name="tiny", tokenizer=tokenizer, max_request_bytes=MAX_REQUEST_BYTES)
     with TestClient(app) as client:
         yield client
 
@@ -99,19 +109,18 @@ def test_malformed_bodies_get_a_400_naming_the_field(http, endpoint, body, statu
 
 # Fields that change what is returned: refused unless null or at their default, never ignored.
 UNIMPLEMENTED = [
-    ("completions", {"n": 2}), ("completions", {"logprobs": 0}), ("completions", {"echo": True}),
+    ("completions", {"n": 2}), ("completions", {"echo": True}),
     ("completions", {"best_of": 2}), ("completions", {"suffix": "x"}), ("completions", {"presence_penalty": 0.5}),
     ("completions", {"presence_penalty": False}), ("completions", {"logit_bias": {"5": 100}}),
     ("completions", {"min_p": 0.1}), ("completions", {"repetition_penalty": 1.2}),
     ("completions", {"min_tokens": 3}), ("completions", {"response_format": {"type": "json_object"}}),
     ("completions", {"guided_json": {"type": "object"}}), ("completions", {"skip_special_tokens": False}),
-    ("chat/completions", {"logprobs": True}), ("chat/completions", {"top_logprobs": 2}),
     ("chat/completions", {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}}),
     ("chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}]}),
     ("chat/completions", {"tool_choice": "required"}), ("chat/completions", {"add_generation_prompt": False}),
     ("chat/completions", {"chat_template": "{{ messages }}"}),
 ]
-ACCEPTED_DEFAULTS = {"n": 1, "logprobs": None, "presence_penalty": 0.0, "frequency_penalty": 0, "logit_bias": {},
+ACCEPTED_DEFAULTS = {"n": 1, "presence_penalty": 0.0, "frequency_penalty": 0, "logit_bias": {},
                      "response_format": {"type": "text"}, "best_of": 1, "echo": False, "min_tokens": 0}
 
 
@@ -140,6 +149,68 @@ def test_stop_token_ids_end_the_request(http):
     stopped = post(http, {"model": "tiny", "prompt": "Paged attention", "max_tokens": 8, "temperature": 0,
                           "ignore_eos": True, "return_token_ids": True, "stop_token_ids": [first]}).json()
     assert stopped["choices"][0]["token_ids"] == [first] and stopped["choices"][0]["finish_reason"] == "stop"
+
+
+def _reference_logprobs(model, prompt: list[int], output: list[int]) -> np.ndarray:
+    """float64 [len(output), V]: the log-softmax of the logits before each output token (the
+    sequence attended densely: tests/models/test_llama.py)."""
+    from flax import nnx
+
+    from tests.models.test_llama import dense_hidden
+
+    hidden = dense_hidden(*nnx.split(model), jnp.asarray(prompt + output, jnp.int32))
+    logits = np.asarray(model.logits(hidden[len(prompt) - 1:-1]), np.float64)
+    return logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True)) \
+        - logits.max(-1, keepdims=True)
+
+
+@pytest.mark.parametrize("temperature", [0, 0.8])
+def test_completion_logprobs(http, checkpoint, temperature):
+    """``logprobs: 3``: per generated token its text, log-probability and the 3 most likely
+    alternatives of the model's distribution (within 2e-3 of a float64 log-softmax of the dense
+    model's logits), and text offsets; streamed chunks carry the same."""
+    _, model, tokenizer = checkpoint
+    body = {"model": "tiny", "prompt": "Paged attention keeps", "max_tokens": 6, "temperature": temperature,
+            "seed": 5, "logprobs": 3, "return_token_ids": True, "ignore_eos": True}
+    out = post(http, body).json()
+    choice, prompt = out["choices"][0], out["prompt_token_ids"]
+    ids, logprobs = choice["token_ids"], choice["logprobs"]
+    reference = _reference_logprobs(model, prompt, ids)
+    assert logprobs["tokens"] == [tokenizer.token_text(t) for t in ids]
+    np.testing.assert_allclose(logprobs["token_logprobs"], reference[np.arange(len(ids)), ids], atol=2e-3)
+    for row, top in zip(reference, logprobs["top_logprobs"]):
+        best = np.argsort(-row)[:3]
+        assert list(top) == [tokenizer.token_text(t) for t in best]
+        np.testing.assert_allclose(list(top.values()), row[best], atol=2e-3)
+    assert logprobs["text_offset"] == np.cumsum([0] + [len(t) for t in logprobs["tokens"][:-1]]).tolist()
+    if temperature == 0:
+        assert logprobs["token_logprobs"] == [max(top.values()) for top in logprobs["top_logprobs"]]
+
+    events = [json.loads(line[len("data: "):]) for line in post(http, {**body, "stream": True}).text.splitlines()
+              if line.startswith("data: ") and line != "data: [DONE]"]
+    streamed = [e["choices"][0]["logprobs"] for e in events if e["choices"][0]["logprobs"]]
+    for key in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+        assert sum((chunk[key] for chunk in streamed), []) == logprobs[key], key
+
+
+def test_chat_logprobs(http, checkpoint):
+    """``logprobs: true, top_logprobs: 2``: ``content[*]`` with token, logprob, bytes and the 2 most
+    likely alternatives; without top_logprobs, none; the answer's tokens as without logprobs."""
+    _, model, tokenizer = checkpoint
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "Hi there"}], "max_tokens": 4,
+            "temperature": 0, "return_token_ids": True}
+    plain = post(http, body, "chat/completions").json()
+    out = post(http, {**body, "logprobs": True, "top_logprobs": 2}, "chat/completions").json()
+    choice = out["choices"][0]
+    assert plain["choices"][0]["logprobs"] is None and choice["token_ids"] == plain["choices"][0]["token_ids"]
+    reference = _reference_logprobs(model, out["prompt_token_ids"], choice["token_ids"])
+    content = choice["logprobs"]["content"]
+    assert [c["token"] for c in content] == [tokenizer.token_text(t) for t in choice["token_ids"]]
+    for item, row, token in zip(content, reference, choice["token_ids"]):
+        assert item["bytes"] == list(item["token"].encode()) and abs(item["logprob"] - row[token]) < 2e-3
+        assert [t["token"] for t in item["top_logprobs"]] == [tokenizer.token_text(t) for t in np.argsort(-row)[:2]]
+    alone = post(http, {**body, "logprobs": True}, "chat/completions").json()["choices"][0]["logprobs"]["content"]
+    assert [c["top_logprobs"] for c in alone] == [[]] * len(content)
 
 
 def test_parse_body_alone():

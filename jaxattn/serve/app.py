@@ -16,6 +16,7 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator
+from typing import NamedTuple
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -23,6 +24,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from jaxattn.engine import Engine
 from jaxattn.sampling import SamplingParams
+from jaxattn.scheduler import TokenLogprobs
+from jaxattn.serve.logprobs import chat_logprobs, completion_logprobs, token_id_text
 from jaxattn.serve.loop import Admitted, EngineLoop, Event, Failed, Job
 from jaxattn.serve.metrics import CONTENT_TYPE_LATEST, Metrics
 from jaxattn.serve.protocol import APIError, Body, ChatRequest, CompletionRequest, error_body, parse_body
@@ -39,9 +42,18 @@ MAX_REQUEST_BYTES = 8 * 2**20
 ENGINE_STOP_S = 60.0
 
 
+class Chunk(NamedTuple):
+    """What a take of a generation's events brings: the new text, token ids, the finish reason
+    (None until the last), and the ids' ``TokenLogprobs`` when the request asked for them."""
+
+    text: str
+    ids: list[int]
+    finish_reason: str | None
+    logprobs: list[TokenLogprobs] | None = None
+
+
 class Generation:
-    """One job's output as it comes: ``(text delta, token ids, finish_reason)`` per take of the
-    job's events (the tokens of every engine step since the last take: one step's while the event
+    """One job's output as it comes: a ``Chunk`` per take of the job's events (the tokens of every engine step since the last take: one step's while the event
     loop keeps up, several once it falls behind), ``stop`` strings applied (the request is aborted
     at the first). ``close`` aborts the request if it has not finished, and counts it in the
     metrics."""
@@ -64,16 +76,19 @@ class Generation:
             raise _engine_error(event)
         assert isinstance(event, Admitted), event
 
-    async def chunks(self) -> AsyncIterator[tuple[str, list[int], str | None]]:
+    async def chunks(self) -> AsyncIterator[Chunk]:
         while self.finish_reason is None:
             events, self._pending = self._pending or await self.job.take(), []
             ids: list[int] = []
+            logprobs: list[TokenLogprobs] | None = [] if self.job.sampling.logprobs is not None else None
             finish = failed = None
             for event in events:
                 if isinstance(event, Failed):
                     failed = event
                     break
                 ids += event.ids
+                if logprobs is not None:
+                    logprobs += event.logprobs
                 finish = event.finish_reason
                 if self.text is not None:
                     shown = event.ids
@@ -92,7 +107,7 @@ class Generation:
                 self.token_ids += ids
                 delta = self.text.take(final=finish is not None) if self.text is not None else ""
                 self.finish_reason = finish
-                yield delta, ids, finish
+                yield Chunk(delta, ids, finish, logprobs)
             if failed is not None:
                 self.finish_reason = "error"
                 raise _engine_error(failed)
@@ -231,7 +246,7 @@ def build_app(engine: Engine, *, model_name: str, tokenizer: TextTokenizer | Non
         sampling = SamplingParams(temperature=float(1.0 if body.temperature is None else body.temperature),
                                   top_k=-1 if body.top_k is None else body.top_k,
                                   top_p=float(1.0 if body.top_p is None else body.top_p), seed=body.seed,
-                                  stop_token_ids=stop_ids)
+                                  stop_token_ids=stop_ids, logprobs=body.num_logprobs)
         return Job(prompt, max_tokens, sampling)
 
     async def respond(request: Request, body: CompletionRequest | ChatRequest, job: Job, chat: bool) -> Response:
@@ -260,22 +275,32 @@ def build_app(engine: Engine, *, model_name: str, tokenizer: TextTokenizer | Non
             return Response(status_code=CLIENT_CLOSED)
         return JSONResponse(collect.result())
 
-    def choice(chat: bool, text: str, ids: list[int], finish: str | None, body, *, delta: bool) -> dict:
+    token_text = tokenizer.token_text if tokenizer is not None else token_id_text
+
+    def choice(chat: bool, chunk: Chunk, body, *, delta: bool, text_offset: int = 0) -> dict:
+        """A choice of ``chunk`` (the whole answer unless ``delta``); ``text_offset``: where the
+        chunk's tokens start in the completion's text (completions' logprobs)."""
         if not chat:
-            out = {"index": 0, "text": text, "logprobs": None}
+            out = {"index": 0, "text": chunk.text}
         elif delta:
-            out = {"index": 0, "delta": {"content": text} if text else {}}
+            out = {"index": 0, "delta": {"content": chunk.text} if chunk.text else {}}
         else:
-            out = {"index": 0, "message": {"role": "assistant", "content": text}}
-        out["finish_reason"] = finish
+            out = {"index": 0, "message": {"role": "assistant", "content": chunk.text}}
+        out["logprobs"] = None
+        if chunk.logprobs is not None:
+            out["logprobs"] = chat_logprobs(chunk.ids, chunk.logprobs, token_text) if chat else \
+                completion_logprobs(chunk.ids, chunk.logprobs, token_text, text_offset)
+        out["finish_reason"] = chunk.finish_reason
         if body.return_token_ids:
-            out["token_ids"] = ids
+            out["token_ids"] = chunk.ids
         return out
 
     async def complete(generation: Generation, body, head: dict, chat: bool) -> dict:
-        text = "".join([delta async for delta, _, _ in generation.chunks()])
-        result = {**head, "choices": [choice(chat, text, generation.token_ids, generation.finish_reason, body,
-                                             delta=False)], "usage": generation.usage}
+        chunks = [chunk async for chunk in generation.chunks()]
+        logprobs = None if body.num_logprobs is None else [e for chunk in chunks for e in chunk.logprobs]
+        whole = Chunk("".join(chunk.text for chunk in chunks), generation.token_ids, generation.finish_reason,
+                      logprobs)
+        result = {**head, "choices": [choice(chat, whole, body, delta=False)], "usage": generation.usage}
         if body.return_token_ids:
             result["prompt_token_ids"] = generation.job.prompt
         return result
@@ -289,10 +314,13 @@ def build_app(engine: Engine, *, model_name: str, tokenizer: TextTokenizer | Non
             if chat:
                 yield _sse({**head, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
                                                   "finish_reason": None}]})
-            async for text, ids, finish in generation.chunks():
-                if text or finish or body.return_token_ids:
-                    out = choice(chat, text, ids, finish, body, delta=True)
+            text_offset = 0
+            async for chunk in generation.chunks():
+                if chunk.text or chunk.finish_reason or body.return_token_ids or chunk.logprobs:
+                    out = choice(chat, chunk, body, delta=True, text_offset=text_offset)
                     yield f"{prefix}{json.dumps(out, ensure_ascii=False)}]}}\n\n"
+                if chunk.logprobs:
+                    text_offset += sum(len(token_text(token)) for token in chunk.ids)
             if include_usage:
                 yield _sse({**head, "choices": [], "usage": generation.usage})
             yield _sse("[DONE]")

@@ -25,6 +25,7 @@ from jaxattn.cli_args import DTYPES, positive_int
 from jaxattn.engine import Engine
 from jaxattn.models import from_pretrained
 from jaxattn.models.llama import PRESETS, random_model
+from jaxattn.sampling import MAX_LOGPROBS
 from jaxattn.serve.app import MAX_REQUEST_BYTES, build_app
 from jaxattn.serve.loop import EngineLoop
 from jaxattn.serve.text import TextTokenizer
@@ -67,6 +68,9 @@ def build_parser(on_gpu: bool) -> argparse.ArgumentParser:
     engine.add_argument("--max-step-tokens", type=positive_int, metavar="N",
                         help="tokens one engine step computes at most, decodes included (default: the "
                              "engine's, 2048); each power of two up to it is a step shape compiled at start")
+    engine.add_argument("--max-logprobs", type=int, choices=range(MAX_LOGPROBS + 1), metavar="N",
+                        default=MAX_LOGPROBS, help=f"the most top logprobs a request may ask for (0 to {MAX_LOGPROBS}; "
+                        "0 turns logprobs off and compiles no step for them; default: %(default)s)")
     engine.add_argument("--no-prefix-caching", action="store_true", help="turn automatic prefix caching off")
     engine.add_argument("--tp", type=positive_int, metavar="N", default=1,
                         help="split the model over this many devices of this process (default: 1)")
@@ -130,7 +134,8 @@ def main(argv: list[str] | None = None) -> None:
     try:
         engine = Engine(model, max_seqs=args.max_seqs, max_seq_len=args.max_seq_len, page_size=args.page_size,
                         num_pages=args.num_pages, max_step_tokens=args.max_step_tokens, backend=args.backend,
-                        enable_prefix_caching=not args.no_prefix_caching, mesh=mesh)
+                        enable_prefix_caching=not args.no_prefix_caching, mesh=mesh,
+                        max_logprobs=args.max_logprobs)
     except ValueError as err:
         parser.error(str(err))
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")

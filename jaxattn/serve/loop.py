@@ -18,6 +18,7 @@ import time
 
 from jaxattn.engine import Engine, Request
 from jaxattn.sampling import SamplingParams
+from jaxattn.scheduler import TokenLogprobs
 from jaxattn.serve.metrics import Metrics
 
 __all__ = ["Admitted", "EngineLoop", "Failed", "Job", "Tokens"]
@@ -34,10 +35,12 @@ class Admitted:
 
 @dataclasses.dataclass(frozen=True)
 class Tokens:
-    """New tokens; ``finish_reason`` set on the request's last event."""
+    """New tokens; ``finish_reason`` set on the request's last event; ``logprobs``, one entry per
+    token, when the request asked for them."""
 
     ids: list[int]
     finish_reason: str | None
+    logprobs: list[TokenLogprobs] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -206,7 +209,9 @@ class EngineLoop:
                 continue
             job.generated += len(ids)
             generated += len(ids)
-            self._deliver(job, Tokens(list(ids), request.finish_reason))
+            logprobs = request.logprobs[len(request.logprobs) - len(ids):] if request.sampling.logprobs is not None \
+                else None
+            self._deliver(job, Tokens(list(ids), request.finish_reason, logprobs))
             if request.done:
                 del self._live[request]
         self.metrics.generation_tokens.inc(generated)

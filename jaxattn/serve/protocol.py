@@ -30,7 +30,12 @@ from pydantic import (
     StrictInt,
     StrictStr,
     ValidationError,
+    ValidationInfo,
+    field_validator,
 )
+from pydantic_core import PydanticCustomError
+
+from jaxattn.sampling import MAX_LOGPROBS
 
 __all__ = ["APIError", "Body", "ChatMessage", "ChatRequest", "CompletionRequest", "error_body", "parse_body"]
 
@@ -40,6 +45,7 @@ PositiveInt = Annotated[StrictInt, Field(ge=1)]
 NonEmptyStr = Annotated[StrictStr, Field(min_length=1)]
 Number = StrictInt | StrictFloat
 TokenId = Annotated[StrictInt, Field(ge=0, lt=2**31)]
+NumLogprobs = Annotated[StrictInt, Field(ge=0, le=MAX_LOGPROBS)]
 
 
 class APIError(Exception):
@@ -102,11 +108,17 @@ class _Sampling(BaseModel):
 class CompletionRequest(_Sampling):
     """``POST /v1/completions``: ``prompt`` is a text or a list of token ids (one prompt)."""
 
-    UNIMPLEMENTED: ClassVar[dict[str, tuple]] = {**_UNIMPLEMENTED_SAMPLING, "logprobs": (), "echo": (False,),
-                                                  "best_of": (1,), "suffix": ()}
+    UNIMPLEMENTED: ClassVar[dict[str, tuple]] = {**_UNIMPLEMENTED_SAMPLING, "echo": (False,), "best_of": (1,),
+                                                  "suffix": ()}
 
     prompt: StrictStr | Annotated[list[TokenId], Field(min_length=1)]
     max_tokens: PositiveInt | None = 16
+    logprobs: NumLogprobs | None = None
+
+    @property
+    def num_logprobs(self) -> int | None:
+        """Alternatives per token of the logprobs asked for (None: no logprobs)."""
+        return self.logprobs
 
 
 class ChatMessage(BaseModel):
@@ -128,7 +140,7 @@ class ChatRequest(_Sampling):
     """``POST /v1/chat/completions``: the messages go through the checkpoint's chat template."""
 
     UNIMPLEMENTED: ClassVar[dict[str, tuple]] = {
-        **_UNIMPLEMENTED_SAMPLING, "logprobs": (False,), "top_logprobs": (), "tools": ([],),
+        **_UNIMPLEMENTED_SAMPLING, "tools": ([],),
         "tool_choice": ("none",), "functions": ([],), "function_call": ("none",), "audio": (),
         "modalities": (["text"],), "echo": (False,), "add_generation_prompt": (True,),
         "continue_final_message": (False,), "chat_template": (), "chat_template_kwargs": (),
@@ -138,6 +150,20 @@ class ChatRequest(_Sampling):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_tokens: PositiveInt | None = None
     max_completion_tokens: PositiveInt | None = None
+    logprobs: StrictBool | None = None
+    top_logprobs: NumLogprobs | None = None
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _needs_logprobs(cls, value: int | None, info: ValidationInfo) -> int | None:
+        if value is not None and not info.data.get("logprobs"):
+            raise PydanticCustomError("needs_logprobs", "needs \"logprobs\": true")
+        return value
+
+    @property
+    def num_logprobs(self) -> int | None:
+        """Alternatives per token of the logprobs asked for (None: no logprobs)."""
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     @property
     def token_limit(self) -> int | None:

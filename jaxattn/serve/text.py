@@ -64,6 +64,10 @@ class TextTokenizer:
     def decode(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=True)
 
+    def token_text(self, token: int) -> str:
+        """One token's text alone (a special token's too), for logprobs."""
+        return self.tokenizer.decode([token], skip_special_tokens=False)
+
     @functools.cached_property
     def _template(self):
         """The chat template compiled as transformers compiles it (a sandbox, its globals)."""

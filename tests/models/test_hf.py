@@ -1,6 +1,7 @@
 """from_pretrained against transformers: tiny random checkpoints written locally by transformers
-load into the same logits (dense forward) and the same greedy tokens (Engine, paged, chunked
-prefill + decodes) as transformers' own model; unsupported configs are refused by field."""
+load into the same logits (dense forward), the same greedy tokens (Engine, paged, chunked
+prefill + decodes) and the same logprobs as transformers' own model; unsupported configs are
+refused by field."""
 
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ from jaxattn.models import from_pretrained  # noqa: E402
 from jaxattn.models.hf import _hf_parameters, llama_config_from_hf  # noqa: E402
 from jaxattn.models.llama import (PRESETS, Llama, Llama3RopeScaling, param_shardings,  # noqa: E402
                                   rope_frequencies)
+from jaxattn.sampling import SamplingParams  # noqa: E402
 from tests.models.hf_checkpoints import CHECKPOINTS, VOCAB, generate, save_checkpoint  # noqa: E402
 from tests.models.test_llama import dense_hidden  # noqa: E402
 from tests.paged_inputs import rel_error  # noqa: E402
@@ -66,6 +68,25 @@ def test_engine_greedy_tokens_match_generate(checkpoint):
     engine.run()
     for request in requests:
         assert request.output == generate(reference, request.prompt, NEW_TOKENS), request.id
+
+
+def test_engine_logprobs_match_transformers_log_softmax(checkpoint):
+    """An Engine's logprobs (SamplingParams.logprobs) of its greedy tokens and their top 5
+    alternatives equal transformers' log_softmax of its logits over the same sequence (float32,
+    within 2e-3)."""
+    reference, model = checkpoint
+    engine = Engine(model, max_seqs=2, max_seq_len=max(PROMPT_LENS) + 8, page_size=8, max_step_tokens=16,
+                    backend="xla")
+    requests = [engine.add_request(prompt, 8, sampling=SamplingParams(logprobs=5)) for prompt in _prompts()[:2]]
+    engine.run()
+    for request in requests:
+        sequence = torch.from_numpy(np.concatenate([request.prompt, request.output]).astype(np.int64))[None]
+        with torch.no_grad():
+            logits = reference(sequence).logits[0, request.prompt.size - 1:-1]
+        expected = torch.log_softmax(logits.double(), dim=-1).numpy()
+        for entry, row, token in zip(request.logprobs, expected, request.output, strict=True):
+            assert abs(entry.logprob - row[token]) < 2e-3
+            np.testing.assert_allclose([lp for _, lp in entry.top], np.sort(row)[::-1][:5], atol=2e-3)
 
 
 _QWEN2 = dict(model_type="qwen2", vocab_size=8, hidden_size=8, num_hidden_layers=1, num_attention_heads=2,
