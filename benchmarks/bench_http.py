@@ -3,11 +3,13 @@ same engine settings.
 
     python -m benchmarks.bench_http [--preset llama3-8b] [--layers N] [--requests 512] [--prompt-len 256]
         [--new-tokens 128] [--rate 0] [--max-seqs 128] [--max-seq-len 2048] [--max-step-tokens N]
-        [--num-pages N] [--page-size 64] [--backend auto] [--clients 4] [--smoke]
+        [--num-pages N] [--page-size 64] [--backend auto] [--clients 4] [--logprobs-share 0]
+        [--top-logprobs 5] [--smoke]
 
 The trace (random weights and prompts, seed 0): ``requests`` prompts of lognormal lengths (sigma 1,
 mean ``prompt-len`` before clipping to [4, 4 x prompt-len]), ``new-tokens`` greedy tokens each,
-all at once (``--rate 0``) or as a Poisson process of ``rate`` requests/s. Two runs, each in a
+all at once (``--rate 0``) or as a Poisson process of ``rate`` requests/s; a ``logprobs-share`` of
+them (drawn with seed 1) ask for logprobs with ``top-logprobs`` alternatives. Two runs, each in a
 process of its own (the device holds one engine at a time), both after the engine's warm-up:
   * engine: this module in a subprocess serves the trace through ``Engine.step_events``, arrival
     to token on the host;
@@ -57,14 +59,16 @@ class TraceRequest:
     arrival: float               # s after the start
     prompt: list[int]
     new_tokens: int
+    logprobs: int | None = None  # top logprobs asked for (None: no logprobs)
 
 
 def make_trace(args: argparse.Namespace, vocab: int) -> list[TraceRequest]:
     rng = np.random.default_rng(0)
     lengths = lognormal_lengths(rng, args.prompt_len, args.requests, 4 * args.prompt_len)
     arrivals = np.cumsum(rng.exponential(1 / args.rate, args.requests)) if args.rate > 0 else np.zeros(args.requests)
-    return [TraceRequest(float(t), rng.integers(0, vocab, size=n).tolist(), args.new_tokens)
-            for t, n in zip(arrivals, lengths)]
+    asks = np.random.default_rng(1).random(args.requests) < args.logprobs_share
+    return [TraceRequest(float(t), rng.integers(0, vocab, size=n).tolist(), args.new_tokens,
+                         args.top_logprobs if ask else None) for t, n, ask in zip(arrivals, lengths, asks)]
 
 
 def summarize(arrival: Sequence[float], first: Sequence[float], last: Sequence[float],
@@ -99,6 +103,7 @@ def run_engine(args: argparse.Namespace, trace: list[TraceRequest]) -> dict:
     from benchmarks.common import device_name
     from jaxattn.engine import Engine
     from jaxattn.models.llama import PRESETS, Llama
+    from jaxattn.sampling import SamplingParams
 
     cfg = PRESETS[args.preset] if args.layers is None else PRESETS[args.preset].replace(num_layers=args.layers)
     engine = Engine(Llama(cfg, nnx.Rngs(0)), max_seqs=args.max_seqs, max_seq_len=args.max_seq_len,
@@ -112,7 +117,8 @@ def run_engine(args: argparse.Namespace, trace: list[TraceRequest]) -> dict:
         now = time.perf_counter() - start
         while pending and pending[0][1].arrival <= now:
             i, request = pending.pop(0)
-            index[engine.add_request(request.prompt, request.new_tokens)] = i
+            sampling = SamplingParams(logprobs=request.logprobs)
+            index[engine.add_request(request.prompt, request.new_tokens, sampling=sampling)] = i
         if not engine.has_work:
             time.sleep(max(0.0, pending[0][1].arrival - now))
             continue
@@ -139,7 +145,7 @@ async def _stream(http, request: TraceRequest, start: float) -> tuple[float, flo
 
     await asyncio.sleep(max(0.0, start + request.arrival - time.monotonic()))
     body = {"model": MODEL_NAME, "prompt": request.prompt, "max_tokens": request.new_tokens, "temperature": 0,
-            "stream": True, "return_token_ids": True}
+            "stream": True, "return_token_ids": True, "logprobs": request.logprobs}
     first = last = 0.0
     ids: list[int] = []
     async with http.stream("POST", "/v1/completions", json=body) as response:
@@ -149,7 +155,11 @@ async def _stream(http, request: TraceRequest, start: float) -> tuple[float, flo
         async for line in response.aiter_lines():
             if not line.startswith("data: {"):
                 continue
-            new = json.loads(line[len("data: "):])["choices"][0]["token_ids"]
+            choice = json.loads(line[len("data: "):])["choices"][0]
+            new = choice["token_ids"]
+            if request.logprobs is not None and new and len(choice["logprobs"]["token_logprobs"]) != len(new):
+                raise RuntimeError(f"a chunk of {len(new)} tokens came with logprobs of "
+                                   f"{len(choice['logprobs']['token_logprobs'])}")
             if new:
                 last = time.monotonic() - start
                 first = first or last
@@ -233,6 +243,8 @@ def row(label: str, r: dict) -> str:
 def command(args: argparse.Namespace) -> str:
     flags = ["--requests", str(args.requests), "--prompt-len", str(args.prompt_len), "--new-tokens",
              str(args.new_tokens), "--rate", f"{args.rate:g}", "--clients", str(args.clients), *engine_arguments(args)]
+    if args.logprobs_share > 0:
+        flags += ["--logprobs-share", f"{args.logprobs_share:g}", "--top-logprobs", str(args.top_logprobs)]
     return "python -m benchmarks.bench_http " + " ".join(flags)
 
 
@@ -244,9 +256,12 @@ def report(args: argparse.Namespace, trace: list[TraceRequest], engine: dict, ht
                 f"shapes with {engine['layers']} layers, {engine['dtype']}, random weights; backend {args.backend}; "
                 f"{engine['max_seqs']} sequences in flight, {engine['num_pages']} pages of {args.page_size}, "
                 f"max_seq_len {args.max_seq_len}, max_step_tokens {args.max_step_tokens or 'default'}.")
+    asking = sum(r.logprobs is not None for r in trace)
+    logprobs = f", {asking} of them asking for logprobs with the top {args.top_logprobs}" if asking else ""
     workload = (f"Trace: {args.requests} requests ({arrivals}), prompts of {prompts.min()}..{prompts.max()} tokens "
-                f"(mean {prompts.mean():.0f}), {args.new_tokens} greedy tokens each. HTTP: streamed /v1/completions "
-                f"over loopback, one connection per request, from {args.clients} asyncio client processes.")
+                f"(mean {prompts.mean():.0f}), {args.new_tokens} greedy tokens each{logprobs}. HTTP: streamed "
+                f"/v1/completions over loopback, one connection per request, from {args.clients} asyncio client "
+                f"processes.")
     ratio = http["tokens_per_s"] / engine["tokens_per_s"]
     lines = [
         settings,
@@ -283,6 +298,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--backend", default="auto", help="paged_attention backend")
     parser.add_argument("--clients", type=int, default=4, help="client processes sending the HTTP run's requests "
                         "(one asyncio process reads about 7k streamed tokens/s)")
+    parser.add_argument("--logprobs-share", type=float, default=0.0, help="the share of requests asking for logprobs")
+    parser.add_argument("--top-logprobs", type=int, default=5, help="alternatives per token those requests ask for")
     parser.add_argument("--smoke", action="store_true", help="a tiny model and trace (CPU, seconds); RESULTS.md "
                                                               "is left alone")
     parser.add_argument("--engine-run", metavar="JSON", help=argparse.SUPPRESS)   # the engine run's subprocess
