@@ -101,9 +101,9 @@ class Engine:
       kv_memory_fraction: the share of free device memory a pool sized from memory takes.
       record_steps: keep a ``StepRecord`` per step in ``step_records``.
       max_logprobs: the most alternatives a request's ``SamplingParams.logprobs`` may ask for (0
-        to ``MAX_LOGPROBS``; 0 refuses logprobs). Steps with a row that asks for logprobs run a
-        third compiled variant of the step (``warmup`` compiles it unless this is 0); the others
-        pay nothing for them.
+        to ``MAX_LOGPROBS``; 0 refuses logprobs). Steps with a row that asks for logprobs run
+        the step's logprobs variants (greedy and sampling ones: ``warmup`` compiles them unless
+        this is 0); the others pay nothing for them.
 
     Raises ValueError naming the argument that does not fit. ``stats`` counts prompt tokens,
     cached tokens, computed tokens, evicted pages and preemptions (``jaxattn.scheduler.Scheduler``).
@@ -300,12 +300,12 @@ class Engine:
 
     def warmup(self, *, sampled: bool = True) -> float:
         """Compiles the step for every shape in ``buckets`` (greedy; with ``sampled`` the sampling
-        variant too, and its logprobs variant unless ``max_logprobs`` is 0) by running it on
-        padding rows, before serving; returns the seconds it took. Call it before adding requests."""
+        variant too; each also with logprobs unless ``max_logprobs`` is 0) by running it on padding
+        rows, before serving; returns the seconds it took. Call it before adding requests."""
         if self.has_work:
             raise RuntimeError("Engine.warmup: call it before adding requests")
         start = time.perf_counter()
-        self.runner.warmup(sampled=sampled, logprobs=sampled and self.max_logprobs > 0)
+        self.runner.warmup(sampled=sampled, logprobs=self.max_logprobs > 0)
         return time.perf_counter() - start
 
 

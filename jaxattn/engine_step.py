@@ -9,7 +9,8 @@ table. A decode row's input may be the token the previous step sampled, still on
 bucket lists (``StepBuckets``): a decode-only step has as many rows and tokens as the smallest
 row bucket that holds its rows (one bucket up to 256 rows); a mixed step has ``max_seqs`` rows
 and the smallest token bucket that holds its tokens. A serving loop compiles one step per bucket
-(``Engine.warmup``), and per sampling mode (greedy steps skip the sampler), and then replays.
+(``Engine.warmup``), per sampling mode (greedy steps skip the sampler) and with and without
+logprobs (steps with no row asking for them skip them), and then replays.
 """
 
 from __future__ import annotations
@@ -206,8 +207,7 @@ class StepInputs:
       tokens: int32[T], the rows' tokens packed; token_src: int32[T], where >= 0 the token is the
         previous step's ``next_tokens[token_src]`` (a decode whose input is not on the host yet).
       seq_ids: int32[R], each row's slot (-1 padding); q_lens: int32[R], its token count.
-      sampling: per-row sampling parameters and seeds; None when every row is greedy (and no
-        row asks for logprobs).
+      sampling: per-row sampling parameters and seeds; None when every row is greedy.
       prefix: prefix caching's page operations (None without prefix caching).
       logprobs: a row asks for its token's logprobs (the step computes them for every row).
     """
@@ -252,7 +252,7 @@ def pack_step(schedule: Schedule, shape: StepShape, *, max_seqs: int, page_size:
     sampled = [row.request.sampling for row in schedule.rows]
     logprobs = any(row.samples and row.request.sampling.logprobs is not None for row in schedule.rows)
     sampling = None
-    if logprobs or not all(p.greedy for p in sampled):       # logprobs steps are sampling ones: 3 variants
+    if not all(p.greedy for p in sampled):
         padding = shape.rows - len(sampled)
         sampling = SamplingBatch.from_params(sampled + [None] * padding,
                                              [row.request.seed for row in schedule.rows] + [0] * padding)
@@ -350,20 +350,21 @@ class StepRunner:
 
     def warmup(self, *, sampled: bool = True, logprobs: bool = False) -> None:
         """Compiles the step for every shape in ``buckets`` (greedy; with ``sampled`` the sampling
-        variant too, and with ``logprobs`` the sampling one with logprobs) by running it on
-        padding rows, which changes no state. Logs one INFO line per step compiled (its shape and
-        seconds) and one for the total on the ``jaxattn.engine`` logger."""
-        variants = [("greedy", False, False)] + [("sampled", True, False)] * sampled + \
-            [("sampled with logprobs", True, True)] * logprobs
+        variant too; with ``logprobs`` each of those with logprobs) by running it on padding rows,
+        which changes no state. Logs one INFO line per step compiled (its shape and seconds) and
+        one for the total on the ``jaxattn.engine`` logger."""
+        variants = [(sampling, with_logprobs) for with_logprobs in (False, True)[:1 + logprobs]
+                    for sampling in (False, True)[:1 + sampled]]
         steps = [(shape, variant) for shape in self.buckets.shapes for variant in variants]
         start = time.perf_counter()
-        for i, (shape, (name, sampling, with_logprobs)) in enumerate(steps, 1):
+        for i, (shape, (sampling, with_logprobs)) in enumerate(steps, 1):
             step_start = time.perf_counter()
             self._run(self.padding_inputs(shape, sampled=sampling, logprobs=with_logprobs))
             jax.block_until_ready(self.table)
-            logger.info("compiled step %d/%d (%s, %d rows, %d tokens, max_q_len %d, %s) in %.1f s", i, len(steps),
+            logger.info("compiled step %d/%d (%s, %d rows, %d tokens, max_q_len %d, %s%s) in %.1f s", i, len(steps),
                         "decode" if shape.max_q_len == 1 else "mixed", shape.rows, shape.tokens, shape.max_q_len,
-                        name, time.perf_counter() - step_start)
+                        "sampled" if sampling else "greedy", " with logprobs" if with_logprobs else "",
+                        time.perf_counter() - step_start)
         logger.info("compiled %d steps in %.1f s", len(steps), time.perf_counter() - start)
 
     def trace(self, inputs: StepInputs) -> jax.stages.Traced:
@@ -373,7 +374,7 @@ class StepRunner:
 
     def padding_inputs(self, shape: StepShape, *, sampled: bool, logprobs: bool = False) -> StepInputs:
         """The operands of a step of ``shape`` whose rows are all padding (sampling ones with
-        ``sampled``; asking for logprobs with ``logprobs``, which needs ``sampled``)."""
+        ``sampled``; asking for logprobs with ``logprobs``)."""
         prefix = None
         if self.step_pages is not None:
             no_pages = np.full(self.step_pages, -1, np.int32)

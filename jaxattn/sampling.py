@@ -123,8 +123,24 @@ def token_logprobs(logits: jax.Array, tokens: jax.Array) -> tuple[jax.Array, jax
     their log-probabilities float32[B, K])``, K = min(MAX_LOGPROBS, V), most likely first."""
     logprobs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
     chosen = jnp.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
-    top_logprobs, top_ids = jax.lax.top_k(logprobs, min(MAX_LOGPROBS, logits.shape[-1]))
-    return chosen, top_ids.astype(jnp.int32), top_logprobs
+    top_logprobs, top_ids = _top_k(logprobs, min(MAX_LOGPROBS, logits.shape[-1]))
+    return chosen, top_ids, top_logprobs
+
+
+def _top_k(x: jax.Array, k: int, block: int = 128) -> tuple[jax.Array, jax.Array]:
+    """``jax.lax.top_k(x, k)`` of float32 ``x`` [B, V] (values, int32 ids), exactly, in two small
+    top-k's instead of one over V (XLA sorts whole rows for k > 16): each of the k largest values
+    lies in one of the k blocks of ``block`` values with the largest maxima."""
+    rows, vocab = x.shape
+    if vocab <= k * block:
+        values, ids = jax.lax.top_k(x, k)
+        return values, ids.astype(jnp.int32)
+    blocks = jnp.pad(x, ((0, 0), (0, -vocab % block)), constant_values=-jnp.inf).reshape(rows, -1, block)
+    _, best = jax.lax.top_k(jnp.max(blocks, axis=-1), k)                               # [B, k] block ids
+    candidates = jnp.take_along_axis(blocks, best[:, :, None], axis=1).reshape(rows, k * block)
+    values, at = jax.lax.top_k(candidates, k)
+    ids = jnp.take_along_axis(best, at // block, axis=1) * block + at % block
+    return values, ids.astype(jnp.int32)
 
 
 def _sample(logits: jax.Array, params: SamplingBatch, positions: jax.Array) -> jax.Array:

@@ -228,9 +228,9 @@ def test_abort_of_another_engines_request_raises_and_changes_neither_engine():
 
 
 def test_warmup_compiles_every_step_shape_and_records_steps(caplog):
-    """After ``warmup`` a trace compiles nothing more, and the warm-up logged each step it compiled
-    (on the ``jaxattn.engine`` logger, which reaches the root logger's handlers); ``step_records``
-    count what each step ran."""
+    """After ``warmup`` a trace compiles nothing more (greedy requests with and without logprobs),
+    and the warm-up logged each step it compiled (on the ``jaxattn.engine`` logger, which reaches
+    the root logger's handlers); ``step_records`` count what each step ran."""
     model = _tiny_model()
     engine = Engine(model, max_seqs=3, max_seq_len=48, page_size=8, max_step_tokens=16, backend="xla",
                     record_steps=True)
@@ -239,13 +239,16 @@ def test_warmup_compiles_every_step_shape_and_records_steps(caplog):
     lines = [r.getMessage() for r in caplog.records if r.name == "jaxattn.engine"]
     shapes = engine.buckets.shapes
     assert [(s.rows, s.tokens, s.max_q_len) for s in shapes] == [(3, 3, 1), (3, 16, 16)]
-    assert len(lines) == len(shapes) + 1
-    assert re.fullmatch(r"compiled step 1/2 \(decode, 3 rows, 3 tokens, max_q_len 1, greedy\) in \d+\.\d s", lines[0])
-    assert re.fullmatch(r"compiled step 2/2 \(mixed, 3 rows, 16 tokens, max_q_len 16, greedy\) in \d+\.\d s", lines[1])
-    assert re.fullmatch(r"compiled 2 steps in \d+\.\d s", lines[2])
+    assert len(lines) == 2 * len(shapes) + 1        # each shape greedy, and greedy with logprobs
+    for i, (line, shape) in enumerate(zip(lines, ["decode, 3 rows, 3 tokens, max_q_len 1"] * 2
+                                              + ["mixed, 3 rows, 16 tokens, max_q_len 16"] * 2), 1):
+        variant = "greedy with logprobs" if i % 2 == 0 else "greedy"
+        assert re.fullmatch(rf"compiled step {i}/4 \({shape}, {variant}\) in \d+\.\d s", line), line
+    assert re.fullmatch(r"compiled 4 steps in \d+\.\d s", lines[4])
     compiled = engine.runner._step._cache_size()
     rng = np.random.default_rng()
-    handles = [engine.add_request(rng.integers(0, 512, size=n), m) for n, m in ((5, 4), (33, 3), (1, 6), (20, 2))]
+    handles = [engine.add_request(rng.integers(0, 512, size=n), m, sampling=SamplingParams(logprobs=i or None))
+               for i, (n, m) in enumerate(((5, 4), (33, 3), (1, 6), (20, 2)))]
     engine.run()
     assert engine.runner._step._cache_size() == compiled
     records = engine.step_records

@@ -19,6 +19,7 @@ from jaxattn.sampling import (
     SamplingParams,
     _sortable,
     _threshold,
+    _top_k,
     sample,
     token_logprobs,
 )
@@ -128,6 +129,19 @@ def test_token_logprobs_are_the_log_softmax():
     np.testing.assert_allclose(top_logprobs, np.take_along_axis(reference, np.asarray(top_ids), -1), atol=1e-5)
     assert np.all(np.diff(np.asarray(top_logprobs), axis=-1) <= 0)
     assert token_logprobs(logits[:, :7], jnp.zeros(3, jnp.int32))[1].shape == (3, 7)
+
+
+@pytest.mark.parametrize("vocab", [30, 3000, 128_256])
+def test_top_k_in_two_stages_is_exact(vocab):
+    """_top_k's blocks (the k blocks of largest maxima hold the k largest values) give lax.top_k's
+    values, at ids holding them, ties included."""
+    rng = np.random.default_rng()
+    x = rng.normal(size=(3, vocab)).astype(np.float32)
+    x[1] = np.round(x[1])                                    # many ties
+    values, ids = _top_k(jnp.asarray(x), MAX_LOGPROBS)
+    np.testing.assert_array_equal(values, jax.lax.top_k(jnp.asarray(x), MAX_LOGPROBS)[0])
+    np.testing.assert_array_equal(np.take_along_axis(x, np.asarray(ids), -1), values)
+    assert len(set(np.asarray(ids)[1].tolist())) == MAX_LOGPROBS
 
 
 @pytest.mark.parametrize("value", [-1, MAX_LOGPROBS + 1, 1.5, True])
