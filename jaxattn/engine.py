@@ -214,6 +214,26 @@ class Engine:
         self.scheduler.add(request)
         return request
 
+    def add_choices(self, prompt, max_new_tokens: int, n: int, *,
+                    sampling: SamplingParams | None = None) -> list[Request]:
+        """Queues ``n`` requests (an int >= 1) for ``prompt``, as ``add_request`` each, whose
+        prompt is computed once: with prefix caching the others are admitted when the first's full
+        prompt pages are cached and start on them (each still computes the rest of its last page);
+        without, each computes it. Each has its own random stream: ``sampling.seed + i`` (mod
+        2**32) when the seed is set, else one the engine draws. Returns them in order."""
+        if not is_positive_int(n):
+            raise ValueError(f"Engine.add_choices: n must be an int >= 1, got {n!r}")
+        if sampling is None:
+            sampling = SamplingParams()
+        first = self.add_request(prompt, max_new_tokens, sampling=sampling)
+        choices = [first]
+        for i in range(1, n):
+            seed = None if sampling.seed is None else (sampling.seed + i) % 2**32
+            choice = self.add_request(first.prompt, max_new_tokens, sampling=dataclasses.replace(sampling, seed=seed))
+            choice.prefill_after = first
+            choices.append(choice)
+        return choices
+
     def abort(self, request: Request) -> None:
         """Ends ``request`` (``finish_reason`` "abort"): it leaves the queue, or its slot and pages
         are freed in the next step; no more of its tokens come. A request that already finished

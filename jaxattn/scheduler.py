@@ -64,6 +64,9 @@ class Request:
     blocks: list[int] = dataclasses.field(default_factory=list)
     keys: list[bytes] = dataclasses.field(default_factory=list)
     registered: int = 0
+    # another choice of the same prompt (Engine.add_choices): with prefix caching this request is
+    # admitted once that one's full prompt pages are cached, and starts on them
+    prefill_after: Request | None = None
 
     @property
     def done(self) -> bool:
@@ -287,7 +290,8 @@ class Scheduler:
         step completes). Running requests come first, in order of admission: when the pool cannot
         hold one's next tokens, the latest admitted request is preempted (it may be this one). New
         requests are admitted only when no one was preempted, while slots, the token budget and
-        pages last. Decodes always fit: the budget they leave goes to prefill chunks."""
+        pages last, in order (a choice waiting for its first choice's prompt pages lets the ones
+        behind it by). Decodes always fit: the budget they leave goes to prefill chunks."""
         def todo(request: Request) -> int:
             return 0 if request.sampled_all else request.num_tokens - request.computed
 
@@ -315,9 +319,12 @@ class Scheduler:
             rows.append((request, count))
             need += self._new_pages(request, count)
             budget -= count if left > 1 else 0
-        admitted = []
+        admitted, held_back = [], []
         while not preempted and self.waiting and self._free_slots and budget > 0:
             request = self.waiting[0]
+            if self._waits_for_prefill(request):
+                held_back.append(self.waiting.popleft())
+                continue
             keys = page_keys(request.tokens, self.page_size) if self.enable_prefix_caching else []
             # at least the last token is computed, for its logits
             request.blocks = self.pool.lookup(keys[:(request.num_tokens - 1) // self.page_size])
@@ -335,6 +342,7 @@ class Scheduler:
             need += self._new_pages(request, count)
             budget -= count
             self.stats["cached_tokens"] += min(request.computed, request.prompt.size)
+        self.waiting.extendleft(reversed(held_back))
         if not rows and not (self.to_release or self.to_mark):
             return None
         evicted = self.pool.allocate(need)
@@ -351,6 +359,14 @@ class Scheduler:
         schedule = Schedule(step_rows, admitted, evicted, self.to_release, self.to_mark)
         self.to_release, self.to_mark = [], []
         return schedule
+
+    def _waits_for_prefill(self, request: Request) -> bool:
+        """Whether ``request`` waits for its ``prefill_after`` choice (with prefix caching, until
+        the full prompt pages it can reuse are cached; not once that choice ended)."""
+        first = request.prefill_after
+        if first is None or first.done or not self.enable_prefix_caching:
+            return False
+        return first.slot < 0 or first.registered < (first.prompt.size - 1) // self.page_size
 
     def _registered_all(self, request: Request) -> bool:
         """Whether every full prompt page ``request`` has computed is cached or was offered."""

@@ -361,6 +361,39 @@ def test_logprobs_are_the_models_on_a_small_pool(overlap):
         Engine(model, max_seqs=2, max_seq_len=16, page_size=8, backend="xla", max_logprobs=21)
 
 
+@pytest.mark.parametrize("prefix_caching", [True, False])
+def test_choices_of_one_prompt_compute_it_once(prefix_caching):
+    """add_choices: n greedy choices are the dense model's greedy tokens; with prefix caching the
+    prompt's full pages are computed once (the other choices start on them, while a request added
+    after them is not held back); sampled choices draw from seeds sampling.seed + i; a first
+    choice aborted before its prompt ran does not hold the others; n is checked."""
+    model = Llama(PRESETS["tiny"], nnx.Rngs(0))
+    rng = np.random.default_rng()
+    prompt = rng.integers(0, 512, size=29)
+    engine = Engine(model, max_seqs=4, max_seq_len=64, page_size=8, max_step_tokens=64, backend="xla",
+                    enable_prefix_caching=prefix_caching)
+    choices = engine.add_choices(prompt, 5, 3)
+    other = engine.add_request(rng.integers(0, 512, size=6), 3)
+    engine.step()
+    admitted = [request.slot >= 0 for request in choices + [other]]
+    assert admitted == ([True, False, False, True] if prefix_caching else [True, True, True, False])
+    engine.run()
+    expected = dense_greedy(model, prompt, 5)
+    assert [c.output for c in choices] == [expected] * 3
+    reused = 2 * ((29 - 1) // 8 * 8) if prefix_caching else 0     # 3 full pages, for each other choice
+    assert engine.stats["cached_tokens"] == reused
+    assert engine.stats["computed_tokens"] == 3 * (29 + 4) - reused + 6 + 2
+
+    sampled = engine.add_choices(prompt, 4, 2, sampling=SamplingParams(temperature=1.0, seed=2**32 - 1))
+    assert [c.seed for c in sampled] == [2**32 - 1, 0]
+    first, *rest = engine.add_choices(prompt[:20], 3, 3)
+    engine.abort(first)
+    engine.run()
+    assert all(c.finish_reason == "length" for c in sampled + rest) and first.finish_reason == "abort"
+    with pytest.raises(ValueError, match="Engine.add_choices: n must be an int >= 1"):
+        engine.add_choices(prompt, 2, 0)
+
+
 request_st = st.tuples(st.sampled_from([None, "a", "b"]), st.integers(1, 10), st.integers(1, 8), st.booleans())
 
 
