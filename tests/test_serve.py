@@ -211,7 +211,8 @@ BAD = [
     ("completions", {**COMPLETION, "prompt": [[1, 2], [3]]}, 400, "prompt"),
     ("completions", {**COMPLETION, "model": "gpt-4"}, 404, "model"),
     ("chat/completions", {**CHAT, "model": "gpt-4"}, 404, "model"),
-    ("completions", {**COMPLETION, "n": 2}, 400, "n"),
+    ("completions", {**COMPLETION, "n": 0}, 400, "n"),
+    ("completions", {**COMPLETION, "n": 129}, 400, "n"),
     ("completions", {**COMPLETION, "logprobs": 21}, 400, "logprobs"),
     ("chat/completions", {**CHAT, "top_logprobs": 2}, 400, "top_logprobs"),
     ("completions", {**COMPLETION, "stream": "yes"}, 400, "stream"),
@@ -392,8 +393,8 @@ def test_command_line(capsys):
 
 
 class _FailingEngine:
-    """An Engine whose add_request raises (not a ValueError) for prompts starting with FAIL, and
-    whose next step raises after ``fail_next_step`` is set."""
+    """An Engine whose add_choices (the server's way in) raises (not a ValueError) for prompts
+    starting with FAIL, and whose next step raises after ``fail_next_step`` is set."""
 
     FAIL = 13
 
@@ -404,10 +405,10 @@ class _FailingEngine:
     def __getattr__(self, name):
         return getattr(self._engine, name)
 
-    def add_request(self, prompt, *args, **kwargs):
+    def add_choices(self, prompt, *args, **kwargs):
         if prompt[0] == self.FAIL:
             raise RuntimeError("injected fault")
-        return self._engine.add_request(prompt, *args, **kwargs)
+        return self._engine.add_choices(prompt, *args, **kwargs)
 
     def step_events(self):
         if self.fail_next_step:

@@ -109,7 +109,7 @@ def test_malformed_bodies_get_a_400_naming_the_field(http, endpoint, body, statu
 
 # Fields that change what is returned: refused unless null or at their default, never ignored.
 UNIMPLEMENTED = [
-    ("completions", {"n": 2}), ("completions", {"echo": True}),
+    ("completions", {"best_of": 3}), ("completions", {"echo": True}),
     ("completions", {"best_of": 2}), ("completions", {"suffix": "x"}), ("completions", {"presence_penalty": 0.5}),
     ("completions", {"presence_penalty": False}), ("completions", {"logit_bias": {"5": 100}}),
     ("completions", {"min_p": 0.1}), ("completions", {"repetition_penalty": 1.2}),
@@ -211,6 +211,37 @@ def test_chat_logprobs(http, checkpoint):
         assert [t["token"] for t in item["top_logprobs"]] == [tokenizer.token_text(t) for t in np.argsort(-row)[:2]]
     alone = post(http, {**body, "logprobs": True}, "chat/completions").json()["choices"][0]["logprobs"]["content"]
     assert [c["top_logprobs"] for c in alone] == [[]] * len(content)
+
+
+@pytest.mark.parametrize("endpoint", ["completions", "chat/completions"])
+def test_n_choices(http, endpoint):
+    """``n: 3``: three choices, indexed, the greedy ones identical, the usage counting the prompt
+    once and every choice's tokens; streamed, each index's chunks make its choice (a chat's start
+    with its role); sampled choices with a seed differ and repeat."""
+    chat = endpoint == "chat/completions"
+    body = {"model": "tiny", "max_tokens": 5, "temperature": 0, "n": 3, "return_token_ids": True,
+            "ignore_eos": True, **({"messages": [{"role": "user", "content": "Hi there"}]} if chat else
+                                   {"prompt": "Paged attention keeps"})}
+    out = post(http, body, endpoint).json()
+    texts = [c["message"]["content"] if chat else c["text"] for c in out["choices"]]
+    assert [c["index"] for c in out["choices"]] == [0, 1, 2] and len(set(texts)) == 1
+    assert len({tuple(c["token_ids"]) for c in out["choices"]}) == 1
+    assert out["usage"]["completion_tokens"] == 15
+    assert out["usage"]["total_tokens"] == out["usage"]["prompt_tokens"] + 15 == len(out["prompt_token_ids"]) + 15
+
+    events = [json.loads(line[len("data: "):]) for line in post(http, {**body, "stream": True}, endpoint).text.splitlines()
+              if line.startswith("data: ") and line != "data: [DONE]"]
+    for i, text in enumerate(texts):
+        mine = [e["choices"][0] for e in events if e["choices"][0]["index"] == i]
+        if chat:
+            assert mine[0]["delta"] == {"role": "assistant", "content": ""}
+        assert "".join(c["delta"].get("content", "") if chat else c["text"] for c in mine) == text
+        assert mine[-1]["finish_reason"] == "length"
+
+    sampled = {**body, "temperature": 1.0, "seed": 11, "stream": False}
+    first, again = (post(http, sampled, endpoint).json()["choices"] for _ in range(2))
+    assert [c["token_ids"] for c in first] == [c["token_ids"] for c in again]
+    assert len({tuple(c["token_ids"]) for c in first}) > 1
 
 
 def test_parse_body_alone():

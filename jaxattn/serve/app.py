@@ -127,11 +127,43 @@ class Generation:
             if len(self.token_ids) > 1:
                 metrics.tpot.observe((self._last - self._first) / (len(self.token_ids) - 1))
 
-    @property
-    def usage(self) -> dict:
-        prompt = len(self.job.prompt)
-        return {"prompt_tokens": prompt, "completion_tokens": len(self.token_ids),
-                "total_tokens": prompt + len(self.token_ids)}
+def _usage(generations: list[Generation]) -> dict:
+    """The usage of one prompt's choices: the prompt counted once, every choice's tokens."""
+    prompt = len(generations[0].job.prompt)
+    completion = sum(len(generation.token_ids) for generation in generations)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+async def _merged(generations: list[Generation]) -> AsyncIterator[tuple[int, Chunk]]:
+    """``(choice index, chunk)`` of every generation as they come; the first APIError raised."""
+    if len(generations) == 1:                        # no tasks for the common case
+        async for chunk in generations[0].chunks():
+            yield 0, chunk
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, generation: Generation) -> None:
+        try:
+            async for chunk in generation.chunks():
+                await queue.put((i, chunk))
+        except APIError as err:
+            await queue.put((i, err))
+        await queue.put((i, None))
+
+    tasks = [asyncio.ensure_future(pump(i, g)) for i, g in enumerate(generations)]
+    try:
+        running = len(tasks)
+        while running:
+            i, item = await queue.get()
+            if item is None:
+                running -= 1
+            elif isinstance(item, APIError):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for task in tasks:
+            task.cancel()
 
 
 def _engine_error(event: Failed) -> APIError:
@@ -139,18 +171,20 @@ def _engine_error(event: Failed) -> APIError:
 
 
 class _EventStream(StreamingResponse):
-    """Server-sent events of a generation, closed however the response ends (a client gone before
-    the first event never starts the events' generator, so its ``finally`` would not run)."""
+    """Server-sent events of a prompt's generations, closed however the response ends (a client
+    gone before the first event never starts the events' generator, so its ``finally`` would not
+    run)."""
 
-    def __init__(self, events: AsyncIterator[str], generation: Generation):
+    def __init__(self, events: AsyncIterator[str], generations: list[Generation]):
         super().__init__(events, media_type="text/event-stream")
-        self.generation = generation
+        self.generations = generations
 
     async def __call__(self, scope, receive, send) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
-            self.generation.close()
+            for generation in self.generations:
+                generation.close()
 
 
 async def _disconnected(request: Request) -> None:
@@ -222,9 +256,10 @@ def build_app(engine: Engine, *, model_name: str, tokenizer: TextTokenizer | Non
                            "send prompts as token ids to /v1/completions", param=param)
         return tokenizer
 
-    def make_job(body: CompletionRequest | ChatRequest, prompt: list[int], prompt_param: str, max_tokens: int | None,
-                 max_tokens_param: str) -> Job:
-        """The checked job: prompt ids in the vocabulary, the length in max_seq_len, the sampling."""
+    def make_jobs(body: CompletionRequest | ChatRequest, prompt: list[int], prompt_param: str, max_tokens: int | None,
+                  max_tokens_param: str) -> list[Job]:
+        """The checked jobs of the ``n`` choices: prompt ids in the vocabulary, the length in
+        max_seq_len, the sampling."""
         max_seq_len = engine.max_seq_len
         if not prompt:
             raise APIError(400, f"{prompt_param}: the prompt encodes to no tokens", param=prompt_param)
@@ -247,22 +282,26 @@ def build_app(engine: Engine, *, model_name: str, tokenizer: TextTokenizer | Non
                                   top_k=-1 if body.top_k is None else body.top_k,
                                   top_p=float(1.0 if body.top_p is None else body.top_p), seed=body.seed,
                                   stop_token_ids=stop_ids, logprobs=body.num_logprobs)
-        return Job(prompt, max_tokens, sampling)
+        return [Job(prompt, max_tokens, sampling) for _ in range(body.n)]
 
-    async def respond(request: Request, body: CompletionRequest | ChatRequest, job: Job, chat: bool) -> Response:
-        generation = Generation(engine_loop, job, tokenizer, body.stop_strings)
-        engine_loop.submit(job)
+    async def respond(request: Request, body: CompletionRequest | ChatRequest, jobs: list[Job], chat: bool
+                      ) -> Response:
+        """The answer of ``jobs`` (the ``n`` choices of one prompt), streamed or whole."""
+        generations = [Generation(engine_loop, job, tokenizer, body.stop_strings) for job in jobs]
+        engine_loop.submit(jobs)
         try:
-            await generation.start()
+            for generation in generations:
+                await generation.start()
         except BaseException:
-            generation.close()
+            for generation in generations:
+                generation.close()
             raise
         ident = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         head = {"id": ident, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
                 "model": model_name}
         if body.stream:
-            return _EventStream(stream(generation, body, head, chat), generation)
-        collect = asyncio.ensure_future(complete(generation, body, head, chat))
+            return _EventStream(stream(generations, body, head, chat), generations)
+        collect = asyncio.ensure_future(complete(generations, body, head, chat))
         watch = asyncio.ensure_future(_disconnected(request))
         try:
             await asyncio.wait({collect, watch}, return_when=asyncio.FIRST_COMPLETED)
@@ -270,22 +309,23 @@ def build_app(engine: Engine, *, model_name: str, tokenizer: TextTokenizer | Non
             watch.cancel()
             if not collect.done():
                 collect.cancel()
-            generation.close()
+            for generation in generations:
+                generation.close()
         if not collect.done() or collect.cancelled():
             return Response(status_code=CLIENT_CLOSED)
         return JSONResponse(collect.result())
 
     token_text = tokenizer.token_text if tokenizer is not None else token_id_text
 
-    def choice(chat: bool, chunk: Chunk, body, *, delta: bool, text_offset: int = 0) -> dict:
-        """A choice of ``chunk`` (the whole answer unless ``delta``); ``text_offset``: where the
-        chunk's tokens start in the completion's text (completions' logprobs)."""
+    def choice(chat: bool, index: int, chunk: Chunk, body, *, delta: bool, text_offset: int = 0) -> dict:
+        """Choice ``index`` of ``chunk`` (the whole answer unless ``delta``); ``text_offset``:
+        where the chunk's tokens start in the completion's text (completions' logprobs)."""
         if not chat:
-            out = {"index": 0, "text": chunk.text}
+            out = {"index": index, "text": chunk.text}
         elif delta:
-            out = {"index": 0, "delta": {"content": chunk.text} if chunk.text else {}}
+            out = {"index": index, "delta": {"content": chunk.text} if chunk.text else {}}
         else:
-            out = {"index": 0, "message": {"role": "assistant", "content": chunk.text}}
+            out = {"index": index, "message": {"role": "assistant", "content": chunk.text}}
         out["logprobs"] = None
         if chunk.logprobs is not None:
             out["logprobs"] = chat_logprobs(chunk.ids, chunk.logprobs, token_text) if chat else \
@@ -295,34 +335,40 @@ def build_app(engine: Engine, *, model_name: str, tokenizer: TextTokenizer | Non
             out["token_ids"] = chunk.ids
         return out
 
-    async def complete(generation: Generation, body, head: dict, chat: bool) -> dict:
+    async def whole(generation: Generation, body) -> Chunk:
+        """A generation's chunks as one."""
         chunks = [chunk async for chunk in generation.chunks()]
         logprobs = None if body.num_logprobs is None else [e for chunk in chunks for e in chunk.logprobs]
-        whole = Chunk("".join(chunk.text for chunk in chunks), generation.token_ids, generation.finish_reason,
-                      logprobs)
-        result = {**head, "choices": [choice(chat, whole, body, delta=False)], "usage": generation.usage}
+        return Chunk("".join(chunk.text for chunk in chunks), generation.token_ids, generation.finish_reason,
+                     logprobs)
+
+    async def complete(generations: list[Generation], body, head: dict, chat: bool) -> dict:
+        answers = await asyncio.gather(*(whole(generation, body) for generation in generations))
+        result = {**head, "choices": [choice(chat, i, answer, body, delta=False) for i, answer in enumerate(answers)],
+                  "usage": _usage(generations)}
         if body.return_token_ids:
-            result["prompt_token_ids"] = generation.job.prompt
+            result["prompt_token_ids"] = generations[0].job.prompt
         return result
 
-    async def stream(generation: Generation, body, head: dict, chat: bool) -> AsyncIterator[str]:
+    async def stream(generations: list[Generation], body, head: dict, chat: bool) -> AsyncIterator[str]:
         head = {**head, "object": "chat.completion.chunk" if chat else "text_completion"}
         include_usage = body.stream_options is not None and body.stream_options.include_usage
         # A chunk is the head's JSON, serialized once, and its choice's: `prefix + choice + "]}\n\n"`.
         prefix = f"data: {json.dumps(head, ensure_ascii=False)[:-1]}, \"choices\": ["
         try:
             if chat:
-                yield _sse({**head, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
-                                                  "finish_reason": None}]})
-            text_offset = 0
-            async for chunk in generation.chunks():
+                for i in range(len(generations)):
+                    yield _sse({**head, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
+                                                      "finish_reason": None}]})
+            text_offsets = [0] * len(generations)
+            async for i, chunk in _merged(generations):
                 if chunk.text or chunk.finish_reason or body.return_token_ids or chunk.logprobs:
-                    out = choice(chat, chunk, body, delta=True, text_offset=text_offset)
+                    out = choice(chat, i, chunk, body, delta=True, text_offset=text_offsets[i])
                     yield f"{prefix}{json.dumps(out, ensure_ascii=False)}]}}\n\n"
                 if chunk.logprobs:
-                    text_offset += sum(len(token_text(token)) for token in chunk.ids)
+                    text_offsets[i] += sum(len(token_text(token)) for token in chunk.ids)
             if include_usage:
-                yield _sse({**head, "choices": [], "usage": generation.usage})
+                yield _sse({**head, "choices": [], "usage": _usage(generations)})
             yield _sse("[DONE]")
         except APIError as err:                      # after the headers: the error as the last event,
             yield _sse(error_body(err.message, kind=err.kind, code=err.status))   # its status as the code
@@ -336,7 +382,7 @@ def build_app(engine: Engine, *, model_name: str, tokenizer: TextTokenizer | Non
         else:
             text_tokenizer = need_tokenizer("prompt", "a text prompt needs")
             prompt = await asyncio.to_thread(text_tokenizer.encode, body.prompt)
-        return await respond(request, body, make_job(body, prompt, "prompt", body.max_tokens, "max_tokens"), False)
+        return await respond(request, body, make_jobs(body, prompt, "prompt", body.max_tokens, "max_tokens"), False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
@@ -349,7 +395,7 @@ def build_app(engine: Engine, *, model_name: str, tokenizer: TextTokenizer | Non
         except ValueError as err:                    # ChatTemplateError too
             raise APIError(400, f"messages: {err}", param="messages") from err
         limit_param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
-        return await respond(request, body, make_job(body, prompt, "messages", body.token_limit, limit_param), True)
+        return await respond(request, body, make_jobs(body, prompt, "messages", body.token_limit, limit_param), True)
 
     @app.get("/v1/models")
     async def models() -> dict:

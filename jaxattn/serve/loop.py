@@ -93,7 +93,7 @@ class EngineLoop:
 
     def __init__(self, engine: Engine, metrics: Metrics):
         self.engine, self.metrics = engine, metrics
-        self._inbox: queue.SimpleQueue[tuple[str, Job | None]] = queue.SimpleQueue()
+        self._inbox: queue.SimpleQueue[tuple[str, list[Job] | Job | None]] = queue.SimpleQueue()
         self._live: dict[Request, Job] = {}
         self._outbox: list[tuple[Job, Event]] = []       # this iteration's events (engine thread)
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -119,8 +119,10 @@ class EngineLoop:
         """Ends every request in flight at the next step: each fails with 503 (shutting down)."""
         self._inbox.put(("abort_all", None))
 
-    def submit(self, job: Job) -> None:
-        self._inbox.put(("add", job))
+    def submit(self, jobs: list[Job]) -> None:
+        """Adds ``jobs``, the choices of one prompt (the same prompt, length and sampling:
+        ``Engine.add_choices``, which computes the prompt once); one job is a plain request."""
+        self._inbox.put(("add", jobs))
 
     def abort(self, job: Job) -> None:
         """Ends ``job``'s request at the next step (its pages freed); no more events come for it."""
@@ -163,19 +165,25 @@ class EngineLoop:
     def _deliver(self, job: Job, event: Event) -> None:
         self._outbox.append((job, event))
 
-    def _add(self, job: Job) -> None:
+    def _add(self, jobs: list[Job]) -> None:
+        first = jobs[0]
         try:
-            job.request = self.engine.add_request(job.prompt, job.max_tokens, sampling=job.sampling)
+            requests = self.engine.add_choices(first.prompt, first.max_tokens, len(jobs), sampling=first.sampling)
         except ValueError as err:
-            self._deliver(job, Failed(400, str(err)))
-            return
+            failure = Failed(400, str(err))
         except Exception as err:  # this request fails alone
             log.exception("adding a request failed")
-            self._deliver(job, Failed(500, f"the engine failed to add the request: {type(err).__name__}: {err}"))
-            return
-        self._live[job.request] = job
-        self.metrics.prompt_tokens.inc(len(job.prompt))
-        self._deliver(job, Admitted())
+            failure = Failed(500, f"the engine failed to add the request: {type(err).__name__}: {err}")
+        else:
+            failure = None
+        for i, job in enumerate(jobs):
+            if failure is not None:
+                self._deliver(job, failure)
+                continue
+            job.request = requests[i]
+            self._live[job.request] = job
+            self.metrics.prompt_tokens.inc(len(job.prompt))
+            self._deliver(job, Admitted())
 
     def _abort(self, job: Job) -> None:
         if job.request is not None and self._live.pop(job.request, None) is not None:

@@ -3,8 +3,8 @@ the HTTP server.
 
 Fields follow OpenAI's completions and chat completions APIs; ``top_k``, ``ignore_eos``,
 ``stop_token_ids`` and ``return_token_ids`` are vLLM's extensions. The policy for fields the server
-does not implement: those of OpenAI's API or vLLM's that change what is returned (``n``,
-``logprobs``, ``response_format``, ``tools``, penalties, ...: ``UNIMPLEMENTED``) are accepted only
+does not implement: those of OpenAI's API or vLLM's that change what is returned (``best_of``,
+``echo``, ``response_format``, ``tools``, penalties, ...: ``UNIMPLEMENTED``) are accepted only
 absent, null or at their default, and refused otherwise (400 naming the field), never ignored;
 any other unknown field (``user``, ``metadata``, ``store``, ...: nothing that changes the answer)
 is accepted and ignored, and logged once per name.
@@ -46,6 +46,7 @@ NonEmptyStr = Annotated[StrictStr, Field(min_length=1)]
 Number = StrictInt | StrictFloat
 TokenId = Annotated[StrictInt, Field(ge=0, lt=2**31)]
 NumLogprobs = Annotated[StrictInt, Field(ge=0, le=MAX_LOGPROBS)]
+MAX_CHOICES = 128                       # OpenAI's bound on n
 
 
 class APIError(Exception):
@@ -69,7 +70,7 @@ class StreamOptions(BaseModel):
 # Fields that change what is returned and that the server does not implement (OpenAI's, vLLM's),
 # with the values it accepts (their defaults; null is accepted for every one).
 _UNIMPLEMENTED_SAMPLING: dict[str, tuple] = {
-    "n": (1,), "presence_penalty": (0,), "frequency_penalty": (0,), "repetition_penalty": (1,), "min_p": (0,),
+    "presence_penalty": (0,), "frequency_penalty": (0,), "repetition_penalty": (1,), "min_p": (0,),
     "logit_bias": ({},), "min_tokens": (0,), "include_stop_str_in_output": (False,),
     "skip_special_tokens": (True,), "spaces_between_special_tokens": (True,),
     "response_format": ({"type": "text"},), "structured_outputs": (), "guided_json": (), "guided_regex": (),
@@ -93,6 +94,7 @@ class _Sampling(BaseModel):
     seed: Annotated[StrictInt, Field(ge=0, lt=2**32)] | None = None
     stop: NonEmptyStr | Annotated[list[NonEmptyStr], Field(max_length=16)] | None = None
     stop_token_ids: Annotated[list[TokenId], Field(max_length=64)] | None = None
+    n: Annotated[StrictInt, Field(ge=1, le=MAX_CHOICES)] = 1
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     ignore_eos: StrictBool = False
