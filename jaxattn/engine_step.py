@@ -65,9 +65,9 @@ def make_engine_step(model: PagedModel) -> tuple[StepFn, list[jax.Array]]:
     sampling=None, prefix=None, *, max_q_len, backend, logprobs=False)`` frees ``release_ids``
     (int32[max_seqs], -1 padding), appends ``q_lens`` tokens to sequences ``seq_ids`` (int32[R],
     decodes first, -1 padding) and returns ``(next_tokens, ok, pages, caches, table,
-    step_logprobs)``; caches and table are donated. ``tokens`` (int32[T]) are the rows' tokens packed; where ``token_src``
-    (int32[T]) is >= 0 the token is ``prev_tokens[token_src]`` instead (``prev_tokens``: the
-    previous step's ``next_tokens``). Outputs: ``next_tokens`` int32[max_seqs], each row's next
+    step_logprobs)``; caches and table are donated. ``tokens`` (int32[T]) are the rows' tokens
+    packed; where ``token_src`` (int32[T]) is >= 0 the token is ``prev_tokens[token_src]``
+    instead (``prev_tokens``: the previous step's ``next_tokens``). Outputs: ``next_tokens`` int32[max_seqs], each row's next
     token (0 past R); ``ok`` bool[R], its pages were granted; ``pages`` int32[R, W],
     each row's page ids from the page of its first token on (0 past its pages; W =
     ``page_window(max_q_len, page_size)``); ``step_logprobs``, with ``logprobs``, each row's
@@ -207,7 +207,8 @@ class StepInputs:
       tokens: int32[T], the rows' tokens packed; token_src: int32[T], where >= 0 the token is the
         previous step's ``next_tokens[token_src]`` (a decode whose input is not on the host yet).
       seq_ids: int32[R], each row's slot (-1 padding); q_lens: int32[R], its token count.
-      sampling: per-row sampling parameters and seeds; None when every row is greedy.
+      sampling: per-row sampling parameters, seeds and banned tokens; None when every row is
+        greedy and none holds its stop tokens back (``min_tokens``).
       prefix: prefix caching's page operations (None without prefix caching).
       logprobs: a row asks for its token's logprobs (the step computes them for every row).
     """
@@ -251,11 +252,14 @@ def pack_step(schedule: Schedule, shape: StepShape, *, max_seqs: int, page_size:
         offset += row.count
     sampled = [row.request.sampling for row in schedule.rows]
     logprobs = any(row.samples and row.request.sampling.logprobs is not None for row in schedule.rows)
+    # outputs before the token each row samples (its own is pending already)
+    generated = [len(row.request.output) + row.request.pending - row.samples for row in schedule.rows]
+    held_back = any(row.samples and n < row.request.sampling.min_tokens for row, n in zip(schedule.rows, generated))
     sampling = None
-    if not all(p.greedy for p in sampled):
+    if held_back or not all(p.greedy for p in sampled):
         padding = shape.rows - len(sampled)
         sampling = SamplingBatch.from_params(sampled + [None] * padding,
-                                             [row.request.seed for row in schedule.rows] + [0] * padding)
+                                             [row.request.seed for row in schedule.rows] + [0] * padding, generated)
     prefix = None
     if step_pages is not None:
         attach = np.zeros((shape.rows, max_pages_per_seq), np.int32)

@@ -25,6 +25,10 @@ from jaxattn.checks import is_int, is_real
 GREEDY_TEMPERATURE = 1e-5
 # The most alternatives a token's logprobs list (OpenAI's bound, vLLM's default max_logprobs).
 MAX_LOGPROBS = 20
+# The most stop tokens a request with min_tokens holds back (a step's banned tokens per row).
+MAX_BANNED = 128
+# A banned-token slot that bans nothing (an index past any vocabulary: the scatter drops it).
+_NO_TOKEN = 2**31 - 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,6 +43,9 @@ class SamplingParams:
       seed: the request's random stream, an int in [0, 2**32); None: the engine draws one.
       stop_token_ids: the request ends when it generates one of these; the stop token is the last
         token of its output (as in vLLM's ``token_ids``).
+      min_tokens: the request generates no stop token before it has this many output tokens (its
+        stop tokens are masked out of the logits until then, as vLLM's; at most ``MAX_BANNED``
+        stop tokens with it).
       logprobs: None, or report each generated token's log-probability and the ``logprobs`` most
         likely alternatives (0 to ``MAX_LOGPROBS``), from the model's own distribution (the
         log-softmax of the logits, before temperature, top-k and top-p: vLLM's default).
@@ -49,6 +56,7 @@ class SamplingParams:
     top_p: float = 1.0
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
+    min_tokens: int = 0
     logprobs: int | None = None
 
     def __post_init__(self):
@@ -65,6 +73,11 @@ class SamplingParams:
         if not all(is_int(t) and t >= 0 for t in stop):
             raise ValueError(f"SamplingParams: stop_token_ids must be ints >= 0, got {self.stop_token_ids!r}")
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in stop))
+        if not is_int(self.min_tokens) or self.min_tokens < 0:
+            raise ValueError(f"SamplingParams: min_tokens must be an int >= 0, got {self.min_tokens!r}")
+        if self.min_tokens and len(stop) > MAX_BANNED:
+            raise ValueError(f"SamplingParams: min_tokens holds back at most {MAX_BANNED} stop_token_ids, got "
+                             f"{len(stop)}")
         if self.logprobs is not None and not (is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS):
             raise ValueError(f"SamplingParams: logprobs must be None or an int in [0, {MAX_LOGPROBS}], "
                              f"got {self.logprobs!r}")
@@ -84,21 +97,31 @@ class SamplingBatch:
       top_k: int32[B]; <= 0: all tokens.
       top_p: float32[B].
       seed: uint32[B].
+      banned: int32[B, MAX_BANNED], token ids each row may not take (its stop tokens while it has
+        fewer than ``min_tokens`` outputs), padded with an id past the vocabulary; None: none.
     """
 
     temperature: jax.Array
     top_k: jax.Array
     top_p: jax.Array
     seed: jax.Array
+    banned: jax.Array | None = None
 
     @classmethod
-    def from_params(cls, params: list[SamplingParams | None], seeds: list[int]) -> "SamplingBatch":
-        """Host arrays for rows with ``params`` (None: a padding row, greedy) and resolved ``seeds``."""
+    def from_params(cls, params: list[SamplingParams | None], seeds: list[int],
+                    generated: list[int] | None = None) -> "SamplingBatch":
+        """Host arrays for rows with ``params`` (None: a padding row, greedy) and resolved ``seeds``;
+        ``generated``: each row's output tokens before the one it samples (for ``min_tokens``;
+        None: every row is past it)."""
         rows = [p or SamplingParams() for p in params]
+        banned = np.full((len(rows), MAX_BANNED), _NO_TOKEN, np.int32)
+        for i, (p, count) in enumerate(zip(rows, generated or [])):
+            if count < p.min_tokens:
+                banned[i, :len(p.stop_token_ids)] = p.stop_token_ids
         return cls(temperature=np.asarray([p.temperature for p in rows], np.float32),
                    top_k=np.asarray([p.top_k for p in rows], np.int32),
                    top_p=np.asarray([p.top_p for p in rows], np.float32),
-                   seed=np.asarray(seeds, np.uint32))
+                   seed=np.asarray(seeds, np.uint32), banned=banned)
 
 
 def sample(logits: jax.Array, params: SamplingBatch, positions: jax.Array) -> jax.Array:
@@ -111,6 +134,9 @@ def sample(logits: jax.Array, params: SamplingBatch, positions: jax.Array) -> ja
         it picks the row's random numbers.
     """
     logits = logits.astype(jnp.float32)
+    if params.banned is not None:
+        rows = jnp.arange(logits.shape[0])[:, None]
+        logits = logits.at[rows, params.banned].set(-jnp.inf, mode="drop")
     greedy = params.temperature < GREEDY_TEMPERATURE
     greedy_tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     sampled = _unless(jnp.all(greedy), lambda: _sample(logits, params, positions), lambda: greedy_tokens)

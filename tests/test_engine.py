@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import re
@@ -359,6 +360,30 @@ def test_logprobs_are_the_models_on_a_small_pool(overlap):
         limited.add_request([1, 2], 2, sampling=SamplingParams(logprobs=3))
     with pytest.raises(ValueError, match="max_logprobs must be an int in"):
         Engine(model, max_seqs=2, max_seq_len=16, page_size=8, backend="xla", max_logprobs=21)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_min_tokens_hold_stop_tokens_back(temperature):
+    """A request whose stop token comes early (its second token without min_tokens) generates no
+    stop token before its min_tokens outputs, overlapped or not; without min_tokens it stops there."""
+    model = Llama(PRESETS["tiny"], nnx.Rngs(0))
+    prompt = np.random.default_rng().integers(0, 512, size=13)
+    base = SamplingParams(temperature=temperature, seed=5)
+    free = Engine(model, max_seqs=2, max_seq_len=48, page_size=8, backend="xla")
+    (first,) = [free.add_request(prompt, 12, sampling=base)]
+    free.run()
+    stop = first.output[1]
+    for overlap in (True, False):
+        engine = Engine(model, max_seqs=2, max_seq_len=48, page_size=8, backend="xla", overlap=overlap)
+        early = engine.add_request(prompt, 12, sampling=dataclasses.replace(base, stop_token_ids=(stop,)))
+        held = engine.add_request(prompt, 12, sampling=dataclasses.replace(base, stop_token_ids=(stop,), min_tokens=6))
+        engine.run()
+        assert early.output == first.output[:2] and early.finish_reason == "stop"
+        assert stop not in held.output[:6], held.output
+        if held.finish_reason == "stop":
+            assert held.output[-1] == stop and len(held.output) >= 7, held.output
+        else:
+            assert held.finish_reason == "length" and len(held.output) == 12, held.output
 
 
 @pytest.mark.parametrize("prefix_caching", [True, False])

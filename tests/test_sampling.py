@@ -14,6 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from jaxattn.sampling import (
+    MAX_BANNED,
     MAX_LOGPROBS,
     SamplingBatch,
     SamplingParams,
@@ -103,7 +104,7 @@ def test_greedy_rows_and_the_same_seed_and_position_repeat():
     np.testing.assert_array_equal(sample(logits, top_k1, positions), np.argmax(logits, axis=-1))
 
 
-@pytest.mark.parametrize("field, value", [("temperature", -1.0), ("temperature", float("inf")),
+@pytest.mark.parametrize("field, value", [("temperature", -1.0), ("temperature", float("inf")), ("min_tokens", -1),
                                           ("temperature", float("nan")), ("top_k", -2), ("top_k", 1.5),
                                           ("top_k", 2**31), ("top_p", 0.0), ("top_p", float("nan")),
                                           ("top_p", 1.5), ("seed", -1), ("seed", 2**32),
@@ -129,6 +130,19 @@ def test_token_logprobs_are_the_log_softmax():
     np.testing.assert_allclose(top_logprobs, np.take_along_axis(reference, np.asarray(top_ids), -1), atol=1e-5)
     assert np.all(np.diff(np.asarray(top_logprobs), axis=-1) <= 0)
     assert token_logprobs(logits[:, :7], jnp.zeros(3, jnp.int32))[1].shape == (3, 7)
+
+
+def test_rows_under_min_tokens_never_take_their_stop_tokens():
+    """A row with fewer outputs than its min_tokens (greedy or sampled) never samples its stop
+    tokens, even the most likely; a row past it, or one without stop tokens, samples as before."""
+    logits = jnp.asarray(np.tile(np.arange(V, dtype=np.float32) * 2.0, (B, 1)))         # V-1 most likely
+    holding = SamplingParams(stop_token_ids=(V - 1, V - 2), min_tokens=3)
+    params = [holding, SamplingParams(temperature=1.0, stop_token_ids=(V - 1,), min_tokens=3), holding, None]
+    batch = SamplingBatch.from_params(params, [1, 2, 3, 4], generated=[2, 0, 3, 0])
+    assert batch.banned.shape == (B, MAX_BANNED)
+    for position in range(20):
+        tokens = np.asarray(sample(logits, batch, jnp.full(B, position, jnp.int32)))
+        assert tokens[0] == V - 3 and tokens[1] != V - 1 and tokens[2] == V - 1 and tokens[3] == V - 1
 
 
 @pytest.mark.parametrize("vocab", [30, 3000, 128_256])

@@ -109,11 +109,10 @@ def test_malformed_bodies_get_a_400_naming_the_field(http, endpoint, body, statu
 
 # Fields that change what is returned: refused unless null or at their default, never ignored.
 UNIMPLEMENTED = [
-    ("completions", {"best_of": 3}), ("completions", {"echo": True}),
-    ("completions", {"best_of": 2}), ("completions", {"suffix": "x"}), ("completions", {"presence_penalty": 0.5}),
-    ("completions", {"presence_penalty": False}), ("completions", {"logit_bias": {"5": 100}}),
-    ("completions", {"min_p": 0.1}), ("completions", {"repetition_penalty": 1.2}),
-    ("completions", {"min_tokens": 3}), ("completions", {"response_format": {"type": "json_object"}}),
+    ("completions", {"best_of": 3}), ("completions", {"echo": True}), ("completions", {"suffix": "x"}),
+    ("completions", {"presence_penalty": 0.5}), ("completions", {"presence_penalty": False}),
+    ("completions", {"logit_bias": {"5": 100}}), ("completions", {"min_p": 0.1}),
+    ("completions", {"repetition_penalty": 1.2}), ("completions", {"response_format": {"type": "json_object"}}),
     ("completions", {"guided_json": {"type": "object"}}), ("completions", {"skip_special_tokens": False}),
     ("chat/completions", {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}}),
     ("chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}]}),
@@ -142,13 +141,19 @@ def test_defaults_and_unknown_fields_are_accepted(http, caplog):
     assert sum("'service_tier'" in m for m in ignored) <= 1, ignored      # once per name, not per request
 
 
-def test_stop_token_ids_end_the_request(http):
+def test_stop_token_ids_end_the_request_after_min_tokens(http):
     out = post(http, {"model": "tiny", "prompt": "Paged attention", "max_tokens": 8, "temperature": 0,
                       "ignore_eos": True, "return_token_ids": True}).json()["choices"][0]
     first = out["token_ids"][0]
     stopped = post(http, {"model": "tiny", "prompt": "Paged attention", "max_tokens": 8, "temperature": 0,
                           "ignore_eos": True, "return_token_ids": True, "stop_token_ids": [first]}).json()
     assert stopped["choices"][0]["token_ids"] == [first] and stopped["choices"][0]["finish_reason"] == "stop"
+    held = post(http, {"model": "tiny", "prompt": "Paged attention", "max_tokens": 8, "temperature": 0,
+                       "ignore_eos": True, "return_token_ids": True, "stop_token_ids": [first],
+                       "min_tokens": 3}).json()["choices"][0]
+    assert first not in held["token_ids"][:3] and len(held["token_ids"]) >= 3
+    refused(post(http, {"model": "tiny", "prompt": "Paged attention", "max_tokens": 2, "min_tokens": 3}), 400,
+            "min_tokens")
 
 
 def _reference_logprobs(model, prompt: list[int], output: list[int]) -> np.ndarray:

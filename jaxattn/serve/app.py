@@ -53,14 +53,14 @@ class Chunk(NamedTuple):
 
 
 class Generation:
-    """One job's output as it comes: a ``Chunk`` per take of the job's events (the tokens of every engine step since the last take: one step's while the event
-    loop keeps up, several once it falls behind), ``stop`` strings applied (the request is aborted
-    at the first). ``close`` aborts the request if it has not finished, and counts it in the
-    metrics."""
+    """One job's output as it comes: a ``Chunk`` per take of the job's events (the tokens of every
+    engine step since the last take: one step's while the event loop keeps up, several once it
+    falls behind), ``stop`` strings applied (the request is aborted at the first). ``close``
+    aborts the request if it has not finished, and counts it in the metrics."""
 
     def __init__(self, engine_loop: EngineLoop, job: Job, tokenizer: TextTokenizer | None, stop: tuple[str, ...]):
         self.engine_loop, self.job = engine_loop, job
-        self.text = TextStream(tokenizer, job.prompt, stop) if tokenizer is not None else None
+        self.text = None if tokenizer is None else TextStream(tokenizer, job.prompt, stop, job.sampling.min_tokens)
         self.token_ids: list[int] = []
         self.finish_reason: str | None = None
         self._pending: list[Event] = []             # events that came with Admitted
@@ -274,6 +274,9 @@ def build_app(engine: Engine, *, model_name: str, tokenizer: TextTokenizer | Non
         elif len(prompt) + max_tokens > max_seq_len:
             raise APIError(400, f"{max_tokens_param}: the prompt's {len(prompt)} tokens + {max_tokens_param}="
                            f"{max_tokens} exceed this server's max_seq_len {max_seq_len}", param=max_tokens_param)
+        if body.min_tokens > max_tokens:
+            raise APIError(400, f"min_tokens: {body.min_tokens} is more than the {max_tokens} tokens the request may "
+                           "generate", param="min_tokens")
         if body.stop_strings:
             need_tokenizer("stop", "stop strings need")
         eos_ids = tokenizer.stop_token_ids if tokenizer is not None and not body.ignore_eos else ()
@@ -281,7 +284,7 @@ def build_app(engine: Engine, *, model_name: str, tokenizer: TextTokenizer | Non
         sampling = SamplingParams(temperature=float(1.0 if body.temperature is None else body.temperature),
                                   top_k=-1 if body.top_k is None else body.top_k,
                                   top_p=float(1.0 if body.top_p is None else body.top_p), seed=body.seed,
-                                  stop_token_ids=stop_ids, logprobs=body.num_logprobs)
+                                  stop_token_ids=stop_ids, min_tokens=body.min_tokens, logprobs=body.num_logprobs)
         return [Job(prompt, max_tokens, sampling) for _ in range(body.n)]
 
     async def respond(request: Request, body: CompletionRequest | ChatRequest, jobs: list[Job], chat: bool

@@ -2,7 +2,7 @@
 the HTTP server.
 
 Fields follow OpenAI's completions and chat completions APIs; ``top_k``, ``ignore_eos``,
-``stop_token_ids`` and ``return_token_ids`` are vLLM's extensions. The policy for fields the server
+``stop_token_ids``, ``min_tokens`` and ``return_token_ids`` are vLLM's extensions. The policy for fields the server
 does not implement: those of OpenAI's API or vLLM's that change what is returned (``best_of``,
 ``echo``, ``response_format``, ``tools``, penalties, ...: ``UNIMPLEMENTED``) are accepted only
 absent, null or at their default, and refused otherwise (400 naming the field), never ignored;
@@ -71,7 +71,7 @@ class StreamOptions(BaseModel):
 # with the values it accepts (their defaults; null is accepted for every one).
 _UNIMPLEMENTED_SAMPLING: dict[str, tuple] = {
     "presence_penalty": (0,), "frequency_penalty": (0,), "repetition_penalty": (1,), "min_p": (0,),
-    "logit_bias": ({},), "min_tokens": (0,), "include_stop_str_in_output": (False,),
+    "logit_bias": ({},), "include_stop_str_in_output": (False,),
     "skip_special_tokens": (True,), "spaces_between_special_tokens": (True,),
     "response_format": ({"type": "text"},), "structured_outputs": (), "guided_json": (), "guided_regex": (),
     "guided_choice": (), "guided_grammar": (), "allowed_token_ids": (), "bad_words": ([],),
@@ -94,6 +94,7 @@ class _Sampling(BaseModel):
     seed: Annotated[StrictInt, Field(ge=0, lt=2**32)] | None = None
     stop: NonEmptyStr | Annotated[list[NonEmptyStr], Field(max_length=16)] | None = None
     stop_token_ids: Annotated[list[TokenId], Field(max_length=64)] | None = None
+    min_tokens: Annotated[StrictInt, Field(ge=0)] = 0
     n: Annotated[StrictInt, Field(ge=1, le=MAX_CHOICES)] = 1
     stream: StrictBool = False
     stream_options: StreamOptions | None = None

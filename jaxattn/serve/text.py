@@ -105,15 +105,18 @@ class TextTokenizer:
 
 class TextStream:
     """A request's output text as tokens arrive: incremental detokenization (a token that ends
-    inside a multi-byte character waits for the next), cut at the first of ``stop`` strings.
+    inside a multi-byte character waits for the next), cut at the first of ``stop`` strings
+    that appears once ``min_tokens`` tokens have come (vLLM's: no stop before them).
 
     ``add(ids)`` takes new tokens; ``take(final)`` returns the text not yet taken, holding back
     the end that could still begin a stop string unless ``final``. ``stopped`` is set once a stop
     string appeared (the text ends before it, and later tokens are ignored).
     """
 
-    def __init__(self, tokenizer: TextTokenizer, prompt: Sequence[int], stop: Sequence[str] = ()):
-        self.tokenizer, self.stop = tokenizer, tuple(stop)
+    def __init__(self, tokenizer: TextTokenizer, prompt: Sequence[int], stop: Sequence[str] = (),
+                 min_tokens: int = 0):
+        self.tokenizer, self.stop, self.min_tokens = tokenizer, tuple(stop), min_tokens
+        self._count = 0                             # tokens added
         self._ids = list(prompt[-_CONTEXT_TOKENS:])
         self._prefix, self._read = 0, len(self._ids)
         self._holdback = max((len(s) for s in self.stop), default=1) - 1
@@ -123,6 +126,7 @@ class TextStream:
         if self.stopped or not ids:
             return
         self._ids += ids
+        self._count += len(ids)
         before = self.tokenizer.decode(self._ids[self._prefix:self._read])
         after = self.tokenizer.decode(self._ids[self._prefix:])
         if len(after) <= len(before) or after.endswith("\ufffd"):
@@ -130,6 +134,8 @@ class TextStream:
         start = max(len(self.text) - self._holdback, 0)
         self.text += after[len(before):]
         self._prefix, self._read = self._read, len(self._ids)
+        if self._count < self.min_tokens:
+            return
         cuts = [i for i in (self.text.find(s, start) for s in self.stop) if i >= 0]
         if cuts:
             self.text, self.stopped = self.text[:min(cuts)], True
