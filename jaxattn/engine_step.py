@@ -67,11 +67,11 @@ def make_engine_step(model: PagedModel) -> tuple[StepFn, list[jax.Array]]:
     decodes first, -1 padding) and returns ``(next_tokens, ok, pages, caches, table,
     step_logprobs)``; caches and table are donated. ``tokens`` (int32[T]) are the rows' tokens
     packed; where ``token_src`` (int32[T]) is >= 0 the token is ``prev_tokens[token_src]``
-    instead (``prev_tokens``: the previous step's ``next_tokens``). Outputs: ``next_tokens`` int32[max_seqs], each row's next
-    token (0 past R); ``ok`` bool[R], its pages were granted; ``pages`` int32[R, W],
-    each row's page ids from the page of its first token on (0 past its pages; W =
-    ``page_window(max_q_len, page_size)``); ``step_logprobs``, with ``logprobs``, each row's
-    ``sampling.token_logprobs`` of its next token (None without). Rows sample with
+    instead (``prev_tokens``: the previous step's ``next_tokens``). Outputs: ``next_tokens``
+    int32[max_seqs], each row's next token (0 past R); ``ok`` bool[R], its pages were granted;
+    ``pages`` int32[R, W], each row's page ids from the page of its first token on (0 past its
+    pages; W = ``page_window(max_q_len, page_size)``); ``step_logprobs``, with ``logprobs``, each
+    row's ``sampling.token_logprobs`` of its next token (None without). Rows sample with
     ``sampling`` (a ``SamplingBatch``; None: greedy). ``prefix`` (``PrefixOps``) marks pages cached
     before the release, then evicts pages and attaches cached pages to new sequences before the
     extend. The model's structure is closed over rather than passed, so a call neither hashes it
