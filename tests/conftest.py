@@ -1,12 +1,15 @@
-"""Shared test setup: the `gpu` marker skips without a CUDA device, `multigpu` with fewer than 2."""
+"""Shared test setup: the `gpu` marker skips without a CUDA device, `multigpu` with fewer than 2;
+each module's compiled functions are dropped after it."""
 
 from __future__ import annotations
 
+import gc
 import subprocess
 import sys
 import zipfile
 from pathlib import Path
 
+import jax
 import pytest
 
 from jaxattn.backends import _nvcc
@@ -14,6 +17,20 @@ from jaxattn.backends.base import gpu_devices
 
 HAS_GPU = bool(gpu_devices())
 NUM_GPUS = len(gpu_devices())
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _drop_compiled_functions():
+    """After each module, drops the compiled functions it left in JAX's caches and the engine
+    step's. XLA's CPU backend maps every executable's code into memory: the whole suite in one
+    process (about 900 tests, thousands of compilations) passed Linux's vm.max_map_count (65530),
+    and the next compilation segfaulted."""
+    yield
+    from jaxattn.engine_step import _jitted_step
+
+    _jitted_step.cache_clear()
+    jax.clear_caches()
+    gc.collect()
 
 
 def pytest_addoption(parser):
