@@ -175,6 +175,7 @@ class ChatRequest(_Sampling):
 
 Body = TypeVar("Body", CompletionRequest, ChatRequest)
 _ignored_fields: set[str] = set()       # unknown fields already logged
+_MAX_LOGGED_FIELDS = 256                # then no more: clients choose the names
 _JSON_TYPES = {list: "an array", str: "a string", int: "a number", float: "a number", bool: "a boolean",
                type(None): "null"}
 
@@ -204,7 +205,7 @@ def parse_body(raw: bytes, request_type: type[Body]) -> Body:
             raise APIError(400, f"{name}: this server does not implement it ({only} accepted), got "
                            f"{_shorten(json.dumps(given))}", param=name)
     for name in value.keys() - request_type.model_fields.keys() - request_type.UNIMPLEMENTED.keys():
-        if name not in _ignored_fields:
+        if name not in _ignored_fields and len(_ignored_fields) < _MAX_LOGGED_FIELDS:
             _ignored_fields.add(name)
             log.warning("the request field %r is not one this server knows: ignored (logged once)", _shorten(name))
     try:
