@@ -7,7 +7,7 @@ does not implement: those of OpenAI's API or vLLM's that change what is returned
 ``echo``, ``response_format``, ``tools``, penalties, ...: ``UNIMPLEMENTED``) are accepted only
 absent, null or at their default, and refused otherwise (400 naming the field), never ignored;
 any other unknown field (``user``, ``metadata``, ``store``, ...: nothing that changes the answer)
-is accepted and ignored, and logged once per name.
+is accepted and ignored, and logged once per name (the first 256 names).
 
 ``parse_body`` reads a body before pydantic does: strict UTF-8, JSON without ``NaN`` or
 ``Infinity`` (or numbers too large for a float), no lone UTF-16 surrogates (``"\\ud800"`` is valid
