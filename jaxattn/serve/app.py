@@ -368,8 +368,8 @@ def build_app(engine: Engine, *, model_name: str, tokenizer: TextTokenizer | Non
                 if chunk.text or chunk.finish_reason or body.return_token_ids or chunk.logprobs:
                     out = choice(chat, i, chunk, body, delta=True, text_offset=text_offsets[i])
                     yield f"{prefix}{json.dumps(out, ensure_ascii=False)}]}}\n\n"
-                if chunk.logprobs:
-                    text_offsets[i] += sum(len(token_text(token)) for token in chunk.ids)
+                    if out["logprobs"] is not None and not chat:      # the next chunk's tokens start after these
+                        text_offsets[i] += sum(map(len, out["logprobs"]["tokens"]))
             if include_usage:
                 yield _sse({**head, "choices": [], "usage": _usage(generations)})
             yield _sse("[DONE]")
