@@ -155,8 +155,9 @@ def token_logprobs(logits: jax.Array, tokens: jax.Array) -> tuple[jax.Array, jax
 
 def _top_k(x: jax.Array, k: int, block: int = 128) -> tuple[jax.Array, jax.Array]:
     """``jax.lax.top_k(x, k)`` of float32 ``x`` [B, V] (values, int32 ids), exactly, in two small
-    top-k's instead of one over V (XLA sorts whole rows for k > 16): each of the k largest values
-    lies in one of the k blocks of ``block`` values with the largest maxima."""
+    top-k's instead of one over V: each of the k largest values lies in one of the k blocks of
+    ``block`` values with the largest maxima. (XLA's GPU TopK kernel is built for k up to 16,
+    ``xla/service/gpu/kernels/topk_kernel*.cu.cc``; a larger k sorts whole rows. Not yet timed.)"""
     rows, vocab = x.shape
     if vocab <= k * block:
         values, ids = jax.lax.top_k(x, k)
