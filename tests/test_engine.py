@@ -24,7 +24,7 @@ from jaxattn.models.deepseek import DeepSeek
 from jaxattn.models.llama import PRESETS, Llama, forward_paged
 from jaxattn.sampling import SamplingParams
 from tests.conftest import HAS_GPU
-from tests.models.test_llama import dense_greedy, dense_hidden
+from tests.models.test_llama import dense_greedy, dense_hidden, dense_logprobs
 from tests.test_engine_step import trace_step
 from tests.paged_inputs import rel_error
 from tests.test_sharding import run_on_cpu_devices
@@ -345,11 +345,7 @@ def test_logprobs_are_the_models_on_a_small_pool(overlap):
             assert request.logprobs == []
             continue
         assert len(request.logprobs) == len(request.output)
-        sequence = jnp.asarray(np.concatenate([prompt, request.output]), jnp.int32)
-        logits = np.asarray(model.logits(dense_hidden(*nnx.split(model), sequence)[len(prompt) - 1:-1]), np.float64)
-        reference = logits - logits.max(-1, keepdims=True)
-        reference -= np.log(np.exp(reference).sum(-1, keepdims=True))
-        for entry, row, token in zip(request.logprobs, reference, request.output):
+        for entry, row, token in zip(request.logprobs, dense_logprobs(model, prompt, request.output), request.output):
             assert abs(entry.logprob - row[token]) < 2e-3
             top_ids = [t for t, _ in entry.top]
             assert len(top_ids) == request.sampling.logprobs

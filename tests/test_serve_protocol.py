@@ -12,7 +12,6 @@ import math
 import threading
 import time
 
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -21,6 +20,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from jaxattn.serve.protocol import APIError, ChatRequest, CompletionRequest, parse_body
+from tests.models.test_llama import dense_logprobs
 
 MAX_SEQ_LEN = 24
 MAX_REQUEST_BYTES = 4 * 2**20
@@ -156,19 +156,6 @@ def test_stop_token_ids_end_the_request_after_min_tokens(http):
             "min_tokens")
 
 
-def _reference_logprobs(model, prompt: list[int], output: list[int]) -> np.ndarray:
-    """float64 [len(output), V]: the log-softmax of the logits before each output token (the
-    sequence attended densely: tests/models/test_llama.py)."""
-    from flax import nnx
-
-    from tests.models.test_llama import dense_hidden
-
-    hidden = dense_hidden(*nnx.split(model), jnp.asarray(prompt + output, jnp.int32))
-    logits = np.asarray(model.logits(hidden[len(prompt) - 1:-1]), np.float64)
-    return logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True)) \
-        - logits.max(-1, keepdims=True)
-
-
 @pytest.mark.parametrize("temperature", [0, 0.8])
 def test_completion_logprobs(http, checkpoint, temperature):
     """``logprobs: 3``: per generated token its text, log-probability and the 3 most likely
@@ -180,7 +167,7 @@ def test_completion_logprobs(http, checkpoint, temperature):
     out = post(http, body).json()
     choice, prompt = out["choices"][0], out["prompt_token_ids"]
     ids, logprobs = choice["token_ids"], choice["logprobs"]
-    reference = _reference_logprobs(model, prompt, ids)
+    reference = dense_logprobs(model, prompt, ids)
     assert logprobs["tokens"] == [tokenizer.token_text(t) for t in ids]
     np.testing.assert_allclose(logprobs["token_logprobs"], reference[np.arange(len(ids)), ids], atol=2e-3)
     for row, top in zip(reference, logprobs["top_logprobs"]):
@@ -208,7 +195,7 @@ def test_chat_logprobs(http, checkpoint):
     out = post(http, {**body, "logprobs": True, "top_logprobs": 2}, "chat/completions").json()
     choice = out["choices"][0]
     assert plain["choices"][0]["logprobs"] is None and choice["token_ids"] == plain["choices"][0]["token_ids"]
-    reference = _reference_logprobs(model, out["prompt_token_ids"], choice["token_ids"])
+    reference = dense_logprobs(model, out["prompt_token_ids"], choice["token_ids"])
     content = choice["logprobs"]["content"]
     assert [c["token"] for c in content] == [tokenizer.token_text(t) for t in choice["token_ids"]]
     for item, row, token in zip(content, reference, choice["token_ids"]):

@@ -45,6 +45,15 @@ def dense_hidden(graphdef: nnx.GraphDef, state: nnx.State, tokens: jax.Array) ->
     return model.hidden(tokens, jnp.arange(tokens.shape[0], dtype=jnp.int32), dense_attend(model.cfg.sliding_window))
 
 
+def dense_logprobs(model: Llama, prompt, output) -> np.ndarray:
+    """float64 [len(output), V]: the log-softmax of the logits before each token of ``output``
+    after ``prompt`` (the whole sequence attended densely)."""
+    sequence = jnp.asarray(np.concatenate([np.asarray(prompt), np.asarray(output)]), jnp.int32)
+    logits = np.asarray(model.logits(dense_hidden(*nnx.split(model), sequence)[len(prompt) - 1:-1]), np.float64)
+    logits -= logits.max(-1, keepdims=True)
+    return logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+
+
 def dense_greedy(model: Llama, prompt: np.ndarray, new_tokens: int, max_len: int = 64) -> list[int]:
     """Greedy generation that recomputes the whole sequence each step with
     ``jax.nn.dot_product_attention`` (no paging, no cache)."""
