@@ -4,12 +4,14 @@ same engine settings.
     python -m benchmarks.bench_http [--preset llama3-8b] [--layers N] [--requests 512] [--prompt-len 256]
         [--new-tokens 128] [--rate 0] [--max-seqs 128] [--max-seq-len 2048] [--max-step-tokens N]
         [--num-pages N] [--page-size 64] [--backend auto] [--clients 4] [--logprobs-share 0]
-        [--top-logprobs 5] [--smoke]
+        [--top-logprobs 5] [--json-share 0] [--smoke]
 
 The trace (random weights and prompts, seed 0): ``requests`` prompts of lognormal lengths (sigma 1,
 mean ``prompt-len`` before clipping to [4, 4 x prompt-len]), ``new-tokens`` greedy tokens each,
 all at once (``--rate 0``) or as a Poisson process of ``rate`` requests/s; a ``logprobs-share`` of
-them (drawn with seed 1) ask for logprobs with ``top-logprobs`` alternatives. Two runs, each in a
+them (drawn with seed 1) ask for logprobs with ``top-logprobs`` alternatives, and a ``json-share``
+(drawn with seed 2) for JSON output of ``JSON_SCHEMA`` (structured output; both runs then have a
+synthetic tokenizer of the preset's vocabulary: ``synthetic_tokenizer``). Two runs, each in a
 process of its own (the device holds one engine at a time), both after the engine's warm-up:
   * engine: this module in a subprocess serves the trace through ``Engine.step_events``, arrival
     to token on the host;
@@ -50,6 +52,11 @@ from benchmarks.common import write_section
 from jaxattn.serve.process import free_port, wait_healthy
 
 SECTION, HEADING = "http", "HTTP serving vs the in-process engine (benchmarks/bench_http.py)"
+# What the structured-output requests ask for: an object with free strings and numbers, as tool
+# arguments are (a random model fills it until its tokens run out, or closes it early).
+JSON_SCHEMA = {"type": "object", "properties": {
+    "name": {"type": "string"}, "tags": {"type": "array", "items": {"type": "string"}}, "score": {"type": "number"}},
+    "required": ["name", "tags", "score"]}
 SERVER_START_S = 1800            # the server compiles every step shape before it answers
 MODEL_NAME = "bench"
 
@@ -60,6 +67,7 @@ class TraceRequest:
     prompt: list[int]
     new_tokens: int
     logprobs: int | None = None  # top logprobs asked for (None: no logprobs)
+    json: bool = False           # the output is JSON of JSON_SCHEMA
 
 
 def make_trace(args: argparse.Namespace, vocab: int) -> list[TraceRequest]:
@@ -67,8 +75,35 @@ def make_trace(args: argparse.Namespace, vocab: int) -> list[TraceRequest]:
     lengths = lognormal_lengths(rng, args.prompt_len, args.requests, 4 * args.prompt_len)
     arrivals = np.cumsum(rng.exponential(1 / args.rate, args.requests)) if args.rate > 0 else np.zeros(args.requests)
     asks = np.random.default_rng(1).random(args.requests) < args.logprobs_share
+    json_asks = np.random.default_rng(2).random(args.requests) < args.json_share
     return [TraceRequest(float(t), rng.integers(0, vocab, size=n).tolist(), args.new_tokens,
-                         args.top_logprobs if ask else None) for t, n, ask in zip(arrivals, lengths, asks)]
+                         args.top_logprobs if ask else None, bool(in_json))
+            for t, n, ask, in_json in zip(arrivals, lengths, asks, json_asks)]
+
+
+def synthetic_tokenizer(directory: str, vocab_size: int) -> int:
+    """Writes ``directory/tokenizer.json``: a byte-level BPE of about ``vocab_size`` tokens (the 256
+    bytes, then every string of 2 and 3 characters, then of 4, over 50 printable ASCII
+    characters, JSON's punctuation and the space among them, as far as the vocabulary goes), so
+    that the grammar engine works over a vocabulary of a real model's size. Its merges make each
+    token from its prefix and its last character. Returns its number of tokens."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    byte_chars = sorted(pre_tokenizers.ByteLevel.alphabet())
+    space = chr(0x120)                               # the byte-level alphabet's space
+    alphabet = [space] + list('{}[]":,.0123456789') + list("abcdefghijklmnopqrstuvwxyzABCDE")
+    vocab = {c: i for i, c in enumerate(byte_chars)}
+    merges, layer = [], list(alphabet)
+    while len(vocab) < vocab_size:
+        layer = [a + c for a in layer for c in alphabet]
+        for token in layer[:vocab_size - len(vocab)]:
+            vocab[token] = len(vocab)
+            merges.append((token[:-1], token[-1]))
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=merges))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.save(os.path.join(directory, "tokenizer.json"))
+    return len(vocab)
 
 
 def summarize(arrival: Sequence[float], first: Sequence[float], last: Sequence[float],
@@ -96,7 +131,8 @@ def engine_arguments(args: argparse.Namespace) -> list[str]:
 
 
 def run_engine(args: argparse.Namespace, trace: list[TraceRequest]) -> dict:
-    """(In the subprocess.) The trace through the in-process Engine, in real time."""
+    """(In the subprocess.) The trace through the in-process Engine, in real time (with
+    ``--tokenizer``, that tokenizer's grammar compiler)."""
     import jax
     from flax import nnx
 
@@ -104,11 +140,15 @@ def run_engine(args: argparse.Namespace, trace: list[TraceRequest]) -> dict:
     from jaxattn.engine import Engine
     from jaxattn.models.llama import PRESETS, Llama
     from jaxattn.sampling import SamplingParams
+    from jaxattn.structured_output import GrammarCompiler, StructuredOutputs
 
     cfg = PRESETS[args.preset] if args.layers is None else PRESETS[args.preset].replace(num_layers=args.layers)
+    compiler = None
+    if args.tokenizer:
+        compiler = GrammarCompiler.from_file(os.path.join(args.tokenizer, "tokenizer.json"), vocab_size=cfg.vocab_size)
     engine = Engine(Llama(cfg, nnx.Rngs(0)), max_seqs=args.max_seqs, max_seq_len=args.max_seq_len,
                     page_size=args.page_size, num_pages=args.num_pages, max_step_tokens=args.max_step_tokens,
-                    backend=args.backend)
+                    backend=args.backend, grammar_compiler=compiler)
     engine.warmup()
     index, pending = {}, list(enumerate(trace))
     first, last = [0.0] * len(trace), [0.0] * len(trace)
@@ -117,7 +157,8 @@ def run_engine(args: argparse.Namespace, trace: list[TraceRequest]) -> dict:
         now = time.perf_counter() - start
         while pending and pending[0][1].arrival <= now:
             i, request = pending.pop(0)
-            sampling = SamplingParams(logprobs=request.logprobs)
+            sampling = SamplingParams(logprobs=request.logprobs, structured_outputs=StructuredOutputs(
+                json=JSON_SCHEMA) if request.json else None)
             index[engine.add_request(request.prompt, request.new_tokens, sampling=sampling)] = i
         if not engine.has_work:
             time.sleep(max(0.0, pending[0][1].arrival - now))
@@ -146,6 +187,8 @@ async def _stream(http, request: TraceRequest, start: float) -> tuple[float, flo
     await asyncio.sleep(max(0.0, start + request.arrival - time.monotonic()))
     body = {"model": MODEL_NAME, "prompt": request.prompt, "max_tokens": request.new_tokens, "temperature": 0,
             "stream": True, "return_token_ids": True, "logprobs": request.logprobs}
+    if request.json:
+        body["response_format"] = {"type": "json_schema", "json_schema": {"name": "bench", "schema": JSON_SCHEMA}}
     first = last = 0.0
     ids: list[int] = []
     async with http.stream("POST", "/v1/completions", json=body) as response:
@@ -217,7 +260,7 @@ def run_http(args: argparse.Namespace, trace: list[TraceRequest], env: dict) -> 
     """The trace through ``python -m jaxattn.serve`` (a subprocess) from ``clients`` client processes."""
     port = free_port()
     command = [sys.executable, "-m", "jaxattn.serve", *engine_arguments(args), "--served-model-name", MODEL_NAME,
-               "--port", str(port), "--log-level", "warning"]
+               "--port", str(port), "--log-level", "warning", *(["--tokenizer", args.tokenizer] * bool(args.tokenizer))]
     server = subprocess.Popen(command, env=env)
     base_url = f"http://127.0.0.1:{port}"
     try:
@@ -245,6 +288,8 @@ def command(args: argparse.Namespace) -> str:
              str(args.new_tokens), "--rate", f"{args.rate:g}", "--clients", str(args.clients), *engine_arguments(args)]
     if args.logprobs_share > 0:
         flags += ["--logprobs-share", f"{args.logprobs_share:g}", "--top-logprobs", str(args.top_logprobs)]
+    if args.json_share > 0:
+        flags += ["--json-share", f"{args.json_share:g}"]
     return "python -m benchmarks.bench_http " + " ".join(flags)
 
 
@@ -258,6 +303,10 @@ def report(args: argparse.Namespace, trace: list[TraceRequest], engine: dict, ht
                 f"max_seq_len {args.max_seq_len}, max_step_tokens {args.max_step_tokens or 'default'}.")
     asking = sum(r.logprobs is not None for r in trace)
     logprobs = f", {asking} of them asking for logprobs with the top {args.top_logprobs}" if asking else ""
+    in_json = sum(r.json for r in trace)
+    if in_json:
+        logprobs += (f", {in_json} for JSON of a schema ({json.dumps(JSON_SCHEMA)}; tokenizer: "
+                     f"`synthetic_tokenizer`, {args.tokenizer_tokens:,} tokens)")
     workload = (f"Trace: {args.requests} requests ({arrivals}), prompts of {prompts.min()}..{prompts.max()} tokens "
                 f"(mean {prompts.mean():.0f}), {args.new_tokens} greedy tokens each{logprobs}. HTTP: streamed "
                 f"/v1/completions over loopback, one connection per request, from {args.clients} asyncio client "
@@ -300,6 +349,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "(one asyncio process reads about 7k streamed tokens/s)")
     parser.add_argument("--logprobs-share", type=float, default=0.0, help="the share of requests asking for logprobs")
     parser.add_argument("--top-logprobs", type=int, default=5, help="alternatives per token those requests ask for")
+    parser.add_argument("--json-share", type=float, default=0.0, help="the share of requests asking for JSON output "
+                        "of JSON_SCHEMA")
+    parser.add_argument("--tokenizer", help=argparse.SUPPRESS)    # set by main when --json-share > 0
     parser.add_argument("--smoke", action="store_true", help="a tiny model and trace (CPU, seconds); RESULTS.md "
                                                               "is left alone")
     parser.add_argument("--engine-run", metavar="JSON", help=argparse.SUPPRESS)   # the engine run's subprocess
@@ -328,8 +380,13 @@ def main(argv: list[str] | None = None) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         env.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(tmp, "jax_cache"))
         path = os.path.join(tmp, "engine.json")
+        tokenizer = []
+        if args.json_share > 0:
+            args.tokenizer = tmp
+            args.tokenizer_tokens = synthetic_tokenizer(tmp, PRESETS[args.preset].vocab_size)
+            tokenizer = ["--tokenizer", tmp]
         subprocess.run([sys.executable, "-m", "benchmarks.bench_http", *(argv if argv is not None else sys.argv[1:]),
-                        "--engine-run", path], env=env, check=True)
+                        "--engine-run", path, *tokenizer], env=env, check=True)
         with open(path) as f:
             engine = json.load(f)
         print(row("Engine in process", engine), flush=True)

@@ -36,6 +36,7 @@ from jaxattn.kv_cache import LAYOUTS
 from jaxattn.models.base import ModelConfig, PagedModel, page_bytes
 from jaxattn.sampling import MAX_LOGPROBS, SamplingParams
 from jaxattn.scheduler import PageUsage, Request, Schedule, Scheduler
+from jaxattn.structured_output import GrammarCompiler
 
 __all__ = ["Engine", "Request"]
 
@@ -104,6 +105,10 @@ class Engine:
         to ``MAX_LOGPROBS``; 0 refuses logprobs). Steps with a row that asks for logprobs run
         the step's logprobs variants (greedy and sampling ones: ``warmup`` compiles them unless
         this is 0); the others pay nothing for them.
+      grammar_compiler: structured output (``jaxattn.structured_output``) over the model's
+        tokenizer; None refuses requests with ``SamplingParams.structured_outputs``. Steps with a
+        row under a grammar run the step variant with token masks (``warmup`` compiles it with
+        a compiler); a request with a grammar computes a token every other step under ``overlap``.
 
     Raises ValueError naming the argument that does not fit. ``stats`` counts prompt tokens,
     cached tokens, computed tokens, evicted pages and preemptions (``jaxattn.scheduler.Scheduler``).
@@ -113,7 +118,8 @@ class Engine:
                  num_pages: int | None = None, max_step_tokens: int | None = None, backend: str = "auto",
                  layout: str = "HND", kv_dtype=None, enable_prefix_caching: bool = True, mesh: Mesh | None = None,
                  prefill_chunk: int | None = DEFAULT_PREFILL_CHUNK, overlap: bool = True,
-                 kv_memory_fraction: float = 0.9, record_steps: bool = False, max_logprobs: int = MAX_LOGPROBS):
+                 kv_memory_fraction: float = 0.9, record_steps: bool = False, max_logprobs: int = MAX_LOGPROBS,
+                 grammar_compiler: GrammarCompiler | None = None):
         _check_model(model)
         check_serves(backend, model.attention_ops, where="Engine")
         for name, value in (("max_seq_len", max_seq_len), ("page_size", page_size)):
@@ -135,6 +141,12 @@ class Engine:
             raise ValueError(f"Engine: max_logprobs must be an int in [0, {MAX_LOGPROBS}], got {max_logprobs!r}")
         if not (isinstance(kv_memory_fraction, float | int) and 0 < kv_memory_fraction <= 1):
             raise ValueError(f"Engine: kv_memory_fraction must be a number in (0, 1], got {kv_memory_fraction!r}")
+        if grammar_compiler is not None and not isinstance(grammar_compiler, GrammarCompiler):
+            raise ValueError(f"Engine: grammar_compiler must be None or a jaxattn.structured_output.GrammarCompiler, "
+                             f"got {type(grammar_compiler).__name__}")
+        if grammar_compiler is not None and grammar_compiler.vocab_size != model.cfg.vocab_size:
+            raise ValueError(f"Engine: grammar_compiler.vocab_size must be the model's vocab_size="
+                             f"{model.cfg.vocab_size}, got {grammar_compiler.vocab_size}")
         if mesh is not None and not isinstance(mesh, Mesh):
             raise ValueError(f"Engine: mesh must be None or a jax.sharding.Mesh, got {type(mesh).__name__}")
         pages_per_seq = -(-max_seq_len // page_size)
@@ -154,7 +166,7 @@ class Engine:
         self.model = model
         self.max_seqs, self.max_seq_len, self.max_step_tokens = max_seqs, max_seq_len, max_step_tokens
         self.page_size, self.num_pages, self.backend, self.overlap = page_size, num_pages, backend, overlap
-        self.max_logprobs = max_logprobs
+        self.max_logprobs, self.grammar_compiler = max_logprobs, grammar_compiler
         self.runner = StepRunner(model, max_seqs=max_seqs, num_pages=num_pages, page_size=page_size,
                                  pages_per_seq=pages_per_seq, max_step_tokens=max_step_tokens,
                                  prefill_chunk=prefill_chunk, layout=layout, kv_dtype=kv_dtype, mesh=mesh,
@@ -191,8 +203,9 @@ class Engine:
     def add_request(self, prompt, max_new_tokens: int, *, sampling: SamplingParams | None = None) -> Request:
         """Queues a request for up to ``max_new_tokens`` (an int >= 1) tokens after ``prompt`` (a
         non-empty 1-D sequence or array of int token ids in ``[0, vocab_size)``), picked as
-        ``sampling`` says (default: greedy; its ``stop_token_ids`` end the request early).
-        ValueError naming the argument that does not fit."""
+        ``sampling`` says (default: greedy; its ``stop_token_ids`` end the request early, as its
+        grammar does when complete). ValueError naming the argument that does not fit (with
+        llguidance's message for a ``sampling.structured_outputs`` that does not compile)."""
         if not is_positive_int(max_new_tokens):
             raise ValueError(f"Engine.add_request: max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
         max_new_tokens = int(max_new_tokens)
@@ -207,8 +220,17 @@ class Engine:
         if sampling.logprobs is not None and sampling.logprobs > self.max_logprobs:
             raise ValueError(f"Engine.add_request: sampling.logprobs must be <= this engine's max_logprobs="
                              f"{self.max_logprobs}, got {sampling.logprobs}")
+        grammar = None
+        if sampling.structured_outputs is not None:
+            if self.grammar_compiler is None:
+                raise ValueError("Engine.add_request: sampling.structured_outputs needs an Engine made with a "
+                                 "grammar_compiler")
+            try:
+                grammar = self.grammar_compiler.grammar(sampling.structured_outputs)
+            except ValueError as err:
+                raise ValueError(f"Engine.add_request: sampling.structured_outputs does not compile: {err}") from None
         seed = int(self._seeds.integers(2**32)) if sampling.seed is None else sampling.seed
-        request = Request(self._next_id, prompt, max_new_tokens, sampling, seed)
+        request = Request(self._next_id, prompt, max_new_tokens, sampling, seed, grammar=grammar)
         self._next_id += 1
         self._requests.add(request)
         self.scheduler.add(request)
@@ -320,12 +342,13 @@ class Engine:
 
     def warmup(self, *, sampled: bool = True) -> float:
         """Compiles the step for every shape in ``buckets`` (greedy; with ``sampled`` the sampling
-        variant too; each also with logprobs unless ``max_logprobs`` is 0) by running it on padding
-        rows, before serving; returns the seconds it took. Call it before adding requests."""
+        variant too, and with a ``grammar_compiler`` the one with token masks; each also with
+        logprobs unless ``max_logprobs`` is 0) by running it on padding rows, before serving;
+        returns the seconds it took. Call it before adding requests."""
         if self.has_work:
             raise RuntimeError("Engine.warmup: call it before adding requests")
         start = time.perf_counter()
-        self.runner.warmup(sampled=sampled, logprobs=self.max_logprobs > 0)
+        self.runner.warmup(sampled=sampled, logprobs=self.max_logprobs > 0, masked=self.grammar_compiler is not None)
         return time.perf_counter() - start
 
 

@@ -9,8 +9,9 @@ table. A decode row's input may be the token the previous step sampled, still on
 bucket lists (``StepBuckets``): a decode-only step has as many rows and tokens as the smallest
 row bucket that holds its rows (one bucket up to 256 rows); a mixed step has ``max_seqs`` rows
 and the smallest token bucket that holds its tokens. A serving loop compiles one step per bucket
-(``Engine.warmup``), per sampling mode (greedy steps skip the sampler) and with and without
-logprobs (steps with no row asking for them skip them), and then replays.
+(``Engine.warmup``), per sampling mode (greedy steps skip the sampler; steps with a row under a
+grammar take the token masks) and with and without logprobs (steps with no row asking for them
+skip them), and then replays.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ import jaxattn
 from jaxattn.models.base import Cache, PagedModel
 from jaxattn.sampling import SamplingBatch, SamplingParams, sample, token_logprobs
 from jaxattn.scheduler import Request, Schedule
+from jaxattn.structured_output import fill_masks, mask_words
 from jaxattn.sharding import tensor_parallel_mesh
 
 # The engine's own log (the warm-up's compiles); a handler on the root logger (``logging.basicConfig``,
@@ -207,8 +209,9 @@ class StepInputs:
       tokens: int32[T], the rows' tokens packed; token_src: int32[T], where >= 0 the token is the
         previous step's ``next_tokens[token_src]`` (a decode whose input is not on the host yet).
       seq_ids: int32[R], each row's slot (-1 padding); q_lens: int32[R], its token count.
-      sampling: per-row sampling parameters, seeds and banned tokens; None when every row is
-        greedy and none holds its stop tokens back (``min_tokens``).
+      sampling: per-row sampling parameters, seeds, banned tokens and (when a row samples under a
+        grammar) token masks; None when every row is greedy, none holds its stop tokens back
+        (``min_tokens``) and none has a grammar.
       prefix: prefix caching's page operations (None without prefix caching).
       logprobs: a row asks for its token's logprobs (the step computes them for every row).
     """
@@ -232,11 +235,12 @@ def _padded(values: list[int], size: int) -> np.ndarray:
 
 
 def pack_step(schedule: Schedule, shape: StepShape, *, max_seqs: int, page_size: int, max_pages_per_seq: int,
-              step_pages: int | None, previous_rows: Mapping[Request, int]) -> StepInputs:
+              step_pages: int | None, previous_rows: Mapping[Request, int], vocab_size: int) -> StepInputs:
     """The operands of the step that runs ``schedule`` at ``shape``. ``step_pages`` is the fixed
     length of the mark and evict lists (the most pages one step may cache or evict; None:
     no prefix caching); ``previous_rows`` maps the requests of the previous step's sampling rows
-    to their row there (where a pending token comes from)."""
+    to their row there (where a pending token comes from); ``vocab_size``: the logits' (the
+    width of the token masks)."""
     tokens = np.zeros(shape.tokens, np.int32)
     token_src = np.full(shape.tokens, -1, np.int32)
     seq_ids = np.full(shape.rows, -1, np.int32)
@@ -255,11 +259,18 @@ def pack_step(schedule: Schedule, shape: StepShape, *, max_seqs: int, page_size:
     # outputs before the token each row samples (its own is pending already)
     generated = [len(row.request.output) + row.request.pending - row.samples for row in schedule.rows]
     held_back = any(row.samples and n < row.request.sampling.min_tokens for row, n in zip(schedule.rows, generated))
+    grammars = [(row.request.grammar, i) for i, row in enumerate(schedule.rows)
+                if row.samples and row.request.grammar is not None]
+    allowed = None
+    if grammars:
+        allowed = np.full((shape.rows, mask_words(vocab_size)), -1, np.int32)
+        fill_masks(grammars, allowed)
     sampling = None
-    if held_back or not all(p.greedy for p in sampled):
+    if held_back or grammars or not all(p.greedy for p in sampled):
         padding = shape.rows - len(sampled)
         sampling = SamplingBatch.from_params(sampled + [None] * padding,
-                                             [row.request.seed for row in schedule.rows] + [0] * padding, generated)
+                                             [row.request.seed for row in schedule.rows] + [0] * padding, generated,
+                                             allowed)
     prefix = None
     if step_pages is not None:
         attach = np.zeros((shape.rows, max_pages_per_seq), np.int32)
@@ -324,7 +335,7 @@ class StepRunner:
     def __init__(self, model: PagedModel, *, max_seqs: int, num_pages: int, page_size: int, pages_per_seq: int,
                  max_step_tokens: int, prefill_chunk: int | None, layout: str, kv_dtype, mesh: Mesh | None,
                  backend: str, enable_prefix_caching: bool):
-        self.max_seqs, self.backend = max_seqs, backend
+        self.max_seqs, self.backend, self.vocab_size = max_seqs, backend, model.cfg.vocab_size
         self._step, self._weights = make_engine_step(model)
         self.caches = model.init_caches(num_pages, page_size, layout, kv_dtype, mesh=mesh)
         self.table = jaxattn.PageTable.create(num_pages, max_seqs, pages_per_seq, page_size)
@@ -345,30 +356,31 @@ class StepRunner:
         shape = self.buckets.shape(schedule)
         inputs = pack_step(schedule, shape, max_seqs=self.max_seqs, page_size=self.table.page_size,
                            max_pages_per_seq=self.table.max_pages_per_seq, step_pages=self.step_pages,
-                           previous_rows=previous_rows)
+                           previous_rows=previous_rows, vocab_size=self.vocab_size)
         next_tokens, ok, pages, step_logprobs = self._run(inputs)
         for output in (next_tokens, ok, *(step_logprobs or ())):
             output.copy_to_host_async()
         self.prev_tokens = next_tokens
         return shape, next_tokens, ok, pages, step_logprobs
 
-    def warmup(self, *, sampled: bool = True, logprobs: bool = False) -> None:
+    def warmup(self, *, sampled: bool = True, logprobs: bool = False, masked: bool = False) -> None:
         """Compiles the step for every shape in ``buckets`` (greedy; with ``sampled`` the sampling
-        variant too; with ``logprobs`` each of those with logprobs) by running it on padding rows,
-        which changes no state. Logs one INFO line per step compiled (its shape and seconds) and
-        one for the total on the ``jaxattn.engine`` logger."""
-        variants = [(sampling, with_logprobs) for with_logprobs in (False, True)[:1 + logprobs]
-                    for sampling in (False, True)[:1 + sampled]]
+        variant too; with ``masked`` the one with token masks, structured output's; with
+        ``logprobs`` each of those with logprobs) by running it on padding rows, which changes no
+        state. Logs one INFO line per step compiled (its shape and seconds) and one for the total
+        on the ``jaxattn.engine`` logger."""
+        modes = ["greedy"] + ["sampled"] * sampled + ["masked"] * masked
+        variants = [(mode, with_logprobs) for with_logprobs in (False, True)[:1 + logprobs] for mode in modes]
         steps = [(shape, variant) for shape in self.buckets.shapes for variant in variants]
         start = time.perf_counter()
-        for i, (shape, (sampling, with_logprobs)) in enumerate(steps, 1):
+        for i, (shape, (mode, with_logprobs)) in enumerate(steps, 1):
             step_start = time.perf_counter()
-            self._run(self.padding_inputs(shape, sampled=sampling, logprobs=with_logprobs))
+            self._run(self.padding_inputs(shape, sampled=mode != "greedy", masked=mode == "masked",
+                                          logprobs=with_logprobs))
             jax.block_until_ready(self.table)
             logger.info("compiled step %d/%d (%s, %d rows, %d tokens, max_q_len %d, %s%s) in %.1f s", i, len(steps),
                         "decode" if shape.max_q_len == 1 else "mixed", shape.rows, shape.tokens, shape.max_q_len,
-                        "sampled" if sampling else "greedy", " with logprobs" if with_logprobs else "",
-                        time.perf_counter() - step_start)
+                        mode, " with logprobs" if with_logprobs else "", time.perf_counter() - step_start)
         logger.info("compiled %d steps in %.1f s", len(steps), time.perf_counter() - start)
 
     def trace(self, inputs: StepInputs) -> jax.stages.Traced:
@@ -376,16 +388,20 @@ class StepRunner:
         args, kwargs = self._operands(inputs)
         return self._step.trace(*args, **kwargs)
 
-    def padding_inputs(self, shape: StepShape, *, sampled: bool, logprobs: bool = False) -> StepInputs:
+    def padding_inputs(self, shape: StepShape, *, sampled: bool, masked: bool = False,
+                       logprobs: bool = False) -> StepInputs:
         """The operands of a step of ``shape`` whose rows are all padding (sampling ones with
-        ``sampled``; asking for logprobs with ``logprobs``)."""
+        ``sampled``, with token masks that allow every token with ``masked``; asking for logprobs
+        with ``logprobs``)."""
         prefix = None
         if self.step_pages is not None:
             no_pages = np.full(self.step_pages, -1, np.int32)
             prefix = PrefixOps(no_pages, no_pages, np.zeros((shape.rows, self.table.max_pages_per_seq), np.int32))
         sampling = None
         if sampled:
-            sampling = SamplingBatch.from_params([SamplingParams(temperature=1.0)] * shape.rows, [0] * shape.rows)
+            allowed = np.full((shape.rows, mask_words(self.vocab_size)), -1, np.int32) if masked else None
+            sampling = SamplingBatch.from_params([SamplingParams(temperature=1.0)] * shape.rows, [0] * shape.rows,
+                                                 allowed=allowed)
         return StepInputs(shape, np.full(self.max_seqs, -1, np.int32), np.zeros(shape.tokens, np.int32),
                           np.full(shape.tokens, -1, np.int32), np.full(shape.rows, -1, np.int32),
                           np.zeros(shape.rows, np.int32), sampling, prefix, logprobs)

@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxattn.checks import is_int, is_real
+from jaxattn.structured_output import StructuredOutputs
 
 # Temperatures below this are greedy (as vLLM's _SAMPLING_EPS).
 GREEDY_TEMPERATURE = 1e-5
@@ -49,6 +50,8 @@ class SamplingParams:
       logprobs: None, or report each generated token's log-probability and the ``logprobs`` most
         likely alternatives (0 to ``MAX_LOGPROBS``), from the model's own distribution (the
         log-softmax of the logits, before temperature, top-k and top-p: vLLM's default).
+      structured_outputs: None, or what the output must match (``jaxattn.structured_output``;
+        the engine needs a ``GrammarCompiler``): tokens its grammar does not allow are never picked.
     """
 
     temperature: float = 0.0
@@ -58,6 +61,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     min_tokens: int = 0
     logprobs: int | None = None
+    structured_outputs: StructuredOutputs | None = None
 
     def __post_init__(self):
         if not is_real(self.temperature) or not 0 <= self.temperature < math.inf:
@@ -81,6 +85,9 @@ class SamplingParams:
         if self.logprobs is not None and not (is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS):
             raise ValueError(f"SamplingParams: logprobs must be None or an int in [0, {MAX_LOGPROBS}], "
                              f"got {self.logprobs!r}")
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputs):
+            raise ValueError(f"SamplingParams: structured_outputs must be None or a StructuredOutputs, got "
+                             f"{type(self.structured_outputs).__name__}")
 
     @property
     def greedy(self) -> bool:
@@ -99,6 +106,9 @@ class SamplingBatch:
       seed: uint32[B].
       banned: int32[B, MAX_BANNED], token ids each row may not take (its stop tokens while it has
         fewer than ``min_tokens`` outputs), padded with an id past the vocabulary; None: none.
+      allowed: int32[B, ceil(V / 32)], the tokens each row may take, a bitmask (bit ``t % 32`` of
+        word ``t // 32``; ``jaxattn.structured_output.fill_masks``), all ones for rows without a
+        grammar; None (a step variant without the mask): every token.
     """
 
     temperature: jax.Array
@@ -106,13 +116,14 @@ class SamplingBatch:
     top_p: jax.Array
     seed: jax.Array
     banned: jax.Array | None = None
+    allowed: jax.Array | None = None
 
     @classmethod
     def from_params(cls, params: list[SamplingParams | None], seeds: list[int],
-                    generated: list[int] | None = None) -> "SamplingBatch":
+                    generated: list[int] | None = None, allowed: np.ndarray | None = None) -> "SamplingBatch":
         """Host arrays for rows with ``params`` (None: a padding row, greedy) and resolved ``seeds``;
         ``generated``: each row's output tokens before the one it samples (for ``min_tokens``;
-        None: every row is past it)."""
+        None: every row is past it); ``allowed``: the rows' token bitmasks (None: no mask)."""
         rows = [p or SamplingParams() for p in params]
         banned = np.full((len(rows), MAX_BANNED), _NO_TOKEN, np.int32)
         for i, (p, count) in enumerate(zip(rows, generated or [])):
@@ -121,7 +132,7 @@ class SamplingBatch:
         return cls(temperature=np.asarray([p.temperature for p in rows], np.float32),
                    top_k=np.asarray([p.top_k for p in rows], np.int32),
                    top_p=np.asarray([p.top_p for p in rows], np.float32),
-                   seed=np.asarray(seeds, np.uint32), banned=banned)
+                   seed=np.asarray(seeds, np.uint32), banned=banned, allowed=allowed)
 
 
 def sample(logits: jax.Array, params: SamplingBatch, positions: jax.Array) -> jax.Array:
@@ -137,10 +148,18 @@ def sample(logits: jax.Array, params: SamplingBatch, positions: jax.Array) -> ja
     if params.banned is not None:
         rows = jnp.arange(logits.shape[0])[:, None]
         logits = logits.at[rows, params.banned].set(-jnp.inf, mode="drop")
+    if params.allowed is not None:
+        logits = jnp.where(_unpack_bits(params.allowed, logits.shape[-1]), logits, -jnp.inf)
     greedy = params.temperature < GREEDY_TEMPERATURE
     greedy_tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     sampled = _unless(jnp.all(greedy), lambda: _sample(logits, params, positions), lambda: greedy_tokens)
     return jnp.where(greedy, greedy_tokens, sampled)
+
+
+def _unpack_bits(words: jax.Array, size: int) -> jax.Array:
+    """bool[B, size]: bit ``t % 32`` of ``words[:, t // 32]`` (int32[B, W], W * 32 >= size)."""
+    bits = jax.lax.shift_right_logical(words[:, :, None], jnp.arange(32, dtype=jnp.int32)[None, None, :]) & 1
+    return bits.reshape(words.shape[0], -1)[:, :size].astype(bool)
 
 
 def token_logprobs(logits: jax.Array, tokens: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:

@@ -15,7 +15,8 @@ Steps overlap with scheduling: the engine schedules step n+1 while step n runs, 
 token sampled in step n is ``pending`` (on the device) when step n+1 is scheduled; step n+1 takes
 it as its input on the device, and ``complete(n)`` brings it to the host one step late. A request
 that stops in step n has one more row in step n+1, whose token is dropped; a request that reached
-``max_new_tokens`` with its pending tokens is not scheduled again.
+``max_new_tokens`` with its pending tokens is not scheduled again. A request with a grammar
+(structured output) is not scheduled while its token is pending: its next token's mask needs it.
 
 ``PagePool`` mirrors the device page table's pool (``jaxattn.page_table``), so the scheduler
 never reads the device to schedule; the table follows the same operations in the step.
@@ -31,6 +32,7 @@ import numpy as np
 
 from jaxattn.prefix_cache import page_keys
 from jaxattn.sampling import SamplingParams
+from jaxattn.structured_output import Grammar
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,7 +56,7 @@ class Request:
     output: list[int] = dataclasses.field(default_factory=list)
     # with sampling.logprobs: one entry per output token
     logprobs: list[TokenLogprobs] = dataclasses.field(default_factory=list)
-    # "stop": output ends with a stop token; "length": max_new_tokens; "abort": Engine.abort
+    # "stop": output ends with a stop token, or completes its grammar; "length": max_new_tokens; "abort": Engine.abort
     finish_reason: str | None = None
     slot: int = -1                          # sequence id in the page table while running
     computed: int = 0                       # tokens (prompt, then output) whose K/V is in the cache
@@ -67,6 +69,8 @@ class Request:
     # another choice of the same prompt (Engine.add_choices): with prefix caching this request is
     # admitted once that one's full prompt pages are cached, and starts on them
     prefill_after: Request | None = None
+    # with sampling.structured_outputs: its grammar, advanced by each output token
+    grammar: Grammar | None = None
 
     @property
     def done(self) -> bool:
@@ -103,6 +107,8 @@ class Request:
         self.output.append(token)
         if token in self.sampling.stop_token_ids:
             self.finish_reason = "stop"
+        elif self.grammar is not None and self.grammar.accept(token):
+            self.finish_reason = "stop"             # the grammar is complete and allows no more
         elif len(self.output) >= self.max_new_tokens:
             self.finish_reason = "length"
 
@@ -293,7 +299,9 @@ class Scheduler:
         pages last, in order (a choice waiting for its first choice's prompt pages lets the ones
         behind it by). Decodes always fit: the budget they leave goes to prefill chunks."""
         def todo(request: Request) -> int:
-            return 0 if request.sampled_all else request.num_tokens - request.computed
+            if request.sampled_all or (request.grammar is not None and request.pending):
+                return 0
+            return request.num_tokens - request.computed
 
         for request in list(self.running):
             if request.sampled_all and self._registered_all(request):

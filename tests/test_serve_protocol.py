@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import threading
 import time
 
@@ -22,7 +23,7 @@ from hypothesis import strategies as st
 from jaxattn.serve.protocol import APIError, ChatRequest, CompletionRequest, parse_body
 from tests.models.test_llama import dense_logprobs
 
-MAX_SEQ_LEN = 24
+MAX_SEQ_LEN = 64
 MAX_REQUEST_BYTES = 4 * 2**20
 
 
@@ -41,14 +42,18 @@ def checkpoint(tmp_path_factory):
 @pytest.fixture(scope="module")
 def http(checkpoint):
     """A TestClient of the app over the checkpoint's engine (its thread runs while the module's
-    tests do), its tokenizer included, bodies limited to MAX_REQUEST_BYTES."""
+    tests do), its tokenizer and grammar compiler included, bodies limited to MAX_REQUEST_BYTES."""
     from fastapi.testclient import TestClient
 
     from jaxattn.engine import Engine
     from jaxattn.serve.app import build_app
+    from jaxattn.structured_output import GrammarCompiler
 
-    _, model, tokenizer = checkpoint
-    engine = Engine(model, max_seqs=4, max_seq_len=MAX_SEQ_LEN, page_size=8, max_step_tokens=8, backend="xla")
+    path, model, tokenizer = checkpoint
+    compiler = GrammarCompiler.from_file(path / "tokenizer.json", vocab_size=model.cfg.vocab_size,
+                                         eos_token_ids=tokenizer.stop_token_ids)
+    engine = Engine(model, max_seqs=4, max_seq_len=MAX_SEQ_LEN, page_size=8, max_step_tokens=8, backend="xla",
+                    grammar_compiler=compiler)
     engine.warmup()
     app = build_app(engine, model_name="tiny", tokenizer=tokenizer, max_request_bytes=MAX_REQUEST_BYTES)
     with TestClient(app) as client:
@@ -112,9 +117,8 @@ UNIMPLEMENTED = [
     ("completions", {"best_of": 3}), ("completions", {"echo": True}), ("completions", {"suffix": "x"}),
     ("completions", {"presence_penalty": 0.5}), ("completions", {"presence_penalty": False}),
     ("completions", {"logit_bias": {"5": 100}}), ("completions", {"min_p": 0.1}),
-    ("completions", {"repetition_penalty": 1.2}), ("completions", {"response_format": {"type": "json_object"}}),
+    ("completions", {"repetition_penalty": 1.2}),
     ("completions", {"guided_json": {"type": "object"}}), ("completions", {"skip_special_tokens": False}),
-    ("chat/completions", {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}}),
     ("chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}]}),
     ("chat/completions", {"tool_choice": "required"}), ("chat/completions", {"add_generation_prompt": False}),
     ("chat/completions", {"chat_template": "{{ messages }}"}),
@@ -236,6 +240,70 @@ def test_n_choices(http, endpoint):
     assert len({tuple(c["token_ids"]) for c in first}) > 1
 
 
+YES_NO = {"type": "object", "properties": {"answer": {"enum": ["yes", "no"]}, "n": {"type": "integer", "minimum": 0,
+                                                                                   "maximum": 99}},
+          "required": ["answer", "n"], "additionalProperties": False}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_response_format_json_schema(http, stream):
+    """A chat with a JSON schema answers JSON the schema accepts, ended by its grammar; the same
+    streamed; json_object answers an object (or its start, cut at max_tokens)."""
+    import jsonschema
+
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 40, "temperature": 0.8,
+            "seed": 3, "n": 2, "stream": stream,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "yes_no", "schema": YES_NO}}}
+    response = post(http, body, "chat/completions")
+    assert response.status_code == 200, response.text
+    texts, finish = ["", ""], [None, None]
+    if stream:
+        for line in response.text.splitlines():
+            if line.startswith("data: {"):
+                for choice in json.loads(line[6:])["choices"]:
+                    texts[choice["index"]] += choice["delta"].get("content") or ""
+                    finish[choice["index"]] = choice["finish_reason"] or finish[choice["index"]]
+    else:
+        for choice in response.json()["choices"]:
+            texts[choice["index"]], finish[choice["index"]] = choice["message"]["content"], choice["finish_reason"]
+    for text in texts:
+        jsonschema.validate(json.loads(text), YES_NO)
+    assert finish == ["stop", "stop"]
+    out = post(http, {"model": "tiny", "prompt": "Hi", "max_tokens": 12, "temperature": 0,
+                      "response_format": {"type": "json_object"}}).json()["choices"][0]
+    assert out["text"].startswith("{") and (out["finish_reason"] == "length" or isinstance(json.loads(out["text"]),
+                                                                                           dict)), out
+
+
+def test_structured_outputs_regex_and_choice(http):
+    """vLLM's structured_outputs: a regex and a list of choices, on completions."""
+    out = post(http, {"model": "tiny", "prompt": "Hi", "max_tokens": 12, "temperature": 1.0, "seed": 1,
+                      "structured_outputs": {"regex": "[0-9]{2}-[a-z]{3}"}}).json()["choices"][0]
+    assert re.fullmatch("[0-9]{2}-[a-z]{3}", out["text"]) and out["finish_reason"] == "stop", out
+    out = post(http, {"model": "tiny", "prompt": "Hi", "max_tokens": 12, "temperature": 1.0, "seed": 2,
+                      "structured_outputs": {"choice": ["Paris", "the Seine"]}}).json()["choices"][0]
+    assert out["text"] in ("Paris", "the Seine") and out["finish_reason"] == "stop", out
+
+
+@pytest.mark.parametrize("endpoint,extra,param,says", [
+    ("chat/completions", {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "type": 5}}}}, "response_format", "type must be a string"),
+    ("chat/completions", {"response_format": {"type": "json_schema"}}, "response_format", "json_schema is given"),
+    ("chat/completions", {"response_format": {"type": "xml"}}, "response_format", "type"),
+    ("completions", {"response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}},
+     "structured_outputs", "not both"),
+    ("completions", {"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs", "exactly one"),
+    ("completions", {"structured_outputs": {}}, "structured_outputs", "exactly one"),
+    ("completions", {"structured_outputs": {"regex": "(a"}}, "structured_outputs", "does not compile"),
+    ("completions", {"structured_outputs": {"choice": []}}, "structured_outputs", "at least 1"),
+    ("completions", {"structured_outputs": {"whitespace_pattern": " "}}, "structured_outputs", "not permitted"),
+])
+def test_bad_structured_output_is_a_400(http, endpoint, extra, param, says):
+    base = {"model": "tiny", "max_tokens": 2, **({"prompt": "Hi"} if endpoint == "completions" else
+                                               {"messages": [{"role": "user", "content": "Hi"}]})}
+    assert says in refused(post(http, {**base, **extra}, endpoint), 400, param)
+
+
 def test_parse_body_alone():
     """parse_body without HTTP: the request types, their defaults, an APIError naming the field."""
     request = parse_body(b'{"model": "m", "prompt": [1, 2], "user": "x"}', CompletionRequest)
@@ -299,7 +367,10 @@ _FIELDS = {
     "ignore_eos": st.booleans(), "return_token_ids": st.booleans(), "n": st.integers(0, 3),
     "logprobs": st.booleans() | st.integers(0, 5), "top_logprobs": st.integers(0, 5), "echo": st.booleans(),
     "presence_penalty": st.floats(-2, 2), "response_format": st.fixed_dictionaries(
-        {"type": st.sampled_from(["text", "json_object", "json_schema"])}), "tools": _JSON, "user": _JSON,
+        {"type": st.sampled_from(["text", "json_object", "json_schema"])},
+        optional={"json_schema": st.fixed_dictionaries({"name": _TEXT}, optional={"schema": _JSON})}),
+    "structured_outputs": st.dictionaries(st.sampled_from(["json", "regex", "choice", "grammar", "json_object"]),
+                                          _JSON | _TEXT, max_size=2), "tools": _JSON, "user": _JSON,
 }
 
 

@@ -24,6 +24,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from jaxattn.engine import Engine
 from jaxattn.sampling import SamplingParams
+from jaxattn.structured_output import StructuredOutputs
 from jaxattn.scheduler import TokenLogprobs
 from jaxattn.serve.logprobs import chat_logprobs, completion_logprobs, token_id_text
 from jaxattn.serve.loop import Admitted, EngineLoop, Event, Failed, Job
@@ -256,10 +257,27 @@ def build_app(engine: Engine, *, model_name: str, tokenizer: TextTokenizer | Non
                            "send prompts as token ids to /v1/completions", param=param)
         return tokenizer
 
+    async def output_constraint(body: CompletionRequest | ChatRequest) -> StructuredOutputs | None:
+        """The grammar the body's ``response_format`` or ``structured_outputs`` asks for, compiled
+        once off the event loop (the engine's copy is then a cached one); 400 when it does not
+        compile or the server has no grammar compiler."""
+        found = body.output_constraint()
+        if found is None:
+            return None
+        spec, param = found
+        if engine.grammar_compiler is None:
+            raise APIError(400, f"{param}: structured output needs the model's tokenizer and llguidance, and this "
+                           "server has no grammar compiler", param=param)
+        try:
+            await asyncio.to_thread(engine.grammar_compiler.grammar, spec)
+        except ValueError as err:
+            raise APIError(400, f"{param}: does not compile: {err}", param=param) from None
+        return spec
+
     def make_jobs(body: CompletionRequest | ChatRequest, prompt: list[int], prompt_param: str, max_tokens: int | None,
-                  max_tokens_param: str) -> list[Job]:
+                  max_tokens_param: str, constraint: StructuredOutputs | None) -> list[Job]:
         """The checked jobs of the ``n`` choices: prompt ids in the vocabulary, the length in
-        max_seq_len, the sampling."""
+        max_seq_len, the sampling (``constraint``: the output's grammar)."""
         max_seq_len = engine.max_seq_len
         if not prompt:
             raise APIError(400, f"{prompt_param}: the prompt encodes to no tokens", param=prompt_param)
@@ -284,7 +302,8 @@ def build_app(engine: Engine, *, model_name: str, tokenizer: TextTokenizer | Non
         sampling = SamplingParams(temperature=float(1.0 if body.temperature is None else body.temperature),
                                   top_k=-1 if body.top_k is None else body.top_k,
                                   top_p=float(1.0 if body.top_p is None else body.top_p), seed=body.seed,
-                                  stop_token_ids=stop_ids, min_tokens=body.min_tokens, logprobs=body.num_logprobs)
+                                  stop_token_ids=stop_ids, min_tokens=body.min_tokens, logprobs=body.num_logprobs,
+                                  structured_outputs=constraint)
         return [Job(prompt, max_tokens, sampling) for _ in range(body.n)]
 
     async def respond(request: Request, body: CompletionRequest | ChatRequest, jobs: list[Job], chat: bool
@@ -385,7 +404,9 @@ def build_app(engine: Engine, *, model_name: str, tokenizer: TextTokenizer | Non
         else:
             text_tokenizer = need_tokenizer("prompt", "a text prompt needs")
             prompt = await asyncio.to_thread(text_tokenizer.encode, body.prompt)
-        return await respond(request, body, make_jobs(body, prompt, "prompt", body.max_tokens, "max_tokens"), False)
+        constraint = await output_constraint(body)
+        return await respond(request, body, make_jobs(body, prompt, "prompt", body.max_tokens, "max_tokens",
+                                                      constraint), False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
@@ -398,7 +419,9 @@ def build_app(engine: Engine, *, model_name: str, tokenizer: TextTokenizer | Non
         except ValueError as err:                    # ChatTemplateError too
             raise APIError(400, f"messages: {err}", param="messages") from err
         limit_param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
-        return await respond(request, body, make_jobs(body, prompt, "messages", body.token_limit, limit_param), True)
+        constraint = await output_constraint(body)
+        return await respond(request, body, make_jobs(body, prompt, "messages", body.token_limit, limit_param,
+                                                      constraint), True)
 
     @app.get("/v1/models")
     async def models() -> dict:

@@ -2,7 +2,8 @@
 
 Serves a local Hugging Face checkpoint directory (``--model DIR``: ``jaxattn.models.from_pretrained``,
 its ``tokenizer.json`` and chat template) or a random-weight preset (``--preset NAME``, for
-benchmarks: prompts as token ids only). One process serves one engine on ``--tp`` devices of this
+benchmarks: prompts as token ids only, unless ``--tokenizer DIR`` gives it a tokenizer). With a
+tokenizer and llguidance installed, requests may ask for structured output. One process serves one engine on ``--tp`` devices of this
 process, as ``python -m jaxattn.demo --tp`` does. SIGTERM (or Ctrl-C) stops accepting
 connections, lets requests in flight finish for up to ``--shutdown-timeout`` seconds, then aborts
 the rest (their clients get a 503 error) and exits with status 0.
@@ -29,6 +30,7 @@ from jaxattn.sampling import MAX_LOGPROBS
 from jaxattn.serve.app import MAX_REQUEST_BYTES, build_app
 from jaxattn.serve.loop import EngineLoop
 from jaxattn.serve.text import TextTokenizer
+from jaxattn.structured_output import GrammarCompiler
 
 __all__ = ["GracefulServer", "build_parser", "main"]
 
@@ -47,6 +49,8 @@ def build_parser(on_gpu: bool) -> argparse.ArgumentParser:
                        "*.safetensors, tokenizer.json)")
     which.add_argument("--preset", choices=sorted(PRESETS), help="a random-weight preset instead (benchmarks; "
                        "token-id prompts only)")
+    model.add_argument("--tokenizer", metavar="DIR", help="a directory with the tokenizer.json (and "
+                       "tokenizer_config.json) to use instead of the model's (a preset has none)")
     model.add_argument("--layers", type=positive_int, metavar="N", help="override the preset's number of layers")
     model.add_argument("--dtype", choices=DTYPES, help="weights and activations (default: the checkpoint's or "
                        "the preset's)")
@@ -88,22 +92,39 @@ def build_parser(on_gpu: bool) -> argparse.ArgumentParser:
 
 
 def load_model(args: argparse.Namespace, parser: argparse.ArgumentParser, mesh) -> tuple[object, str, TextTokenizer | None]:
-    """(model, served name, tokenizer or None) of ``--model`` or ``--preset``."""
+    """(model, served name, tokenizer or None) of ``--model`` or ``--preset`` (and ``--tokenizer``)."""
     if args.model is None:
-        return random_model(args.preset, layers=args.layers, dtype=args.dtype, mesh=mesh), args.preset, None
-    if args.layers is not None:
-        parser.error("--layers changes a preset: not with --model")
-    try:
-        model = from_pretrained(args.model, dtype=args.dtype, mesh=mesh)
-    except (ValueError, OSError, ImportError) as err:
-        parser.error(f"--model {args.model}: {err}")
-    tokenizer = None
-    if os.path.isfile(os.path.join(args.model, "tokenizer.json")):
+        model, name = random_model(args.preset, layers=args.layers, dtype=args.dtype, mesh=mesh), args.preset
+    else:
+        if args.layers is not None:
+            parser.error("--layers changes a preset: not with --model")
         try:
-            tokenizer = TextTokenizer(args.model)
+            model = from_pretrained(args.model, dtype=args.dtype, mesh=mesh)
+        except (ValueError, OSError, ImportError) as err:
+            parser.error(f"--model {args.model}: {err}")
+        name = os.path.basename(os.path.normpath(args.model))
+    tokenizer, flag = None, "--tokenizer" if args.tokenizer else "--model"
+    directory = args.tokenizer or args.model
+    if directory is not None and (args.tokenizer or os.path.isfile(os.path.join(directory, "tokenizer.json"))):
+        try:
+            tokenizer = TextTokenizer(directory)
         except ImportError as err:
-            parser.error(f"--model {args.model} has a tokenizer.json: {err} (pip install -e \".[serve]\")")
-    return model, os.path.basename(os.path.normpath(args.model)), tokenizer
+            parser.error(f"{flag} {directory} has a tokenizer.json: {err} (pip install -e \".[serve]\")")
+        except (OSError, ValueError) as err:
+            parser.error(f"{flag} {directory}: {err}")
+    return model, name, tokenizer
+
+
+def grammar_compiler(tokenizer: TextTokenizer | None, vocab_size: int, log: logging.Logger) -> GrammarCompiler | None:
+    """Structured output's compiler over ``tokenizer`` (None without one, or without llguidance)."""
+    if tokenizer is None:
+        return None
+    try:
+        return GrammarCompiler(tokenizer.tokenizer.to_str(), vocab_size=vocab_size,
+                               eos_token_ids=tokenizer.stop_token_ids)
+    except ImportError as err:
+        log.warning("%s: requests asking for structured output are refused", err)
+        return None
 
 
 class GracefulServer(uvicorn.Server):
@@ -131,15 +152,16 @@ def main(argv: list[str] | None = None) -> None:
     mesh = None if args.tp == 1 else jax.make_mesh((args.tp,), ("tp",), axis_types=(AxisType.Auto,),
                                                    devices=jax.local_devices()[:args.tp])
     model, name, tokenizer = load_model(args, parser, mesh)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    log = logging.getLogger("jaxattn.serve")
     try:
         engine = Engine(model, max_seqs=args.max_seqs, max_seq_len=args.max_seq_len, page_size=args.page_size,
                         num_pages=args.num_pages, max_step_tokens=args.max_step_tokens, backend=args.backend,
                         enable_prefix_caching=not args.no_prefix_caching, mesh=mesh,
-                        max_logprobs=args.max_logprobs)
+                        max_logprobs=args.max_logprobs,
+                        grammar_compiler=grammar_compiler(tokenizer, model.cfg.vocab_size, log))
     except ValueError as err:
         parser.error(str(err))
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    log = logging.getLogger("jaxattn.serve")
     log.info("compiling the engine's steps (%d sequences in flight, %d pages)", engine.max_seqs, engine.num_pages)
     log.info("compiled in %.1f s", engine.warmup())
     app = build_app(engine, model_name=args.served_model_name or name, tokenizer=tokenizer,

@@ -2,9 +2,10 @@
 the HTTP server.
 
 Fields follow OpenAI's completions and chat completions APIs; ``top_k``, ``ignore_eos``,
-``stop_token_ids``, ``min_tokens`` and ``return_token_ids`` are vLLM's extensions. The policy for fields the server
-does not implement: those of OpenAI's API or vLLM's that change what is returned (``best_of``,
-``echo``, ``response_format``, ``tools``, penalties, ...: ``UNIMPLEMENTED``) are accepted only
+``stop_token_ids``, ``min_tokens``, ``return_token_ids`` and ``structured_outputs`` are vLLM's
+extensions (``response_format`` and ``structured_outputs``: ``jaxattn.structured_output``). The
+policy for fields the server does not implement: those of OpenAI's API or vLLM's that change what
+is returned (``best_of``, ``echo``, ``tools``, penalties, ...: ``UNIMPLEMENTED``) are accepted only
 absent, null or at their default, and refused otherwise (400 naming the field), never ignored;
 any other unknown field (``user``, ``metadata``, ``store``, ...: nothing that changes the answer)
 is accepted and ignored, and logged once per name (the first 256 names).
@@ -19,7 +20,7 @@ from __future__ import annotations
 import json
 import logging
 import math
-from typing import Annotated, Any, ClassVar, TypeVar
+from typing import Annotated, Any, ClassVar, Literal, TypeVar
 
 from pydantic import (
     BaseModel,
@@ -32,10 +33,12 @@ from pydantic import (
     ValidationError,
     ValidationInfo,
     field_validator,
+    model_validator,
 )
 from pydantic_core import PydanticCustomError
 
 from jaxattn.sampling import MAX_LOGPROBS
+from jaxattn.structured_output import StructuredOutputs
 
 __all__ = ["APIError", "Body", "ChatMessage", "ChatRequest", "CompletionRequest", "error_body", "parse_body"]
 
@@ -73,11 +76,50 @@ _UNIMPLEMENTED_SAMPLING: dict[str, tuple] = {
     "presence_penalty": (0,), "frequency_penalty": (0,), "repetition_penalty": (1,), "min_p": (0,),
     "logit_bias": ({},), "include_stop_str_in_output": (False,),
     "skip_special_tokens": (True,), "spaces_between_special_tokens": (True,),
-    "response_format": ({"type": "text"},), "structured_outputs": (), "guided_json": (), "guided_regex": (),
-    "guided_choice": (), "guided_grammar": (), "allowed_token_ids": (), "bad_words": ([],),
+    "guided_json": (), "guided_regex": (), "guided_choice": (), "guided_grammar": (), "allowed_token_ids": (), "bad_words": ([],),
     "prompt_logprobs": (), "truncate_prompt_tokens": (), "use_beam_search": (False,), "length_penalty": (1,),
     "logits_processors": (),
 }
+
+
+class JsonSchemaFormat(BaseModel):
+    """OpenAI's ``response_format.json_schema``: the schema (``name``, ``description`` and
+    ``strict`` are accepted; the schema is always enforced)."""
+
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+
+    name: StrictStr | None = None
+    json_schema: dict[str, Any] = Field(alias="schema")
+    strict: StrictBool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's ``response_format``: ``{"type": "text"}``, ``{"type": "json_object"}`` or
+    ``{"type": "json_schema", "json_schema": {"name": ..., "schema": {...}}}``."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_with_its_type(self) -> "ResponseFormat":
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise PydanticCustomError("json_schema", "json_schema is given with type \"json_schema\", and only then")
+        return self
+
+
+class StructuredOutputsBody(BaseModel):
+    """vLLM's ``structured_outputs``: exactly one of ``json`` (a schema), ``json_object``,
+    ``regex``, ``choice`` or ``grammar`` (Lark, llguidance's syntax)."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    json_schema: dict[str, Any] | StrictStr | None = Field(None, alias="json")
+    json_object: StrictBool | None = None
+    regex: StrictStr | None = None
+    choice: Annotated[list[StrictStr], Field(min_length=1)] | None = None
+    grammar: StrictStr | None = None
 
 
 class _Sampling(BaseModel):
@@ -100,6 +142,31 @@ class _Sampling(BaseModel):
     stream_options: StreamOptions | None = None
     ignore_eos: StrictBool = False
     return_token_ids: StrictBool = False
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsBody | None = None
+
+    def output_constraint(self) -> tuple[StructuredOutputs, str] | None:
+        """(what the output must match, the field that asks) from ``response_format`` or
+        ``structured_outputs``; None: free text. APIError (400) when both ask, or when
+        ``structured_outputs`` does not set exactly one constraint."""
+        response_format = None if self.response_format is None or self.response_format.type == "text" else \
+            self.response_format
+        if response_format is not None and self.structured_outputs is not None:
+            raise APIError(400, "structured_outputs: give it or response_format, not both", param="structured_outputs")
+        if response_format is not None:
+            if response_format.type == "json_object":
+                return StructuredOutputs(json_object=True), "response_format"
+            return StructuredOutputs(json=response_format.json_schema.json_schema), "response_format"
+        if self.structured_outputs is None:
+            return None
+        given = self.structured_outputs
+        try:
+            spec = StructuredOutputs(json=given.json_schema, json_object=bool(given.json_object), regex=given.regex,
+                                     choice=given.choice, grammar=given.grammar)
+        except ValueError as err:
+            raise APIError(400, f"structured_outputs: {str(err).removeprefix('StructuredOutputs: ')}",
+                           param="structured_outputs") from None
+        return spec, "structured_outputs"
 
     @property
     def stop_strings(self) -> tuple[str, ...]:
@@ -268,4 +335,7 @@ def _validation_error(err: ValidationError) -> tuple[str, str | None]:
     if any(e["type"] == "missing" for e in same):
         return f"{param}: a required field is missing", param
     hint = " (one prompt per request: a text or a list of token ids)" if param == "prompt" else ""
-    return _shorten(f"{param}: " + "; ".join(dict.fromkeys(e["msg"] for e in same)), 400) + hint, param
+    # the path inside the field, for a nested one (response_format.type: ...)
+    messages = (".".join(str(p) for p in e["loc"][1:] if not isinstance(p, int) or len(e["loc"]) > 2) + ": " * (
+        len(e["loc"]) > 1) + e["msg"] for e in same)
+    return _shorten(f"{param}: " + "; ".join(dict.fromkeys(messages)), 400) + hint, param
