@@ -120,6 +120,11 @@ def summarize(arrival: Sequence[float], first: Sequence[float], last: Sequence[f
 
 # ------------------------------------------------------------------------------ the engine run
 
+def max_logprobs(args: argparse.Namespace) -> int:
+    """The engine's ``max_logprobs``: 0 (no logprobs step variants to compile) unless the trace asks."""
+    return args.top_logprobs if args.logprobs_share > 0 else 0
+
+
 def engine_arguments(args: argparse.Namespace) -> list[str]:
     """The engine's settings as ``jaxattn.serve`` flags (the engine run takes the same)."""
     flags = ["--preset", args.preset, "--max-seq-len", str(args.max_seq_len), "--page-size", str(args.page_size),
@@ -148,7 +153,7 @@ def run_engine(args: argparse.Namespace, trace: list[TraceRequest]) -> dict:
         compiler = GrammarCompiler.from_file(os.path.join(args.tokenizer, "tokenizer.json"), vocab_size=cfg.vocab_size)
     engine = Engine(Llama(cfg, nnx.Rngs(0)), max_seqs=args.max_seqs, max_seq_len=args.max_seq_len,
                     page_size=args.page_size, num_pages=args.num_pages, max_step_tokens=args.max_step_tokens,
-                    backend=args.backend, grammar_compiler=compiler)
+                    backend=args.backend, grammar_compiler=compiler, max_logprobs=max_logprobs(args))
     engine.warmup()
     index, pending = {}, list(enumerate(trace))
     first, last = [0.0] * len(trace), [0.0] * len(trace)
@@ -260,7 +265,8 @@ def run_http(args: argparse.Namespace, trace: list[TraceRequest], env: dict) -> 
     """The trace through ``python -m jaxattn.serve`` (a subprocess) from ``clients`` client processes."""
     port = free_port()
     command = [sys.executable, "-m", "jaxattn.serve", *engine_arguments(args), "--served-model-name", MODEL_NAME,
-               "--port", str(port), "--log-level", "warning", *(["--tokenizer", args.tokenizer] * bool(args.tokenizer))]
+               "--port", str(port), "--log-level", "warning", "--max-logprobs", str(max_logprobs(args)),
+               *(["--tokenizer", args.tokenizer] * bool(args.tokenizer))]
     server = subprocess.Popen(command, env=env)
     base_url = f"http://127.0.0.1:{port}"
     try:
