@@ -9,9 +9,9 @@ table. A decode row's input may be the token the previous step sampled, still on
 bucket lists (``StepBuckets``): a decode-only step has as many rows and tokens as the smallest
 row bucket that holds its rows (one bucket up to 256 rows); a mixed step has ``max_seqs`` rows
 and the smallest token bucket that holds its tokens. A serving loop compiles one step per bucket
-(``Engine.warmup``), per sampling mode (greedy steps skip the sampler; steps with a row under a
-grammar take the token masks) and with and without logprobs (steps with no row asking for them
-skip them), and then replays.
+(``Engine.warmup``), per sampling mode (greedy steps skip the sampler), with and without token
+masks (structured output's: steps with no row under a grammar skip them) and with and without
+logprobs (steps with no row asking for them skip them), and then replays.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 import jaxattn
 from jaxattn.models.base import Cache, PagedModel
-from jaxattn.sampling import SamplingBatch, SamplingParams, sample, token_logprobs
+from jaxattn.sampling import SamplingBatch, SamplingParams, mask_logits, sample, token_logprobs
 from jaxattn.scheduler import Request, Schedule
 from jaxattn.structured_output import fill_masks, mask_words
 from jaxattn.sharding import tensor_parallel_mesh
@@ -64,7 +64,7 @@ def make_engine_step(model: PagedModel) -> tuple[StepFn, list[jax.Array]]:
     flat list it takes.
 
     ``step(weights, caches, table, prev_tokens, release_ids, tokens, token_src, seq_ids, q_lens,
-    sampling=None, prefix=None, *, max_q_len, backend, logprobs=False)`` frees ``release_ids``
+    sampling=None, prefix=None, allowed=None, *, max_q_len, backend, logprobs=False)`` frees ``release_ids``
     (int32[max_seqs], -1 padding), appends ``q_lens`` tokens to sequences ``seq_ids`` (int32[R],
     decodes first, -1 padding) and returns ``(next_tokens, ok, pages, caches, table,
     step_logprobs)``; caches and table are donated. ``tokens`` (int32[T]) are the rows' tokens
@@ -74,7 +74,9 @@ def make_engine_step(model: PagedModel) -> tuple[StepFn, list[jax.Array]]:
     ``pages`` int32[R, W], each row's page ids from the page of its first token on (0 past its
     pages; W = ``page_window(max_q_len, page_size)``); ``step_logprobs``, with ``logprobs``, each
     row's ``sampling.token_logprobs`` of its next token (None without). Rows sample with
-    ``sampling`` (a ``SamplingBatch``; None: greedy). ``prefix`` (``PrefixOps``) marks pages cached
+    ``sampling`` (a ``SamplingBatch``; None: greedy), among the tokens ``allowed`` (int32[R,
+    ceil(V / 32)], ``sampling.mask_logits``' bitmasks; None: all); step logprobs are those of the
+    model, before the mask. ``prefix`` (``PrefixOps``) marks pages cached
     before the release, then evicts pages and attaches cached pages to new sequences before the
     extend. The model's structure is closed over rather than passed, so a call neither hashes it
     nor flattens its state: that cut the host time of an 8-layer step from 2.4 to 0.6 ms
@@ -92,7 +94,7 @@ def _jitted_step(graphdef: nnx.GraphDef, treedef) -> StepFn:
     @functools.partial(jax.jit, static_argnames=("max_q_len", "backend", "logprobs"),
                        donate_argnames=("caches", "table"))
     def step(weights, caches, table, prev_tokens, release_ids, tokens, token_src, seq_ids, q_lens, sampling=None,
-             prefix=None, *, max_q_len: int, backend: str, logprobs: bool = False):
+             prefix=None, allowed=None, *, max_q_len: int, backend: str, logprobs: bool = False):
         model = nnx.merge(graphdef, jax.tree.unflatten(treedef, weights))
         tokens = jnp.where(token_src >= 0, prev_tokens[jnp.maximum(token_src, 0)], tokens)
         if prefix is not None:
@@ -111,10 +113,11 @@ def _jitted_step(graphdef: nnx.GraphDef, treedef) -> StepFn:
         hidden, caches = model.forward_paged(tokens, caches, meta, slots, backend)
         last = jnp.maximum(meta.cu_q_lens[1:] - 1, 0)
         logits = model.logits(hidden[last])
+        candidates = logits if allowed is None else mask_logits(logits, allowed)
         if sampling is None:
-            next_tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+            next_tokens = jnp.argmax(candidates, axis=-1).astype(jnp.int32)
         else:   # the sampled token's position seeds its random numbers
-            next_tokens = sample(logits, sampling, meta.kv_lens)
+            next_tokens = sample(candidates, sampling, meta.kv_lens)
         step_logprobs = token_logprobs(logits, next_tokens) if logprobs else None
         next_tokens = jnp.zeros((table.max_seqs,), jnp.int32).at[:next_tokens.shape[0]].set(next_tokens)
         pages = _row_pages(table, seq_ids, q_lens, page_window(max_q_len, table.page_size))
@@ -209,11 +212,12 @@ class StepInputs:
       tokens: int32[T], the rows' tokens packed; token_src: int32[T], where >= 0 the token is the
         previous step's ``next_tokens[token_src]`` (a decode whose input is not on the host yet).
       seq_ids: int32[R], each row's slot (-1 padding); q_lens: int32[R], its token count.
-      sampling: per-row sampling parameters, seeds, banned tokens and (when a row samples under a
-        grammar) token masks; None when every row is greedy, none holds its stop tokens back
-        (``min_tokens``) and none has a grammar.
+      sampling: per-row sampling parameters, seeds and banned tokens; None when every row is
+        greedy and none holds its stop tokens back (``min_tokens``).
       prefix: prefix caching's page operations (None without prefix caching).
       logprobs: a row asks for its token's logprobs (the step computes them for every row).
+      allowed: int32[R, ceil(V / 32)], each row's allowed tokens (a bitmask: all ones but for the
+        rows that sample under a grammar); None when no such row is in the step.
     """
 
     shape: StepShape
@@ -225,6 +229,7 @@ class StepInputs:
     sampling: SamplingBatch | None
     prefix: PrefixOps | None
     logprobs: bool = False
+    allowed: np.ndarray | None = None
 
 
 def _padded(values: list[int], size: int) -> np.ndarray:
@@ -266,11 +271,10 @@ def pack_step(schedule: Schedule, shape: StepShape, *, max_seqs: int, page_size:
         allowed = np.full((shape.rows, mask_words(vocab_size)), -1, np.int32)
         fill_masks(grammars, allowed)
     sampling = None
-    if held_back or grammars or not all(p.greedy for p in sampled):
+    if held_back or not all(p.greedy for p in sampled):
         padding = shape.rows - len(sampled)
         sampling = SamplingBatch.from_params(sampled + [None] * padding,
-                                             [row.request.seed for row in schedule.rows] + [0] * padding, generated,
-                                             allowed)
+                                             [row.request.seed for row in schedule.rows] + [0] * padding, generated)
     prefix = None
     if step_pages is not None:
         attach = np.zeros((shape.rows, max_pages_per_seq), np.int32)
@@ -281,7 +285,7 @@ def pack_step(schedule: Schedule, shape: StepShape, *, max_seqs: int, page_size:
         prefix = PrefixOps(mark=_padded(schedule.mark, step_pages), evict=_padded(schedule.evicted, step_pages),
                            attach=attach)
     return StepInputs(shape, _padded(schedule.release, max_seqs), tokens, token_src, seq_ids, q_lens, sampling,
-                      prefix, logprobs)
+                      prefix, logprobs, allowed)
 
 
 @dataclasses.dataclass
@@ -365,22 +369,22 @@ class StepRunner:
 
     def warmup(self, *, sampled: bool = True, logprobs: bool = False, masked: bool = False) -> None:
         """Compiles the step for every shape in ``buckets`` (greedy; with ``sampled`` the sampling
-        variant too; with ``masked`` the one with token masks, structured output's; with
+        variant too; with ``masked`` each of those with token masks, structured output's; with
         ``logprobs`` each of those with logprobs) by running it on padding rows, which changes no
         state. Logs one INFO line per step compiled (its shape and seconds) and one for the total
         on the ``jaxattn.engine`` logger."""
-        modes = ["greedy"] + ["sampled"] * sampled + ["masked"] * masked
-        variants = [(mode, with_logprobs) for with_logprobs in (False, True)[:1 + logprobs] for mode in modes]
+        variants = [(sampling, with_masks, with_logprobs) for with_logprobs in (False, True)[:1 + logprobs]
+                    for with_masks in (False, True)[:1 + masked] for sampling in (False, True)[:1 + sampled]]
         steps = [(shape, variant) for shape in self.buckets.shapes for variant in variants]
         start = time.perf_counter()
-        for i, (shape, (mode, with_logprobs)) in enumerate(steps, 1):
+        for i, (shape, (sampling, with_masks, with_logprobs)) in enumerate(steps, 1):
             step_start = time.perf_counter()
-            self._run(self.padding_inputs(shape, sampled=mode != "greedy", masked=mode == "masked",
-                                          logprobs=with_logprobs))
+            self._run(self.padding_inputs(shape, sampled=sampling, masked=with_masks, logprobs=with_logprobs))
             jax.block_until_ready(self.table)
-            logger.info("compiled step %d/%d (%s, %d rows, %d tokens, max_q_len %d, %s%s) in %.1f s", i, len(steps),
+            logger.info("compiled step %d/%d (%s, %d rows, %d tokens, max_q_len %d, %s%s%s) in %.1f s", i, len(steps),
                         "decode" if shape.max_q_len == 1 else "mixed", shape.rows, shape.tokens, shape.max_q_len,
-                        mode, " with logprobs" if with_logprobs else "", time.perf_counter() - step_start)
+                        "sampled" if sampling else "greedy", " with token masks" if with_masks else "",
+                        " with logprobs" if with_logprobs else "", time.perf_counter() - step_start)
         logger.info("compiled %d steps in %.1f s", len(steps), time.perf_counter() - start)
 
     def trace(self, inputs: StepInputs) -> jax.stages.Traced:
@@ -399,12 +403,11 @@ class StepRunner:
             prefix = PrefixOps(no_pages, no_pages, np.zeros((shape.rows, self.table.max_pages_per_seq), np.int32))
         sampling = None
         if sampled:
-            allowed = np.full((shape.rows, mask_words(self.vocab_size)), -1, np.int32) if masked else None
-            sampling = SamplingBatch.from_params([SamplingParams(temperature=1.0)] * shape.rows, [0] * shape.rows,
-                                                 allowed=allowed)
+            sampling = SamplingBatch.from_params([SamplingParams(temperature=1.0)] * shape.rows, [0] * shape.rows)
+        allowed = np.full((shape.rows, mask_words(self.vocab_size)), -1, np.int32) if masked else None
         return StepInputs(shape, np.full(self.max_seqs, -1, np.int32), np.zeros(shape.tokens, np.int32),
                           np.full(shape.tokens, -1, np.int32), np.full(shape.rows, -1, np.int32),
-                          np.zeros(shape.rows, np.int32), sampling, prefix, logprobs)
+                          np.zeros(shape.rows, np.int32), sampling, prefix, logprobs, allowed)
 
     def _run(self, inputs: StepInputs) -> tuple[jax.Array, jax.Array, jax.Array, tuple[jax.Array, ...] | None]:
         """The jitted step on ``inputs``: updates the caches and table, returns ``(next_tokens, ok,
@@ -416,5 +419,5 @@ class StepRunner:
     def _operands(self, inputs: StepInputs) -> tuple[tuple, dict]:
         """The step's arguments: the device state, then ``inputs``."""
         return ((self._weights, self.caches, self.table, self.prev_tokens, inputs.release_ids, inputs.tokens,
-                 inputs.token_src, inputs.seq_ids, inputs.q_lens, inputs.sampling, inputs.prefix),
+                 inputs.token_src, inputs.seq_ids, inputs.q_lens, inputs.sampling, inputs.prefix, inputs.allowed),
                 dict(max_q_len=inputs.shape.max_q_len, backend=self.backend, logprobs=inputs.logprobs))

@@ -106,9 +106,6 @@ class SamplingBatch:
       seed: uint32[B].
       banned: int32[B, MAX_BANNED], token ids each row may not take (its stop tokens while it has
         fewer than ``min_tokens`` outputs), padded with an id past the vocabulary; None: none.
-      allowed: int32[B, ceil(V / 32)], the tokens each row may take, a bitmask (bit ``t % 32`` of
-        word ``t // 32``; ``jaxattn.structured_output.fill_masks``), all ones for rows without a
-        grammar; None (a step variant without the mask): every token.
     """
 
     temperature: jax.Array
@@ -116,14 +113,13 @@ class SamplingBatch:
     top_p: jax.Array
     seed: jax.Array
     banned: jax.Array | None = None
-    allowed: jax.Array | None = None
 
     @classmethod
     def from_params(cls, params: list[SamplingParams | None], seeds: list[int],
-                    generated: list[int] | None = None, allowed: np.ndarray | None = None) -> "SamplingBatch":
+                    generated: list[int] | None = None) -> "SamplingBatch":
         """Host arrays for rows with ``params`` (None: a padding row, greedy) and resolved ``seeds``;
         ``generated``: each row's output tokens before the one it samples (for ``min_tokens``;
-        None: every row is past it); ``allowed``: the rows' token bitmasks (None: no mask)."""
+        None: every row is past it)."""
         rows = [p or SamplingParams() for p in params]
         banned = np.full((len(rows), MAX_BANNED), _NO_TOKEN, np.int32)
         for i, (p, count) in enumerate(zip(rows, generated or [])):
@@ -132,7 +128,7 @@ class SamplingBatch:
         return cls(temperature=np.asarray([p.temperature for p in rows], np.float32),
                    top_k=np.asarray([p.top_k for p in rows], np.int32),
                    top_p=np.asarray([p.top_p for p in rows], np.float32),
-                   seed=np.asarray(seeds, np.uint32), banned=banned, allowed=allowed)
+                   seed=np.asarray(seeds, np.uint32), banned=banned)
 
 
 def sample(logits: jax.Array, params: SamplingBatch, positions: jax.Array) -> jax.Array:
@@ -148,18 +144,19 @@ def sample(logits: jax.Array, params: SamplingBatch, positions: jax.Array) -> ja
     if params.banned is not None:
         rows = jnp.arange(logits.shape[0])[:, None]
         logits = logits.at[rows, params.banned].set(-jnp.inf, mode="drop")
-    if params.allowed is not None:
-        logits = jnp.where(_unpack_bits(params.allowed, logits.shape[-1]), logits, -jnp.inf)
     greedy = params.temperature < GREEDY_TEMPERATURE
     greedy_tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     sampled = _unless(jnp.all(greedy), lambda: _sample(logits, params, positions), lambda: greedy_tokens)
     return jnp.where(greedy, greedy_tokens, sampled)
 
 
-def _unpack_bits(words: jax.Array, size: int) -> jax.Array:
-    """bool[B, size]: bit ``t % 32`` of ``words[:, t // 32]`` (int32[B, W], W * 32 >= size)."""
-    bits = jax.lax.shift_right_logical(words[:, :, None], jnp.arange(32, dtype=jnp.int32)[None, None, :]) & 1
-    return bits.reshape(words.shape[0], -1)[:, :size].astype(bool)
+def mask_logits(logits: jax.Array, allowed: jax.Array) -> jax.Array:
+    """``logits`` [B, V] with -inf where a row's token is not allowed: ``allowed`` int32[B,
+    ceil(V / 32)] is a bitmask per row, bit ``t % 32`` of word ``t // 32`` for token t
+    (``jaxattn.structured_output.fill_masks``; all ones: every token)."""
+    bits = jax.lax.shift_right_logical(allowed[:, :, None], jnp.arange(32, dtype=jnp.int32)[None, None, :]) & 1
+    keep = bits.reshape(allowed.shape[0], -1)[:, :logits.shape[-1]].astype(bool)
+    return jnp.where(keep, logits, -jnp.inf)
 
 
 def token_logprobs(logits: jax.Array, tokens: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:

@@ -7,7 +7,7 @@ an ``Engine`` made with a ``GrammarCompiler`` of the model's tokenizer. The requ
 ``Grammar``: the matcher of its grammar, advanced by its tokens as they reach the host. Before a
 step the host fills, for each row that samples under a grammar, a bitmask of the tokens its
 grammar allows next (``fill_masks``, llguidance's thread pool); the step sets the other tokens'
-logits to -inf before it samples (``jaxattn.sampling.SamplingBatch.allowed``). The request ends
+logits to -inf before it picks a token (``jaxattn.sampling.mask_logits``). The request ends
 ("stop") when its grammar is complete and allows no more tokens.
 
 A row's mask needs the row's previous token on the host, so a request with a grammar is not

@@ -84,7 +84,7 @@ def test_pack_step_packs_rows_in_order():
     np.testing.assert_array_equal(inputs.prefix.evict, [4, -1, -1, -1])
     np.testing.assert_array_equal(inputs.prefix.attach, [[0] * 5, [6, 7, 0, 0, 0], [0] * 5])
     np.testing.assert_array_equal(inputs.sampling.temperature, [0.0, 0.5, 0.0])
-    assert inputs.sampling.allowed is None                  # no row has a grammar: no token masks
+    assert inputs.allowed is None                           # no row has a grammar: no token masks
 
     greedy = pack_step(Schedule([Row(decode, 3, 1, True)], [], [], [], []), StepShape(3, 3, 1), max_seqs=3,
                        page_size=2, max_pages_per_seq=5, step_pages=None, previous_rows={}, vocab_size=16)

@@ -16,7 +16,7 @@ pytest.importorskip("llguidance", reason="needs the [serve] extra (pip install -
 import jsonschema
 
 from jaxattn.engine import Engine
-from jaxattn.sampling import SamplingParams, sample, SamplingBatch
+from jaxattn.sampling import SamplingBatch, SamplingParams, mask_logits, sample
 from jaxattn.structured_output import GrammarCompiler, StructuredOutputs, mask_words
 
 # A schema whose language is finite (enums, bounded integers and strings, no free whitespace):
@@ -151,23 +151,39 @@ def test_bad_specs_and_missing_compiler(tiny):
     assert not engine.has_work
 
 
-def test_sample_keeps_to_the_mask():
-    """``SamplingBatch.allowed``: greedy and sampled rows pick allowed tokens only, whatever the
+def test_masked_logits_keep_to_the_mask():
+    """``sampling.mask_logits``: greedy and sampled rows pick allowed tokens only, whatever the
     logits; a row of all ones is unchanged."""
     rng = np.random.default_rng(0)
     vocab, rows = 70, 6
-    logits = rng.standard_normal((rows, vocab)).astype(np.float32)
+    logits = jnp.asarray(rng.standard_normal((rows, vocab)).astype(np.float32))
     allowed_sets = [set(rng.choice(vocab, size=k, replace=False).tolist()) for k in (1, 2, 5, 33, 69)] + [None]
     masks = np.zeros((rows, mask_words(vocab)), np.int32)
     for i, tokens in enumerate(allowed_sets):
         for t in (range(vocab) if tokens is None else tokens):
             masks[i, t // 32] |= np.int32(np.uint32(1 << (t % 32)).view(np.int32))
-    for temperature in (0.0, 1.0):
-        params = [SamplingParams(temperature=temperature)] * rows
-        batch = SamplingBatch.from_params(params, list(range(rows)), allowed=masks)
-        tokens = np.asarray(sample(jnp.asarray(logits), batch, jnp.arange(rows, dtype=jnp.int32)))
-        for i, allowed in enumerate(allowed_sets):
-            if allowed is not None:
-                assert int(tokens[i]) in allowed
-        if temperature == 0.0:
-            assert tokens[-1] == logits[-1].argmax()
+    masked = mask_logits(logits, jnp.asarray(masks))
+    np.testing.assert_array_equal(masked[-1], logits[-1])
+    sampled = sample(masked, SamplingBatch.from_params([SamplingParams(temperature=1.0)] * rows, list(range(rows))),
+                     jnp.arange(rows, dtype=jnp.int32))
+    for tokens in (jnp.argmax(masked, axis=-1), sampled):
+        for i, allowed in enumerate(allowed_sets[:-1]):
+            assert int(tokens[i]) in allowed
+
+
+def test_a_greedy_step_under_a_grammar_skips_the_sampler(tiny):
+    """A step whose rows are greedy, one under a grammar, takes token masks and no sampler."""
+    from jaxattn.engine_step import pack_step
+
+    _, tokenizer, _ = tiny
+    engine = engine_of(tiny)
+    engine.add_request(prompts_of(tokenizer, 1)[0], 4, sampling=SamplingParams(
+        structured_outputs=StructuredOutputs(json_object=True)))
+    engine.add_request(prompts_of(tokenizer, 2)[1], 4)
+    schedule = engine.scheduler.schedule()
+    inputs = pack_step(schedule, engine.buckets.shape(schedule), max_seqs=engine.max_seqs, page_size=engine.page_size,
+                       max_pages_per_seq=engine.runner.table.max_pages_per_seq, step_pages=engine.runner.step_pages,
+                       previous_rows={}, vocab_size=engine.model.cfg.vocab_size)
+    assert inputs.sampling is None and inputs.allowed.shape == (engine.buckets.shape(schedule).rows,
+                                                                mask_words(engine.model.cfg.vocab_size))
+    assert (inputs.allowed[1:] == -1).all() and not (inputs.allowed[0] == -1).all()
