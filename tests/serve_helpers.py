@@ -34,7 +34,9 @@ Once upon a time, the capital of France was Paris; name three rivers: the Seine,
 user: Hi there, how are you?
 assistant: I am fine, thank you. What would you like to know?"""
 # Each message on a line of its own after its role; the generation prompt is the assistant's role.
-CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+# Tools, when given, are a first line of their names (short: the tests' sequences are short).
+CHAT_TEMPLATE = ("{{ bos_token }}{% if tools %}tools:{% for t in tools %} {{ t['function']['name'] }}{% endfor %}\n"
+                 "{% endif %}{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
                  "{% if add_generation_prompt %}assistant:{% endif %}")
 
 

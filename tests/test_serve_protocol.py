@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 from jaxattn.serve.protocol import APIError, ChatRequest, CompletionRequest, parse_body
 from tests.models.test_llama import dense_logprobs
 
-MAX_SEQ_LEN = 64
+MAX_SEQ_LEN = 96
 MAX_REQUEST_BYTES = 4 * 2**20
 
 
@@ -119,8 +119,7 @@ UNIMPLEMENTED = [
     ("completions", {"logit_bias": {"5": 100}}), ("completions", {"min_p": 0.1}),
     ("completions", {"repetition_penalty": 1.2}),
     ("completions", {"guided_json": {"type": "object"}}), ("completions", {"skip_special_tokens": False}),
-    ("chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}]}),
-    ("chat/completions", {"tool_choice": "required"}), ("chat/completions", {"add_generation_prompt": False}),
+    ("chat/completions", {"functions": [{"name": "f"}]}), ("chat/completions", {"add_generation_prompt": False}),
     ("chat/completions", {"chat_template": "{{ messages }}"}),
 ]
 ACCEPTED_DEFAULTS = {"n": 1, "presence_penalty": 0.0, "frequency_penalty": 0, "logit_bias": {},
@@ -304,6 +303,85 @@ def test_bad_structured_output_is_a_400(http, endpoint, extra, param, says):
     assert says in refused(post(http, {**base, **extra}, endpoint), 400, param)
 
 
+CITY = {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}}, "required": ["city"],
+        "additionalProperties": False}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "the weather", "parameters": CITY}},
+         {"type": "function", "function": {"name": "get_time", "parameters": {
+             "type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"],
+             "additionalProperties": False}}}]
+
+
+def stream_events(response) -> list[dict]:
+    return [json.loads(line[6:]) for line in response.text.splitlines() if line.startswith("data: {")]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_named_tool_choice_calls_that_function(http, stream):
+    """tool_choice naming a function: the answer is a call of it, arguments its schema accepts."""
+    import jsonschema
+
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 24, "temperature": 0.9,
+            "seed": 4, "tools": TOOLS, "stream": stream,
+            "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}
+    response = post(http, body, "chat/completions")
+    assert response.status_code == 200, response.text
+    if stream:
+        events = stream_events(response)
+        assert all("content" not in e["choices"][0]["delta"] or e["choices"][0]["delta"]["content"] in ("", None)
+                   for e in events), events
+        (last,) = [e["choices"][0] for e in events if e["choices"][0]["finish_reason"]]
+        calls, finish = last["delta"]["tool_calls"], last["finish_reason"]
+        assert [c.pop("index") for c in calls] == [0]
+    else:
+        (choice,) = response.json()["choices"]
+        assert choice["message"]["content"] is None
+        calls, finish = choice["message"]["tool_calls"], choice["finish_reason"]
+    (call,) = calls
+    assert finish == "stop" and call["type"] == "function" and call["id"].startswith("call_")
+    assert call["function"]["name"] == "get_weather"
+    jsonschema.validate(json.loads(call["function"]["arguments"]), CITY)
+
+
+@pytest.mark.parametrize("parallel", [None, False])
+def test_required_tool_choice_calls_the_tools(http, parallel):
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 40, "temperature": 1.0,
+            "seed": 5, "tools": TOOLS, "tool_choice": "required", "parallel_tool_calls": parallel}
+    response = post(http, body, "chat/completions")
+    assert response.status_code == 200, response.text
+    (choice,) = response.json()["choices"]
+    if choice["finish_reason"] == "length":        # a free number of calls may be cut at max_tokens
+        assert choice["message"]["content"].startswith("[")
+        return
+    calls = choice["message"]["tool_calls"]
+    assert choice["finish_reason"] == "tool_calls" and len(calls) >= 1 and (parallel is not False or len(calls) == 1)
+    for call in calls:
+        assert call["function"]["name"] in ("get_weather", "get_time")
+        assert set(json.loads(call["function"]["arguments"])) <= {"city", "zone"}
+
+
+@pytest.mark.parametrize("extra,param,says", [
+    ({"tools": TOOLS}, "tool_choice", '"auto"'),
+    ({"tools": TOOLS, "tool_choice": "auto"}, "tool_choice", '"auto"'),
+    ({"tool_choice": "required"}, "tool_choice", "no tools"),
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice", "'nope'"),
+    ({"tools": TOOLS[:1] * 2, "tool_choice": "required"}, "tools", "same name"),
+    ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "tools", "not with"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": 7}}}], "tool_choice":
+      "required"}, "tools", "does not compile"),
+    ({"tools": [{"type": "code_interpreter"}], "tool_choice": "required"}, "tools", "function"),
+])
+def test_bad_tool_requests_are_a_400(http, extra, param, says):
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, **extra}
+    assert says in refused(post(http, body, "chat/completions"), 400, param)
+
+
+def test_tool_choice_none_answers_text(http):
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3, "temperature": 0,
+            "tools": TOOLS, "tool_choice": "none"}
+    (choice,) = post(http, body, "chat/completions").json()["choices"]
+    assert isinstance(choice["message"]["content"], str) and "tool_calls" not in choice["message"]
+
+
 def test_parse_body_alone():
     """parse_body without HTTP: the request types, their defaults, an APIError naming the field."""
     request = parse_body(b'{"model": "m", "prompt": [1, 2], "user": "x"}', CompletionRequest)
@@ -312,8 +390,8 @@ def test_parse_body_alone():
                                   "stop": "x"}).encode(), ChatRequest)
     assert chat.stop_strings == ("x",) and chat.token_limit is None
     with pytest.raises(APIError) as err:
-        parse_body(b'{"model": "m", "messages": [], "tools": [{}]}', ChatRequest)
-    assert err.value.param == "tools" and err.value.status == 400
+        parse_body(b'{"model": "m", "messages": [], "functions": [{}]}', ChatRequest)
+    assert err.value.param == "functions" and err.value.status == 400
 
 
 def test_an_oversized_body_is_a_413_and_a_long_prompt_stalls_no_one(http):
@@ -370,7 +448,11 @@ _FIELDS = {
         {"type": st.sampled_from(["text", "json_object", "json_schema"])},
         optional={"json_schema": st.fixed_dictionaries({"name": _TEXT}, optional={"schema": _JSON})}),
     "structured_outputs": st.dictionaries(st.sampled_from(["json", "regex", "choice", "grammar", "json_object"]),
-                                          _JSON | _TEXT, max_size=2), "tools": _JSON, "user": _JSON,
+                                          _JSON | _TEXT, max_size=2),
+    "tools": _JSON | st.lists(st.fixed_dictionaries({"type": st.just("function"), "function": st.fixed_dictionaries(
+        {"name": st.sampled_from(["f", "g"])}, optional={"parameters": _JSON})}), max_size=2),
+    "tool_choice": st.sampled_from(["none", "auto", "required", {"type": "function", "function": {"name": "f"}}]) | _JSON,
+    "parallel_tool_calls": st.booleans(), "user": _JSON,
 }
 
 

@@ -24,13 +24,14 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from jaxattn.engine import Engine
 from jaxattn.sampling import SamplingParams
-from jaxattn.structured_output import StructuredOutputs
 from jaxattn.scheduler import TokenLogprobs
 from jaxattn.serve.logprobs import chat_logprobs, completion_logprobs, token_id_text
 from jaxattn.serve.loop import Admitted, EngineLoop, Event, Failed, Job
 from jaxattn.serve.metrics import CONTENT_TYPE_LATEST, Metrics
 from jaxattn.serve.protocol import APIError, Body, ChatRequest, CompletionRequest, error_body, parse_body
 from jaxattn.serve.text import TextStream, TextTokenizer
+from jaxattn.serve.tools import ToolPlan, plan_tools
+from jaxattn.structured_output import StructuredOutputs
 
 __all__ = ["MAX_REQUEST_BYTES", "build_app"]
 
@@ -257,11 +258,11 @@ def build_app(engine: Engine, *, model_name: str, tokenizer: TextTokenizer | Non
                            "send prompts as token ids to /v1/completions", param=param)
         return tokenizer
 
-    async def output_constraint(body: CompletionRequest | ChatRequest) -> StructuredOutputs | None:
-        """The grammar the body's ``response_format`` or ``structured_outputs`` asks for, compiled
-        once off the event loop (the engine's copy is then a cached one); 400 when it does not
-        compile or the server has no grammar compiler."""
-        found = body.output_constraint()
+    async def compiled(found: tuple[StructuredOutputs, str] | None) -> StructuredOutputs | None:
+        """The grammar of ``found`` (what the output must match, the field that asks: the body's
+        ``response_format``, ``structured_outputs`` or ``tools``), compiled once off the event
+        loop (the engine's copy is then a cached one); 400 when it does not compile or the server
+        has no grammar compiler."""
         if found is None:
             return None
         spec, param = found
@@ -306,9 +307,10 @@ def build_app(engine: Engine, *, model_name: str, tokenizer: TextTokenizer | Non
                                   structured_outputs=constraint)
         return [Job(prompt, max_tokens, sampling) for _ in range(body.n)]
 
-    async def respond(request: Request, body: CompletionRequest | ChatRequest, jobs: list[Job], chat: bool
-                      ) -> Response:
-        """The answer of ``jobs`` (the ``n`` choices of one prompt), streamed or whole."""
+    async def respond(request: Request, body: CompletionRequest | ChatRequest, jobs: list[Job], chat: bool,
+                      tools: ToolPlan | None = None) -> Response:
+        """The answer of ``jobs`` (the ``n`` choices of one prompt), streamed or whole (``tools``:
+        a chat's outputs are tool calls)."""
         generations = [Generation(engine_loop, job, tokenizer, body.stop_strings) for job in jobs]
         engine_loop.submit(jobs)
         try:
@@ -322,8 +324,8 @@ def build_app(engine: Engine, *, model_name: str, tokenizer: TextTokenizer | Non
         head = {"id": ident, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
                 "model": model_name}
         if body.stream:
-            return _EventStream(stream(generations, body, head, chat), generations)
-        collect = asyncio.ensure_future(complete(generations, body, head, chat))
+            return _EventStream(stream(generations, body, head, chat, tools), generations)
+        collect = asyncio.ensure_future(complete(generations, body, head, chat, tools))
         watch = asyncio.ensure_future(_disconnected(request))
         try:
             await asyncio.wait({collect, watch}, return_when=asyncio.FIRST_COMPLETED)
@@ -339,15 +341,21 @@ def build_app(engine: Engine, *, model_name: str, tokenizer: TextTokenizer | Non
 
     token_text = tokenizer.token_text if tokenizer is not None else token_id_text
 
-    def choice(chat: bool, index: int, chunk: Chunk, body, *, delta: bool, text_offset: int = 0) -> dict:
+    def choice(chat: bool, index: int, chunk: Chunk, body, *, delta: bool, text_offset: int = 0,
+               calls: list[dict] | None = None) -> dict:
         """Choice ``index`` of ``chunk`` (the whole answer unless ``delta``); ``text_offset``:
-        where the chunk's tokens start in the completion's text (completions' logprobs)."""
+        where the chunk's tokens start in the completion's text (completions' logprobs);
+        ``calls``: a chat's tool calls (its content then null)."""
         if not chat:
             out = {"index": index, "text": chunk.text}
         elif delta:
             out = {"index": index, "delta": {"content": chunk.text} if chunk.text else {}}
+            if calls:
+                out["delta"] = {"tool_calls": [{"index": k, **call} for k, call in enumerate(calls)]}
         else:
             out = {"index": index, "message": {"role": "assistant", "content": chunk.text}}
+            if calls:
+                out["message"] = {"role": "assistant", "content": None, "tool_calls": calls}
         out["logprobs"] = None
         if chunk.logprobs is not None:
             out["logprobs"] = chat_logprobs(chunk.ids, chunk.logprobs, token_text) if chat else \
@@ -364,15 +372,29 @@ def build_app(engine: Engine, *, model_name: str, tokenizer: TextTokenizer | Non
         return Chunk("".join(chunk.text for chunk in chunks), generation.token_ids, generation.finish_reason,
                      logprobs)
 
-    async def complete(generations: list[Generation], body, head: dict, chat: bool) -> dict:
+    def tool_calls(tools: ToolPlan | None, chunk: Chunk, text: str) -> tuple[Chunk, list[dict] | None]:
+        """The last chunk of a generation whose whole output is ``text``, and its tool calls (None:
+        no tools, or an output cut before its calls were complete, then sent as text)."""
+        if tools is None or chunk.finish_reason is None:
+            return chunk, None
+        calls = tools.calls(text) if chunk.finish_reason == "stop" else None
+        if calls is None:
+            return chunk._replace(text=text), None
+        return chunk._replace(finish_reason=tools.finish_reason), calls
+
+    async def complete(generations: list[Generation], body, head: dict, chat: bool, tools: ToolPlan | None) -> dict:
         answers = await asyncio.gather(*(whole(generation, body) for generation in generations))
-        result = {**head, "choices": [choice(chat, i, answer, body, delta=False) for i, answer in enumerate(answers)],
-                  "usage": _usage(generations)}
+        choices = []
+        for i, answer in enumerate(answers):
+            answer, calls = tool_calls(tools, answer, answer.text)
+            choices.append(choice(chat, i, answer, body, delta=False, calls=calls))
+        result = {**head, "choices": choices, "usage": _usage(generations)}
         if body.return_token_ids:
             result["prompt_token_ids"] = generations[0].job.prompt
         return result
 
-    async def stream(generations: list[Generation], body, head: dict, chat: bool) -> AsyncIterator[str]:
+    async def stream(generations: list[Generation], body, head: dict, chat: bool,
+                     tools: ToolPlan | None) -> AsyncIterator[str]:
         head = {**head, "object": "chat.completion.chunk" if chat else "text_completion"}
         include_usage = body.stream_options is not None and body.stream_options.include_usage
         # A chunk is the head's JSON, serialized once, and its choice's: `prefix + choice + "]}\n\n"`.
@@ -384,8 +406,11 @@ def build_app(engine: Engine, *, model_name: str, tokenizer: TextTokenizer | Non
                                                       "finish_reason": None}]})
             text_offsets = [0] * len(generations)
             async for i, chunk in _merged(generations):
+                calls = None
+                if tools is not None:                # tool calls come whole, in the last chunk
+                    chunk, calls = tool_calls(tools, chunk._replace(text=""), generations[i].text.text)
                 if chunk.text or chunk.finish_reason or body.return_token_ids or chunk.logprobs:
-                    out = choice(chat, i, chunk, body, delta=True, text_offset=text_offsets[i])
+                    out = choice(chat, i, chunk, body, delta=True, text_offset=text_offsets[i], calls=calls)
                     yield f"{prefix}{json.dumps(out, ensure_ascii=False)}]}}\n\n"
                     if out["logprobs"] is not None and not chat:      # the next chunk's tokens start after these
                         text_offsets[i] += sum(map(len, out["logprobs"]["tokens"]))
@@ -404,7 +429,7 @@ def build_app(engine: Engine, *, model_name: str, tokenizer: TextTokenizer | Non
         else:
             text_tokenizer = need_tokenizer("prompt", "a text prompt needs")
             prompt = await asyncio.to_thread(text_tokenizer.encode, body.prompt)
-        constraint = await output_constraint(body)
+        constraint = await compiled(body.output_constraint())
         return await respond(request, body, make_jobs(body, prompt, "prompt", body.max_tokens, "max_tokens",
                                                       constraint), False)
 
@@ -413,15 +438,16 @@ def build_app(engine: Engine, *, model_name: str, tokenizer: TextTokenizer | Non
         body = await read(request, ChatRequest)
         check_model(body.model)
         chat_tokenizer = need_tokenizer("messages", "chat needs")
+        tools = plan_tools(body, chat_tokenizer.chat_template)
         try:
             messages = [{**m.model_dump(exclude_none=True), "content": m.text()} for m in body.messages]
-            prompt = await asyncio.to_thread(chat_tokenizer.encode_chat, messages)
+            prompt = await asyncio.to_thread(chat_tokenizer.encode_chat, messages, tools and tools.tools)
         except ValueError as err:                    # ChatTemplateError too
             raise APIError(400, f"messages: {err}", param="messages") from err
         limit_param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
-        constraint = await output_constraint(body)
+        constraint = await compiled((tools.constraint, "tools") if tools else body.output_constraint())
         return await respond(request, body, make_jobs(body, prompt, "messages", body.token_limit, limit_param,
-                                                      constraint), True)
+                                                      constraint), True, tools)
 
     @app.get("/v1/models")
     async def models() -> dict:

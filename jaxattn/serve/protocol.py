@@ -5,7 +5,7 @@ Fields follow OpenAI's completions and chat completions APIs; ``top_k``, ``ignor
 ``stop_token_ids``, ``min_tokens``, ``return_token_ids`` and ``structured_outputs`` are vLLM's
 extensions (``response_format`` and ``structured_outputs``: ``jaxattn.structured_output``). The
 policy for fields the server does not implement: those of OpenAI's API or vLLM's that change what
-is returned (``best_of``, ``echo``, ``tools``, penalties, ...: ``UNIMPLEMENTED``) are accepted only
+is returned (``best_of``, ``echo``, ``functions``, penalties, ...: ``UNIMPLEMENTED``) are accepted only
 absent, null or at their default, and refused otherwise (400 naming the field), never ignored;
 any other unknown field (``user``, ``metadata``, ``store``, ...: nothing that changes the answer)
 is accepted and ignored, and logged once per name (the first 256 names).
@@ -206,12 +206,46 @@ class ChatMessage(BaseModel):
         return "".join(part["text"] for part in self.content)
 
 
+class FunctionSpec(BaseModel):
+    """A tool's function: its name and the JSON schema of its arguments."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    name: Annotated[StrictStr, Field(min_length=1, max_length=64, pattern=r"^[a-zA-Z0-9_.-]+$")]
+    description: StrictStr | None = None
+    parameters: dict[str, Any] | None = None
+    strict: StrictBool | None = None
+
+
+class Tool(BaseModel):
+    """OpenAI's ``tools[i]``: ``{"type": "function", "function": {...}}``."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["function"]
+    function: FunctionSpec
+
+
+class NamedFunction(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: StrictStr
+
+
+class NamedToolChoice(BaseModel):
+    """``tool_choice: {"type": "function", "function": {"name": ...}}``: call that function."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["function"]
+    function: NamedFunction
+
+
 class ChatRequest(_Sampling):
     """``POST /v1/chat/completions``: the messages go through the checkpoint's chat template."""
 
     UNIMPLEMENTED: ClassVar[dict[str, tuple]] = {
-        **_UNIMPLEMENTED_SAMPLING, "tools": ([],),
-        "tool_choice": ("none",), "functions": ([],), "function_call": ("none",), "audio": (),
+        **_UNIMPLEMENTED_SAMPLING, "functions": ([],), "function_call": ("none",), "audio": (),
         "modalities": (["text"],), "echo": (False,), "add_generation_prompt": (True,),
         "continue_final_message": (False,), "chat_template": (), "chat_template_kwargs": (),
         "documents": (),
@@ -222,6 +256,9 @@ class ChatRequest(_Sampling):
     max_completion_tokens: PositiveInt | None = None
     logprobs: StrictBool | None = None
     top_logprobs: NumLogprobs | None = None
+    tools: Annotated[list[Tool], Field(max_length=128)] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: StrictBool | None = None
 
     @field_validator("top_logprobs")
     @classmethod
@@ -332,8 +369,10 @@ def _validation_error(err: ValidationError) -> tuple[str, str | None]:
     first = errors[0]
     param = str(first["loc"][0])
     same = [e for e in errors if [str(p) for p in e["loc"]][:1] == [param]]
-    if any(e["type"] == "missing" for e in same):
-        return f"{param}: a required field is missing", param
+    missing = [e for e in same if e["type"] == "missing"]
+    if missing:
+        inside = ".".join(str(p) for p in missing[0]["loc"][1:])
+        return f"{param}: {inside + ': ' if inside else ''}a required field is missing", param
     hint = " (one prompt per request: a text or a list of token ids)" if param == "prompt" else ""
     # the path inside the field, for a nested one (response_format.type: ...)
     messages = (".".join(str(p) for p in e["loc"][1:] if not isinstance(p, int) or len(e["loc"]) > 2) + ": " * (

@@ -83,13 +83,14 @@ class TextTokenizer:
                            strftime_now=lambda fmt: datetime.datetime.now().strftime(fmt))
         return env.from_string(self.chat_template)
 
-    def render_chat(self, messages: list[dict]) -> str:
-        """The chat template applied to ``messages`` with the generation prompt; ValueError without
-        a template, ChatTemplateError when the template refuses or fails on the messages."""
+    def render_chat(self, messages: list[dict], tools: list[dict] | None = None) -> str:
+        """The chat template applied to ``messages`` (and ``tools``, OpenAI's tool dicts) with the
+        generation prompt; ValueError without a template, ChatTemplateError when the template
+        refuses or fails on the messages."""
         if self.chat_template is None:
             raise ValueError("this model's tokenizer has no chat template: use /v1/completions")
         try:
-            return self._template.render(messages=messages, add_generation_prompt=True,
+            return self._template.render(messages=messages, tools=tools, add_generation_prompt=True,
                                          bos_token=self.bos_token or "", eos_token=self.eos_token or "")
         except ChatTemplateError:
             raise
@@ -97,10 +98,10 @@ class TextTokenizer:
             raise ChatTemplateError(f"the chat template failed on these messages: {type(err).__name__}: "
                                     f"{err}") from err
 
-    def encode_chat(self, messages: list[dict]) -> list[int]:
+    def encode_chat(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
         """Token ids of the rendered chat (its special tokens come from the template, as in
         transformers' ``apply_chat_template``)."""
-        return self.encode(self.render_chat(messages), add_special_tokens=False)
+        return self.encode(self.render_chat(messages, tools), add_special_tokens=False)
 
 
 class TextStream:
