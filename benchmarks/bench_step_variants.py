@@ -4,7 +4,8 @@ masks, with logprobs (Llama-3-8B shapes, random weights, the decode shape of 128
     python -m benchmarks.bench_step_variants [--preset llama3-8b] [--layers 8] [--max-seqs 128] [--backend triton]
         [--steps 20] [--smoke]
 
-Each variant (``engine_step.StepRunner.padding_inputs``: every row a padding row, so attention
+Each variant (``engine_step.StepRunner.padding_inputs``; with token masks, the step and its pick
+launched apart, as structured output's are; every row a padding row, so attention
 reads nothing and the rest of the step, the LM head over every row included, runs in full) is
 timed as GPU busy time per step under the profiler (``steps`` steps after warm-up; on a CPU, none),
 and as wall time per step with ``block_until_ready`` (median of ``steps``). The host side of structured
@@ -66,8 +67,10 @@ def main(argv: list[str] | None = None) -> None:
                                        masked=options.get("masked", False), logprobs=options.get("logprobs", False))
 
         def step():
-            runner._run(inputs)
-            return runner.table
+            launch = runner._launch(inputs)
+            if inputs.deferred:
+                runner.pick(launch)
+            return runner.table, launch.next_tokens
 
         for _ in range(3):
             jax.block_until_ready(step())

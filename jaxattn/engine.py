@@ -9,7 +9,8 @@ next tokens (``jaxattn.engine_step``). The model is any ``jaxattn.models.base.Pa
 The loop overlaps the host with the device: it schedules, packs and launches step n+1 while step
 n runs, and only then waits for step n's tokens (a decode of step n+1 takes step n's token on the
 device). Tokens reach the host one step late; a request that stops in step n computes one more
-row, whose token is dropped. The host never reads the page table: it mirrors the pool, and learns
+row, whose token is dropped. A step with rows under a grammar (structured output) has its tokens
+picked once step n's tokens have advanced the grammars: after the wait, while the GPU runs it. The host never reads the page table: it mirrors the pool, and learns
 the ids of the prompt pages to cache from the step's small ``pages`` output.
 """
 
@@ -31,7 +32,7 @@ from jax.sharding import Mesh
 
 from jaxattn.backends import OPS, check_serves
 from jaxattn.checks import is_int, is_positive_int
-from jaxattn.engine_step import StepBuckets, StepRecord, StepRunner
+from jaxattn.engine_step import StepBuckets, StepLaunch, StepRecord, StepRunner
 from jaxattn.kv_cache import LAYOUTS
 from jaxattn.models.base import ModelConfig, PagedModel, page_bytes
 from jaxattn.sampling import MAX_LOGPROBS, SamplingParams
@@ -59,14 +60,11 @@ def _shared_entropy() -> int:
 
 @dataclasses.dataclass
 class _Launched:
-    """A step on the device: its schedule, its outputs (not yet on the host) and its record
-    (with ``record_steps``)."""
+    """A step on the device: its schedule, its launch (outputs not yet on the host; a deferred
+    step's tokens not yet picked) and its record (with ``record_steps``)."""
 
     schedule: Schedule
-    next_tokens: jax.Array
-    ok: jax.Array
-    pages: jax.Array
-    logprobs: tuple[jax.Array, ...] | None
+    step: StepLaunch
     record: StepRecord | None
 
 
@@ -107,8 +105,8 @@ class Engine:
         this is 0); the others pay nothing for them.
       grammar_compiler: structured output (``jaxattn.structured_output``) over the model's
         tokenizer; None refuses requests with ``SamplingParams.structured_outputs``. Steps with a
-        row under a grammar run the step variant with token masks (``warmup`` compiles it with
-        a compiler); a request with a grammar computes a token every other step under ``overlap``.
+        row under a grammar are launched in two parts (``jaxattn.engine_step``; ``warmup``
+        compiles them when there is a compiler).
 
     Raises ValueError naming the argument that does not fit. ``stats`` counts prompt tokens,
     cached tokens, computed tokens, evicted pages and preemptions (``jaxattn.scheduler.Scheduler``).
@@ -319,26 +317,35 @@ class Engine:
         events = []
         while len(self._launched) > keep:
             events += self._complete(self._launched.popleft())
+        for launched in self._launched:             # every step before it completed: its grammars are current
+            self._pick(launched)
         return events
 
     def _launch(self, schedule: Schedule, start: float) -> _Launched:
-        shape, next_tokens, ok, pages, logprobs = self.runner.launch(schedule, self._previous_rows)
+        step = self.runner.launch(schedule, self._previous_rows)
         self._previous_rows = {row.request: i for i, row in enumerate(schedule.rows) if row.samples}
         record = None
         if self.step_records is not None:
-            record = StepRecord.of(schedule, shape, start)
+            record = StepRecord.of(schedule, step.shape, start)
             record.t_launched = time.perf_counter()
             self.step_records.append(record)
-        return _Launched(schedule, next_tokens, ok, pages, logprobs, record)
+        return _Launched(schedule, step, record)
+
+    def _pick(self, launched: _Launched) -> None:
+        """Picks a deferred step's tokens (rows under a grammar), unless picked."""
+        if launched.step.next_tokens is None:
+            self.runner.pick(launched.step)
 
     def _complete(self, launched: _Launched) -> list[tuple[Request, list[int]]]:
-        next_tokens, ok = np.asarray(launched.next_tokens), np.asarray(launched.ok)
+        self._pick(launched)
+        step = launched.step
+        next_tokens, ok = np.asarray(step.next_tokens), np.asarray(step.ok)
         if launched.record is not None:
             launched.record.t_done = time.perf_counter()
         if not ok[:len(launched.schedule.rows)].all():
             raise RuntimeError("Engine: page allocation failed for a scheduled request (allocator bug)")
-        logprobs = None if launched.logprobs is None else functools.partial(jax.device_get, launched.logprobs)
-        return self.scheduler.complete(launched.schedule, next_tokens, lambda: np.asarray(launched.pages), logprobs)
+        logprobs = None if step.logprobs is None else functools.partial(jax.device_get, step.logprobs)
+        return self.scheduler.complete(launched.schedule, next_tokens, lambda: np.asarray(step.pages), logprobs)
 
     def warmup(self, *, sampled: bool = True) -> float:
         """Compiles the step for every shape in ``buckets`` (greedy; with ``sampled`` the sampling

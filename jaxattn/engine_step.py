@@ -9,9 +9,15 @@ table. A decode row's input may be the token the previous step sampled, still on
 bucket lists (``StepBuckets``): a decode-only step has as many rows and tokens as the smallest
 row bucket that holds its rows (one bucket up to 256 rows); a mixed step has ``max_seqs`` rows
 and the smallest token bucket that holds its tokens. A serving loop compiles one step per bucket
-(``Engine.warmup``), per sampling mode (greedy steps skip the sampler), with and without token
-masks (structured output's: steps with no row under a grammar skip them) and with and without
+(``Engine.warmup``), per sampling mode (greedy steps skip the sampler) and with and without
 logprobs (steps with no row asking for them skip them), and then replays.
+
+A step with a row that samples under a grammar (structured output) is launched in two parts: the
+step proper, which returns its rows' logits, and, once the host has the tokens of the step before
+(so each grammar holds every token before this step's), ``pick_tokens`` over those logits with
+the grammars' token masks (``StepRunner.pick``). The host fills the masks while the GPU runs the
+step proper: the overlap keeps rows under a grammar in every step. The step proper is compiled
+once per shape for this, and ``pick_tokens`` once per row count and sampling mode.
 """
 
 from __future__ import annotations
@@ -32,7 +38,7 @@ import jaxattn
 from jaxattn.models.base import Cache, PagedModel
 from jaxattn.sampling import SamplingBatch, SamplingParams, mask_logits, sample, token_logprobs
 from jaxattn.scheduler import Request, Schedule
-from jaxattn.structured_output import fill_masks, mask_words
+from jaxattn.structured_output import Grammar, fill_masks, mask_words
 from jaxattn.sharding import tensor_parallel_mesh
 
 # The engine's own log (the warm-up's compiles); a handler on the root logger (``logging.basicConfig``,
@@ -64,19 +70,16 @@ def make_engine_step(model: PagedModel) -> tuple[StepFn, list[jax.Array]]:
     flat list it takes.
 
     ``step(weights, caches, table, prev_tokens, release_ids, tokens, token_src, seq_ids, q_lens,
-    sampling=None, prefix=None, allowed=None, *, max_q_len, backend, logprobs=False)`` frees ``release_ids``
-    (int32[max_seqs], -1 padding), appends ``q_lens`` tokens to sequences ``seq_ids`` (int32[R],
-    decodes first, -1 padding) and returns ``(next_tokens, ok, pages, caches, table,
-    step_logprobs)``; caches and table are donated. ``tokens`` (int32[T]) are the rows' tokens
+    sampling=None, prefix=None, *, max_q_len, backend, logprobs=False, deferred=False)`` frees
+    ``release_ids`` (int32[max_seqs], -1 padding), appends ``q_lens`` tokens to sequences
+    ``seq_ids`` (int32[R], decodes first, -1 padding) and returns ``(picked, ok, pages, caches,
+    table)``; caches and table are donated. ``picked`` is ``pick_tokens``' ``(next_tokens,
+    step_logprobs)``, or with ``deferred`` what it takes: ``(logits [R, V], positions int32[R])``. ``tokens`` (int32[T]) are the rows' tokens
     packed; where ``token_src`` (int32[T]) is >= 0 the token is ``prev_tokens[token_src]``
-    instead (``prev_tokens``: the previous step's ``next_tokens``). Outputs: ``next_tokens``
-    int32[max_seqs], each row's next token (0 past R); ``ok`` bool[R], its pages were granted;
-    ``pages`` int32[R, W], each row's page ids from the page of its first token on (0 past its
-    pages; W = ``page_window(max_q_len, page_size)``); ``step_logprobs``, with ``logprobs``, each
-    row's ``sampling.token_logprobs`` of its next token (None without). Rows sample with
-    ``sampling`` (a ``SamplingBatch``; None: greedy), among the tokens ``allowed`` (int32[R,
-    ceil(V / 32)], ``sampling.mask_logits``' bitmasks; None: all); step logprobs are those of the
-    model, before the mask. ``prefix`` (``PrefixOps``) marks pages cached
+    instead (``prev_tokens``: the previous step's ``next_tokens``). Outputs: ``ok`` bool[R], its
+    pages were granted; ``pages`` int32[R, W], each row's page ids from the page of its first token
+    on (0 past its pages; W = ``page_window(max_q_len, page_size)``). Rows sample with ``sampling``
+    (a ``SamplingBatch``; None: greedy). ``prefix`` (``PrefixOps``) marks pages cached
     before the release, then evicts pages and attaches cached pages to new sequences before the
     extend. The model's structure is closed over rather than passed, so a call neither hashes it
     nor flattens its state: that cut the host time of an 8-layer step from 2.4 to 0.6 ms
@@ -91,10 +94,10 @@ def make_engine_step(model: PagedModel) -> tuple[StepFn, list[jax.Array]]:
 def _jitted_step(graphdef: nnx.GraphDef, treedef) -> StepFn:
     """One jitted step per model structure, shared by engines (and their compile caches)."""
 
-    @functools.partial(jax.jit, static_argnames=("max_q_len", "backend", "logprobs"),
+    @functools.partial(jax.jit, static_argnames=("max_q_len", "backend", "logprobs", "deferred"),
                        donate_argnames=("caches", "table"))
     def step(weights, caches, table, prev_tokens, release_ids, tokens, token_src, seq_ids, q_lens, sampling=None,
-             prefix=None, allowed=None, *, max_q_len: int, backend: str, logprobs: bool = False):
+             prefix=None, *, max_q_len: int, backend: str, logprobs: bool = False, deferred: bool = False):
         model = nnx.merge(graphdef, jax.tree.unflatten(treedef, weights))
         tokens = jnp.where(token_src >= 0, prev_tokens[jnp.maximum(token_src, 0)], tokens)
         if prefix is not None:
@@ -113,17 +116,34 @@ def _jitted_step(graphdef: nnx.GraphDef, treedef) -> StepFn:
         hidden, caches = model.forward_paged(tokens, caches, meta, slots, backend)
         last = jnp.maximum(meta.cu_q_lens[1:] - 1, 0)
         logits = model.logits(hidden[last])
-        candidates = logits if allowed is None else mask_logits(logits, allowed)
-        if sampling is None:
-            next_tokens = jnp.argmax(candidates, axis=-1).astype(jnp.int32)
-        else:   # the sampled token's position seeds its random numbers
-            next_tokens = sample(candidates, sampling, meta.kv_lens)
-        step_logprobs = token_logprobs(logits, next_tokens) if logprobs else None
-        next_tokens = jnp.zeros((table.max_seqs,), jnp.int32).at[:next_tokens.shape[0]].set(next_tokens)
+        if deferred:
+            picked = (logits, meta.kv_lens)
+        else:
+            picked = _pick(logits, meta.kv_lens, sampling, None, max_seqs=table.max_seqs, logprobs=logprobs)
         pages = _row_pages(table, seq_ids, q_lens, page_window(max_q_len, table.page_size))
-        return next_tokens, ok, pages, caches, table, step_logprobs
+        return picked, ok, pages, caches, table
 
     return step
+
+
+def _pick(logits: jax.Array, positions: jax.Array, sampling: SamplingBatch | None, allowed: jax.Array | None, *,
+          max_seqs: int, logprobs: bool) -> tuple[jax.Array, tuple[jax.Array, ...] | None]:
+    """The rows' next tokens from their ``logits`` [R, V]: int32[max_seqs] (0 past R), sampled
+    with ``sampling`` (None: greedy; ``positions`` int32[R], each token's position, seeds its
+    random numbers) among the tokens ``allowed`` (int32[R, ceil(V / 32)] bitmasks,
+    ``sampling.mask_logits``; None: all); with ``logprobs``, each row's
+    ``sampling.token_logprobs`` of its token (the model's, before the mask), else None."""
+    candidates = logits if allowed is None else mask_logits(logits, allowed)
+    if sampling is None:
+        next_tokens = jnp.argmax(candidates, axis=-1).astype(jnp.int32)
+    else:
+        next_tokens = sample(candidates, sampling, positions)
+    step_logprobs = token_logprobs(logits, next_tokens) if logprobs else None
+    return jnp.zeros((max_seqs,), jnp.int32).at[:next_tokens.shape[0]].set(next_tokens), step_logprobs
+
+
+# A deferred step's tokens, picked among its grammars' tokens (the second part of its launch).
+pick_tokens = jax.jit(_pick, static_argnames=("max_seqs", "logprobs"))
 
 
 def page_window(max_q_len: int, page_size: int) -> int:
@@ -216,8 +236,8 @@ class StepInputs:
         greedy and none holds its stop tokens back (``min_tokens``).
       prefix: prefix caching's page operations (None without prefix caching).
       logprobs: a row asks for its token's logprobs (the step computes them for every row).
-      allowed: int32[R, ceil(V / 32)], each row's allowed tokens (a bitmask: all ones but for the
-        rows that sample under a grammar); None when no such row is in the step.
+      grammars: ``(grammar, row)`` of each row that samples under a grammar.
+      deferred: the step's tokens are picked apart (``StepRunner.pick``): it has such a row.
     """
 
     shape: StepShape
@@ -229,7 +249,8 @@ class StepInputs:
     sampling: SamplingBatch | None
     prefix: PrefixOps | None
     logprobs: bool = False
-    allowed: np.ndarray | None = None
+    grammars: list[tuple[Grammar, int]] = dataclasses.field(default_factory=list)
+    deferred: bool = False
 
 
 def _padded(values: list[int], size: int) -> np.ndarray:
@@ -240,12 +261,11 @@ def _padded(values: list[int], size: int) -> np.ndarray:
 
 
 def pack_step(schedule: Schedule, shape: StepShape, *, max_seqs: int, page_size: int, max_pages_per_seq: int,
-              step_pages: int | None, previous_rows: Mapping[Request, int], vocab_size: int) -> StepInputs:
+              step_pages: int | None, previous_rows: Mapping[Request, int]) -> StepInputs:
     """The operands of the step that runs ``schedule`` at ``shape``. ``step_pages`` is the fixed
     length of the mark and evict lists (the most pages one step may cache or evict; None:
     no prefix caching); ``previous_rows`` maps the requests of the previous step's sampling rows
-    to their row there (where a pending token comes from); ``vocab_size``: the logits' (the
-    width of the token masks)."""
+    to their row there (where a pending token comes from)."""
     tokens = np.zeros(shape.tokens, np.int32)
     token_src = np.full(shape.tokens, -1, np.int32)
     seq_ids = np.full(shape.rows, -1, np.int32)
@@ -266,10 +286,6 @@ def pack_step(schedule: Schedule, shape: StepShape, *, max_seqs: int, page_size:
     held_back = any(row.samples and n < row.request.sampling.min_tokens for row, n in zip(schedule.rows, generated))
     grammars = [(row.request.grammar, i) for i, row in enumerate(schedule.rows)
                 if row.samples and row.request.grammar is not None]
-    allowed = None
-    if grammars:
-        allowed = np.full((shape.rows, mask_words(vocab_size)), -1, np.int32)
-        fill_masks(grammars, allowed)
     sampling = None
     if held_back or not all(p.greedy for p in sampled):
         padding = shape.rows - len(sampled)
@@ -285,7 +301,7 @@ def pack_step(schedule: Schedule, shape: StepShape, *, max_seqs: int, page_size:
         prefix = PrefixOps(mark=_padded(schedule.mark, step_pages), evict=_padded(schedule.evicted, step_pages),
                            attach=attach)
     return StepInputs(shape, _padded(schedule.release, max_seqs), tokens, token_src, seq_ids, q_lens, sampling,
-                      prefix, logprobs, allowed)
+                      prefix, logprobs, grammars, bool(grammars))
 
 
 @dataclasses.dataclass
@@ -344,6 +360,7 @@ class StepRunner:
         self.caches = model.init_caches(num_pages, page_size, layout, kv_dtype, mesh=mesh)
         self.table = jaxattn.PageTable.create(num_pages, max_seqs, pages_per_seq, page_size)
         self.prev_tokens = jnp.zeros((max_seqs,), jnp.int32)
+        self._unpicked: StepLaunch | None = None   # a deferred step launched and not picked yet
         if mesh is not None:
             replicated = NamedSharding(tensor_parallel_mesh(mesh)[0], PartitionSpec())
             self._weights = jax.device_put(self._weights, jax.tree.leaves(model.param_shardings(mesh)))
@@ -352,39 +369,68 @@ class StepRunner:
         # pages one step may allocate (rows of one page, plus its prompt chunks' pages) or cache
         self.step_pages = max_seqs + max_step_tokens // page_size + 1 if enable_prefix_caching else None
 
-    def launch(self, schedule: Schedule, previous_rows: Mapping[Request, int]
-               ) -> tuple[StepShape, jax.Array, jax.Array, jax.Array, tuple[jax.Array, ...] | None]:
+    def launch(self, schedule: Schedule, previous_rows: Mapping[Request, int]) -> "StepLaunch":
         """Runs the step of ``schedule`` (``previous_rows``: ``pack_step``'s), its outputs copied to
-        the host asynchronously: ``(shape, next_tokens, ok, pages, step_logprobs)``
-        (``make_engine_step``'s)."""
+        the host asynchronously. A step with rows under a grammar returns unpicked: ``pick`` it
+        once every step before it has completed, and before the next launch."""
+        if self._unpicked is not None:
+            raise RuntimeError("StepRunner.launch: the previous step's tokens are not picked yet (pick it first)")
         shape = self.buckets.shape(schedule)
         inputs = pack_step(schedule, shape, max_seqs=self.max_seqs, page_size=self.table.page_size,
                            max_pages_per_seq=self.table.max_pages_per_seq, step_pages=self.step_pages,
-                           previous_rows=previous_rows, vocab_size=self.vocab_size)
-        next_tokens, ok, pages, step_logprobs = self._run(inputs)
-        for output in (next_tokens, ok, *(step_logprobs or ())):
+                           previous_rows=previous_rows)
+        return self._launch(inputs)
+
+    def pick(self, launch: "StepLaunch") -> None:
+        """Picks the tokens of ``launch``, a deferred step: fills its grammar rows' token masks
+        (their grammars must hold every token before the step's) and runs ``pick_tokens`` over
+        its logits; ``launch.next_tokens`` and ``launch.logprobs`` are then set."""
+        logits, positions = launch.row_logits
+        inputs = launch.inputs
+        allowed = np.full((inputs.shape.rows, mask_words(self.vocab_size)), -1, np.int32)
+        fill_masks(inputs.grammars, allowed)
+        self._picked(launch, *pick_tokens(logits, positions, inputs.sampling, allowed, max_seqs=self.max_seqs,
+                                          logprobs=inputs.logprobs))
+
+    def _launch(self, inputs: StepInputs) -> "StepLaunch":
+        args, kwargs = self._operands(inputs)
+        picked, ok, pages, self.caches, self.table = self._step(*args, **kwargs)
+        ok.copy_to_host_async()
+        launch = StepLaunch(inputs, ok, pages)
+        if inputs.deferred:
+            launch.row_logits, self._unpicked = picked, launch
+        else:
+            self._picked(launch, *picked)
+        return launch
+
+    def _picked(self, launch: "StepLaunch", next_tokens: jax.Array, step_logprobs: tuple[jax.Array, ...] | None
+                ) -> None:
+        for output in (next_tokens, *(step_logprobs or ())):
             output.copy_to_host_async()
-        self.prev_tokens = next_tokens
-        return shape, next_tokens, ok, pages, step_logprobs
+        launch.next_tokens, launch.logprobs, launch.row_logits = next_tokens, step_logprobs, None
+        self.prev_tokens, self._unpicked = next_tokens, None
 
     def warmup(self, *, sampled: bool = True, logprobs: bool = False, masked: bool = False) -> None:
         """Compiles the step for every shape in ``buckets`` (greedy; with ``sampled`` the sampling
-        variant too; with ``masked`` each of those with token masks, structured output's; with
-        ``logprobs`` each of those with logprobs) by running it on padding rows, which changes no
+        variant too; with ``logprobs`` each of those with logprobs; with ``masked`` the deferred
+        step and its picks, structured output's) by running it on padding rows, which changes no
         state. Logs one INFO line per step compiled (its shape and seconds) and one for the total
         on the ``jaxattn.engine`` logger."""
-        variants = [(sampling, with_masks, with_logprobs) for with_logprobs in (False, True)[:1 + logprobs]
-                    for with_masks in (False, True)[:1 + masked] for sampling in (False, True)[:1 + sampled]]
+        variants = [(sampling, with_masks, with_logprobs) for with_masks in (False, True)[:1 + masked]
+                    for with_logprobs in (False, True)[:1 + logprobs] for sampling in (False, True)[:1 + sampled]]
         steps = [(shape, variant) for shape in self.buckets.shapes for variant in variants]
         start = time.perf_counter()
         for i, (shape, (sampling, with_masks, with_logprobs)) in enumerate(steps, 1):
             step_start = time.perf_counter()
-            self._run(self.padding_inputs(shape, sampled=sampling, masked=with_masks, logprobs=with_logprobs))
-            jax.block_until_ready(self.table)
+            launch = self._launch(self.padding_inputs(shape, sampled=sampling, masked=with_masks,
+                                                      logprobs=with_logprobs))
+            if with_masks:
+                self.pick(launch)
+            jax.block_until_ready((self.table, launch.next_tokens))
             logger.info("compiled step %d/%d (%s, %d rows, %d tokens, max_q_len %d, %s%s%s) in %.1f s", i, len(steps),
                         "decode" if shape.max_q_len == 1 else "mixed", shape.rows, shape.tokens, shape.max_q_len,
-                        "sampled" if sampling else "greedy", " with token masks" if with_masks else "",
-                        " with logprobs" if with_logprobs else "", time.perf_counter() - step_start)
+                        "sampled" if sampling else "greedy", " with logprobs" if with_logprobs else "",
+                        ", picked apart with token masks" if with_masks else "", time.perf_counter() - step_start)
         logger.info("compiled %d steps in %.1f s", len(steps), time.perf_counter() - start)
 
     def trace(self, inputs: StepInputs) -> jax.stages.Traced:
@@ -395,8 +441,8 @@ class StepRunner:
     def padding_inputs(self, shape: StepShape, *, sampled: bool, masked: bool = False,
                        logprobs: bool = False) -> StepInputs:
         """The operands of a step of ``shape`` whose rows are all padding (sampling ones with
-        ``sampled``, with token masks that allow every token with ``masked``; asking for logprobs
-        with ``logprobs``)."""
+        ``sampled``; deferred, its tokens picked with token masks that allow every token, with
+        ``masked``; asking for logprobs with ``logprobs``)."""
         prefix = None
         if self.step_pages is not None:
             no_pages = np.full(self.step_pages, -1, np.int32)
@@ -404,20 +450,34 @@ class StepRunner:
         sampling = None
         if sampled:
             sampling = SamplingBatch.from_params([SamplingParams(temperature=1.0)] * shape.rows, [0] * shape.rows)
-        allowed = np.full((shape.rows, mask_words(self.vocab_size)), -1, np.int32) if masked else None
         return StepInputs(shape, np.full(self.max_seqs, -1, np.int32), np.zeros(shape.tokens, np.int32),
                           np.full(shape.tokens, -1, np.int32), np.full(shape.rows, -1, np.int32),
-                          np.zeros(shape.rows, np.int32), sampling, prefix, logprobs, allowed)
-
-    def _run(self, inputs: StepInputs) -> tuple[jax.Array, jax.Array, jax.Array, tuple[jax.Array, ...] | None]:
-        """The jitted step on ``inputs``: updates the caches and table, returns ``(next_tokens, ok,
-        pages, step_logprobs)``."""
-        args, kwargs = self._operands(inputs)
-        next_tokens, ok, pages, self.caches, self.table, step_logprobs = self._step(*args, **kwargs)
-        return next_tokens, ok, pages, step_logprobs
+                          np.zeros(shape.rows, np.int32), sampling, prefix, logprobs, [], masked)
 
     def _operands(self, inputs: StepInputs) -> tuple[tuple, dict]:
-        """The step's arguments: the device state, then ``inputs``."""
+        """The step's arguments: the device state, then ``inputs`` (a deferred step takes neither
+        sampling nor logprobs: its pick does)."""
+        deferred = inputs.deferred
         return ((self._weights, self.caches, self.table, self.prev_tokens, inputs.release_ids, inputs.tokens,
-                 inputs.token_src, inputs.seq_ids, inputs.q_lens, inputs.sampling, inputs.prefix, inputs.allowed),
-                dict(max_q_len=inputs.shape.max_q_len, backend=self.backend, logprobs=inputs.logprobs))
+                 inputs.token_src, inputs.seq_ids, inputs.q_lens, None if deferred else inputs.sampling,
+                 inputs.prefix),
+                dict(max_q_len=inputs.shape.max_q_len, backend=self.backend, logprobs=inputs.logprobs and not deferred,
+                     deferred=deferred))
+
+
+@dataclasses.dataclass
+class StepLaunch:
+    """A launched step: its ``inputs``, its outputs on the device (``ok``, ``pages``), and its
+    tokens (``next_tokens``, ``logprobs``: ``make_engine_step``'s), None while a deferred step
+    waits for ``StepRunner.pick`` (its ``row_logits`` meanwhile)."""
+
+    inputs: StepInputs
+    ok: jax.Array
+    pages: jax.Array
+    next_tokens: jax.Array | None = None
+    logprobs: tuple[jax.Array, ...] | None = None
+    row_logits: tuple[jax.Array, jax.Array] | None = None
+
+    @property
+    def shape(self) -> StepShape:
+        return self.inputs.shape

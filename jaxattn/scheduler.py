@@ -15,8 +15,7 @@ Steps overlap with scheduling: the engine schedules step n+1 while step n runs, 
 token sampled in step n is ``pending`` (on the device) when step n+1 is scheduled; step n+1 takes
 it as its input on the device, and ``complete(n)`` brings it to the host one step late. A request
 that stops in step n has one more row in step n+1, whose token is dropped; a request that reached
-``max_new_tokens`` with its pending tokens is not scheduled again. A request with a grammar
-(structured output) is not scheduled while its token is pending: its next token's mask needs it.
+``max_new_tokens`` with its pending tokens is not scheduled again.
 
 ``PagePool`` mirrors the device page table's pool (``jaxattn.page_table``), so the scheduler
 never reads the device to schedule; the table follows the same operations in the step.
@@ -299,9 +298,7 @@ class Scheduler:
         pages last, in order (a choice waiting for its first choice's prompt pages lets the ones
         behind it by). Decodes always fit: the budget they leave goes to prefill chunks."""
         def todo(request: Request) -> int:
-            if request.sampled_all or (request.grammar is not None and request.pending):
-                return 0
-            return request.num_tokens - request.computed
+            return 0 if request.sampled_all else request.num_tokens - request.computed
 
         for request in list(self.running):
             if request.sampled_all and self._registered_all(request):

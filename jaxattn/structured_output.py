@@ -10,10 +10,12 @@ grammar allows next (``fill_masks``, llguidance's thread pool); the step sets th
 logits to -inf before it picks a token (``jaxattn.sampling.mask_logits``). The request ends
 ("stop") when its grammar is complete and allows no more tokens.
 
-A row's mask needs the row's previous token on the host, so a request with a grammar is not
-scheduled while its last token is still on the device: under the engine's overlap it computes a
-token every other step (alone in the engine, every step), while the host fills its mask during
-the step in between; steps with no grammar row upload no mask and run the step variant without it.
+A row's mask needs the row's previous token on the host, which the engine's overlap brings one
+step late: a step with rows under a grammar is launched in two parts, the model's forward pass
+(its rows' logits) and, once the tokens of the step before reached the host and advanced the
+grammars, the pick of its tokens among the masks' (``jaxattn.engine_step``). The host fills the
+masks while the GPU runs the forward pass, and such a request computes a token every step; steps
+with no grammar row pick their tokens inside the step, as before, and upload no mask.
 """
 
 from __future__ import annotations

@@ -74,7 +74,7 @@ def test_pack_step_packs_rows_in_order():
                         evicted=[4], release=[1], mark=[9])
     shape = StepShape(rows=3, tokens=7, max_q_len=7)
     inputs = pack_step(schedule, shape, max_seqs=3, page_size=2, max_pages_per_seq=5, step_pages=4,
-                       previous_rows={decode: 5}, vocab_size=16)
+                       previous_rows={decode: 5})
     np.testing.assert_array_equal(inputs.tokens, [0, 9, 10, 11, 0, 0, 0])
     np.testing.assert_array_equal(inputs.token_src, [5, -1, -1, -1, -1, -1, -1])
     np.testing.assert_array_equal(inputs.seq_ids, [2, 0, -1])
@@ -84,8 +84,8 @@ def test_pack_step_packs_rows_in_order():
     np.testing.assert_array_equal(inputs.prefix.evict, [4, -1, -1, -1])
     np.testing.assert_array_equal(inputs.prefix.attach, [[0] * 5, [6, 7, 0, 0, 0], [0] * 5])
     np.testing.assert_array_equal(inputs.sampling.temperature, [0.0, 0.5, 0.0])
-    assert inputs.allowed is None                           # no row has a grammar: no token masks
+    assert not inputs.deferred and inputs.grammars == []    # no row has a grammar: tokens picked in the step
 
     greedy = pack_step(Schedule([Row(decode, 3, 1, True)], [], [], [], []), StepShape(3, 3, 1), max_seqs=3,
-                       page_size=2, max_pages_per_seq=5, step_pages=None, previous_rows={}, vocab_size=16)
+                       page_size=2, max_pages_per_seq=5, step_pages=None, previous_rows={})
     assert greedy.tokens.tolist() == [8, 0, 0] and greedy.sampling is None and greedy.prefix is None

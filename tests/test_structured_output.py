@@ -171,19 +171,50 @@ def test_masked_logits_keep_to_the_mask():
             assert int(tokens[i]) in allowed
 
 
-def test_a_greedy_step_under_a_grammar_skips_the_sampler(tiny):
-    """A step whose rows are greedy, one under a grammar, takes token masks and no sampler."""
+def test_a_step_with_a_grammar_row_is_picked_apart(tiny):
+    """A step whose rows are greedy, one under a grammar, is deferred (its tokens picked after
+    the step, with token masks) and takes no sampler; the others' rows are not masked."""
     from jaxattn.engine_step import pack_step
 
     _, tokenizer, _ = tiny
     engine = engine_of(tiny)
-    engine.add_request(prompts_of(tokenizer, 1)[0], 4, sampling=SamplingParams(
+    first = engine.add_request(prompts_of(tokenizer, 1)[0], 4, sampling=SamplingParams(
         structured_outputs=StructuredOutputs(json_object=True)))
     engine.add_request(prompts_of(tokenizer, 2)[1], 4)
     schedule = engine.scheduler.schedule()
     inputs = pack_step(schedule, engine.buckets.shape(schedule), max_seqs=engine.max_seqs, page_size=engine.page_size,
                        max_pages_per_seq=engine.runner.table.max_pages_per_seq, step_pages=engine.runner.step_pages,
-                       previous_rows={}, vocab_size=engine.model.cfg.vocab_size)
-    assert inputs.sampling is None and inputs.allowed.shape == (engine.buckets.shape(schedule).rows,
-                                                                mask_words(engine.model.cfg.vocab_size))
-    assert (inputs.allowed[1:] == -1).all() and not (inputs.allowed[0] == -1).all()
+                       previous_rows={})
+    assert inputs.deferred and inputs.sampling is None and inputs.grammars == [(first.grammar, 0)]
+
+
+def test_rows_under_a_grammar_decode_every_step(tiny):
+    """With the overlap, a request under a grammar gets a token from every step, as a plain one
+    does (its tokens are picked once the step before has advanced its grammar)."""
+    _, tokenizer, _ = tiny
+    engine = engine_of(tiny)
+    plain, constrained = [engine.add_request(p, 40, sampling=SamplingParams(structured_outputs=spec)) for p, spec in
+                          zip(prompts_of(tokenizer, 2), (None, StructuredOutputs(regex="[a-z]{60}")))]
+    got = []                                        # per engine step: tokens each request got
+    while engine.has_work:
+        events = dict(engine.step_events())
+        got.append((len(events.get(plain, [])), len(events.get(constrained, []))))
+    assert constrained.finish_reason == "stop" and re.fullmatch("[a-z]{60}", tokenizer.decode(constrained.output))
+    first = next(i for i, (_, n) in enumerate(got) if n)
+    assert [n for _, n in got[first:first + len(constrained.output)]] == [1] * len(constrained.output), got
+
+
+def test_nothing_compiles_after_the_warmup(tiny):
+    """warmup compiles the deferred steps and their picks: a mix of grammar, sampled and
+    logprobs requests then compiles nothing."""
+    from jaxattn.engine_step import pick_tokens
+
+    _, tokenizer, _ = tiny
+    engine = engine_of(tiny)
+    engine.warmup()
+    compiled = engine.runner._step._cache_size(), pick_tokens._cache_size()
+    spec = StructuredOutputs(json=SCHEMA)
+    params = [SamplingParams(structured_outputs=spec), SamplingParams(temperature=1.0, seed=1, logprobs=2),
+              SamplingParams(temperature=0.8, seed=2, structured_outputs=spec, logprobs=3), SamplingParams()]
+    run(engine, prompts_of(tokenizer, 4), params)
+    assert (engine.runner._step._cache_size(), pick_tokens._cache_size()) == compiled
