@@ -62,7 +62,7 @@ class PrefixOps:
     attach: jax.Array
 
 
-StepFn = Callable[..., tuple[jax.Array, jax.Array, jax.Array, list[Cache], jaxattn.PageTable]]
+StepFn = Callable[..., tuple[tuple[jax.Array, ...], jax.Array, jax.Array, list[Cache], jaxattn.PageTable]]
 
 
 def make_engine_step(model: PagedModel) -> tuple[StepFn, list[jax.Array]]:
@@ -74,9 +74,10 @@ def make_engine_step(model: PagedModel) -> tuple[StepFn, list[jax.Array]]:
     ``release_ids`` (int32[max_seqs], -1 padding), appends ``q_lens`` tokens to sequences
     ``seq_ids`` (int32[R], decodes first, -1 padding) and returns ``(picked, ok, pages, caches,
     table)``; caches and table are donated. ``picked`` is ``pick_tokens``' ``(next_tokens,
-    step_logprobs)``, or with ``deferred`` what it takes: ``(logits [R, V], positions int32[R])``. ``tokens`` (int32[T]) are the rows' tokens
-    packed; where ``token_src`` (int32[T]) is >= 0 the token is ``prev_tokens[token_src]``
-    instead (``prev_tokens``: the previous step's ``next_tokens``). Outputs: ``ok`` bool[R], its
+    step_logprobs)``, or with ``deferred`` what it takes: ``(logits [R, V], positions int32[R])``.
+    ``tokens`` (int32[T]) are the rows' tokens packed; where ``token_src`` (int32[T]) is >= 0 the
+    token is ``prev_tokens[token_src]`` instead (``prev_tokens``: the previous step's
+    ``next_tokens``). Outputs: ``ok`` bool[R], its
     pages were granted; ``pages`` int32[R, W], each row's page ids from the page of its first token
     on (0 past its pages; W = ``page_window(max_q_len, page_size)``). Rows sample with ``sampling``
     (a ``SamplingBatch``; None: greedy). ``prefix`` (``PrefixOps``) marks pages cached

@@ -218,3 +218,40 @@ def test_nothing_compiles_after_the_warmup(tiny):
               SamplingParams(temperature=0.8, seed=2, structured_outputs=spec, logprobs=3), SamplingParams()]
     run(engine, prompts_of(tokenizer, 4), params)
     assert (engine.runner._step._cache_size(), pick_tokens._cache_size()) == compiled
+
+
+def check_grammars_on_mesh() -> None:
+    """(On 2 CPU devices.) Grammar requests on an engine over a mesh of both devices (logits split
+    by vocabulary) get the one-device engine's tokens."""
+    import pathlib
+    import tempfile
+
+    import jax
+
+    from jaxattn.models import from_pretrained
+    from jaxattn.serve.text import TextTokenizer
+    from tests.serve_helpers import save_chat_checkpoint
+
+    path = pathlib.Path(tempfile.mkdtemp())
+    save_chat_checkpoint(path)
+    tokenizer = TextTokenizer(path)
+    spec = StructuredOutputs(json=SCHEMA)
+    params = [SamplingParams(structured_outputs=spec), SamplingParams(temperature=1.0, seed=3, structured_outputs=spec),
+              SamplingParams()]
+    outputs = []
+    for mesh in (None, jax.make_mesh((2,), ("tp",))):
+        model = from_pretrained(path, dtype="float32", mesh=mesh)
+        compiler = GrammarCompiler.from_file(path / "tokenizer.json", vocab_size=model.cfg.vocab_size,
+                                             eos_token_ids=tokenizer.stop_token_ids)
+        engine = Engine(model, max_seqs=4, max_seq_len=96, page_size=8, max_step_tokens=32, backend="xla",
+                        grammar_compiler=compiler, mesh=mesh)
+        outputs.append([r.output for r in run(engine, prompts_of(tokenizer, 3), params)])
+    assert outputs[0] == outputs[1]
+    for output in outputs[1][:2]:
+        jsonschema.validate(json.loads(tokenizer.decode(output)), SCHEMA)
+
+
+def test_grammars_on_two_cpu_devices():
+    from tests.test_sharding import run_on_cpu_devices
+
+    run_on_cpu_devices(2, "from tests.test_structured_output import check_grammars_on_mesh; check_grammars_on_mesh()")
