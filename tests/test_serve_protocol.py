@@ -114,7 +114,7 @@ def test_malformed_bodies_get_a_400_naming_the_field(http, endpoint, body, statu
 
 # Fields that change what is returned: refused unless null or at their default, never ignored.
 UNIMPLEMENTED = [
-    ("completions", {"best_of": 3}), ("completions", {"echo": True}), ("completions", {"suffix": "x"}),
+    ("completions", {"best_of": 3}), ("chat/completions", {"echo": True}), ("completions", {"suffix": "x"}),
     ("completions", {"presence_penalty": 0.5}), ("completions", {"presence_penalty": False}),
     ("completions", {"logit_bias": {"5": 100}}), ("completions", {"min_p": 0.1}),
     ("completions", {"repetition_penalty": 1.2}),
@@ -373,6 +373,24 @@ def test_required_tool_choice_calls_the_tools(http, parallel):
 def test_bad_tool_requests_are_a_400(http, extra, param, says):
     body = {"model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, **extra}
     assert says in refused(post(http, body, "chat/completions"), 400, param)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_echo_starts_the_text_with_the_prompt(http, stream):
+    body = {"model": "tiny", "prompt": "Paged attention", "max_tokens": 4, "temperature": 0, "n": 2, "stream": stream}
+    plain = post(http, {**body, "stream": False}).json()["choices"][0]["text"]
+    response = post(http, {**body, "echo": True})
+    assert response.status_code == 200, response.text
+    texts = ["", ""]
+    if stream:
+        for event in stream_events(response):
+            for choice in event["choices"]:
+                texts[choice["index"]] += choice["text"]
+    else:
+        for choice in response.json()["choices"]:
+            texts[choice["index"]] = choice["text"]
+    assert texts == ["Paged attention" + plain] * 2
+    assert "logprobs" in refused(post(http, {**body, "echo": True, "logprobs": 1}), 400, "echo")
 
 
 def test_tool_choice_none_answers_text(http):

@@ -308,9 +308,9 @@ def build_app(engine: Engine, *, model_name: str, tokenizer: TextTokenizer | Non
         return [Job(prompt, max_tokens, sampling) for _ in range(body.n)]
 
     async def respond(request: Request, body: CompletionRequest | ChatRequest, jobs: list[Job], chat: bool,
-                      tools: ToolPlan | None = None) -> Response:
+                      tools: ToolPlan | None = None, echo: str = "") -> Response:
         """The answer of ``jobs`` (the ``n`` choices of one prompt), streamed or whole (``tools``:
-        a chat's outputs are tool calls)."""
+        a chat's outputs are tool calls; ``echo``: a completion's text starts with it)."""
         generations = [Generation(engine_loop, job, tokenizer, body.stop_strings) for job in jobs]
         engine_loop.submit(jobs)
         try:
@@ -324,8 +324,8 @@ def build_app(engine: Engine, *, model_name: str, tokenizer: TextTokenizer | Non
         head = {"id": ident, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
                 "model": model_name}
         if body.stream:
-            return _EventStream(stream(generations, body, head, chat, tools), generations)
-        collect = asyncio.ensure_future(complete(generations, body, head, chat, tools))
+            return _EventStream(stream(generations, body, head, chat, tools, echo), generations)
+        collect = asyncio.ensure_future(complete(generations, body, head, chat, tools, echo))
         watch = asyncio.ensure_future(_disconnected(request))
         try:
             await asyncio.wait({collect, watch}, return_when=asyncio.FIRST_COMPLETED)
@@ -382,11 +382,12 @@ def build_app(engine: Engine, *, model_name: str, tokenizer: TextTokenizer | Non
             return chunk._replace(text=text), None
         return chunk._replace(finish_reason=tools.finish_reason), calls
 
-    async def complete(generations: list[Generation], body, head: dict, chat: bool, tools: ToolPlan | None) -> dict:
+    async def complete(generations: list[Generation], body, head: dict, chat: bool, tools: ToolPlan | None,
+                       echo: str) -> dict:
         answers = await asyncio.gather(*(whole(generation, body) for generation in generations))
         choices = []
         for i, answer in enumerate(answers):
-            answer, calls = tool_calls(tools, answer, answer.text)
+            answer, calls = tool_calls(tools, answer._replace(text=echo + answer.text), answer.text)
             choices.append(choice(chat, i, answer, body, delta=False, calls=calls))
         result = {**head, "choices": choices, "usage": _usage(generations)}
         if body.return_token_ids:
@@ -394,7 +395,7 @@ def build_app(engine: Engine, *, model_name: str, tokenizer: TextTokenizer | Non
         return result
 
     async def stream(generations: list[Generation], body, head: dict, chat: bool,
-                     tools: ToolPlan | None) -> AsyncIterator[str]:
+                     tools: ToolPlan | None, echo: str) -> AsyncIterator[str]:
         head = {**head, "object": "chat.completion.chunk" if chat else "text_completion"}
         include_usage = body.stream_options is not None and body.stream_options.include_usage
         # A chunk is the head's JSON, serialized once, and its choice's: `prefix + choice + "]}\n\n"`.
@@ -404,6 +405,8 @@ def build_app(engine: Engine, *, model_name: str, tokenizer: TextTokenizer | Non
                 for i in range(len(generations)):
                     yield _sse({**head, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
                                                       "finish_reason": None}]})
+            for i in range(len(generations) if echo else 0):
+                yield _sse({**head, "choices": [{"index": i, "text": echo, "logprobs": None, "finish_reason": None}]})
             text_offsets = [0] * len(generations)
             async for i, chunk in _merged(generations):
                 calls = None
@@ -429,9 +432,16 @@ def build_app(engine: Engine, *, model_name: str, tokenizer: TextTokenizer | Non
         else:
             text_tokenizer = need_tokenizer("prompt", "a text prompt needs")
             prompt = await asyncio.to_thread(text_tokenizer.encode, body.prompt)
+        echo = ""
+        if body.echo:
+            if body.logprobs is not None:
+                raise APIError(400, "echo: with logprobs it needs the prompt's logprobs, which this server does not "
+                               "compute", param="echo")
+            echo = body.prompt if isinstance(body.prompt, str) else \
+                need_tokenizer("echo", "echoing token ids needs").decode(prompt)
         constraint = await compiled(body.output_constraint())
         return await respond(request, body, make_jobs(body, prompt, "prompt", body.max_tokens, "max_tokens",
-                                                      constraint), False)
+                                                      constraint), False, echo=echo)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:

@@ -5,7 +5,7 @@ Fields follow OpenAI's completions and chat completions APIs; ``top_k``, ``ignor
 ``stop_token_ids``, ``min_tokens``, ``return_token_ids`` and ``structured_outputs`` are vLLM's
 extensions (``response_format`` and ``structured_outputs``: ``jaxattn.structured_output``). The
 policy for fields the server does not implement: those of OpenAI's API or vLLM's that change what
-is returned (``best_of``, ``echo``, ``functions``, penalties, ...: ``UNIMPLEMENTED``) are accepted only
+is returned (``best_of``, a chat's ``echo``, ``functions``, penalties, ...: ``UNIMPLEMENTED``) are accepted only
 absent, null or at their default, and refused otherwise (400 naming the field), never ignored;
 any other unknown field (``user``, ``metadata``, ``store``, ...: nothing that changes the answer)
 is accepted and ignored, and logged once per name (the first 256 names).
@@ -178,12 +178,12 @@ class _Sampling(BaseModel):
 class CompletionRequest(_Sampling):
     """``POST /v1/completions``: ``prompt`` is a text or a list of token ids (one prompt)."""
 
-    UNIMPLEMENTED: ClassVar[dict[str, tuple]] = {**_UNIMPLEMENTED_SAMPLING, "echo": (False,), "best_of": (1,),
-                                                  "suffix": ()}
+    UNIMPLEMENTED: ClassVar[dict[str, tuple]] = {**_UNIMPLEMENTED_SAMPLING, "best_of": (1,), "suffix": ()}
 
     prompt: StrictStr | Annotated[list[TokenId], Field(min_length=1)]
     max_tokens: PositiveInt | None = 16
     logprobs: NumLogprobs | None = None
+    echo: StrictBool = False
 
     @property
     def num_logprobs(self) -> int | None:
