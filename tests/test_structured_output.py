@@ -255,3 +255,17 @@ def test_grammars_on_two_cpu_devices():
     from tests.test_sharding import run_on_cpu_devices
 
     run_on_cpu_devices(2, "from tests.test_structured_output import check_grammars_on_mesh; check_grammars_on_mesh()")
+
+
+def test_preempted_grammar_requests_get_the_same_tokens(tiny):
+    """A pool too small for every request preempts some (recomputed later, their grammars kept):
+    their greedy outputs are those of an engine with room for all, and still validate."""
+    _, tokenizer, _ = tiny
+    prompts = prompts_of(tokenizer, 4)
+    params = [SamplingParams(structured_outputs=StructuredOutputs(json=SCHEMA))] * 3 + [SamplingParams()]
+    roomy = [r.output for r in run(engine_of(tiny), prompts, params)]
+    small = engine_of(tiny, num_pages=14)
+    outputs = [r.output for r in run(small, prompts, params)]
+    assert small.stats["preemptions"] > 0 and outputs == roomy
+    for output in outputs[:3]:
+        jsonschema.validate(json.loads(tokenizer.decode(output)), SCHEMA)
