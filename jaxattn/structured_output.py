@@ -102,13 +102,10 @@ class Grammar:
 
     def accept(self, token: int) -> bool:
         """Advances past ``token``; returns whether the grammar is done: complete with no token
-        allowed after it (or broken: ``error``, when ``token`` was not allowed)."""
+        allowed after it (or broken, when ``token`` was not allowed: the mask makes that rare,
+        e.g. a stop token outside the grammar ending the request anyway)."""
         self.matcher.consume_token(int(token))
         return self.matcher.is_stopped() or self.matcher.is_error()
-
-    @property
-    def error(self) -> str | None:
-        return self.matcher.get_error() if self.matcher.is_error() else None
 
 
 class GrammarCompiler:
