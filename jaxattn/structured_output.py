@@ -102,8 +102,7 @@ class Grammar:
 
     def accept(self, token: int) -> bool:
         """Advances past ``token``; returns whether the grammar is done: complete with no token
-        allowed after it (or broken, when ``token`` was not allowed: the mask makes that rare,
-        e.g. a stop token outside the grammar ending the request anyway)."""
+        allowed after it, or broken by a ``token`` it did not allow (the masks keep those out)."""
         self.matcher.consume_token(int(token))
         return self.matcher.is_stopped() or self.matcher.is_error()
 
