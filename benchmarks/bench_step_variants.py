@@ -59,7 +59,8 @@ def main(argv: list[str] | None = None) -> None:
                     backend=args.backend, grammar_compiler=compiler, max_logprobs=5)
     runner = engine.runner
     shape = runner.buckets.shapes[0]
-    print(f"{device_name()}; jax {jax.__version__}; {args.preset}, {args.layers} layers, decode step of {shape.rows} rows, "
+    print(f"{device_name()}; jax {jax.__version__}; {args.preset}, {args.layers} layers, "
+          f"decode step of {shape.rows} rows, "
           f"backend {args.backend}")
     print("| variant | GPU busy ms per step | wall ms per step |\n|---|---|---|")
     for name, options in VARIANTS.items():
@@ -92,7 +93,8 @@ def main(argv: list[str] | None = None) -> None:
     for _ in range(args.steps):
         jax.block_until_ready(jax.device_put(masks))
     put_ms = (time.perf_counter() - start) / args.steps * 1e3
-    print(f"Host: llguidance fills {len(grammars)} rows' masks ({tokens:,} tokens) in {fill_ms:.2f} ms; the {shape.rows} rows' "
+    print(f"Host: llguidance fills {len(grammars)} rows' masks ({tokens:,} tokens) in {fill_ms:.2f} ms; "
+          f"the {shape.rows} rows' "
           f"masks ({masks.nbytes / 1e6:.1f} MB) reach the device in {put_ms:.2f} ms.")
 
 

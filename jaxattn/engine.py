@@ -7,11 +7,12 @@ finished sequences, allocates pages, writes K/V, runs attention in every layer a
 next tokens (``jaxattn.engine_step``). The model is any ``jaxattn.models.base.PagedModel``.
 
 The loop overlaps the host with the device: it schedules, packs and launches step n+1 while step
-n runs, and only then waits for step n's tokens (a decode of step n+1 takes step n's token on the
-device). Tokens reach the host one step late; a request that stops in step n computes one more
-row, whose token is dropped. A step with rows under a grammar (structured output) has its tokens
-picked once step n's tokens have advanced the grammars: after the wait, while the GPU runs it. The host never reads the page table: it mirrors the pool, and learns
-the ids of the prompt pages to cache from the step's small ``pages`` output.
+n runs, and only then waits for step n's tokens (a decode of step n+1 takes step n's token on
+the device). Tokens reach the host one step late; a request that stops in step n computes one
+more row, whose token is dropped. A step with rows under a grammar (structured output) has its
+tokens picked once step n's tokens have advanced the grammars: after the wait, while the GPU
+runs it. The host never reads the page table: it mirrors the pool, and learns the ids of the
+prompt pages to cache from the step's small ``pages`` output.
 """
 
 from __future__ import annotations

@@ -469,7 +469,8 @@ _FIELDS = {
                                           _JSON | _TEXT, max_size=2),
     "tools": _JSON | st.lists(st.fixed_dictionaries({"type": st.just("function"), "function": st.fixed_dictionaries(
         {"name": st.sampled_from(["f", "g"])}, optional={"parameters": _JSON})}), max_size=2),
-    "tool_choice": st.sampled_from(["none", "auto", "required", {"type": "function", "function": {"name": "f"}}]) | _JSON,
+    "tool_choice": st.sampled_from(["none", "auto", "required",
+                                    {"type": "function", "function": {"name": "f"}}]) | _JSON,
     "parallel_tool_calls": st.booleans(), "user": _JSON,
 }
 

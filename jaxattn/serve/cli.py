@@ -1,12 +1,13 @@
 """``python -m jaxattn.serve``: the OpenAI-compatible HTTP server over one Engine.
 
-Serves a local Hugging Face checkpoint directory (``--model DIR``: ``jaxattn.models.from_pretrained``,
-its ``tokenizer.json`` and chat template) or a random-weight preset (``--preset NAME``, for
-benchmarks: prompts as token ids only, unless ``--tokenizer DIR`` gives it a tokenizer). With a
-tokenizer and llguidance installed, requests may ask for structured output. One process serves one engine on ``--tp`` devices of this
-process, as ``python -m jaxattn.demo --tp`` does. SIGTERM (or Ctrl-C) stops accepting
-connections, lets requests in flight finish for up to ``--shutdown-timeout`` seconds, then aborts
-the rest (their clients get a 503 error) and exits with status 0.
+Serves a local Hugging Face checkpoint directory (``--model DIR``:
+``jaxattn.models.from_pretrained``, its ``tokenizer.json`` and chat template) or a random-weight
+preset (``--preset NAME``, for benchmarks: prompts as token ids only, unless ``--tokenizer DIR``
+gives it a tokenizer). With a tokenizer and llguidance installed, requests may ask for
+structured output. One process serves one engine on ``--tp`` devices of this process, as
+``python -m jaxattn.demo --tp`` does. SIGTERM (or Ctrl-C) stops accepting connections, lets
+requests in flight finish for up to ``--shutdown-timeout`` seconds, then aborts the rest (their
+clients get a 503 error) and exits with status 0.
 """
 
 from __future__ import annotations

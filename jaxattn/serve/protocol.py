@@ -4,11 +4,12 @@ the HTTP server.
 Fields follow OpenAI's completions and chat completions APIs; ``top_k``, ``ignore_eos``,
 ``stop_token_ids``, ``min_tokens``, ``return_token_ids`` and ``structured_outputs`` are vLLM's
 extensions (``response_format`` and ``structured_outputs``: ``jaxattn.structured_output``). The
-policy for fields the server does not implement: those of OpenAI's API or vLLM's that change what
-is returned (``best_of``, a chat's ``echo``, ``functions``, penalties, ...: ``UNIMPLEMENTED``) are accepted only
-absent, null or at their default, and refused otherwise (400 naming the field), never ignored;
-any other unknown field (``user``, ``metadata``, ``store``, ...: nothing that changes the answer)
-is accepted and ignored, and logged once per name (the first 256 names).
+policy for fields the server does not implement: those of OpenAI's API or vLLM's that change
+what is returned (``best_of``, a chat's ``echo``, ``functions``, penalties, ...:
+``UNIMPLEMENTED``) are accepted only absent, null or at their default, and refused otherwise
+(400 naming the field), never ignored; any other unknown field (``user``, ``metadata``,
+``store``, ...: nothing that changes the answer) is accepted and ignored, and logged once per
+name (the first 256 names).
 
 ``parse_body`` reads a body before pydantic does: strict UTF-8, JSON without ``NaN`` or
 ``Infinity`` (or numbers too large for a float), no lone UTF-16 surrogates (``"\\ud800"`` is valid
@@ -76,7 +77,8 @@ _UNIMPLEMENTED_SAMPLING: dict[str, tuple] = {
     "presence_penalty": (0,), "frequency_penalty": (0,), "repetition_penalty": (1,), "min_p": (0,),
     "logit_bias": ({},), "include_stop_str_in_output": (False,),
     "skip_special_tokens": (True,), "spaces_between_special_tokens": (True,),
-    "guided_json": (), "guided_regex": (), "guided_choice": (), "guided_grammar": (), "allowed_token_ids": (), "bad_words": ([],),
+    "guided_json": (), "guided_regex": (), "guided_choice": (), "guided_grammar": (), "allowed_token_ids": (),
+    "bad_words": ([],),
     "prompt_logprobs": (), "truncate_prompt_tokens": (), "use_beam_search": (False,), "length_penalty": (1,),
     "logits_processors": (),
 }
