@@ -118,7 +118,7 @@ UNIMPLEMENTED = [
     ("completions", {"presence_penalty": 0.5}), ("completions", {"presence_penalty": False}),
     ("completions", {"logit_bias": {"5": 100}}), ("completions", {"min_p": 0.1}),
     ("completions", {"repetition_penalty": 1.2}),
-    ("completions", {"guided_json": {"type": "object"}}), ("completions", {"skip_special_tokens": False}),
+    ("completions", {"skip_special_tokens": False}),
     ("chat/completions", {"functions": [{"name": "f"}]}), ("chat/completions", {"add_generation_prompt": False}),
     ("chat/completions", {"chat_template": "{{ messages }}"}),
 ]
@@ -275,13 +275,20 @@ def test_response_format_json_schema(http, stream):
 
 
 def test_structured_outputs_regex_and_choice(http):
-    """vLLM's structured_outputs: a regex and a list of choices, on completions."""
+    """vLLM's structured_outputs (and its older guided_* fields): a regex and a list of choices,
+    on completions."""
     out = post(http, {"model": "tiny", "prompt": "Hi", "max_tokens": 12, "temperature": 1.0, "seed": 1,
                       "structured_outputs": {"regex": "[0-9]{2}-[a-z]{3}"}}).json()["choices"][0]
     assert re.fullmatch("[0-9]{2}-[a-z]{3}", out["text"]) and out["finish_reason"] == "stop", out
     out = post(http, {"model": "tiny", "prompt": "Hi", "max_tokens": 12, "temperature": 1.0, "seed": 2,
                       "structured_outputs": {"choice": ["Paris", "the Seine"]}}).json()["choices"][0]
     assert out["text"] in ("Paris", "the Seine") and out["finish_reason"] == "stop", out
+    out = post(http, {"model": "tiny", "prompt": "Hi", "max_tokens": 12, "temperature": 1.0, "seed": 3,
+                      "guided_regex": "[a-z]{4}!"}).json()["choices"][0]
+    assert re.fullmatch("[a-z]{4}!", out["text"]) and out["finish_reason"] == "stop", out
+    out = post(http, {"model": "tiny", "prompt": "Hi", "max_tokens": 12, "temperature": 0,
+                      "guided_choice": ["yes", "no"]}).json()["choices"][0]
+    assert out["text"] in ("yes", "no"), out
 
 
 @pytest.mark.parametrize("endpoint,extra,param,says", [
@@ -290,7 +297,9 @@ def test_structured_outputs_regex_and_choice(http):
     ("chat/completions", {"response_format": {"type": "json_schema"}}, "response_format", "json_schema is given"),
     ("chat/completions", {"response_format": {"type": "xml"}}, "response_format", "type"),
     ("completions", {"response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}},
-     "structured_outputs", "not both"),
+     "structured_outputs", "not several"),
+    ("completions", {"structured_outputs": {"regex": "a"}, "guided_regex": "b"}, "guided_regex", "not several"),
+    ("completions", {"guided_json": {"type": 5}}, "guided_json", "does not compile"),
     ("completions", {"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs", "exactly one"),
     ("completions", {"structured_outputs": {}}, "structured_outputs", "exactly one"),
     ("completions", {"structured_outputs": {"regex": "(a"}}, "structured_outputs", "does not compile"),
@@ -471,7 +480,8 @@ _FIELDS = {
         {"name": st.sampled_from(["f", "g"])}, optional={"parameters": _JSON})}), max_size=2),
     "tool_choice": st.sampled_from(["none", "auto", "required",
                                     {"type": "function", "function": {"name": "f"}}]) | _JSON,
-    "parallel_tool_calls": st.booleans(), "user": _JSON,
+    "parallel_tool_calls": st.booleans(), "guided_regex": _TEXT, "guided_choice": st.lists(_TEXT, max_size=3),
+    "guided_json": _JSON, "user": _JSON,
 }
 
 

@@ -2,8 +2,8 @@
 the HTTP server.
 
 Fields follow OpenAI's completions and chat completions APIs; ``top_k``, ``ignore_eos``,
-``stop_token_ids``, ``min_tokens``, ``return_token_ids`` and ``structured_outputs`` are vLLM's
-extensions (``response_format`` and ``structured_outputs``: ``jaxattn.structured_output``). The
+``stop_token_ids``, ``min_tokens``, ``return_token_ids``, ``structured_outputs`` and ``guided_*``
+are vLLM's extensions (``response_format``, ``structured_outputs``: ``jaxattn.structured_output``). The
 policy for fields the server does not implement: those of OpenAI's API or vLLM's that change
 what is returned (``best_of``, a chat's ``echo``, ``functions``, penalties, ...:
 ``UNIMPLEMENTED``) are accepted only absent, null or at their default, and refused otherwise
@@ -77,8 +77,7 @@ _UNIMPLEMENTED_SAMPLING: dict[str, tuple] = {
     "presence_penalty": (0,), "frequency_penalty": (0,), "repetition_penalty": (1,), "min_p": (0,),
     "logit_bias": ({},), "include_stop_str_in_output": (False,),
     "skip_special_tokens": (True,), "spaces_between_special_tokens": (True,),
-    "guided_json": (), "guided_regex": (), "guided_choice": (), "guided_grammar": (), "allowed_token_ids": (),
-    "bad_words": ([],),
+    "allowed_token_ids": (), "bad_words": ([],),
     "prompt_logprobs": (), "truncate_prompt_tokens": (), "use_beam_search": (False,), "length_penalty": (1,),
     "logits_processors": (),
 }
@@ -146,21 +145,32 @@ class _Sampling(BaseModel):
     return_token_ids: StrictBool = False
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsBody | None = None
+    # vLLM's older spelling of structured_outputs' json, regex, choice and grammar
+    guided_json: dict[str, Any] | StrictStr | None = None
+    guided_regex: StrictStr | None = None
+    guided_choice: Annotated[list[StrictStr], Field(min_length=1)] | None = None
+    guided_grammar: StrictStr | None = None
 
     def output_constraint(self) -> tuple[StructuredOutputs, str] | None:
-        """(what the output must match, the field that asks) from ``response_format`` or
-        ``structured_outputs``; None: free text. APIError (400) when both ask, or when
-        ``structured_outputs`` does not set exactly one constraint."""
+        """(what the output must match, the field that asks) from ``response_format``,
+        ``structured_outputs`` or a ``guided_*`` field; None: free text. APIError (400) when
+        more than one asks, or when ``structured_outputs`` does not set exactly one constraint."""
         response_format = None if self.response_format is None or self.response_format.type == "text" else \
             self.response_format
-        if response_format is not None and self.structured_outputs is not None:
-            raise APIError(400, "structured_outputs: give it or response_format, not both", param="structured_outputs")
+        guided = {name: getattr(self, f"guided_{name}") for name in ("json", "regex", "choice", "grammar")}
+        asking = ["response_format"] * (response_format is not None) + \
+            ["structured_outputs"] * (self.structured_outputs is not None) + \
+            [f"guided_{name}" for name, value in guided.items() if value is not None]
+        if len(asking) > 1:
+            raise APIError(400, f"{asking[-1]}: give one of {', '.join(asking)}, not several", param=asking[-1])
+        if not asking:
+            return None
         if response_format is not None:
             if response_format.type == "json_object":
                 return StructuredOutputs(json_object=True), "response_format"
             return StructuredOutputs(json=response_format.json_schema.json_schema), "response_format"
         if self.structured_outputs is None:
-            return None
+            return StructuredOutputs(**{name: value for name, value in guided.items() if value is not None}), asking[0]
         given = self.structured_outputs
         try:
             spec = StructuredOutputs(json=given.json_schema, json_object=bool(given.json_object), regex=given.regex,
