@@ -54,12 +54,12 @@ class ToolPlan:
 
     def calls(self, text: str) -> list[dict] | None:
         """The answer's ``tool_calls`` from its complete output ``text``; None when ``text`` is no
-        complete call (cut by max_tokens)."""
+        complete call (cut by max_tokens or a stop string)."""
         try:
             value = json.loads(text)
-        except json.JSONDecodeError:
+            pairs = [(self.named, value)] if self.named is not None else [(c["name"], c["parameters"]) for c in value]
+        except (json.JSONDecodeError, TypeError, KeyError):
             return None
-        pairs = [(self.named, value)] if self.named is not None else [(c["name"], c["parameters"]) for c in value]
         return [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
                  "function": {"name": name, "arguments": json.dumps(arguments, ensure_ascii=False)}}
                 for name, arguments in pairs]
