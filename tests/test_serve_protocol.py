@@ -402,6 +402,21 @@ def test_echo_starts_the_text_with_the_prompt(http, stream):
     assert "logprobs" in refused(post(http, {**body, "echo": True, "logprobs": 1}), 400, "echo")
 
 
+def test_tool_plan_reads_only_complete_calls():
+    """ToolPlan.calls: the calls of a complete output; None for one cut or of another shape."""
+    from jaxattn.serve.tools import ToolPlan
+
+    required, named = ToolPlan(None, TOOLS), ToolPlan("get_weather", TOOLS)
+    (call,) = required.calls('[{"name": "get_time", "parameters": {"zone": "UTC"}}]')
+    assert call["function"] == {"name": "get_time", "arguments": '{"zone": "UTC"}'} and call["type"] == "function"
+    assert named.calls('{"city": "Rome"}')[0]["function"] == {"name": "get_weather", "arguments": '{"city": "Rome"}'}
+    for text in ('[{"name": "get_time", "parameters": {"zo', "[1]", '[{"name": "get_time"}]', '{"name": "x"}', ""):
+        assert required.calls(text) is None, text
+    assert named.calls('{"city": "Ro') is None
+    assert (required.finish_reason, named.finish_reason) == ("tool_calls", "stop")
+    assert ToolPlan(None, TOOLS, parallel=False).constraint.json.count('"maxItems": 1') == 1
+
+
 def test_tool_choice_none_answers_text(http):
     body = {"model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3, "temperature": 0,
             "tools": TOOLS, "tool_choice": "none"}
