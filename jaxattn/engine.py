@@ -350,8 +350,9 @@ class Engine:
 
     def warmup(self, *, sampled: bool = True) -> float:
         """Compiles the step for every shape in ``buckets`` (greedy; with ``sampled`` the sampling
-        variant too, and with a ``grammar_compiler`` the one with token masks; each also with
-        logprobs unless ``max_logprobs`` is 0) by running it on padding rows, before serving;
+        variant too, and with a ``grammar_compiler`` the deferred step and its token picks, as
+        structured output runs them; each also with logprobs unless ``max_logprobs`` is 0) by
+        running it on padding rows, before serving;
         returns the seconds it took. Call it before adding requests."""
         if self.has_work:
             raise RuntimeError("Engine.warmup: call it before adding requests")

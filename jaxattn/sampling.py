@@ -153,7 +153,12 @@ def sample(logits: jax.Array, params: SamplingBatch, positions: jax.Array) -> ja
 def mask_logits(logits: jax.Array, allowed: jax.Array) -> jax.Array:
     """``logits`` [B, V] with -inf where a row's token is not allowed: ``allowed`` int32[B,
     ceil(V / 32)] is a bitmask per row, bit ``t % 32`` of word ``t // 32`` for token t
-    (``jaxattn.structured_output.fill_masks``; all ones: every token)."""
+    (``jaxattn.structured_output.fill_masks``; all ones: every token). ValueError unless
+    ``allowed`` is int32 of that shape."""
+    rows, vocab = logits.shape
+    if allowed.dtype != jnp.int32 or allowed.shape != (rows, -(-vocab // 32)):
+        raise ValueError(f"mask_logits: allowed must be int32[{rows}, {-(-vocab // 32)}] (a bitmask per row of "
+                         f"logits [{rows}, {vocab}]), got {allowed.dtype}{list(allowed.shape)}")
     bits = jax.lax.shift_right_logical(allowed[:, :, None], jnp.arange(32, dtype=jnp.int32)[None, None, :]) & 1
     keep = bits.reshape(allowed.shape[0], -1)[:, :logits.shape[-1]].astype(bool)
     return jnp.where(keep, logits, -jnp.inf)

@@ -123,6 +123,11 @@ class GrammarCompiler:
         except ImportError as err:
             raise ImportError("structured output needs llguidance: pip install llguidance "
                               "(or jaxattn[serve])") from err
+        if not (isinstance(vocab_size, int) and not isinstance(vocab_size, bool) and vocab_size >= 1):
+            raise ValueError(f"GrammarCompiler: vocab_size must be an int >= 1, got {vocab_size!r}")
+        if not isinstance(tokenizer_json, str):
+            raise ValueError(f"GrammarCompiler: tokenizer_json must be the text of a tokenizer.json, got "
+                             f"{type(tokenizer_json).__name__}")
         eos = [int(t) for t in eos_token_ids]
         self.tokenizer = llguidance.LLTokenizer(tokenizer_json, n_vocab=vocab_size, eos_token=eos or None)
         self.vocab_size = vocab_size

@@ -146,6 +146,11 @@ def test_bad_specs_and_missing_compiler(tiny):
     with pytest.raises(ValueError, match="needs an Engine made with a grammar_compiler"):
         engine_of(tiny, grammar_compiler=None).add_request(prompt, 4, sampling=SamplingParams(
             structured_outputs=StructuredOutputs(json_object=True)))
+    for vocab_size in (0, 5.0, True, None):
+        with pytest.raises(ValueError, match="GrammarCompiler: vocab_size must be an int >= 1"):
+            GrammarCompiler(tokenizer.tokenizer.to_str(), vocab_size=vocab_size)
+    with pytest.raises(ValueError, match="GrammarCompiler: tokenizer_json must be the text"):
+        GrammarCompiler(b"{}", vocab_size=384)
     with pytest.raises(ValueError, match="grammar_compiler.vocab_size must be the model's"):
         engine_of(tiny, grammar_compiler=GrammarCompiler(tokenizer.tokenizer.to_str(), vocab_size=500))
     assert not engine.has_work
@@ -162,6 +167,9 @@ def test_masked_logits_keep_to_the_mask():
     for i, tokens in enumerate(allowed_sets):
         for t in (range(vocab) if tokens is None else tokens):
             masks[i, t // 32] |= np.int32(np.uint32(1 << (t % 32)).view(np.int32))
+    for bad in (masks[:, :-1], masks[:-1], masks.astype(np.uint32), masks[None]):
+        with pytest.raises(ValueError, match=r"mask_logits: allowed must be int32\[6, 3\]"):
+            mask_logits(logits, jnp.asarray(bad))
     masked = mask_logits(logits, jnp.asarray(masks))
     np.testing.assert_array_equal(masked[-1], logits[-1])
     sampled = sample(masked, SamplingBatch.from_params([SamplingParams(temperature=1.0)] * rows, list(range(rows))),
