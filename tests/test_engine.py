@@ -360,21 +360,29 @@ def test_logprobs_are_the_models_on_a_small_pool(overlap):
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_min_tokens_hold_stop_tokens_back(temperature):
-    """A request whose stop token comes early (its second token without min_tokens) generates no
+    """A request whose stop token comes early (by its sixth token without min_tokens) generates no
     stop token before its min_tokens outputs, overlapped or not; without min_tokens it stops there."""
     model = Llama(PRESETS["tiny"], nnx.Rngs(0))
-    prompt = np.random.default_rng().integers(0, 512, size=13)
+    rng = np.random.default_rng()
     base = SamplingParams(temperature=temperature, seed=5)
-    free = Engine(model, max_seqs=2, max_seq_len=48, page_size=8, backend="xla")
-    (first,) = [free.add_request(prompt, 12, sampling=base)]
-    free.run()
-    stop = first.output[1]
+    for _ in range(20):  # the stop token must first appear at output 1..5, so a prompt whose output repeats is redrawn
+        prompt = rng.integers(0, 512, size=13)
+        free = Engine(model, max_seqs=2, max_seq_len=48, page_size=8, backend="xla")
+        first = free.add_request(prompt, 12, sampling=base)
+        free.run()
+        fresh = [k for k in range(1, 6) if first.output[k] not in first.output[:k]]
+        if fresh:
+            break
+    else:
+        pytest.fail(f"no prompt gave an output with a new token in its first six: {first.output}")
+    stop_at = fresh[0]
+    stop = first.output[stop_at]
     for overlap in (True, False):
         engine = Engine(model, max_seqs=2, max_seq_len=48, page_size=8, backend="xla", overlap=overlap)
         early = engine.add_request(prompt, 12, sampling=dataclasses.replace(base, stop_token_ids=(stop,)))
         held = engine.add_request(prompt, 12, sampling=dataclasses.replace(base, stop_token_ids=(stop,), min_tokens=6))
         engine.run()
-        assert early.output == first.output[:2] and early.finish_reason == "stop"
+        assert early.output == first.output[:stop_at + 1] and early.finish_reason == "stop"
         assert stop not in held.output[:6], held.output
         if held.finish_reason == "stop":
             assert held.output[-1] == stop and len(held.output) >= 7, held.output
