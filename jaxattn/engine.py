@@ -38,6 +38,7 @@ from jaxattn.kv_cache import LAYOUTS
 from jaxattn.models.base import ModelConfig, PagedModel, page_bytes
 from jaxattn.sampling import MAX_LOGPROBS, SamplingParams
 from jaxattn.scheduler import PageUsage, Request, Schedule, Scheduler
+from jaxattn.speculative import SpeculativeConfig
 from jaxattn.structured_output import GrammarCompiler
 
 __all__ = ["Engine", "Request"]
@@ -108,6 +109,14 @@ class Engine:
         tokenizer; None refuses requests with ``SamplingParams.structured_outputs``. Steps with a
         row under a grammar are launched in two parts (``jaxattn.engine_step``; ``warmup``
         compiles them when there is a compiler).
+      speculative: None, or speculative decoding (``jaxattn.speculative``): a ``SpeculativeConfig``,
+        or its dict or JSON text in vLLM's spelling, e.g. ``{"method": "ngram",
+        "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}``. A decode
+        then verifies K drafts in its step and gains the drafts it keeps plus one token: greedy
+        outputs stay those of an engine without it, sampled ones follow the same distribution.
+        Decodes with logprobs, a grammar or stop tokens held back by ``min_tokens`` carry no
+        drafts. The step shapes grow (decode buckets hold K + 1 tokens per row) and sequences may
+        hold up to 2K tokens past ``max_seq_len`` on the device (counted in ``num_pages``).
 
     Raises ValueError naming the argument that does not fit. ``stats`` counts prompt tokens,
     cached tokens, computed tokens, evicted pages and preemptions (``jaxattn.scheduler.Scheduler``).
@@ -118,7 +127,8 @@ class Engine:
                  layout: str = "HND", kv_dtype=None, enable_prefix_caching: bool = True, mesh: Mesh | None = None,
                  prefill_chunk: int | None = DEFAULT_PREFILL_CHUNK, overlap: bool = True,
                  kv_memory_fraction: float = 0.9, record_steps: bool = False, max_logprobs: int = MAX_LOGPROBS,
-                 grammar_compiler: GrammarCompiler | None = None):
+                 grammar_compiler: GrammarCompiler | None = None,
+                 speculative: SpeculativeConfig | dict | str | None = None):
         _check_model(model)
         check_serves(backend, model.attention_ops, where="Engine")
         for name, value in (("max_seq_len", max_seq_len), ("page_size", page_size)):
@@ -148,13 +158,24 @@ class Engine:
                              f"{model.cfg.vocab_size}, got {grammar_compiler.vocab_size}")
         if mesh is not None and not isinstance(mesh, Mesh):
             raise ValueError(f"Engine: mesh must be None or a jax.sharding.Mesh, got {type(mesh).__name__}")
-        pages_per_seq = -(-max_seq_len // page_size)
+        if speculative is not None:
+            try:
+                speculative = SpeculativeConfig.parse(speculative)
+            except ValueError as err:
+                raise ValueError(f"Engine: speculative: {err}") from None
+        draft_tokens = speculative.num_drafts if speculative else 0
+        if prefill_chunk is not None and prefill_chunk < draft_tokens + 1:
+            raise ValueError(f"Engine: prefill_chunk must be >= num_speculative_tokens + 1 = {draft_tokens + 1} "
+                             f"(a mixed step's rows hold a token and its drafts), got {prefill_chunk}")
+        # a speculating row may start up to K tokens past the host's count, and writes K + 1 tokens
+        pages_per_seq = -(-(max_seq_len + 2 * draft_tokens) // page_size)
         if num_pages is None:
             num_pages = _default_num_pages(model, max_seqs, pages_per_seq, page_size, layout, kv_dtype, mesh,
                                            kv_memory_fraction)
         if num_pages < 1 + pages_per_seq:
+            drafts = f" and 2 x {draft_tokens} draft tokens" if draft_tokens else ""
             raise ValueError(f"Engine: num_pages must be >= {1 + pages_per_seq} (the null page and one sequence "
-                             f"of max_seq_len={max_seq_len}), got {num_pages}")
+                             f"of max_seq_len={max_seq_len}{drafts}), got {num_pages}")
         if max_seqs is None:
             max_seqs = min(MAX_SEQS_FROM_POOL, (num_pages - 1) // pages_per_seq)
         if max_step_tokens is None:
@@ -165,14 +186,15 @@ class Engine:
         self.model = model
         self.max_seqs, self.max_seq_len, self.max_step_tokens = max_seqs, max_seq_len, max_step_tokens
         self.page_size, self.num_pages, self.backend, self.overlap = page_size, num_pages, backend, overlap
-        self.max_logprobs, self.grammar_compiler = max_logprobs, grammar_compiler
+        self.max_logprobs, self.grammar_compiler, self.speculative = max_logprobs, grammar_compiler, speculative
         self.runner = StepRunner(model, max_seqs=max_seqs, num_pages=num_pages, page_size=page_size,
                                  pages_per_seq=pages_per_seq, max_step_tokens=max_step_tokens,
                                  prefill_chunk=prefill_chunk, layout=layout, kv_dtype=kv_dtype, mesh=mesh,
-                                 backend=backend, enable_prefix_caching=enable_prefix_caching)
+                                 backend=backend, enable_prefix_caching=enable_prefix_caching, drafter=speculative)
         self.scheduler = Scheduler(max_seqs=max_seqs, num_pages=num_pages, page_size=page_size,
                                    max_step_tokens=max_step_tokens, enable_prefix_caching=enable_prefix_caching,
-                                   prefill_chunk=prefill_chunk)
+                                   prefill_chunk=prefill_chunk, draft_tokens=draft_tokens,
+                                   seq_capacity=pages_per_seq * page_size)
         self._launched: collections.deque[_Launched] = collections.deque()
         self._previous_rows: dict[Request, int] = {}
         self.step_records: list[StepRecord] | None = [] if record_steps else None
@@ -346,7 +368,9 @@ class Engine:
         if not ok[:len(launched.schedule.rows)].all():
             raise RuntimeError("Engine: page allocation failed for a scheduled request (allocator bug)")
         logprobs = None if step.logprobs is None else functools.partial(jax.device_get, step.logprobs)
-        return self.scheduler.complete(launched.schedule, next_tokens, lambda: np.asarray(step.pages), logprobs)
+        drafts = None if step.drafts is None else functools.partial(jax.device_get, step.drafts)
+        return self.scheduler.complete(launched.schedule, next_tokens, lambda: np.asarray(step.pages), logprobs,
+                                       drafts)
 
     def warmup(self, *, sampled: bool = True) -> float:
         """Compiles the step for every shape in ``buckets`` (greedy; with ``sampled`` the sampling

@@ -36,8 +36,10 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 import jaxattn
 from jaxattn.models.base import Cache, PagedModel
+from jaxattn.metadata import token_sequences
 from jaxattn.sampling import SamplingBatch, SamplingParams, mask_logits, sample, token_logprobs
 from jaxattn.scheduler import Request, Schedule
+from jaxattn.speculative import SpeculativeConfig, ngram_drafts, verify_drafts
 from jaxattn.structured_output import Grammar, fill_masks, mask_words
 from jaxattn.sharding import tensor_parallel_mesh
 
@@ -62,7 +64,34 @@ class PrefixOps:
     attach: jax.Array
 
 
-StepFn = Callable[..., tuple[tuple[jax.Array, ...], jax.Array, jax.Array, list[Cache], jaxattn.PageTable]]
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class DraftState:
+    """A speculating engine's device state, by sequence slot (C: the page table's tokens per sequence).
+
+    Attributes:
+      history: int32[max_seqs, C], each sequence's tokens by position (its computed tokens and the
+        one sampled last), what ``speculative.ngram_drafts`` looks up.
+      next_inputs: int32[max_seqs, K + 1], each sequence's token sampled last and the K drafts that
+        follow it: a speculating row's inputs in the next step.
+    """
+
+    history: jax.Array
+    next_inputs: jax.Array
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class SpecRows:
+    """One step's speculating rows: ``src`` int32[T], where >= 0 the packed token is
+    ``DraftState.next_inputs.reshape(-1)[src]``; ``rows`` bool[R], the rows that verify drafts."""
+
+    src: jax.Array
+    rows: jax.Array
+
+
+StepFn = Callable[..., tuple[tuple[jax.Array, ...], jax.Array, jax.Array, list[Cache], jaxattn.PageTable,
+                             DraftState | None]]
 
 
 def make_engine_step(model: PagedModel) -> tuple[StepFn, list[jax.Array]]:
@@ -70,11 +99,16 @@ def make_engine_step(model: PagedModel) -> tuple[StepFn, list[jax.Array]]:
     flat list it takes.
 
     ``step(weights, caches, table, prev_tokens, release_ids, tokens, token_src, seq_ids, q_lens,
-    sampling=None, prefix=None, *, max_q_len, backend, logprobs=False, deferred=False)`` frees
-    ``release_ids`` (int32[max_seqs], -1 padding), appends ``q_lens`` tokens to sequences
-    ``seq_ids`` (int32[R], decodes first, -1 padding) and returns ``(picked, ok, pages, caches,
-    table)``; caches and table are donated. ``picked`` is ``pick_tokens``' ``(next_tokens,
-    step_logprobs)``, or with ``deferred`` what it takes: ``(logits [R, V], positions int32[R])``.
+    sampling=None, prefix=None, drafting=None, spec=None, *, max_q_len, backend, logprobs=False,
+    deferred=False, drafter=None)`` frees ``release_ids`` (int32[max_seqs], -1 padding), appends
+    ``q_lens`` tokens to sequences ``seq_ids`` (int32[R], decodes first, -1 padding) and returns
+    ``(picked, ok, pages, caches, table, drafting)``; caches, table and drafting are donated.
+    ``picked`` is ``pick_tokens``' ``(next_tokens, step_logprobs)``, or with ``deferred`` what it
+    takes: ``(logits [R, V], positions int32[R])``. With a ``drafter`` (a
+    ``speculative.SpeculativeConfig``; ``drafting`` its ``DraftState``, ``spec`` the step's
+    ``SpecRows``), ``picked`` adds ``(tokens int32[R, K + 1], accepted int32[R])``
+    (``speculative.verify_drafts``), the speculating rows' sequences are cut back to their kept
+    tokens, and every row that samples proposes its next drafts.
     ``tokens`` (int32[T]) are the rows' tokens packed; where ``token_src`` (int32[T]) is >= 0 the
     token is ``prev_tokens[token_src]`` instead (``prev_tokens``: the previous step's
     ``next_tokens``). Outputs: ``ok`` bool[R], its
@@ -95,12 +129,15 @@ def make_engine_step(model: PagedModel) -> tuple[StepFn, list[jax.Array]]:
 def _jitted_step(graphdef: nnx.GraphDef, treedef) -> StepFn:
     """One jitted step per model structure, shared by engines (and their compile caches)."""
 
-    @functools.partial(jax.jit, static_argnames=("max_q_len", "backend", "logprobs", "deferred"),
-                       donate_argnames=("caches", "table"))
+    @functools.partial(jax.jit, static_argnames=("max_q_len", "backend", "logprobs", "deferred", "drafter"),
+                       donate_argnames=("caches", "table", "drafting"))
     def step(weights, caches, table, prev_tokens, release_ids, tokens, token_src, seq_ids, q_lens, sampling=None,
-             prefix=None, *, max_q_len: int, backend: str, logprobs: bool = False, deferred: bool = False):
+             prefix=None, drafting=None, spec=None, *, max_q_len: int, backend: str, logprobs: bool = False,
+             deferred: bool = False, drafter: SpeculativeConfig | None = None):
         model = nnx.merge(graphdef, jax.tree.unflatten(treedef, weights))
         tokens = jnp.where(token_src >= 0, prev_tokens[jnp.maximum(token_src, 0)], tokens)
+        if drafter is not None:
+            tokens = jnp.where(spec.src >= 0, drafting.next_inputs.reshape(-1)[jnp.maximum(spec.src, 0)], tokens)
         if prefix is not None:
             table = table.mark_cached(prefix.mark)
         table = table.release(release_ids)
@@ -115,16 +152,60 @@ def _jitted_step(graphdef: nnx.GraphDef, treedef) -> StepFn:
         meta = table.metadata(seq_ids, q_lens, max_q_len=max_q_len)
         slots = table.slot_mapping(seq_ids, q_lens, tokens.shape[0])
         hidden, caches = model.forward_paged(tokens, caches, meta, slots, backend)
-        last = jnp.maximum(meta.cu_q_lens[1:] - 1, 0)
-        logits = model.logits(hidden[last])
-        if deferred:
-            picked = (logits, meta.kv_lens)
-        else:
-            picked = _pick(logits, meta.kv_lens, sampling, None, max_seqs=table.max_seqs, logprobs=logprobs)
         pages = _row_pages(table, seq_ids, q_lens, page_window(max_q_len, table.page_size))
-        return picked, ok, pages, caches, table
+        if drafter is not None:
+            drafting = _record_inputs(drafting, tokens, seq_ids, meta)
+        if deferred or drafter is None:
+            last = jnp.maximum(meta.cu_q_lens[1:] - 1, 0)
+            logits = model.logits(hidden[last])
+            if deferred:
+                picked = (logits, meta.kv_lens)
+            else:
+                picked = _pick(logits, meta.kv_lens, sampling, None, max_seqs=table.max_seqs, logprobs=logprobs)
+            return picked, ok, pages, caches, table, drafting
+        picked, table, drafting = _verify(model, hidden, tokens, seq_ids, meta, sampling, table, drafting,
+                                          spec.rows & (seq_ids >= 0), drafter, logprobs=logprobs)
+        return picked, ok, pages, caches, table, drafting
 
     return step
+
+
+def _record_inputs(drafting: DraftState, tokens: jax.Array, seq_ids: jax.Array, meta) -> DraftState:
+    """``drafting`` with the step's packed ``tokens`` written into ``history`` at their positions."""
+    ends = meta.cu_q_lens[1:]
+    token = jnp.arange(tokens.shape[0], dtype=jnp.int32)
+    seq = jnp.minimum(token_sequences(ends, tokens.shape[0]), seq_ids.shape[0] - 1)
+    position = meta.kv_lens[seq] - ends[seq] + token
+    rows = jnp.where((seq_ids[seq] >= 0) & (token < ends[seq]), seq_ids[seq], drafting.history.shape[0])
+    return dataclasses.replace(drafting, history=drafting.history.at[rows, position].set(tokens, mode="drop"))
+
+
+def _verify(model: PagedModel, hidden: jax.Array, tokens: jax.Array, seq_ids: jax.Array, meta,
+            sampling: SamplingBatch | None, table: jaxattn.PageTable, drafting: DraftState, speculating: jax.Array,
+            drafter: SpeculativeConfig, *, logprobs: bool) -> tuple[tuple, jaxattn.PageTable, DraftState]:
+    """A speculating step's tokens: each row's last K + 1 logits verify its drafts (the other rows
+    pick from their last, as without speculation), the speculating sequences are cut back to the
+    tokens they keep, and each row's next token and next drafts are recorded in ``drafting``.
+    Returns ``((next_tokens int32[max_seqs], step_logprobs, tokens int32[R, K + 1], accepted
+    int32[R]), table, drafting)``."""
+    k = drafter.num_drafts
+    rows = seq_ids.shape[0]
+    window = jnp.maximum(meta.cu_q_lens[1:, None] - (k + 1) + jnp.arange(k + 1)[None, :], 0)      # [R, K + 1]
+    logits = model.logits(hidden[window.reshape(-1)]).reshape(rows, k + 1, -1)
+    positions = meta.kv_lens[:, None] - k + jnp.arange(k + 1)[None, :]
+    out, accepted, next_tokens = verify_drafts(logits, tokens[window[:, 1:]], speculating, sampling, positions)
+    lengths = meta.kv_lens - jnp.where(speculating, k - accepted, 0)
+    table, _ = table.truncate(jnp.where(speculating, seq_ids, -1), lengths)
+    slot = jnp.where(seq_ids >= 0, seq_ids, table.max_seqs)
+    history = drafting.history.at[slot, lengths].set(next_tokens, mode="drop")
+    history_rows = history[jnp.maximum(seq_ids, 0)]
+    drafts = ngram_drafts(history_rows, jnp.minimum(lengths + 1, history.shape[1]), num_drafts=k, min_n=drafter.prompt_lookup_min,
+                          max_n=drafter.prompt_lookup_max)
+    next_inputs = drafting.next_inputs.at[slot].set(jnp.concatenate([next_tokens[:, None], drafts], axis=1),
+                                                    mode="drop")
+    step_logprobs = token_logprobs(logits[:, k], next_tokens) if logprobs else None
+    padded = jnp.zeros((table.max_seqs,), jnp.int32).at[:rows].set(next_tokens)
+    return (padded, step_logprobs, out, accepted), table, DraftState(history, next_inputs)
 
 
 def _pick(logits: jax.Array, positions: jax.Array, sampling: SamplingBatch | None, allowed: jax.Array | None, *,
@@ -195,15 +276,18 @@ class StepBuckets:
     rows: tuple[int, ...]
     tokens: tuple[int, ...]
     prefill_chunk: int | None = None      # the longest row of a mixed step (its max_q_len); None: its tokens
+    draft_tokens: int = 0                 # K of a speculating engine: its decode steps have rows of K + 1 tokens
 
     @classmethod
-    def default(cls, max_seqs: int, max_step_tokens: int, prefill_chunk: int | None = None) -> "StepBuckets":
+    def default(cls, max_seqs: int, max_step_tokens: int, prefill_chunk: int | None = None,
+                draft_tokens: int = 0) -> "StepBuckets":
         """Rows ``ROWS_BUCKET_FROM`` (256), doubling, up to ``max_seqs``; tokens ``max(max_seqs,
         64)``, doubling, up to ``max_step_tokens``. Up to about 256 rows a decode step's GEMMs read
         the weights in the same time whatever the rows, and padding rows cost attention nothing,
-        so smaller decode buckets would only add compiles (10-20 s each for Llama-3-8B on an H100)."""
+        so smaller decode buckets would only add compiles (10-20 s each for Llama-3-8B on an H100).
+        With ``draft_tokens`` K, a decode step of b rows has room for b (K + 1) tokens."""
         return cls(buckets(ROWS_BUCKET_FROM, max_seqs) if max_seqs > ROWS_BUCKET_FROM else (max_seqs,),
-                   buckets(max(max_seqs, 64), max_step_tokens), prefill_chunk)
+                   buckets(max(max_seqs, 64), max_step_tokens), prefill_chunk, draft_tokens)
 
     def _shape(self, rows: int, tokens: int, max_q_len: int) -> StepShape:
         if max_q_len > 1 and self.prefill_chunk:
@@ -213,15 +297,18 @@ class StepBuckets:
     def shape(self, schedule: Schedule) -> StepShape:
         """The shape that runs ``schedule``: the smallest bucket that holds it."""
         if not schedule.mixed:
-            rows = next(b for b in self.rows if b >= len(schedule.rows))
-            return self._shape(rows, rows, 1)
+            return self._decode_shape(next(b for b in self.rows if b >= len(schedule.rows)))
         tokens = next(b for b in self.tokens if b >= schedule.num_tokens)
         return self._shape(self.rows[-1], tokens, tokens)
+
+    def _decode_shape(self, rows: int) -> StepShape:
+        width = 1 + self.draft_tokens
+        return StepShape(rows, rows * width, width)
 
     @property
     def shapes(self) -> list[StepShape]:
         """Every shape, decode-only then mixed."""
-        return [self._shape(b, b, 1) for b in self.rows] + [self._shape(self.rows[-1], b, b) for b in self.tokens]
+        return [self._decode_shape(b) for b in self.rows] + [self._shape(self.rows[-1], b, b) for b in self.tokens]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -239,6 +326,7 @@ class StepInputs:
       logprobs: a row asks for its token's logprobs (the step computes them for every row).
       grammars: ``(grammar, row)`` of each row that samples under a grammar.
       deferred: the step's tokens are picked apart (``StepRunner.pick``): it has such a row.
+      spec: the speculating rows and where their tokens come from (a speculating engine's; else None).
     """
 
     shape: StepShape
@@ -252,6 +340,7 @@ class StepInputs:
     logprobs: bool = False
     grammars: list[tuple[Grammar, int]] = dataclasses.field(default_factory=list)
     deferred: bool = False
+    spec: SpecRows | None = None
 
 
 def _padded(values: list[int], size: int) -> np.ndarray:
@@ -262,19 +351,29 @@ def _padded(values: list[int], size: int) -> np.ndarray:
 
 
 def pack_step(schedule: Schedule, shape: StepShape, *, max_seqs: int, page_size: int, max_pages_per_seq: int,
-              step_pages: int | None, previous_rows: Mapping[Request, int]) -> StepInputs:
+              step_pages: int | None, previous_rows: Mapping[Request, int], draft_tokens: int | None = None
+              ) -> StepInputs:
     """The operands of the step that runs ``schedule`` at ``shape``. ``step_pages`` is the fixed
     length of the mark and evict lists (the most pages one step may cache or evict; None:
     no prefix caching); ``previous_rows`` maps the requests of the previous step's sampling rows
-    to their row there (where a pending token comes from)."""
+    to their row there (where a pending token comes from); ``draft_tokens``: K of a speculating
+    engine (its rows with drafts take their K + 1 tokens from ``DraftState.next_inputs``)."""
     tokens = np.zeros(shape.tokens, np.int32)
     token_src = np.full(shape.tokens, -1, np.int32)
     seq_ids = np.full(shape.rows, -1, np.int32)
     q_lens = np.zeros(shape.rows, np.int32)
+    spec = None
+    if draft_tokens is not None:
+        spec = SpecRows(np.full(shape.tokens, -1, np.int32), np.zeros(shape.rows, bool))
     offset = 0
     for i, row in enumerate(schedule.rows):
         r = row.request
         seq_ids[i], q_lens[i] = r.slot, row.count
+        if row.drafts:
+            spec.src[offset:offset + row.count] = r.slot * (draft_tokens + 1) + np.arange(row.count)
+            spec.rows[i] = True
+            offset += row.count
+            continue
         known = min(row.start + row.count, r.num_known) - row.start
         tokens[offset:offset + known] = r.tokens_between(row.start, row.start + known)
         if known < row.count:       # the token the previous step sampled, still on the device
@@ -302,7 +401,7 @@ def pack_step(schedule: Schedule, shape: StepShape, *, max_seqs: int, page_size:
         prefix = PrefixOps(mark=_padded(schedule.mark, step_pages), evict=_padded(schedule.evicted, step_pages),
                            attach=attach)
     return StepInputs(shape, _padded(schedule.release, max_seqs), tokens, token_src, seq_ids, q_lens, sampling,
-                      prefix, logprobs, grammars, bool(grammars))
+                      prefix, logprobs, grammars, bool(grammars), spec)
 
 
 @dataclasses.dataclass
@@ -310,8 +409,10 @@ class StepRecord:
     """What one step computed and when (``Engine(record_steps=True)``), for serving benchmarks.
 
     Attributes:
-      rows, decode_rows: step rows with work, and those of one token.
-      tokens, prefill_tokens: tokens computed, and those in rows of more than one token.
+      rows, decode_rows: step rows with work, and those of one token (and its drafts).
+      tokens, prefill_tokens: tokens computed, and those of prompt chunks (rows of more than one
+        token that are not a token and its drafts).
+      draft_tokens: draft tokens verified.
       context_tokens: sum over rows of the sequence length after the step (the keys attention reads).
       attention_pairs: sum over the step's tokens of the keys each attends to (causal).
       padded_rows, padded_tokens: the compiled shape that ran it.
@@ -328,18 +429,20 @@ class StepRecord:
     padded_rows: int
     padded_tokens: int
     t_start: float
+    draft_tokens: int = 0
     t_launched: float = 0.0
     t_done: float = 0.0
 
     @classmethod
     def of(cls, schedule: Schedule, shape: StepShape, t_start: float) -> "StepRecord":
         rows = schedule.rows
-        decodes = sum(row.count == 1 for row in rows)
+        decodes = sum(row.count - row.drafts == 1 for row in rows)
         return cls(rows=len(rows), decode_rows=decodes, tokens=schedule.num_tokens,
-                   prefill_tokens=sum(row.count for row in rows if row.count > 1),
+                   prefill_tokens=sum(row.count for row in rows if row.count - row.drafts > 1),
                    context_tokens=sum(row.start + row.count for row in rows),
                    attention_pairs=sum(row.count * row.start + row.count * (row.count + 1) // 2 for row in rows),
-                   padded_rows=shape.rows, padded_tokens=shape.tokens, t_start=t_start)
+                   padded_rows=shape.rows, padded_tokens=shape.tokens, t_start=t_start,
+                   draft_tokens=sum(row.drafts for row in rows))
 
 
 class StepRunner:
@@ -350,23 +453,31 @@ class StepRunner:
     the ``Engine`` keeps the requests, the scheduler and the loop.
 
     With a ``mesh``, the weights are placed for tensor parallelism, the caches split by KV heads
-    and the table and tokens replicated (``Engine``'s docstring).
+    and the table and tokens replicated (``Engine``'s docstring). With a ``drafter``, the step
+    speculates (``jaxattn.speculative``) over a ``DraftState``, replicated too.
     """
 
     def __init__(self, model: PagedModel, *, max_seqs: int, num_pages: int, page_size: int, pages_per_seq: int,
                  max_step_tokens: int, prefill_chunk: int | None, layout: str, kv_dtype, mesh: Mesh | None,
-                 backend: str, enable_prefix_caching: bool):
+                 backend: str, enable_prefix_caching: bool, drafter: SpeculativeConfig | None = None):
         self.max_seqs, self.backend, self.vocab_size = max_seqs, backend, model.cfg.vocab_size
+        self.drafter = drafter
         self._step, self._weights = make_engine_step(model)
         self.caches = model.init_caches(num_pages, page_size, layout, kv_dtype, mesh=mesh)
         self.table = jaxattn.PageTable.create(num_pages, max_seqs, pages_per_seq, page_size)
         self.prev_tokens = jnp.zeros((max_seqs,), jnp.int32)
+        self.drafting = None
+        if drafter is not None:
+            self.drafting = DraftState(jnp.zeros((max_seqs, pages_per_seq * page_size), jnp.int32),
+                                       jnp.zeros((max_seqs, drafter.num_drafts + 1), jnp.int32))
         self._unpicked: StepLaunch | None = None   # a deferred step launched and not picked yet
         if mesh is not None:
             replicated = NamedSharding(tensor_parallel_mesh(mesh)[0], PartitionSpec())
             self._weights = jax.device_put(self._weights, jax.tree.leaves(model.param_shardings(mesh)))
-            self.table, self.prev_tokens = jax.device_put((self.table, self.prev_tokens), replicated)
-        self.buckets = StepBuckets.default(max_seqs, max_step_tokens, prefill_chunk)
+            self.table, self.prev_tokens, self.drafting = jax.device_put(
+                (self.table, self.prev_tokens, self.drafting), replicated)
+        self.buckets = StepBuckets.default(max_seqs, max_step_tokens, prefill_chunk,
+                                           drafter.num_drafts if drafter else 0)
         # pages one step may allocate (rows of one page, plus its prompt chunks' pages) or cache
         self.step_pages = max_seqs + max_step_tokens // page_size + 1 if enable_prefix_caching else None
 
@@ -379,7 +490,12 @@ class StepRunner:
         shape = self.buckets.shape(schedule)
         inputs = pack_step(schedule, shape, max_seqs=self.max_seqs, page_size=self.table.page_size,
                            max_pages_per_seq=self.table.max_pages_per_seq, step_pages=self.step_pages,
-                           previous_rows=previous_rows)
+                           previous_rows=previous_rows, draft_tokens=self.drafter and self.drafter.num_drafts)
+        if self.drafter is not None:
+            for row in schedule.rows:           # its cached prompt pages are not computed: their tokens for lookup
+                if row.request in schedule.admitted and row.start > 0:
+                    self.drafting = _write_history(self.drafting, row.request.slot,
+                                                   _history_row(row.request, self.drafting.history.shape[1]))
         return self._launch(inputs)
 
     def pick(self, launch: "StepLaunch") -> None:
@@ -395,7 +511,9 @@ class StepRunner:
 
     def _launch(self, inputs: StepInputs) -> "StepLaunch":
         args, kwargs = self._operands(inputs)
-        picked, ok, pages, self.caches, self.table = self._step(*args, **kwargs)
+        picked, ok, pages, self.caches, self.table, drafting = self._step(*args, **kwargs)
+        if self.drafter is not None:
+            self.drafting = drafting
         ok.copy_to_host_async()
         launch = StepLaunch(inputs, ok, pages)
         if inputs.deferred:
@@ -404,11 +522,13 @@ class StepRunner:
             self._picked(launch, *picked)
         return launch
 
-    def _picked(self, launch: "StepLaunch", next_tokens: jax.Array, step_logprobs: tuple[jax.Array, ...] | None
-                ) -> None:
-        for output in (next_tokens, *(step_logprobs or ())):
+    def _picked(self, launch: "StepLaunch", next_tokens: jax.Array, step_logprobs: tuple[jax.Array, ...] | None,
+                *drafts: jax.Array) -> None:
+        """Records a step's tokens (``drafts``: a speculating step's ``(tokens, accepted)``)."""
+        for output in (next_tokens, *(step_logprobs or ()), *drafts):
             output.copy_to_host_async()
         launch.next_tokens, launch.logprobs, launch.row_logits = next_tokens, step_logprobs, None
+        launch.drafts = drafts or None
         self.prev_tokens, self._unpicked = next_tokens, None
 
     def warmup(self, *, sampled: bool = True, logprobs: bool = False, masked: bool = False) -> None:
@@ -451,9 +571,12 @@ class StepRunner:
         sampling = None
         if sampled:
             sampling = SamplingBatch.from_params([SamplingParams(temperature=1.0)] * shape.rows, [0] * shape.rows)
+        spec = None
+        if self.drafter is not None:
+            spec = SpecRows(np.full(shape.tokens, -1, np.int32), np.zeros(shape.rows, bool))
         return StepInputs(shape, np.full(self.max_seqs, -1, np.int32), np.zeros(shape.tokens, np.int32),
                           np.full(shape.tokens, -1, np.int32), np.full(shape.rows, -1, np.int32),
-                          np.zeros(shape.rows, np.int32), sampling, prefix, logprobs, [], masked)
+                          np.zeros(shape.rows, np.int32), sampling, prefix, logprobs, [], masked, spec)
 
     def _operands(self, inputs: StepInputs) -> tuple[tuple, dict]:
         """The step's arguments: the device state, then ``inputs`` (a deferred step takes neither
@@ -461,16 +584,30 @@ class StepRunner:
         deferred = inputs.deferred
         return ((self._weights, self.caches, self.table, self.prev_tokens, inputs.release_ids, inputs.tokens,
                  inputs.token_src, inputs.seq_ids, inputs.q_lens, None if deferred else inputs.sampling,
-                 inputs.prefix),
+                 inputs.prefix, self.drafting, inputs.spec),
                 dict(max_q_len=inputs.shape.max_q_len, backend=self.backend, logprobs=inputs.logprobs and not deferred,
-                     deferred=deferred))
+                     deferred=deferred, drafter=self.drafter))
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def _write_history(drafting: DraftState, slot: int, tokens: jax.Array) -> DraftState:
+    """``drafting`` with ``tokens`` (int32[C]) as sequence ``slot``'s history."""
+    return dataclasses.replace(drafting, history=drafting.history.at[slot].set(tokens))
+
+
+def _history_row(request: Request, capacity: int) -> np.ndarray:
+    """int32[capacity]: ``request``'s known tokens, then zeros."""
+    row = np.zeros(capacity, np.int32)
+    row[:request.num_known] = request.tokens
+    return row
 
 
 @dataclasses.dataclass
 class StepLaunch:
     """A launched step: its ``inputs``, its outputs on the device (``ok``, ``pages``), and its
-    tokens (``next_tokens``, ``logprobs``: ``make_engine_step``'s), None while a deferred step
-    waits for ``StepRunner.pick`` (its ``row_logits`` meanwhile)."""
+    tokens (``next_tokens``, ``logprobs``: ``make_engine_step``'s; ``drafts``: a speculating
+    step's ``(tokens, accepted)``), None while a deferred step waits for ``StepRunner.pick`` (its
+    ``row_logits`` meanwhile)."""
 
     inputs: StepInputs
     ok: jax.Array
@@ -478,6 +615,7 @@ class StepLaunch:
     next_tokens: jax.Array | None = None
     logprobs: tuple[jax.Array, ...] | None = None
     row_logits: tuple[jax.Array, jax.Array] | None = None
+    drafts: tuple[jax.Array, jax.Array] | None = None
 
     @property
     def shape(self) -> StepShape:

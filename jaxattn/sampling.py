@@ -192,8 +192,15 @@ def _top_k(x: jax.Array, k: int, block: int = 128) -> tuple[jax.Array, jax.Array
 
 
 def _sample(logits: jax.Array, params: SamplingBatch, positions: jax.Array) -> jax.Array:
+    return gumbel_argmax(filtered_logits(logits, params), params.seed, positions)
+
+
+def filtered_logits(logits: jax.Array, params: SamplingBatch) -> jax.Array:
+    """float32 ``logits`` [B, V] divided by each row's temperature, -inf outside its top-k and
+    top-p: the softmax of the result is the distribution a sampled row draws from (its stop
+    tokens banned by the caller)."""
     vocab = logits.shape[-1]
-    scaled = logits / jnp.maximum(params.temperature, GREEDY_TEMPERATURE)[:, None]
+    scaled = logits.astype(jnp.float32) / jnp.maximum(params.temperature, GREEDY_TEMPERATURE)[:, None]
 
     def top_k(scaled):
         k = jnp.where(params.top_k > 0, jnp.minimum(params.top_k, vocab), vocab)
@@ -208,12 +215,19 @@ def _sample(logits: jax.Array, params: SamplingBatch, positions: jax.Array) -> j
         return jnp.where((keys >= cut[:, None]) | (params.top_p[:, None] >= 1.0), scaled, -jnp.inf)
 
     scaled = _unless(jnp.all((params.top_k <= 0) | (params.top_k >= vocab)), lambda: top_k(scaled), lambda: scaled)
-    scaled = _unless(jnp.all(params.top_p >= 1.0), lambda: top_p(scaled), lambda: scaled)
+    return _unless(jnp.all(params.top_p >= 1.0), lambda: top_p(scaled), lambda: scaled)
+
+
+def gumbel_argmax(scaled: jax.Array, seeds: jax.Array, positions: jax.Array) -> jax.Array:
+    """int32[B]: a draw from each row's ``softmax(scaled)`` [B, V] (the Gumbel-max trick), its
+    noise from ``fold_in(key(seed), position)``: a token's draw depends on its request's seed and
+    its position only."""
+    vocab = scaled.shape[-1]
 
     def gumbel(seed, position):
         return jax.random.gumbel(jax.random.fold_in(jax.random.key(seed), position), (vocab,), jnp.float32)
 
-    noise = jax.vmap(gumbel)(params.seed, positions)
+    noise = jax.vmap(gumbel)(seeds, positions)
     return jnp.argmax(scaled + noise, axis=-1).astype(jnp.int32)
 
 

@@ -70,6 +70,10 @@ class Request:
     prefill_after: Request | None = None
     # with sampling.structured_outputs: its grammar, advanced by each output token
     grammar: Grammar | None = None
+    # speculation: the drafts of its rows in flight (their kept count is not known yet), and whether
+    # the step that sampled its last token proposed its next drafts (a step with a grammar row does not)
+    in_flight_drafts: int = 0
+    drafts_ready: bool = False
 
     @property
     def done(self) -> bool:
@@ -189,12 +193,15 @@ class PagePool:
 @dataclasses.dataclass(frozen=True)
 class Row:
     """One step row: ``count`` tokens of ``request`` from position ``start``; ``samples``: the row
-    reaches the request's last token, so the step samples its next one."""
+    reaches the request's last token, so the step samples its next one. A speculating row is its
+    pending token and ``drafts`` draft tokens (``count = 1 + drafts``), proposed on the device; its
+    ``start`` is a lower bound while an earlier row's kept drafts are not known."""
 
     request: Request
     start: int
     count: int
     samples: bool
+    drafts: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -217,8 +224,8 @@ class Schedule:
 
     @property
     def mixed(self) -> bool:
-        """Whether a row computes more than one token (a prefill chunk)."""
-        return any(row.count > 1 for row in self.rows)
+        """Whether a row computes a prompt chunk (more than one token that are not a token and its drafts)."""
+        return any(row.count - row.drafts > 1 for row in self.rows)
 
     @property
     def num_tokens(self) -> int:
@@ -241,19 +248,29 @@ class Scheduler:
     every decode fits), and at most ``prefill_chunk`` prompt tokens of one request per step
     (default: ``max_step_tokens``).
 
+    With ``draft_tokens`` K > 0 (speculation, ``jaxattn.speculative``), a decode row carries K
+    drafts when the request can take them (``_can_speculate``) and the step's token budget has
+    room. The host learns how many drafts a row kept one step late, so it counts a speculating
+    row as one token (``computed`` is then a lower bound, raised when the row completes) and
+    holds pages for the drafts of the rows in flight too (the device cuts a sequence back to its
+    kept tokens, so it never holds more pages than the host counts; ``seq_capacity``, the tokens
+    a sequence may reach on the device, bounds the rows).
+
     ``stats`` counts prompt tokens, cached tokens (prompt tokens a request found in the cache when
     admitted, again when re-admitted after a preemption), computed tokens (all tokens the steps
     ran), evicted pages and preemptions.
     """
 
     def __init__(self, *, max_seqs: int, num_pages: int, page_size: int, max_step_tokens: int,
-                 enable_prefix_caching: bool, prefill_chunk: int | None = None):
+                 enable_prefix_caching: bool, prefill_chunk: int | None = None, draft_tokens: int = 0,
+                 seq_capacity: int | None = None):
         if max_step_tokens < max_seqs:
             raise ValueError(f"Scheduler: max_step_tokens must be >= max_seqs={max_seqs} (every decode fits in a "
                              f"step), got {max_step_tokens}")
         self.page_size, self.max_step_tokens = page_size, max_step_tokens
         self.prefill_chunk = prefill_chunk or max_step_tokens
         self.enable_prefix_caching = enable_prefix_caching
+        self.draft_tokens, self.seq_capacity = draft_tokens, seq_capacity
         self.pool = PagePool(num_pages)
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []             # in order of admission
@@ -286,8 +303,16 @@ class Scheduler:
         request.finish_reason = "abort"
 
     def _new_pages(self, request: Request, count: int) -> int:
-        """Pages ``request`` needs to compute ``count`` more tokens."""
-        return -(-(request.computed + count) // self.page_size) - len(request.blocks)
+        """Pages ``request`` needs to compute ``count`` more tokens (after the drafts in flight)."""
+        return -(-(request.computed + request.in_flight_drafts + count) // self.page_size) - len(request.blocks)
+
+    def _can_speculate(self, request: Request) -> bool:
+        """Whether a decode of ``request`` may carry drafts: its drafts were proposed, it has no
+        grammar, asks for no logprobs, holds no stop token back, and its drafts fit its sequence."""
+        k = self.draft_tokens
+        return (k > 0 and request.drafts_ready and request.grammar is None and request.sampling.logprobs is None
+                and len(request.output) + request.pending >= request.sampling.min_tokens
+                and request.computed + request.in_flight_drafts + k + 1 <= self.seq_capacity)
 
     def schedule(self) -> Schedule | None:
         """This step's work (None: nothing to compute, free or cache). A request whose last token
@@ -303,7 +328,7 @@ class Scheduler:
         for request in list(self.running):
             if request.sampled_all and self._registered_all(request):
                 self._finish(request)                 # its last token is in flight: free its slot now
-        rows: list[tuple[Request, int]] = []
+        rows: list[tuple[Request, int, int]] = []          # (request, tokens, drafts)
         budget = self.max_step_tokens - sum(todo(r) == 1 for r in self.running)
         need, preempted = 0, False
         for request in list(self.running):
@@ -313,6 +338,9 @@ class Scheduler:
             count = left if left <= 1 else min(left, budget, self.prefill_chunk)
             if count == 0:
                 continue
+            drafts = self.draft_tokens if left == 1 and budget >= self.draft_tokens and \
+                self._can_speculate(request) else 0
+            count += drafts
             while self._new_pages(request, count) > self.pool.available - need:
                 victim = self.running[-1]
                 self._preempt(victim)
@@ -321,9 +349,9 @@ class Scheduler:
                     break
             if request not in self.running:
                 break
-            rows.append((request, count))
+            rows.append((request, count, drafts))
             need += self._new_pages(request, count)
-            budget -= count if left > 1 else 0
+            budget -= count if left > 1 else drafts
         admitted, held_back = [], []
         while not preempted and self.waiting and self._free_slots and budget > 0:
             request = self.waiting[0]
@@ -343,23 +371,33 @@ class Scheduler:
             request.slot, request.keys, request.registered = self._free_slots.pop(), keys, len(request.blocks)
             self.running.append(request)
             admitted.append(request)
-            rows.append((request, count))
+            rows.append((request, count, 0))
             need += self._new_pages(request, count)
             budget -= count
             self.stats["cached_tokens"] += min(request.computed, request.prompt.size)
         self.waiting.extendleft(reversed(held_back))
         if not rows and not (self.to_release or self.to_mark):
             return None
+        # a row under a grammar that samples defers the step's picks, which verify no drafts
+        deferred = any(r.grammar is not None and r.computed + count - drafts == r.num_tokens
+                       for r, count, drafts in rows)
+        if deferred and any(drafts for _, _, drafts in rows):
+            rows = [(r, count - drafts, 0) for r, count, drafts in rows]
+            need = sum(self._new_pages(r, count) for r, count, _ in rows)
         evicted = self.pool.allocate(need)
         self.stats["evicted_pages"] += len(evicted)
         step_rows = []
-        for request, count in sorted(rows, key=lambda row: row[1] > 1):     # one-token rows (decodes) first
+        # one-token rows (decodes) first, then decodes with drafts, then prompt chunks
+        for request, count, drafts in sorted(rows, key=lambda row: (row[1] - row[2] > 1, row[2] > 0)):
             request.blocks += [0] * self._new_pages(request, count)
             start = request.computed
-            request.computed += count
+            request.computed += count - drafts
             samples = request.computed == request.num_tokens
             request.pending += samples
-            step_rows.append(Row(request, start, count, samples))
+            request.in_flight_drafts += drafts
+            if samples:
+                request.drafts_ready = not deferred
+            step_rows.append(Row(request, start, count, samples, drafts))
             self.stats["computed_tokens"] += count
         schedule = Schedule(step_rows, admitted, evicted, self.to_release, self.to_mark)
         self.to_release, self.to_mark = [], []
@@ -396,33 +434,50 @@ class Scheduler:
         request.blocks, request.slot = [], -1
 
     def complete(self, schedule: Schedule, next_tokens: np.ndarray, pages: Callable[[], np.ndarray],
-                 logprobs: Callable[[], tuple[np.ndarray, ...]] | None = None) -> list[tuple[Request, list[int]]]:
+                 logprobs: Callable[[], tuple[np.ndarray, ...]] | None = None,
+                 drafts: Callable[[], tuple[np.ndarray, np.ndarray]] | None = None) -> list[tuple[Request, list[int]]]:
         """Applies the step that ran ``schedule``: ``next_tokens`` (int32[>= rows], per step row)
         are appended to the requests of the rows that sampled (dropped for requests that ended
         meanwhile), finished requests released, and (with prefix caching) the prompt pages the
         step filled cached, their ids read from ``pages()`` (int32[rows, W]: per row, the page
         ids from the one holding its first token on; read only when needed). ``logprobs()``
         (``sampling.token_logprobs``' arrays, per row) gives the entries of requests that ask
-        for them. Returns ``(request, new tokens)`` of each request that got some."""
+        for them; ``drafts()`` (``speculative.verify_drafts``' tokens int32[rows, K + 1] and
+        accepted int32[rows]) the tokens of speculating rows, their kept drafts then the model's
+        token (those past a stop token or ``max_new_tokens`` are dropped). Returns ``(request,
+        new tokens)`` of each request that got some."""
         if self.enable_prefix_caching:
             self._register(schedule.rows, pages)
         events = []
-        step_logprobs = None                         # read once, if a row asks
+        step_logprobs = step_drafts = None           # read once, if a row needs them
         for i, row in enumerate(schedule.rows):
             r = row.request
             if not row.samples:
                 continue
             r.pending -= 1
+            r.in_flight_drafts -= row.drafts
             if r.done:                               # stopped or aborted while this row ran
                 continue
+            new = [int(next_tokens[i])]
+            if row.drafts:
+                if step_drafts is None:
+                    step_drafts = drafts()
+                kept = int(step_drafts[1][i])
+                new = step_drafts[0][i, :kept + 1].tolist()
+                if r.slot >= 0:                      # else preempted while this row ran: it recomputes
+                    r.computed += kept
             if r.sampling.logprobs is not None:
                 if step_logprobs is None:
                     step_logprobs = logprobs()
                 chosen, top_ids, top_logprobs = step_logprobs
                 top = zip(top_ids[i, :r.sampling.logprobs].tolist(), top_logprobs[i, :r.sampling.logprobs].tolist())
                 r.logprobs.append(TokenLogprobs(float(chosen[i]), tuple(top)))
-            r._append(int(next_tokens[i]))
-            events.append((r, r.output[-1:]))
+            appended = len(r.output)
+            for token in new:
+                r._append(token)
+                if r.done:
+                    break
+            events.append((r, r.output[appended:]))
             if r.done:
                 if r in self.running:
                     self._finish(r)

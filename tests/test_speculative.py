@@ -1,0 +1,249 @@
+"""Speculative decoding: the configuration, the n-gram drafter, draft verification (greedy and
+rejection sampling, its distribution), and the engine with speculation (the same greedy tokens as
+without, through stop tokens, prefix caching, preemption, abort and the overlapped loop)."""
+
+from __future__ import annotations
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from scipy.stats import chisquare
+
+from jaxattn.engine import Engine
+from jaxattn.models.llama import PRESETS, Llama
+from jaxattn.sampling import SamplingBatch, SamplingParams, sample
+from jaxattn.speculative import MAX_SPECULATIVE_TOKENS, SpeculativeConfig, ngram_drafts, verify_drafts
+
+
+def ngram(k: int, lookup_max: int = 3, lookup_min: int = 1) -> dict:
+    return {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": lookup_max,
+            "prompt_lookup_min": lookup_min}
+
+
+def test_config_defaults_and_parsing():
+    """vLLM's rules: both lookups 5 when neither is given, else the one given for both; dicts and
+    JSON text parse to the same config."""
+    assert SpeculativeConfig(num_speculative_tokens=3).prompt_lookup_max == 5
+    only_max = SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 4})
+    assert (only_max.prompt_lookup_min, only_max.prompt_lookup_max) == (4, 4)
+    only_min = SpeculativeConfig.parse(json.dumps({"method": "ngram", "prompt_lookup_min": 2}))
+    assert (only_min.prompt_lookup_min, only_min.prompt_lookup_max) == (2, 2)
+    assert SpeculativeConfig.parse(json.dumps(ngram(3))) == SpeculativeConfig.parse(ngram(3)) == \
+        SpeculativeConfig("ngram", 3, 3, 1)
+
+
+@pytest.mark.parametrize("value, match", [
+    ({"method": "eagle", "num_speculative_tokens": 2}, "method must be one of"),
+    ({"method": "draft_model", "model": "x"}, "unknown field"),
+    ({"method": "draft_model"}, "draft model is not implemented"),
+    ({"num_speculative_tokens": 2}, "method is required"),
+    ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens must be an int in"),
+    ({"method": "ngram", "num_speculative_tokens": MAX_SPECULATIVE_TOKENS + 1}, "num_speculative_tokens"),
+    ({"method": "ngram", "num_speculative_tokens": 2.0}, "num_speculative_tokens"),
+    ({"method": "ngram", "prompt_lookup_max": 0}, "prompt_lookup_max must be None or an int >= 1"),
+    ({"method": "ngram", "prompt_lookup_max": 2, "prompt_lookup_min": 3}, "prompt_lookup_min must be <="),
+    ({"method": "ngram", "speculative_tokens": 2}, r"unknown field\(s\) \['speculative_tokens'\]"),
+    ("{not json", "not valid JSON"),
+    ([1, 2], "expected a dict"),
+])
+def test_bad_configs_name_the_field(value, match):
+    with pytest.raises(ValueError, match=match):
+        SpeculativeConfig.parse(value)
+
+
+def test_bad_speculative_argument_of_engine():
+    model = Llama(PRESETS["tiny"], nnx.Rngs(0))
+    with pytest.raises(ValueError, match="Engine: speculative: SpeculativeConfig: num_speculative_tokens"):
+        Engine(model, max_seqs=2, max_seq_len=32, backend="xla", speculative={"method": "ngram",
+                                                                               "num_speculative_tokens": -1})
+    with pytest.raises(ValueError, match="prefill_chunk must be >= num_speculative_tokens \\+ 1 = 5"):
+        Engine(model, max_seqs=2, max_seq_len=32, backend="xla", prefill_chunk=4, speculative=ngram(4))
+
+
+def test_ngram_drafts():
+    """The longest suffix match at its latest earlier occurrence, continued periodically; with no
+    match, the last token repeated; tokens past a row's length are never read."""
+    history = jnp.asarray([[1, 2, 3, 4, 1, 2, 3, 9, 9, 9],
+                           [5, 6, 5, 6, 5, 9, 9, 9, 9, 9],
+                           [7, 8, 9, 8, 9, 9, 9, 9, 9, 9],
+                           [1, 2, 1, 3, 1, 2, 0, 0, 0, 0],
+                           [4, 0, 0, 0, 0, 0, 0, 0, 0, 0]], jnp.int32)
+    drafts = ngram_drafts(history, jnp.asarray([7, 5, 3, 6, 1]), num_drafts=4, min_n=1, max_n=3)
+    assert drafts.tolist() == [[4, 1, 2, 3],     # "1 2 3" seen at 0: what followed it
+                               [6, 5, 6, 5],     # "5 6 5" at 0..2, period 2
+                               [9, 9, 9, 9],     # no earlier 9: the last token
+                               [1, 3, 1, 2],     # "1 2" at 0 (the longest), not "2" alone
+                               [4, 4, 4, 4]]
+    longer = ngram_drafts(history[3:4], jnp.asarray([6]), num_drafts=2, min_n=3, max_n=3)
+    assert longer.tolist() == [[2, 2]]           # "1 3 1 2" has no earlier "3 1 2"
+
+
+def test_greedy_verification_keeps_the_argmax_prefix():
+    rng = np.random.default_rng()
+    logits = jnp.asarray(rng.normal(size=(3, 4, 16)), jnp.float32)
+    best = np.asarray(jnp.argmax(logits, -1))
+    drafts = np.stack([best[0, :3], [best[1, 0], (best[1, 1] + 1) % 16, best[1, 2]], best[2, :3]]).astype(np.int32)
+    speculating = jnp.asarray([True, True, False])
+    positions = jnp.zeros((3, 4), jnp.int32)
+    tokens, accepted, next_tokens = verify_drafts(logits, jnp.asarray(drafts), speculating, None, positions)
+    assert accepted.tolist() == [3, 1, 0]
+    assert next_tokens.tolist() == [best[0, 3], best[1, 1], best[2, 3]]
+    assert tokens[0].tolist() == best[0].tolist() and tokens[1, :2].tolist() == best[1, :2].tolist()
+    assert tokens[2, 0] == best[2, 3]
+
+
+def test_rows_without_drafts_sample_as_the_sampler():
+    """A row that does not speculate draws exactly the token ``sample`` draws at its last position
+    (greedy and sampled rows, with banned tokens)."""
+    rng = np.random.default_rng()
+    rows, k, vocab = 6, 3, 40
+    logits = jnp.asarray(rng.normal(size=(rows, k + 1, vocab)) * 2, jnp.float32)
+    params = [SamplingParams(temperature=t, top_k=tk, top_p=tp, stop_token_ids=(3, 5), min_tokens=2)
+              for t, tk, tp in ((0.0, 0, 1.0), (1.0, 0, 1.0), (0.7, 5, 1.0), (1.3, 0, 0.8), (1.0, 8, 0.9),
+                                (0.5, 0, 1.0))]
+    batch = SamplingBatch.from_params(params, list(rng.integers(0, 2**32, size=rows)), [0, 1, 2, 0, 1, 5])
+    positions = jnp.asarray(rng.integers(0, 100, size=(rows, 1)) + np.arange(k + 1), jnp.int32)
+    drafts = jnp.asarray(rng.integers(0, vocab, size=(rows, k)), jnp.int32)
+    _, accepted, next_tokens = verify_drafts(logits, drafts, jnp.zeros(rows, bool), batch, positions)
+    assert accepted.tolist() == [0] * rows
+    assert next_tokens.tolist() == sample(logits[:, k], batch, positions[:, k]).tolist()
+
+
+def test_rejection_sampling_keeps_the_model_distribution():
+    """Sampled rows with fixed drafts (a drafter certain of them): the first token is distributed
+    as the model's p_0 and, after a kept first draft, the second as p_1 (chi-square over 20k
+    fixed seeds, p > 0.01); the kept count is as often 0 as 1 - p_0(draft)."""
+    vocab, k, n = 6, 2, 20000
+    logits = jnp.asarray(np.random.default_rng(7).normal(size=(k + 1, vocab)) * 1.5, jnp.float32)
+    probs = np.asarray(jax.nn.softmax(logits, -1), np.float64)
+    probs /= probs.sum(-1, keepdims=True)
+    batch = SamplingBatch.from_params([SamplingParams(temperature=1.0)] * n, list(range(n)))
+    positions = jnp.broadcast_to(jnp.arange(k + 1, dtype=jnp.int32) + 40, (n, k + 1))
+    drafts = jnp.broadcast_to(jnp.asarray([2, 3], jnp.int32), (n, k))
+    tokens, accepted, _ = jax.jit(verify_drafts)(jnp.broadcast_to(logits, (n, k + 1, vocab)), drafts,
+                                                 jnp.ones(n, bool), batch, positions)
+    tokens, accepted = np.asarray(tokens), np.asarray(accepted)
+    first = np.bincount(tokens[:, 0], minlength=vocab)
+    assert chisquare(first, probs[0] * n).pvalue > 0.01
+    kept = tokens[:, 0] == 2
+    second = np.bincount(tokens[kept, 1], minlength=vocab)
+    assert chisquare(second, probs[1] * kept.sum()).pvalue > 0.01
+    assert abs(np.mean(accepted == 0) - (1 - probs[0, 2])) < 0.02
+
+
+_MODEL = None
+
+
+def tiny_model() -> Llama:
+    global _MODEL
+    if _MODEL is None:
+        _MODEL = Llama(PRESETS["tiny"], nnx.Rngs(0))
+    return _MODEL
+
+
+def repeating_prompts(rng, count: int, length: int = 24) -> list[np.ndarray]:
+    """Prompts that repeat a short phrase (prompt lookup finds drafts) and random ones."""
+    phrases = [np.tile(rng.integers(0, 512, size=rng.integers(3, 8)), 6)[:length] for _ in range(count // 2)]
+    return phrases + [rng.integers(0, 512, size=rng.integers(5, length)) for _ in range(count - count // 2)]
+
+
+def outputs(engine: Engine, prompts, max_new_tokens, sampling=None) -> list[list[int]]:
+    requests = [engine.add_request(p, max_new_tokens, sampling=sampling) for p in prompts]
+    engine.run()
+    return [r.output for r in requests]
+
+
+def assert_pool_consistent(engine: Engine) -> None:
+    """With no request left, the device table and the host agree: every page free or cached (a
+    last step runs the releases of the requests that finished in the last one)."""
+    engine.step()
+    usage = engine.page_usage
+    assert usage.in_use == 0
+    assert int(engine.runner.table.num_free) == usage.free, (int(engine.runner.table.num_free), usage)
+
+
+@pytest.mark.parametrize("k", [1, 3, 8])
+@pytest.mark.parametrize("overlap", [True, False])
+def test_greedy_outputs_equal_those_without_speculation(k, overlap):
+    """Greedy tokens with n-gram speculation are the engine's without it, token for token, with
+    stop tokens and more requests than slots; drafts were verified; the pool ends consistent."""
+    model = tiny_model()
+    rng = np.random.default_rng()
+    prompts = repeating_prompts(rng, 5)
+    common = dict(max_seqs=3, max_seq_len=80, page_size=8, max_step_tokens=32, backend="xla")
+    expected = outputs(Engine(model, **common), prompts, 24)
+    stop = expected[0][5]
+    sampling = SamplingParams(stop_token_ids=(stop,))
+    expected_stopped = outputs(Engine(model, **common), prompts, 24, sampling)
+    engine = Engine(model, **common, speculative=ngram(k), overlap=overlap, record_steps=True)
+    assert outputs(engine, prompts, 24) == expected
+    assert sum(record.draft_tokens for record in engine.step_records) > 0
+    assert outputs(engine, prompts, 24, sampling) == expected_stopped
+    assert_pool_consistent(engine)
+
+
+def test_speculation_with_prefix_caching_preemption_and_abort():
+    """A pool too small for every request (preemptions), prompts sharing cached prefixes (their
+    tokens seed the drafter), an aborted request: the others keep the greedy tokens of an engine
+    without speculation, and the pool ends consistent."""
+    model = tiny_model()
+    rng = np.random.default_rng()
+    shared = np.tile(rng.integers(0, 512, size=5), 4)
+    prompts = [np.concatenate([shared, rng.integers(0, 512, size=n)]) for n in (3, 9, 1, 12)]
+    common = dict(max_seqs=4, max_seq_len=64, page_size=4, max_step_tokens=32, backend="xla")
+    expected = outputs(Engine(model, **common), prompts, 30)
+    engine = Engine(model, **common, num_pages=40, speculative=ngram(4))
+    requests = [engine.add_request(p, 30) for p in prompts]
+    aborted = engine.add_request(prompts[0], 30)
+    for _ in range(6):
+        engine.step()
+    engine.abort(aborted)
+    engine.run()
+    assert [r.output for r in requests] == expected
+    assert engine.stats["preemptions"] > 0 and engine.stats["cached_tokens"] > 0
+    assert aborted.finish_reason == "abort"
+    assert_pool_consistent(engine)
+
+
+def test_requests_that_do_not_speculate_keep_their_tokens():
+    """Requests with logprobs or min_tokens beside speculating ones: every request's tokens (and
+    logprobs) equal those without speculation; sampled requests end with their lengths."""
+    model = tiny_model()
+    rng = np.random.default_rng()
+    prompts = repeating_prompts(rng, 4)
+    params = [SamplingParams(logprobs=2), SamplingParams(min_tokens=8, stop_token_ids=(1, 2)), SamplingParams(),
+              SamplingParams(temperature=0.8, seed=3)]
+    common = dict(max_seqs=4, max_seq_len=80, page_size=8, backend="xla")
+
+    def run(**kwargs):
+        engine = Engine(model, **common, **kwargs)
+        requests = [engine.add_request(p, 20, sampling=s) for p, s in zip(prompts, params)]
+        engine.run()
+        return requests
+
+    plain, speculating = run(), run(speculative=ngram(3))
+    for a, b in zip(plain[:3], speculating[:3]):
+        assert a.output == b.output
+    assert [e.logprob for e in plain[0].logprobs] == pytest.approx([e.logprob for e in speculating[0].logprobs],
+                                                                    abs=1e-5)
+    assert len(speculating[3].output) == 20 and all(0 <= t < 512 for t in speculating[3].output)
+
+
+def test_warmup_compiles_every_speculating_step():
+    """After warm-up, a trace with speculating decodes, prompt chunks and sampled rows compiles
+    nothing; decode buckets hold K + 1 tokens per row."""
+    model = tiny_model()
+    engine = Engine(model, max_seqs=4, max_seq_len=64, page_size=8, max_step_tokens=32, backend="xla",
+                    speculative=ngram(3), max_logprobs=0)
+    assert engine.buckets.shapes[0].tokens == 4 * 4 and engine.buckets.shapes[0].max_q_len == 4
+    engine.warmup()
+    compiled = engine.runner._step._cache_size()
+    rng = np.random.default_rng()
+    for i, prompt in enumerate(repeating_prompts(rng, 6)):
+        engine.add_request(prompt, 12, sampling=SamplingParams(temperature=float(i % 2), seed=i))
+    engine.run()
+    assert engine.runner._step._cache_size() == compiled
