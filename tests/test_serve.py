@@ -386,7 +386,9 @@ def test_command_line(capsys):
     for argv, message in (([], "one of the arguments --model --preset is required"),
                           (["--preset", "tiny", "--model", "x"], "not allowed with argument"),
                           (["--model", "/nonexistent"], "is not a local checkpoint directory"),
-                          (["--preset", "tiny", "--max-seqs", "0"], "must be an int >= 1")):
+                          (["--preset", "tiny", "--max-seqs", "0"], "must be an int >= 1"),
+                          (["--preset", "tiny", "--speculative-config", '{"method": "eagle"}'],
+                           "speculative: SpeculativeConfig: method must be one of")):
         with pytest.raises(SystemExit) as exit_info:
             cli.main(argv)
         assert exit_info.value.code == 2 and message in capsys.readouterr().err, argv

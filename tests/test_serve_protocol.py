@@ -43,6 +43,13 @@ def checkpoint(tmp_path_factory):
 def http(checkpoint):
     """A TestClient of the app over the checkpoint's engine (its thread runs while the module's
     tests do), its tokenizer and grammar compiler included, bodies limited to MAX_REQUEST_BYTES."""
+    with app_client(checkpoint) as client:
+        yield client
+
+
+def app_client(checkpoint, **engine_args):
+    """A TestClient context of the app over an engine of the checkpoint (``engine_args`` added),
+    with the tokenizer and grammar compiler, bodies limited to MAX_REQUEST_BYTES."""
     from fastapi.testclient import TestClient
 
     from jaxattn.engine import Engine
@@ -53,11 +60,10 @@ def http(checkpoint):
     compiler = GrammarCompiler.from_file(path / "tokenizer.json", vocab_size=model.cfg.vocab_size,
                                          eos_token_ids=tokenizer.stop_token_ids)
     engine = Engine(model, max_seqs=4, max_seq_len=MAX_SEQ_LEN, page_size=8, max_step_tokens=8, backend="xla",
-                    grammar_compiler=compiler)
+                    grammar_compiler=compiler, **engine_args)
     engine.warmup()
     app = build_app(engine, model_name="tiny", tokenizer=tokenizer, max_request_bytes=MAX_REQUEST_BYTES)
-    with TestClient(app) as client:
-        yield client
+    return TestClient(app)
 
 
 def post(http, body: bytes | str | dict, endpoint: str = "completions"):
@@ -539,3 +545,37 @@ def test_fuzzed_bodies_get_no_5xx(http, case):
         choice = response.json()["choices"][0]
         assert choice["finish_reason"] in ("stop", "length"), response.text
         assert all(math.isfinite(v) for v in response.json()["usage"].values())
+
+
+def test_a_speculating_server_answers_the_same_greedy_tokens(http, checkpoint):
+    """With n-gram speculation (``--speculative-config``'s engine), greedy completions, streamed or
+    not, with a stop token, n choices and a JSON schema beside them, carry the tokens the server
+    without speculation answers."""
+    import jsonschema
+
+    bodies = [{"prompt": "the pages the pages the pages the", "max_tokens": 24},
+              {"prompt": "Paged attention", "max_tokens": 16, "stream": True},
+              {"prompt": "a b a b a b", "max_tokens": 20, "n": 2},
+              {"prompt": "Hi", "max_tokens": 20, "stop_token_ids": [40]}]
+    bodies = [{"model": "tiny", "temperature": 0, "ignore_eos": True, "return_token_ids": True} | b for b in bodies]
+    schema = {"model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 40,
+              "response_format": {"type": "json_schema", "json_schema": {"name": "yes_no", "schema": YES_NO}}}
+
+    def token_ids(client, body) -> list[list[int]]:
+        response = post(client, body)
+        assert response.status_code == 200, response.text
+        if not body.get("stream"):
+            return [choice["token_ids"] for choice in response.json()["choices"]]
+        ids = []
+        for line in response.text.splitlines():
+            if line.startswith("data: {"):
+                ids += json.loads(line[6:])["choices"][0].get("token_ids") or []
+        return [ids]
+
+    expected = [token_ids(http, body) for body in bodies]
+    assert all(ids for choices in expected for ids in choices)
+    with app_client(checkpoint, speculative={"method": "ngram", "num_speculative_tokens": 3,
+                                             "prompt_lookup_max": 2}) as speculating:
+        assert [token_ids(speculating, body) for body in bodies] == expected
+        answer = post(speculating, schema, "chat/completions").json()["choices"][0]["message"]["content"]
+        jsonschema.validate(json.loads(answer), YES_NO)

@@ -17,6 +17,7 @@ from jaxattn.engine import Engine
 from jaxattn.models.llama import PRESETS, Llama
 from jaxattn.sampling import SamplingBatch, SamplingParams, sample
 from jaxattn.speculative import MAX_SPECULATIVE_TOKENS, SpeculativeConfig, ngram_drafts, verify_drafts
+from tests.test_sharding import run_on_cpu_devices
 
 
 def ngram(k: int, lookup_max: int = 3, lookup_min: int = 1) -> dict:
@@ -247,3 +248,20 @@ def test_warmup_compiles_every_speculating_step():
         engine.add_request(prompt, 12, sampling=SamplingParams(temperature=float(i % 2), seed=i))
     engine.run()
     assert engine.runner._step._cache_size() == compiled
+
+
+def check_speculation_on_mesh() -> None:
+    """(On several CPU devices.) A speculating engine split over all devices gives the greedy
+    tokens of one device without speculation; its draft state is replicated."""
+    model = tiny_model()
+    rng = np.random.default_rng(0)
+    prompts = repeating_prompts(rng, 4)
+    common = dict(max_seqs=3, max_seq_len=64, page_size=8, max_step_tokens=32, backend="xla")
+    expected = outputs(Engine(model, **common), prompts, 16)
+    sharded = Engine(model, **common, speculative=ngram(3), mesh=jax.make_mesh((jax.device_count(),), ("tp",)))
+    assert outputs(sharded, prompts, 16) == expected
+    assert all(x.sharding.is_fully_replicated for x in jax.tree.leaves(sharded.runner.drafting))
+
+
+def test_speculation_on_two_cpu_devices():
+    run_on_cpu_devices(2, "from tests.test_speculative import check_speculation_on_mesh; check_speculation_on_mesh()")

@@ -77,6 +77,9 @@ def build_parser(on_gpu: bool) -> argparse.ArgumentParser:
                         default=MAX_LOGPROBS, help=f"the most top logprobs a request may ask for (0 to {MAX_LOGPROBS}; "
                         "0 turns logprobs off and compiles no step for them; default: %(default)s)")
     engine.add_argument("--no-prefix-caching", action="store_true", help="turn automatic prefix caching off")
+    engine.add_argument("--speculative-config", metavar="JSON",
+                        help="speculative decoding, as vLLM spells it, e.g. '{\"method\": \"ngram\", "
+                             "\"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4}' (default: none)")
     engine.add_argument("--tp", type=positive_int, metavar="N", default=1,
                         help="split the model over this many devices of this process (default: 1)")
     server = parser.add_argument_group("server")
@@ -159,7 +162,7 @@ def main(argv: list[str] | None = None) -> None:
         engine = Engine(model, max_seqs=args.max_seqs, max_seq_len=args.max_seq_len, page_size=args.page_size,
                         num_pages=args.num_pages, max_step_tokens=args.max_step_tokens, backend=args.backend,
                         enable_prefix_caching=not args.no_prefix_caching, mesh=mesh,
-                        max_logprobs=args.max_logprobs,
+                        max_logprobs=args.max_logprobs, speculative=args.speculative_config,
                         grammar_compiler=grammar_compiler(tokenizer, model.cfg.vocab_size, log))
     except ValueError as err:
         parser.error(str(err))
