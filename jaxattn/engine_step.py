@@ -39,7 +39,7 @@ from jaxattn.models.base import Cache, PagedModel
 from jaxattn.metadata import token_sequences
 from jaxattn.sampling import SamplingBatch, SamplingParams, mask_logits, sample, token_logprobs
 from jaxattn.scheduler import Request, Schedule
-from jaxattn.speculative import SpeculativeConfig, ngram_drafts, verify_drafts
+from jaxattn.speculative import SpeculativeConfig, ngram_drafts, oracle_drafts, verify_drafts
 from jaxattn.structured_output import Grammar, fill_masks, mask_words
 from jaxattn.sharding import tensor_parallel_mesh
 
@@ -198,9 +198,12 @@ def _verify(model: PagedModel, hidden: jax.Array, tokens: jax.Array, seq_ids: ja
     table, _ = table.truncate(jnp.where(speculating, seq_ids, -1), lengths)
     slot = jnp.where(seq_ids >= 0, seq_ids, table.max_seqs)
     history = drafting.history.at[slot, lengths].set(next_tokens, mode="drop")
-    history_rows = history[jnp.maximum(seq_ids, 0)]
-    drafts = ngram_drafts(history_rows, jnp.minimum(lengths + 1, history.shape[1]), num_drafts=k, min_n=drafter.prompt_lookup_min,
-                          max_n=drafter.prompt_lookup_max)
+    history_rows, known = history[jnp.maximum(seq_ids, 0)], jnp.minimum(lengths + 1, history.shape[1])
+    if drafter.method == "oracle":
+        drafts = oracle_drafts(history_rows, known, num_drafts=k)
+    else:
+        drafts = ngram_drafts(history_rows, known, num_drafts=k, min_n=drafter.prompt_lookup_min,
+                              max_n=drafter.prompt_lookup_max)
     next_inputs = drafting.next_inputs.at[slot].set(jnp.concatenate([next_tokens[:, None], drafts], axis=1),
                                                     mode="drop")
     step_logprobs = token_logprobs(logits[:, k], next_tokens) if logprobs else None
@@ -492,10 +495,11 @@ class StepRunner:
                            max_pages_per_seq=self.table.max_pages_per_seq, step_pages=self.step_pages,
                            previous_rows=previous_rows, draft_tokens=self.drafter and self.drafter.num_drafts)
         if self.drafter is not None:
-            for row in schedule.rows:           # its cached prompt pages are not computed: their tokens for lookup
-                if row.request in schedule.admitted and row.start > 0:
+            oracle = self.drafter.method == "oracle"
+            for row in schedule.rows:   # tokens the step does not compute (cached prompt pages; the oracle's)
+                if row.request in schedule.admitted and (row.start > 0 or oracle):
                     self.drafting = _write_history(self.drafting, row.request.slot,
-                                                   _history_row(row.request, self.drafting.history.shape[1]))
+                                                   _history_row(row.request, self.drafting.history.shape[1], oracle))
         return self._launch(inputs)
 
     def pick(self, launch: "StepLaunch") -> None:
@@ -595,10 +599,14 @@ def _write_history(drafting: DraftState, slot: int, tokens: jax.Array) -> DraftS
     return dataclasses.replace(drafting, history=drafting.history.at[slot].set(tokens))
 
 
-def _history_row(request: Request, capacity: int) -> np.ndarray:
-    """int32[capacity]: ``request``'s known tokens, then zeros."""
+def _history_row(request: Request, capacity: int, oracle: bool) -> np.ndarray:
+    """int32[capacity]: ``request``'s known tokens, or with ``oracle`` its prompt and
+    ``draft_oracle``, then zeros."""
+    tokens = request.tokens
+    if oracle and request.draft_oracle is not None:
+        tokens = np.concatenate([request.prompt, np.asarray(request.draft_oracle, np.int32)])
     row = np.zeros(capacity, np.int32)
-    row[:request.num_known] = request.tokens
+    row[:min(tokens.size, capacity)] = tokens[:capacity]
     return row
 
 

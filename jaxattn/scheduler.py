@@ -74,6 +74,8 @@ class Request:
     # the step that sampled its last token proposed its next drafts (a step with a grammar row does not)
     in_flight_drafts: int = 0
     drafts_ready: bool = False
+    # benchmarks and tests: the tokens an "oracle" drafter proposes after the prompt (jaxattn.speculative)
+    draft_oracle: np.ndarray | None = None
 
     @property
     def done(self) -> bool:

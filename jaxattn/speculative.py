@@ -27,11 +27,11 @@ import jax.numpy as jnp
 from jaxattn.checks import is_int
 from jaxattn.sampling import GREEDY_TEMPERATURE, SamplingBatch, filtered_logits, gumbel_argmax
 
-__all__ = ["SpeculativeConfig", "ngram_drafts", "verify_drafts", "MAX_SPECULATIVE_TOKENS"]
+__all__ = ["SpeculativeConfig", "ngram_drafts", "oracle_drafts", "verify_drafts", "MAX_SPECULATIVE_TOKENS"]
 
 # Drafts per step at most: a verify row has K + 1 tokens, and the spec-decode kernels take up to 16.
 MAX_SPECULATIVE_TOKENS = 15
-METHODS = ("ngram",)
+METHODS = ("ngram", "oracle")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,7 +40,11 @@ class SpeculativeConfig:
 
     Attributes:
       method: "ngram" (prompt lookup: the tokens that followed the latest earlier occurrence of the
-        sequence's last n tokens, n from ``prompt_lookup_max`` down to ``prompt_lookup_min``).
+        sequence's last n tokens, n from ``prompt_lookup_max`` down to ``prompt_lookup_min``), or
+        "oracle", for benchmarks and tests: the drafts are the tokens a request was given ahead of
+        time (``Request.draft_oracle``, what follows its prompt), e.g. the model's own greedy
+        continuation (every draft kept: speculation's upper bound) or tokens it never picks (none
+        kept: its overhead).
       num_speculative_tokens: drafts per step, K in [1, ``MAX_SPECULATIVE_TOKENS``].
       prompt_lookup_max, prompt_lookup_min: the longest and shortest n-gram matched (vLLM's
         defaults: both 5 when neither is given, else the one given for the other).
@@ -125,6 +129,15 @@ def ngram_drafts(history: jax.Array, lengths: jax.Array, *, num_drafts: int, min
     drafts = jnp.take_along_axis(history, start + jnp.arange(num_drafts)[None, :] % period, axis=1)
     last = jnp.take_along_axis(history, jnp.maximum(lengths - 1, 0), axis=1)
     return jnp.where(jnp.max(score, axis=1, keepdims=True) >= 0, drafts, last).astype(jnp.int32)
+
+
+def oracle_drafts(history: jax.Array, lengths: jax.Array, *, num_drafts: int) -> jax.Array:
+    """int32[B, num_drafts]: the tokens stored in ``history`` (int32[B, C]) right after each
+    sequence's ``lengths[b]`` tokens (0 past C): an "oracle" drafter's, whose history was seeded
+    with the tokens to come."""
+    capacity = history.shape[1]
+    at = lengths[:, None] + jnp.arange(num_drafts)[None, :]
+    return jnp.where(at < capacity, jnp.take_along_axis(history, jnp.minimum(at, capacity - 1), axis=1), 0)
 
 
 def verify_drafts(logits: jax.Array, drafts: jax.Array, speculating: jax.Array, sampling: SamplingBatch | None,

@@ -265,3 +265,29 @@ def check_speculation_on_mesh() -> None:
 
 def test_speculation_on_two_cpu_devices():
     run_on_cpu_devices(2, "from tests.test_speculative import check_speculation_on_mesh; check_speculation_on_mesh()")
+
+
+@pytest.mark.parametrize("k", [2, 5])
+def test_oracle_drafts_bound_speculation(k):
+    """The "oracle" drafter given the greedy continuation keeps every draft (a request of n tokens
+    decodes in about n / (K + 1) steps); given tokens the model never picks it keeps none; both
+    give the greedy tokens."""
+    model = tiny_model()
+    rng = np.random.default_rng()
+    prompts = [rng.integers(0, 512, size=n) for n in (9, 17, 30)]
+    common = dict(max_seqs=3, max_seq_len=96, page_size=8, max_step_tokens=64, backend="xla", record_steps=True)
+    expected = outputs(Engine(model, **common), prompts, 40)
+    oracle = {"method": "oracle", "num_speculative_tokens": k}
+    for drafts, kept in ((expected, True), ([(np.asarray(e) + 1) % 512 for e in expected], False)):
+        engine = Engine(model, **common, speculative=oracle)
+        requests = [engine.add_request(p, 40) for p in prompts]
+        for request, tokens in zip(requests, drafts):
+            request.draft_oracle = np.asarray(tokens)
+        engine.run()
+        assert [r.output for r in requests] == expected
+        decode_steps = sum(record.draft_tokens > 0 for record in engine.step_records)
+        if kept:
+            assert decode_steps <= -(-40 // (k + 1)) + 2, decode_steps
+        else:
+            assert decode_steps >= 40 - 3, decode_steps
+        assert_pool_consistent(engine)
