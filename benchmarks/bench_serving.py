@@ -142,6 +142,7 @@ class TraceRequest:
     arrival: float               # seconds after the trace starts
     prompt: np.ndarray           # int32[L]
     new_tokens: int
+    draft_oracle: np.ndarray | None = None      # an "oracle" drafter's tokens (benchmarks/bench_speculative.py)
 
 
 def lognormal_lengths(rng: np.random.Generator, mean: float, size: int, max_len: int) -> np.ndarray:
@@ -260,6 +261,7 @@ def serve(engine: Engine, trace: Sequence[TraceRequest]) -> dict:
         while pending and start + pending[0].arrival <= now:
             item = pending.popleft()
             request = engine.add_request(item.prompt, item.new_tokens)
+            request.draft_oracle = item.draft_oracle
             arrival[request.id] = start + item.arrival
             requests.append(request)
         if not engine.has_work:

@@ -545,6 +545,8 @@ class StepRunner:
                     for with_logprobs in (False, True)[:1 + logprobs] for sampling in (False, True)[:1 + sampled]]
         steps = [(shape, variant) for shape in self.buckets.shapes for variant in variants]
         start = time.perf_counter()
+        if self.drafter is not None:            # a free slot's history is never read: its write changes nothing
+            self.drafting = _write_history(self.drafting, 0, np.zeros(self.drafting.history.shape[1], np.int32))
         for i, (shape, (sampling, with_masks, with_logprobs)) in enumerate(steps, 1):
             step_start = time.perf_counter()
             launch = self._launch(self.padding_inputs(shape, sampled=sampling, masked=with_masks,
