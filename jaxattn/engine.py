@@ -116,7 +116,12 @@ class Engine:
         outputs stay those of an engine without it, sampled ones follow the same distribution.
         Decodes with logprobs, a grammar or stop tokens held back by ``min_tokens`` carry no
         drafts. The step shapes grow (decode buckets hold K + 1 tokens per row) and sequences may
-        hold up to 2K tokens past ``max_seq_len`` on the device (counted in ``num_pages``).
+        hold up to 2K tokens past ``max_seq_len`` on the device (3K with a draft model; counted
+        in ``num_pages``).
+      draft_model: the draft model of ``speculative`` method "draft_model", a ``PagedModel`` of
+        the model's ``vocab_size`` (None: loaded from ``speculative.model``, a checkpoint
+        directory or a ``jaxattn.models.llama`` preset, in the model's dtype). Its caches share
+        the page table (same pages, own pools: ``num_pages`` counts both); not with ``mesh``.
 
     Raises ValueError naming the argument that does not fit. ``stats`` counts prompt tokens,
     cached tokens, computed tokens, evicted pages and preemptions (``jaxattn.scheduler.Scheduler``).
@@ -128,7 +133,7 @@ class Engine:
                  prefill_chunk: int | None = DEFAULT_PREFILL_CHUNK, overlap: bool = True,
                  kv_memory_fraction: float = 0.9, record_steps: bool = False, max_logprobs: int = MAX_LOGPROBS,
                  grammar_compiler: GrammarCompiler | None = None,
-                 speculative: SpeculativeConfig | dict | str | None = None):
+                 speculative: SpeculativeConfig | dict | str | None = None, draft_model: PagedModel | None = None):
         _check_model(model)
         check_serves(backend, model.attention_ops, where="Engine")
         for name, value in (("max_seq_len", max_seq_len), ("page_size", page_size)):
@@ -167,11 +172,14 @@ class Engine:
         if prefill_chunk is not None and prefill_chunk < draft_tokens + 1:
             raise ValueError(f"Engine: prefill_chunk must be >= num_speculative_tokens + 1 = {draft_tokens + 1} "
                              f"(a mixed step's rows hold a token and its drafts), got {prefill_chunk}")
+        draft_model = _draft_model(model, speculative, draft_model, backend, mesh)
+        draft_scratch = draft_tokens if draft_model is not None else 0
         # a speculating row may start up to K tokens past the host's count, and writes K + 1 tokens
-        pages_per_seq = -(-(max_seq_len + 2 * draft_tokens) // page_size)
+        # (and a draft model K more, past the kept ones)
+        pages_per_seq = -(-(max_seq_len + 2 * draft_tokens + draft_scratch) // page_size)
         if num_pages is None:
-            num_pages = _default_num_pages(model, max_seqs, pages_per_seq, page_size, layout, kv_dtype, mesh,
-                                           kv_memory_fraction)
+            num_pages = _default_num_pages([model, draft_model], max_seqs, pages_per_seq, page_size, layout, kv_dtype,
+                                           mesh, kv_memory_fraction)
         if num_pages < 1 + pages_per_seq:
             drafts = f" and 2 x {draft_tokens} draft tokens" if draft_tokens else ""
             raise ValueError(f"Engine: num_pages must be >= {1 + pages_per_seq} (the null page and one sequence "
@@ -190,11 +198,12 @@ class Engine:
         self.runner = StepRunner(model, max_seqs=max_seqs, num_pages=num_pages, page_size=page_size,
                                  pages_per_seq=pages_per_seq, max_step_tokens=max_step_tokens,
                                  prefill_chunk=prefill_chunk, layout=layout, kv_dtype=kv_dtype, mesh=mesh,
-                                 backend=backend, enable_prefix_caching=enable_prefix_caching, drafter=speculative)
+                                 backend=backend, enable_prefix_caching=enable_prefix_caching, drafter=speculative,
+                                 draft=draft_model)
         self.scheduler = Scheduler(max_seqs=max_seqs, num_pages=num_pages, page_size=page_size,
                                    max_step_tokens=max_step_tokens, enable_prefix_caching=enable_prefix_caching,
                                    prefill_chunk=prefill_chunk, draft_tokens=draft_tokens,
-                                   seq_capacity=pages_per_seq * page_size)
+                                   seq_capacity=pages_per_seq * page_size, draft_scratch=draft_scratch)
         self._launched: collections.deque[_Launched] = collections.deque()
         self._previous_rows: dict[Request, int] = {}
         self.step_records: list[StepRecord] | None = [] if record_steps else None
@@ -385,10 +394,46 @@ class Engine:
         return time.perf_counter() - start
 
 
-def _default_num_pages(model: PagedModel, max_seqs: int | None, pages_per_seq: int, page_size: int, layout: str,
-                       kv_dtype, mesh: Mesh | None, fraction: float) -> int:
+def _draft_model(model: PagedModel, speculative: SpeculativeConfig | None, draft: PagedModel | None, backend: str,
+                 mesh: Mesh | None) -> PagedModel | None:
+    """The draft model of ``speculative`` (method "draft_model"): ``draft``, or the model its
+    ``model`` names; ValueError naming what does not fit."""
+    if speculative is None or speculative.method != "draft_model":
+        if draft is not None:
+            raise ValueError("Engine: draft_model is only for speculative method \"draft_model\"")
+        return None
+    if mesh is not None:
+        raise ValueError("Engine: speculative method \"draft_model\" does not run on a mesh yet")
+    if draft is None:
+        from jaxattn.models import from_pretrained
+        from jaxattn.models.llama import PRESETS, Llama
+
+        dtype = getattr(model.cfg, "dtype", None)
+        if speculative.model in PRESETS:
+            cfg = PRESETS[speculative.model]
+            draft = Llama(cfg.replace(dtype=dtype) if dtype is not None else cfg, nnx.Rngs(0))
+        else:
+            try:
+                draft = from_pretrained(speculative.model, dtype=dtype)
+            except (ValueError, OSError) as err:
+                raise ValueError(f"Engine: speculative.model {speculative.model!r} is neither a preset of "
+                                 f"jaxattn.models.llama nor a checkpoint it loads: {err}") from None
+    try:
+        _check_model(draft)
+    except ValueError as err:
+        raise ValueError(f"Engine: draft_model: {err}") from None
+    if draft.cfg.vocab_size != model.cfg.vocab_size:
+        raise ValueError(f"Engine: the draft model's vocab_size must be the model's ({model.cfg.vocab_size}), got "
+                         f"{draft.cfg.vocab_size}")
+    check_serves(backend, draft.attention_ops, where="Engine (draft model)")
+    return draft
+
+
+def _default_num_pages(models: list[PagedModel | None], max_seqs: int | None, pages_per_seq: int, page_size: int,
+                       layout: str, kv_dtype, mesh: Mesh | None, fraction: float) -> int:
     """Pages for ``max_seqs`` sequences of ``pages_per_seq`` pages, or, without ``max_seqs``,
-    what ``fraction`` of the (first) device's free memory holds."""
+    what ``fraction`` of the (first) device's free memory holds (a page: the K/V of ``models``,
+    the model and its draft model, if any)."""
     if max_seqs is not None:
         return 1 + max_seqs * pages_per_seq
     device = mesh.devices.flat[0] if mesh is not None else jax.local_devices()[0]
@@ -396,7 +441,8 @@ def _default_num_pages(model: PagedModel, max_seqs: int | None, pages_per_seq: i
     if not stats or "bytes_limit" not in stats:
         return 1 + MAX_SEQS_WITHOUT_MEMORY_STATS * pages_per_seq
     free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
-    return max(1 + pages_per_seq, int(fraction * free) // page_bytes(model, page_size, layout, kv_dtype, mesh))
+    per_page = sum(page_bytes(m, page_size, layout, kv_dtype, mesh) for m in models if m is not None)
+    return max(1 + pages_per_seq, int(fraction * free) // per_page)
 
 
 def _check_model(model) -> None:

@@ -74,29 +74,34 @@ class DraftState:
         one sampled last), what ``speculative.ngram_drafts`` looks up.
       next_inputs: int32[max_seqs, K + 1], each sequence's token sampled last and the K drafts that
         follow it: a speculating row's inputs in the next step.
+      caches: the draft model's caches, one per layer, over the engine's page table (method
+        "draft_model"; else None).
     """
 
     history: jax.Array
     next_inputs: jax.Array
+    caches: list[Cache] | None = None
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class SpecRows:
     """One step's speculating rows: ``src`` int32[T], where >= 0 the packed token is
-    ``DraftState.next_inputs.reshape(-1)[src]``; ``rows`` bool[R], the rows that verify drafts."""
+    ``DraftState.next_inputs.reshape(-1)[src]``; ``rows`` bool[R], the rows that verify drafts;
+    ``samples`` bool[R], the rows that sample (a draft model drafts after them)."""
 
     src: jax.Array
     rows: jax.Array
+    samples: jax.Array
 
 
 StepFn = Callable[..., tuple[tuple[jax.Array, ...], jax.Array, jax.Array, list[Cache], jaxattn.PageTable,
                              DraftState | None]]
 
 
-def make_engine_step(model: PagedModel) -> tuple[StepFn, list[jax.Array]]:
-    """The jitted engine step for ``model`` (an ``nnx.Module``), and the model's weights as the
-    flat list it takes.
+def make_engine_step(model: PagedModel, draft: PagedModel | None = None) -> tuple[StepFn, list[jax.Array]]:
+    """The jitted engine step for ``model`` (an ``nnx.Module``; ``draft``: a speculating engine's
+    draft model), and the models' weights as the flat list it takes (the model's, then the draft's).
 
     ``step(weights, caches, table, prev_tokens, release_ids, tokens, token_src, seq_ids, q_lens,
     sampling=None, prefix=None, drafting=None, spec=None, *, max_q_len, backend, logprobs=False,
@@ -108,7 +113,9 @@ def make_engine_step(model: PagedModel) -> tuple[StepFn, list[jax.Array]]:
     ``speculative.SpeculativeConfig``; ``drafting`` its ``DraftState``, ``spec`` the step's
     ``SpecRows``), ``picked`` adds ``(tokens int32[R, K + 1], accepted int32[R])``
     (``speculative.verify_drafts``), the speculating rows' sequences are cut back to their kept
-    tokens, and every row that samples proposes its next drafts.
+    tokens, and every row that samples proposes its next drafts (a draft model computes its K/V
+    for the step's tokens, then drafts K tokens greedily, one pass each, over pages it takes
+    past the row's tokens and gives back).
     ``tokens`` (int32[T]) are the rows' tokens packed; where ``token_src`` (int32[T]) is >= 0 the
     token is ``prev_tokens[token_src]`` instead (``prev_tokens``: the previous step's
     ``next_tokens``). Outputs: ``ok`` bool[R], its
@@ -122,19 +129,28 @@ def make_engine_step(model: PagedModel) -> tuple[StepFn, list[jax.Array]]:
     """
     graphdef, state = nnx.split(model)
     weights, treedef = jax.tree.flatten(state)
-    return _jitted_step(graphdef, treedef), weights
+    if draft is None:
+        return _jitted_step(graphdef, treedef), weights
+    draft_graphdef, draft_state = nnx.split(draft)
+    draft_weights, draft_treedef = jax.tree.flatten(draft_state)
+    return _jitted_step(graphdef, treedef, draft_graphdef, draft_treedef), weights + draft_weights
 
 
 @functools.cache
-def _jitted_step(graphdef: nnx.GraphDef, treedef) -> StepFn:
-    """One jitted step per model structure, shared by engines (and their compile caches)."""
+def _jitted_step(graphdef: nnx.GraphDef, treedef, draft_graphdef: nnx.GraphDef | None = None,
+                 draft_treedef=None) -> StepFn:
+    """One jitted step per model structure (and draft model's), shared by engines (and their
+    compile caches)."""
 
     @functools.partial(jax.jit, static_argnames=("max_q_len", "backend", "logprobs", "deferred", "drafter"),
                        donate_argnames=("caches", "table", "drafting"))
     def step(weights, caches, table, prev_tokens, release_ids, tokens, token_src, seq_ids, q_lens, sampling=None,
              prefix=None, drafting=None, spec=None, *, max_q_len: int, backend: str, logprobs: bool = False,
              deferred: bool = False, drafter: SpeculativeConfig | None = None):
-        model = nnx.merge(graphdef, jax.tree.unflatten(treedef, weights))
+        model = nnx.merge(graphdef, jax.tree.unflatten(treedef, weights[:treedef.num_leaves]))
+        draft = None
+        if draft_graphdef is not None:
+            draft = nnx.merge(draft_graphdef, jax.tree.unflatten(draft_treedef, weights[treedef.num_leaves:]))
         tokens = jnp.where(token_src >= 0, prev_tokens[jnp.maximum(token_src, 0)], tokens)
         if drafter is not None:
             tokens = jnp.where(spec.src >= 0, drafting.next_inputs.reshape(-1)[jnp.maximum(spec.src, 0)], tokens)
@@ -155,6 +171,9 @@ def _jitted_step(graphdef: nnx.GraphDef, treedef) -> StepFn:
         pages = _row_pages(table, seq_ids, q_lens, page_window(max_q_len, table.page_size))
         if drafter is not None:
             drafting = _record_inputs(drafting, tokens, seq_ids, meta)
+        if draft is not None:           # the draft model's K/V of every token the step computes
+            _, draft_caches = draft.forward_paged(tokens, drafting.caches, meta, slots, backend)
+            drafting = dataclasses.replace(drafting, caches=draft_caches)
         if deferred or drafter is None:
             last = jnp.maximum(meta.cu_q_lens[1:] - 1, 0)
             logits = model.logits(hidden[last])
@@ -165,6 +184,11 @@ def _jitted_step(graphdef: nnx.GraphDef, treedef) -> StepFn:
             return picked, ok, pages, caches, table, drafting
         picked, table, drafting = _verify(model, hidden, tokens, seq_ids, meta, sampling, table, drafting,
                                           spec.rows & (seq_ids >= 0), drafter, logprobs=logprobs)
+        if draft is not None:
+            drafts, table, draft_caches = _draft_greedily(draft, table, drafting.caches, drafting.next_inputs,
+                                                          jnp.where(spec.samples, seq_ids, -1), drafter.num_drafts,
+                                                          backend)
+            drafting = dataclasses.replace(drafting, caches=draft_caches, next_inputs=drafts)
         return picked, ok, pages, caches, table, drafting
 
     return step
@@ -201,14 +225,40 @@ def _verify(model: PagedModel, hidden: jax.Array, tokens: jax.Array, seq_ids: ja
     history_rows, known = history[jnp.maximum(seq_ids, 0)], jnp.minimum(lengths + 1, history.shape[1])
     if drafter.method == "oracle":
         drafts = oracle_drafts(history_rows, known, num_drafts=k)
-    else:
+    elif drafter.method == "ngram":
         drafts = ngram_drafts(history_rows, known, num_drafts=k, min_n=drafter.prompt_lookup_min,
                               max_n=drafter.prompt_lookup_max)
+    else:                                           # a draft model's, drafted by the caller
+        drafts = jnp.zeros((rows, k), jnp.int32)
     next_inputs = drafting.next_inputs.at[slot].set(jnp.concatenate([next_tokens[:, None], drafts], axis=1),
                                                     mode="drop")
     step_logprobs = token_logprobs(logits[:, k], next_tokens) if logprobs else None
     padded = jnp.zeros((table.max_seqs,), jnp.int32).at[:rows].set(next_tokens)
-    return (padded, step_logprobs, out, accepted), table, DraftState(history, next_inputs)
+    return (padded, step_logprobs, out, accepted), table, DraftState(history, next_inputs, drafting.caches)
+
+
+def _draft_greedily(draft: PagedModel, table: jaxattn.PageTable, caches: list[Cache], next_inputs: jax.Array,
+                    seq_ids: jax.Array, k: int, backend: str) -> tuple[jax.Array, jaxattn.PageTable, list[Cache]]:
+    """The draft model's K greedy tokens after each sequence ``seq_ids`` (int32[R], -1: none)
+    and its token sampled last (``next_inputs[:, 0]``): K decode passes of the draft, each
+    writing its K/V on pages taken past the sequence's tokens, which are given back after (the
+    next step computes the K/V of the tokens it keeps again). Returns ``(next_inputs with the
+    drafts, table, caches)``."""
+    rows = jnp.maximum(seq_ids, 0)
+    lengths = table.seq_lens[rows]
+    ones = jnp.ones_like(seq_ids)
+    token = next_inputs[rows, 0]
+    drafts = []
+    for j in range(k):
+        table, ok = table.extend(seq_ids, lengths + j + 1)
+        ids = jnp.where(ok, seq_ids, -1)
+        meta = table.metadata(ids, ones, max_q_len=1)
+        hidden, caches = draft.forward_paged(token, caches, meta, table.slot_mapping(ids, ones, ids.shape[0]), backend)
+        token = jnp.argmax(draft.logits(hidden), axis=-1).astype(jnp.int32)
+        drafts.append(token)
+    table, _ = table.truncate(seq_ids, lengths)
+    slot = jnp.where(seq_ids >= 0, seq_ids, table.max_seqs)
+    return next_inputs.at[slot, 1:].set(jnp.stack(drafts, axis=1), mode="drop"), table, caches
 
 
 def _pick(logits: jax.Array, positions: jax.Array, sampling: SamplingBatch | None, allowed: jax.Array | None, *,
@@ -367,11 +417,13 @@ def pack_step(schedule: Schedule, shape: StepShape, *, max_seqs: int, page_size:
     q_lens = np.zeros(shape.rows, np.int32)
     spec = None
     if draft_tokens is not None:
-        spec = SpecRows(np.full(shape.tokens, -1, np.int32), np.zeros(shape.rows, bool))
+        spec = SpecRows(np.full(shape.tokens, -1, np.int32), np.zeros(shape.rows, bool), np.zeros(shape.rows, bool))
     offset = 0
     for i, row in enumerate(schedule.rows):
         r = row.request
         seq_ids[i], q_lens[i] = r.slot, row.count
+        if spec is not None:
+            spec.samples[i] = row.samples
         if row.drafts:
             spec.src[offset:offset + row.count] = r.slot * (draft_tokens + 1) + np.arange(row.count)
             spec.rows[i] = True
@@ -457,22 +509,26 @@ class StepRunner:
 
     With a ``mesh``, the weights are placed for tensor parallelism, the caches split by KV heads
     and the table and tokens replicated (``Engine``'s docstring). With a ``drafter``, the step
-    speculates (``jaxattn.speculative``) over a ``DraftState``, replicated too.
+    speculates (``jaxattn.speculative``) over a ``DraftState``, replicated too (a ``draft`` model's
+    caches: not on a mesh).
     """
 
     def __init__(self, model: PagedModel, *, max_seqs: int, num_pages: int, page_size: int, pages_per_seq: int,
                  max_step_tokens: int, prefill_chunk: int | None, layout: str, kv_dtype, mesh: Mesh | None,
-                 backend: str, enable_prefix_caching: bool, drafter: SpeculativeConfig | None = None):
+                 backend: str, enable_prefix_caching: bool, drafter: SpeculativeConfig | None = None,
+                 draft: PagedModel | None = None):
         self.max_seqs, self.backend, self.vocab_size = max_seqs, backend, model.cfg.vocab_size
         self.drafter = drafter
-        self._step, self._weights = make_engine_step(model)
+        self._step, self._weights = make_engine_step(model, draft)
         self.caches = model.init_caches(num_pages, page_size, layout, kv_dtype, mesh=mesh)
         self.table = jaxattn.PageTable.create(num_pages, max_seqs, pages_per_seq, page_size)
         self.prev_tokens = jnp.zeros((max_seqs,), jnp.int32)
         self.drafting = None
         if drafter is not None:
             self.drafting = DraftState(jnp.zeros((max_seqs, pages_per_seq * page_size), jnp.int32),
-                                       jnp.zeros((max_seqs, drafter.num_drafts + 1), jnp.int32))
+                                       jnp.zeros((max_seqs, drafter.num_drafts + 1), jnp.int32),
+                                       None if draft is None else draft.init_caches(num_pages, page_size, layout,
+                                                                                    kv_dtype))
         self._unpicked: StepLaunch | None = None   # a deferred step launched and not picked yet
         if mesh is not None:
             replicated = NamedSharding(tensor_parallel_mesh(mesh)[0], PartitionSpec())
@@ -579,7 +635,7 @@ class StepRunner:
             sampling = SamplingBatch.from_params([SamplingParams(temperature=1.0)] * shape.rows, [0] * shape.rows)
         spec = None
         if self.drafter is not None:
-            spec = SpecRows(np.full(shape.tokens, -1, np.int32), np.zeros(shape.rows, bool))
+            spec = SpecRows(np.full(shape.tokens, -1, np.int32), np.zeros(shape.rows, bool), np.zeros(shape.rows, bool))
         return StepInputs(shape, np.full(self.max_seqs, -1, np.int32), np.zeros(shape.tokens, np.int32),
                           np.full(shape.tokens, -1, np.int32), np.full(shape.rows, -1, np.int32),
                           np.zeros(shape.rows, np.int32), sampling, prefix, logprobs, [], masked, spec)

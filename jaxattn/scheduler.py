@@ -256,7 +256,8 @@ class Scheduler:
     row as one token (``computed`` is then a lower bound, raised when the row completes) and
     holds pages for the drafts of the rows in flight too (the device cuts a sequence back to its
     kept tokens, so it never holds more pages than the host counts; ``seq_capacity``, the tokens
-    a sequence may reach on the device, bounds the rows).
+    a sequence may reach on the device, bounds the rows). ``draft_scratch``: tokens a row that
+    samples may write past its own in the step (a draft model's drafts), counted in its pages.
 
     ``stats`` counts prompt tokens, cached tokens (prompt tokens a request found in the cache when
     admitted, again when re-admitted after a preemption), computed tokens (all tokens the steps
@@ -265,14 +266,14 @@ class Scheduler:
 
     def __init__(self, *, max_seqs: int, num_pages: int, page_size: int, max_step_tokens: int,
                  enable_prefix_caching: bool, prefill_chunk: int | None = None, draft_tokens: int = 0,
-                 seq_capacity: int | None = None):
+                 seq_capacity: int | None = None, draft_scratch: int = 0):
         if max_step_tokens < max_seqs:
             raise ValueError(f"Scheduler: max_step_tokens must be >= max_seqs={max_seqs} (every decode fits in a "
                              f"step), got {max_step_tokens}")
         self.page_size, self.max_step_tokens = page_size, max_step_tokens
         self.prefill_chunk = prefill_chunk or max_step_tokens
         self.enable_prefix_caching = enable_prefix_caching
-        self.draft_tokens, self.seq_capacity = draft_tokens, seq_capacity
+        self.draft_tokens, self.seq_capacity, self.draft_scratch = draft_tokens, seq_capacity, draft_scratch
         self.pool = PagePool(num_pages)
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []             # in order of admission
@@ -304,9 +305,12 @@ class Scheduler:
             self.waiting.remove(request)
         request.finish_reason = "abort"
 
-    def _new_pages(self, request: Request, count: int) -> int:
-        """Pages ``request`` needs to compute ``count`` more tokens (after the drafts in flight)."""
-        return -(-(request.computed + request.in_flight_drafts + count) // self.page_size) - len(request.blocks)
+    def _new_pages(self, request: Request, count: int, drafts: int = 0) -> int:
+        """Pages ``request`` needs to compute ``count`` more tokens (``drafts`` of them drafts),
+        after the drafts in flight (and the draft scratch of a row that samples)."""
+        samples = request.computed + count - drafts == request.num_tokens
+        extent = request.computed + request.in_flight_drafts + count + (self.draft_scratch if samples else 0)
+        return -(-extent // self.page_size) - len(request.blocks)
 
     def _can_speculate(self, request: Request) -> bool:
         """Whether a decode of ``request`` may carry drafts: its drafts were proposed, it has no
@@ -314,7 +318,7 @@ class Scheduler:
         k = self.draft_tokens
         return (k > 0 and request.drafts_ready and request.grammar is None and request.sampling.logprobs is None
                 and len(request.output) + request.pending >= request.sampling.min_tokens
-                and request.computed + request.in_flight_drafts + k + 1 <= self.seq_capacity)
+                and request.computed + request.in_flight_drafts + k + 1 + self.draft_scratch <= self.seq_capacity)
 
     def schedule(self) -> Schedule | None:
         """This step's work (None: nothing to compute, free or cache). A request whose last token
@@ -343,7 +347,7 @@ class Scheduler:
             drafts = self.draft_tokens if left == 1 and budget >= self.draft_tokens and \
                 self._can_speculate(request) else 0
             count += drafts
-            while self._new_pages(request, count) > self.pool.available - need:
+            while self._new_pages(request, count, drafts) > self.pool.available - need:
                 victim = self.running[-1]
                 self._preempt(victim)
                 preempted = True
@@ -352,7 +356,7 @@ class Scheduler:
             if request not in self.running:
                 break
             rows.append((request, count, drafts))
-            need += self._new_pages(request, count)
+            need += self._new_pages(request, count, drafts)
             budget -= count if left > 1 else drafts
         admitted, held_back = [], []
         while not preempted and self.waiting and self._free_slots and budget > 0:
@@ -391,7 +395,7 @@ class Scheduler:
         step_rows = []
         # one-token rows (decodes) first, then decodes with drafts, then prompt chunks
         for request, count, drafts in sorted(rows, key=lambda row: (row[1] - row[2] > 1, row[2] > 0)):
-            request.blocks += [0] * self._new_pages(request, count)
+            request.blocks += [0] * self._new_pages(request, count, drafts)
             start = request.computed
             request.computed += count - drafts
             samples = request.computed == request.num_tokens

@@ -31,7 +31,7 @@ __all__ = ["SpeculativeConfig", "ngram_drafts", "oracle_drafts", "verify_drafts"
 
 # Drafts per step at most: a verify row has K + 1 tokens, and the spec-decode kernels take up to 16.
 MAX_SPECULATIVE_TOKENS = 15
-METHODS = ("ngram", "oracle")
+METHODS = ("ngram", "draft_model", "oracle")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,25 +40,35 @@ class SpeculativeConfig:
 
     Attributes:
       method: "ngram" (prompt lookup: the tokens that followed the latest earlier occurrence of the
-        sequence's last n tokens, n from ``prompt_lookup_max`` down to ``prompt_lookup_min``), or
-        "oracle", for benchmarks and tests: the drafts are the tokens a request was given ahead of
+        sequence's last n tokens, n from ``prompt_lookup_max`` down to ``prompt_lookup_min``),
+        "draft_model" (``model``'s greedy tokens: a smaller model of the same vocabulary, run in
+        the step over its own caches in the engine's page table), or "oracle", for benchmarks and tests: the drafts are the tokens a request was given ahead of
         time (``Request.draft_oracle``, what follows its prompt), e.g. the model's own greedy
         continuation (every draft kept: speculation's upper bound) or tokens it never picks (none
         kept: its overhead).
       num_speculative_tokens: drafts per step, K in [1, ``MAX_SPECULATIVE_TOKENS``].
       prompt_lookup_max, prompt_lookup_min: the longest and shortest n-gram matched (vLLM's
         defaults: both 5 when neither is given, else the one given for the other).
+      model: the draft model of "draft_model" (required there, refused elsewhere): a local Hugging
+        Face checkpoint directory or a preset name of ``jaxattn.models.llama`` (random weights:
+        benchmarks), loaded by the ``Engine`` (which also takes the module itself).
     """
 
     method: str = "ngram"
     num_speculative_tokens: int = 4
     prompt_lookup_max: int | None = None
     prompt_lookup_min: int | None = None
+    model: str | None = None
 
     def __post_init__(self):
         if self.method not in METHODS:
-            hint = " (a draft model is not implemented yet)" if self.method == "draft_model" else ""
-            raise ValueError(f"SpeculativeConfig: method must be one of {METHODS}{hint}, got {self.method!r}")
+            raise ValueError(f"SpeculativeConfig: method must be one of {METHODS}, got {self.method!r}")
+        if not isinstance(self.model, str | None):
+            raise ValueError(f"SpeculativeConfig: model must be a str (a checkpoint directory or a preset name), "
+                             f"got {type(self.model).__name__}")
+        if (self.method == "draft_model") != (self.model is not None):
+            raise ValueError(f"SpeculativeConfig: model must be a checkpoint directory or preset name with method "
+                             f"\"draft_model\" and None otherwise, got {self.model!r} with {self.method!r}")
         k = self.num_speculative_tokens
         if not (is_int(k) and 1 <= k <= MAX_SPECULATIVE_TOKENS):
             raise ValueError(f"SpeculativeConfig: num_speculative_tokens must be an int in [1, "
@@ -95,7 +105,7 @@ class SpeculativeConfig:
         if unknown:
             raise ValueError(f"SpeculativeConfig: unknown field(s) {unknown}; the fields are {sorted(fields)}")
         if "method" not in value:
-            raise ValueError("SpeculativeConfig: method is required (\"ngram\")")
+            raise ValueError(f"SpeculativeConfig: method is required (one of {METHODS})")
         return cls(**value)
 
     @property

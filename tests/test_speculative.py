@@ -39,8 +39,9 @@ def test_config_defaults_and_parsing():
 
 @pytest.mark.parametrize("value, match", [
     ({"method": "eagle", "num_speculative_tokens": 2}, "method must be one of"),
-    ({"method": "draft_model", "model": "x"}, "unknown field"),
-    ({"method": "draft_model"}, "draft model is not implemented"),
+    ({"method": "draft_model"}, "model must be a checkpoint directory or preset name with method"),
+    ({"method": "ngram", "model": "tiny"}, "and None otherwise, got 'tiny' with 'ngram'"),
+    ({"method": "draft_model", "model": 3}, "model must be a str"),
     ({"num_speculative_tokens": 2}, "method is required"),
     ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens must be an int in"),
     ({"method": "ngram", "num_speculative_tokens": MAX_SPECULATIVE_TOKENS + 1}, "num_speculative_tokens"),
@@ -63,6 +64,15 @@ def test_bad_speculative_argument_of_engine():
                                                                                "num_speculative_tokens": -1})
     with pytest.raises(ValueError, match="prefill_chunk must be >= num_speculative_tokens \\+ 1 = 5"):
         Engine(model, max_seqs=2, max_seq_len=32, backend="xla", prefill_chunk=4, speculative=ngram(4))
+    draft = {"method": "draft_model", "model": "tiny", "num_speculative_tokens": 2}
+    for kwargs, match in ((dict(speculative=ngram(2), draft_model=model), "draft_model is only for"),
+                          (dict(speculative=dict(draft, model="/nonexistent")), "is neither a preset"),
+                          (dict(speculative=draft, draft_model=Llama(PRESETS["tiny"].replace(vocab_size=256),
+                                                                     nnx.Rngs(0))), "vocab_size must be the model's"),
+                          (dict(speculative=draft, draft_model="tiny"), "draft_model: Engine: model must be"),
+                          (dict(speculative=draft, mesh=jax.make_mesh((1,), ("tp",))), "does not run on a mesh yet")):
+        with pytest.raises(ValueError, match=match):
+            Engine(model, max_seqs=2, max_seq_len=32, backend="xla", **kwargs)
 
 
 def test_ngram_drafts():
@@ -291,3 +301,47 @@ def test_oracle_drafts_bound_speculation(k):
         else:
             assert decode_steps >= 40 - 3, decode_steps
         assert_pool_consistent(engine)
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_draft_model_speculation(overlap):
+    """A draft model's drafts: the model itself as its draft ("tiny", the same weights) has every
+    draft kept (about n / (K + 1) decode steps); a one-layer model of other weights has few kept;
+    both give the greedy tokens of the engine without speculation, through stop tokens, prefix
+    caching and preemption (a pool too small for all), and leave the pool consistent."""
+    model = tiny_model()
+    rng = np.random.default_rng()
+    shared = rng.integers(0, 512, size=17)
+    prompts = [np.concatenate([shared, rng.integers(0, 512, size=n)]) for n in (2, 9, 15)] + [shared[:5]]
+    common = dict(max_seqs=4, max_seq_len=96, page_size=8, max_step_tokens=48, backend="xla", record_steps=True)
+    expected = outputs(Engine(model, **common), prompts, 36)
+    k = 3
+    config = {"method": "draft_model", "model": "tiny", "num_speculative_tokens": k}
+    same = Engine(model, **common, speculative=config, overlap=overlap)
+    assert outputs(same, prompts, 36) == expected
+    decode_steps = sum(record.decode_rows > 0 for record in same.step_records)
+    assert decode_steps <= -(-36 // (k + 1)) + 4, decode_steps
+    assert_pool_consistent(same)
+    other = Llama(PRESETS["tiny"].replace(num_layers=1), nnx.Rngs(1))
+    small = Engine(model, **common, num_pages=30, speculative=config, draft_model=other, overlap=overlap)
+    assert outputs(small, prompts, 36) == expected
+    stop = expected[1][7]
+    sampling = SamplingParams(stop_token_ids=(stop,))
+    assert outputs(small, prompts, 36, sampling) == outputs(Engine(model, **common), prompts, 36, sampling)
+    assert small.stats["preemptions"] > 0 and small.stats["cached_tokens"] > 0
+    assert_pool_consistent(small)
+
+
+def test_draft_model_sampled_requests_and_warmup():
+    """Sampled requests with a draft model get their lengths; after warm-up nothing compiles."""
+    model = tiny_model()
+    engine = Engine(model, max_seqs=3, max_seq_len=64, page_size=8, max_step_tokens=32, backend="xla", max_logprobs=0,
+                    speculative={"method": "draft_model", "model": "tiny", "num_speculative_tokens": 2})
+    engine.warmup()
+    compiled = engine.runner._step._cache_size()
+    rng = np.random.default_rng()
+    requests = [engine.add_request(rng.integers(0, 512, size=n), 14,
+                                   sampling=SamplingParams(temperature=1.0, top_p=0.9, seed=n)) for n in (3, 11, 20)]
+    engine.run()
+    assert [len(r.output) for r in requests] == [14] * 3
+    assert engine.runner._step._cache_size() == compiled
