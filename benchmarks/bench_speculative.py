@@ -1,7 +1,8 @@
 """Speculative decoding through the Engine, against the same engine without it, in the same run.
 
     python -m benchmarks.bench_speculative [--preset llama3-8b] [--layers N] [--context 1024] [--output 128]
-        [--batches 1,4,16,64] [--ks 2,4,8] [--ngram-batch 16] [--page-size 64] [--backend auto] [--smoke]
+        [--batches 1,4,16,64] [--ks 2,4,8] [--ngram-batch 16] [--draft-preset llama3.2-1b] [--page-size 64]
+        [--backend auto] [--smoke]
 
 Random weights make acceptance meaningless, so the table reports bounds (greedy requests, all at
 once, ``--context`` prompt tokens and ``--output`` generated tokens each):
@@ -10,6 +11,8 @@ once, ``--context`` prompt tokens and ``--output`` generated tokens each):
     as the engine without speculation produced it: every draft is kept, the upper bound;
   * per K, the oracle given tokens the model never picks (each token of that continuation + 1):
     no draft is kept, so its ms per step is a verify step's and its tokens/s the overhead bound;
+  * per B, a draft model of ``--draft-preset``'s shapes (K = 4; random weights, so its drafts are
+    rarely kept: the cost of running a draft model, the bound of its overhead);
   * n-gram speculation (K = 4, prompt lookup 4..1) at B = ``--ngram-batch`` on a trace built to
     repeat (prompts that repeat a 16-token phrase): with random weights the model does not
     continue the phrase, so what it keeps comes from the model's own loops; said in the table.
@@ -97,6 +100,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--batches", default="1,4,16,64", help="requests in flight, comma-separated")
     parser.add_argument("--ks", default="2,4,8", help="drafts per step, comma-separated")
     parser.add_argument("--ngram-batch", type=int, default=16, help="B of the n-gram run (0: none)")
+    parser.add_argument("--draft-preset", default="llama3.2-1b", choices=["none", *sorted(PRESETS)],
+                        help="the draft model's shapes (random weights; none: no draft-model rows)")
     parser.add_argument("--max-step-tokens", type=int, default=2048)
     parser.add_argument("--page-size", type=int, default=64)
     parser.add_argument("--backend", default="auto", help="paged_attention backend")
@@ -105,6 +110,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.smoke:
         args.preset, args.context, args.output, args.page_size = "tiny", 24, 12, 8
         args.batches, args.ks, args.ngram_batch, args.max_step_tokens = "1,2", "2", 2, 64
+        args.draft_preset = "tiny"
     batches = [int(b) for b in args.batches.split(",")]
     ks = [int(k) for k in args.ks.split(",")]
     cfg = PRESETS[args.preset]
@@ -131,6 +137,11 @@ def main(argv: list[str] | None = None) -> None:
                 check(result, base)
                 rows.append(row(batch, result, base))
                 print(rows[-1], flush=True)
+        if args.draft_preset != "none":
+            draft = {"method": "draft_model", "model": args.draft_preset, "num_speculative_tokens": 4}
+            result = run(model, requests, args, draft, f"draft model ({args.draft_preset} shapes, random weights)")
+            check(result, base)
+            rows.append(row(batch, result, base))
     if args.ngram_batch:
         requests = trace(np.random.default_rng(0), args.ngram_batch, args.context, args.output, vocab, repeat=True)
         base = run(model, requests, args, None, "none (repeating prompts)")
@@ -141,7 +152,8 @@ def main(argv: list[str] | None = None) -> None:
     header = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
     command = (f"python -m benchmarks.bench_speculative --preset {args.preset} --layers {cfg.num_layers} "
                f"--context {args.context} --output {args.output} --batches {args.batches} --ks {args.ks} "
-               f"--ngram-batch {args.ngram_batch} --page-size {args.page_size} --backend {args.backend}"
+               f"--ngram-batch {args.ngram_batch} --draft-preset {args.draft_preset} --page-size {args.page_size} "
+               f"--backend {args.backend}"
                + (" --smoke" if args.smoke else ""))
     lines = [
         f"Device: {device_name()}; date {datetime.date.today()}; jax {jax.__version__}; model {args.preset} shapes "

@@ -1,5 +1,5 @@
-"""Speculative decoding inside the engine step: the configuration, the n-gram drafter and the
-verification of draft tokens.
+"""Speculative decoding inside the engine step: the configuration, the n-gram and oracle
+drafters and the verification of draft tokens (a draft model's drafts: ``jaxattn.engine_step``).
 
 A speculating decode row computes its pending token and K draft tokens in one step (``q_len = K +
 1``, the spec-decode attention path); the logits of those K + 1 tokens decide how many drafts are
@@ -10,9 +10,9 @@ al. 2023), so their tokens follow the model's distribution exactly. Either way t
 kept drafts and one token drawn by the model.
 
 Drafts are proposed on the device, in the step that samples the token before them
-(``ngram_drafts``: prompt lookup over each sequence's own tokens), so the host never waits for a
-token to draft the next step: the overlapped loop schedules step n+1 while step n runs, as
-without speculation.
+(``ngram_drafts``: prompt lookup over each sequence's own tokens; or a draft model's greedy
+tokens), so the host never waits for a token to draft the next step: the overlapped loop
+schedules step n+1 while step n runs, as without speculation.
 """
 
 from __future__ import annotations
@@ -42,8 +42,9 @@ class SpeculativeConfig:
       method: "ngram" (prompt lookup: the tokens that followed the latest earlier occurrence of the
         sequence's last n tokens, n from ``prompt_lookup_max`` down to ``prompt_lookup_min``),
         "draft_model" (``model``'s greedy tokens: a smaller model of the same vocabulary, run in
-        the step over its own caches in the engine's page table), or "oracle", for benchmarks and tests: the drafts are the tokens a request was given ahead of
-        time (``Request.draft_oracle``, what follows its prompt), e.g. the model's own greedy
+        the step over its own caches in the engine's page table), or "oracle", for benchmarks and
+        tests: the drafts are the tokens a request was given ahead of time
+        (``Request.draft_oracle``, what follows its prompt), e.g. the model's own greedy
         continuation (every draft kept: speculation's upper bound) or tokens it never picks (none
         kept: its overhead).
       num_speculative_tokens: drafts per step, K in [1, ``MAX_SPECULATIVE_TOKENS``].

@@ -66,6 +66,9 @@ PRESETS: dict[str, LlamaConfig] = {
                              head_dim=128, hidden_dim=14336),
     "llama3-70b": LlamaConfig(vocab_size=128256, dim=8192, num_layers=80, num_q_heads=64, num_kv_heads=8,
                               head_dim=128, hidden_dim=28672),
+    # Llama-3.2-1B's shapes (Llama 3's vocabulary): a draft model for the 8B and 70B shapes
+    "llama3.2-1b": LlamaConfig(vocab_size=128256, dim=2048, num_layers=16, num_q_heads=32, num_kv_heads=8,
+                               head_dim=64, hidden_dim=8192, tie_embeddings=True),
 }
 
 # attend(layer, q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, D]) -> [T, Hq, D]
