@@ -345,3 +345,30 @@ def test_draft_model_sampled_requests_and_warmup():
     engine.run()
     assert [len(r.output) for r in requests] == [14] * 3
     assert engine.runner._step._cache_size() == compiled
+
+
+def test_sampled_tokens_keep_their_distribution_through_the_engine():
+    """On a vocabulary of 8, 2,000 sampled requests (fixed seeds) of one prompt, with drafts kept
+    often (an oracle proposing the most likely token) and without speculation: the tokens at
+    each position after the first are distributed alike (chi-square of the two samples, p > 0.01)."""
+    from scipy.stats import chi2_contingency
+
+    model = Llama(PRESETS["tiny"].replace(vocab_size=8), nnx.Rngs(0))
+    common = dict(max_seqs=256, max_seq_len=16, page_size=8, max_step_tokens=512, prefill_chunk=4, backend="xla",
+                  enable_prefix_caching=False)
+
+    def sample_outputs(**kwargs) -> np.ndarray:
+        engine = Engine(model, **common, **kwargs)
+        requests = [engine.add_request([1, 2, 3, 4], 3, sampling=SamplingParams(temperature=1.0, seed=i))
+                    for i in range(2000)]
+        for request in requests:
+            request.draft_oracle = np.full(3, 3)
+        engine.run()
+        return np.asarray([r.output for r in requests])
+
+    plain, speculating = sample_outputs(), sample_outputs(speculative={"method": "oracle", "num_speculative_tokens": 2})
+    assert np.mean(speculating[:, 1:] == 3) > 0.3            # the drafts were kept often
+    for position in (1, 2):
+        counts = np.stack([np.bincount(plain[:, position], minlength=8),
+                           np.bincount(speculating[:, position], minlength=8)])
+        assert chi2_contingency(counts[:, counts.sum(0) > 0]).pvalue > 0.01, counts
