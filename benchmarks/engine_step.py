@@ -63,8 +63,8 @@ def decode_step(model: Llama, backend: str, batch: int, context: int, steps: int
 
     def model_step(state):      # as the Engine's decode step: each row's input is its previous token
         tok, caches, table = state
-        (tok, _), ok, pages, caches, table = step(weights, caches, table, tok, no_release, no_tokens, ids, ids,
-                                                  ones, max_q_len=1, backend=backend)
+        (tok, _), ok, pages, caches, table, _ = step(weights, caches, table, tok, no_release, no_tokens, ids, ids,
+                                                     ones, max_q_len=1, backend=backend)
         return tok, caches, table
 
     return model_step, (tokens, caches, table), weights, plan
