@@ -1,5 +1,6 @@
 """Bazel's CPU test target (//:cpu_tests): pytest over tests/ in the runfiles, against the jaxattn
-of this build (the handler library Bazel built, when it was built). Extra arguments go to pytest:
+of this build (the handler library Bazel built, when it was built), without the tests marked
+``slow`` (the README's pytest command runs those). Extra arguments go to pytest:
     bazel test //:cpu_tests --test_arg=-k --test_arg=page_table
 """
 
@@ -19,7 +20,7 @@ def main() -> int:
     tmp = os.environ.get("TEST_TMPDIR")
     if tmp:  # hypothesis keeps its database under the working directory; keep it out of the runfiles
         os.environ.setdefault("HYPOTHESIS_STORAGE_DIRECTORY", os.path.join(tmp, ".hypothesis"))
-    status = pytest.main(["-p", "no:cacheprovider", "-m", "not gpu", "-c", os.path.join(root, "pyproject.toml"),
+    status = pytest.main(["-p", "no:cacheprovider", "-m", "not gpu and not slow", "-c", os.path.join(root, "pyproject.toml"),
                           "--rootdir", root, os.path.join(root, "tests"), *sys.argv[1:]])
     return 0 if status == pytest.ExitCode.NO_TESTS_COLLECTED else int(status)
 

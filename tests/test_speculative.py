@@ -347,6 +347,7 @@ def test_draft_model_sampled_requests_and_warmup():
     assert engine.runner._step._cache_size() == compiled
 
 
+@pytest.mark.slow
 def test_sampled_tokens_keep_their_distribution_through_the_engine():
     """On a vocabulary of 8, 2,000 sampled requests (fixed seeds) of one prompt, with drafts kept
     often (an oracle proposing the most likely token) and without speculation: the tokens at
