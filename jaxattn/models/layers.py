@@ -1,6 +1,6 @@
 """The layers the reference decoders share (``Llama``, ``DeepSeek``): linear and RMSNorm helpers
-with Flax logical axes, RoPE, the SwiGLU MLP, the pre-norm residual block around a model's own
-attention module, and the embedding / LM head ends of the stack.
+with Flax logical axes, RoPE, the SwiGLU MLP and its top-k mixture of experts, the pre-norm
+residual block around a model's own attention module, and the embedding / LM head ends of the stack.
 
 A model is a ``Decoder`` built with its own attention module: the stack's attributes ``embed``,
 ``layers``, ``norm`` and (without tied embeddings) ``lm_head`` give its weights the same paths
@@ -105,19 +105,86 @@ def lm_head(cfg: DecoderConfig, rngs: nnx.Rngs) -> nnx.Linear:
 
 
 class MLP(nnx.Module):
-    """SwiGLU: ``down(silu(gate(x)) * up(x))``, hidden columns split on the logical axis "mlp"."""
+    """SwiGLU: ``down(silu(gate(x)) * up(x))``, hidden columns (``hidden_dim``, default the
+    config's) split on the logical axis "mlp"."""
 
-    def __init__(self, cfg: DecoderConfig, rngs: nnx.Rngs):
-        self.gate_proj = linear(cfg, cfg.dim, cfg.hidden_dim, rngs, (None, "mlp"))
-        self.up_proj = linear(cfg, cfg.dim, cfg.hidden_dim, rngs, (None, "mlp"))
-        self.down_proj = linear(cfg, cfg.hidden_dim, cfg.dim, rngs, ("mlp", None))
+    def __init__(self, cfg: DecoderConfig, rngs: nnx.Rngs, hidden_dim: int | None = None):
+        hidden_dim = hidden_dim or cfg.hidden_dim
+        self.gate_proj = linear(cfg, cfg.dim, hidden_dim, rngs, (None, "mlp"))
+        self.up_proj = linear(cfg, cfg.dim, hidden_dim, rngs, (None, "mlp"))
+        self.down_proj = linear(cfg, hidden_dim, cfg.dim, rngs, ("mlp", None))
 
     def __call__(self, x: jax.Array) -> jax.Array:
         return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
+class MoEConfig(Protocol):
+    """The config fields ``MoE`` reads besides ``DecoderConfig``'s."""
+
+    @property
+    def num_experts(self) -> int: ...
+    @property
+    def num_experts_per_tok(self) -> int: ...
+    @property
+    def moe_hidden_dim(self) -> int: ...
+    @property
+    def norm_topk_prob(self) -> bool: ...
+    @property
+    def shared_expert_dim(self) -> int: ...
+
+
+class MoE(nnx.Module):
+    """A top-k mixture of SwiGLU experts (Mixtral's, Qwen2-MoE's and Qwen3-MoE's): a linear
+    ``router`` scores the ``num_experts`` experts (softmax in float32), each token goes to its
+    ``num_experts_per_tok`` best with their probabilities as weights (renormalized to sum to 1
+    with ``norm_topk_prob``, cast to the model's dtype), and with ``shared_expert_dim`` a
+    ``shared_expert`` MLP every token takes, scaled by ``sigmoid(shared_expert_gate(x))``
+    (Qwen2-MoE's). The experts' weights are stacked, ``gate_proj`` / ``up_proj`` ``[E, dim, F]``
+    and ``down_proj`` ``[E, F, dim]``, their F columns split on the logical axis "mlp".
+
+    The experts run as grouped GEMMs (``jax.lax.ragged_dot``) over the token copies grouped by
+    expert; the grouping is a counting permutation (one-hot cumsums, no sort: straight-line code
+    for command buffers). Not yet measured on a GPU against the other grouped-GEMM paths."""
+
+    def __init__(self, cfg: MoEConfig, rngs: nnx.Rngs):
+        self.cfg = cfg
+        experts, hidden = cfg.num_experts, cfg.moe_hidden_dim
+        self.router = linear(cfg, cfg.dim, experts, rngs, (None, None))
+        init = nnx.initializers.normal(cfg.dim ** -0.5)
+        for name, shape, axes in (("gate_proj", (experts, cfg.dim, hidden), (None, None, "mlp")),
+                                  ("up_proj", (experts, cfg.dim, hidden), (None, None, "mlp")),
+                                  ("down_proj", (experts, hidden, cfg.dim), (None, "mlp", None))):
+            setattr(self, name, nnx.Param(partitioned(init, axes)(rngs.params(), shape, cfg.dtype)))
+        if cfg.shared_expert_dim:
+            self.shared_expert = MLP(cfg, rngs, cfg.shared_expert_dim)
+            self.shared_expert_gate = linear(cfg, cfg.dim, 1, rngs, (None, None))
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        cfg = self.cfg
+        tokens, k, experts = x.shape[0], cfg.num_experts_per_tok, cfg.num_experts
+        probs = jax.nn.softmax(self.router(x).astype(jnp.float32), axis=-1)
+        weights, chosen = jax.lax.top_k(probs, k)                                   # [T, k]
+        if cfg.norm_topk_prob:
+            weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+        weights = weights.astype(x.dtype)
+        # each token copy's place in the copies grouped by expert: its expert's offset + its rank there
+        onehot = jax.nn.one_hot(chosen.reshape(-1), experts, dtype=jnp.int32)      # [T k, E]
+        group_sizes = jnp.sum(onehot, axis=0)
+        rank = jnp.sum((jnp.cumsum(onehot, axis=0) - 1) * onehot, axis=1)
+        place = jnp.cumsum(group_sizes)[chosen.reshape(-1)] - group_sizes[chosen.reshape(-1)] + rank
+        grouped = jnp.zeros((tokens * k, x.shape[1]), x.dtype).at[place].set(jnp.repeat(x, k, axis=0))
+        gate = jax.lax.ragged_dot(grouped, self.gate_proj[...], group_sizes)
+        up = jax.lax.ragged_dot(grouped, self.up_proj[...], group_sizes)
+        out = jax.lax.ragged_dot((jax.nn.silu(gate) * up).astype(x.dtype), self.down_proj[...], group_sizes)
+        y = jnp.sum(out[place].reshape(tokens, k, -1) * weights[:, :, None], axis=1).astype(x.dtype)
+        if cfg.shared_expert_dim:
+            y = y + jax.nn.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return y
+
+
 class Block(nnx.Module):
-    """Pre-norm residual block: ``x + attn(norm(x))``, then ``x + mlp(norm(x))``. ``attention``
+    """Pre-norm residual block: ``x + attn(norm(x))``, then ``x + mlp(norm(x))`` (an ``MoE`` when
+    the config has ``num_experts``). ``attention``
     builds the model's attention module from ``(cfg, rngs)``; it is called as
     ``attn(x [T, dim], positions int32[T], attend) -> [T, dim]``."""
 
@@ -125,7 +192,7 @@ class Block(nnx.Module):
         self.attn_norm = rms_norm(cfg, cfg.dim, rngs)
         self.attn = attention(cfg, rngs)
         self.mlp_norm = rms_norm(cfg, cfg.dim, rngs)
-        self.mlp = MLP(cfg, rngs)
+        self.mlp = MoE(cfg, rngs) if getattr(cfg, "num_experts", 0) else MLP(cfg, rngs)
 
     def __call__(self, x: jax.Array, positions: jax.Array, attend: Callable) -> jax.Array:
         x = x + self.attn(self.attn_norm(x), positions, attend)

@@ -2,7 +2,8 @@
 of ``jaxattn.models.layers``, re-exported here) over packed tokens, with attention supplied by the
 caller: paged through ``jaxattn.paged_attention`` in serving (``forward_paged``), or dense in
 tests. The config covers Llama 2/3/3.1, Mistral, Qwen2 (q/k/v biases) and Qwen3 (per-head q/k
-norms); weights are random unless loaded with ``jaxattn.models.from_pretrained``.
+norms), and their mixtures of experts (``num_experts``: Mixtral, Qwen2-MoE with its shared expert,
+Qwen3-MoE; ``layers.MoE``); weights are random unless loaded with ``jaxattn.models.from_pretrained``.
 
 Tensor parallelism (as in vLLM/Megatron): the weights carry Flax partitioning metadata in logical
 axis names, "heads" (q projection columns, o projection rows), "kv_heads" (k/v projection
@@ -51,6 +52,12 @@ class LlamaConfig:
     qk_norm: bool = False            # RMSNorm over head_dim on q and k before RoPE (Qwen3)
     tie_embeddings: bool = False     # logits use the embedding table; no separate lm_head
     sliding_window: int | None = None  # every layer's keys ``i-W+1 .. i`` (Mistral)
+    # a mixture of experts in every layer (layers.MoE; Mixtral, Qwen2-MoE, Qwen3-MoE); 0: the dense MLP
+    num_experts: int = 0
+    num_experts_per_tok: int = 2
+    moe_hidden_dim: int = 0          # each expert's hidden size
+    norm_topk_prob: bool = True      # the chosen experts' weights renormalized to sum to 1
+    shared_expert_dim: int = 0       # a sigmoid-gated shared expert's hidden size (Qwen2-MoE); 0: none
 
     def replace(self, **changes) -> "LlamaConfig":
         return dataclasses.replace(self, **changes)
@@ -146,6 +153,9 @@ def tensor_parallel_rules(cfg: LlamaConfig, mesh: Mesh,
     if not hasattr(cfg, "num_kv_heads"):
         raise ValueError(f"tensor parallelism: {type(cfg).__name__} models are not supported (Llama-family only; "
                          f"MLA is not split over devices yet)")
+    if cfg.num_experts:
+        raise ValueError(f"tensor parallelism: the model's num_experts ({cfg.num_experts}) must be 0: mixtures of "
+                         f"experts are not split over devices yet")
     num_shards = num_head_shards(mesh, axes)
     for field in ("num_q_heads", "hidden_dim", "vocab_size"):
         if getattr(cfg, field) % num_shards:

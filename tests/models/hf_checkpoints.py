@@ -22,6 +22,11 @@ CHECKPOINTS = {
     "mistral-sliding-window": ("MistralConfig", dict(sliding_window=8, head_dim=32), {}),
     "qwen2-tied": ("Qwen2Config", dict(tie_word_embeddings=True), {}),
     "qwen3": ("Qwen3Config", dict(head_dim=16, num_hidden_layers=3), {}),
+    "mixtral": ("MixtralConfig", dict(num_local_experts=4, num_experts_per_tok=2), {}),
+    "qwen2-moe-shared-expert": ("Qwen2MoeConfig", dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
+                                                       shared_expert_intermediate_size=80, norm_topk_prob=False), {}),
+    "qwen3-moe": ("Qwen3MoeConfig", dict(num_experts=6, num_experts_per_tok=2, moe_intermediate_size=32, head_dim=16,
+                                         norm_topk_prob=True), dict(max_shard_size="50KB")),
 }
 # The tokenizer of save_tokenizer: word i of a text is token id i of this vocabulary.
 WORDS = [f"w{i}" for i in range(VOCAB)]

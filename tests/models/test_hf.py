@@ -105,6 +105,18 @@ def test_unsupported_config_fields_are_named(field, value):
         llama_config_from_hf({**_QWEN2, field: value}, "float32")
 
 
+@pytest.mark.parametrize("changes, field", [
+    (dict(decoder_sparse_step=2), "decoder_sparse_step"),
+    (dict(mlp_only_layers=[0]), "mlp_only_layers"),
+    (dict(num_experts=None), "num_experts"),
+])
+def test_unsupported_mixture_of_experts_fields_are_named(changes, field):
+    moe = {**_QWEN2, "model_type": "qwen3_moe", "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 8}
+    assert llama_config_from_hf(moe, "float32").num_experts == 4
+    with pytest.raises(ValueError, match=field):
+        llama_config_from_hf({**moe, **changes}, "float32")
+
+
 def test_attention_bias_outside_qwen2_is_refused():
     with pytest.raises(ValueError, match="attention_bias"):
         llama_config_from_hf({**_QWEN2, "model_type": "llama", "attention_bias": True}, "float32")
@@ -117,7 +129,7 @@ def check_from_pretrained_on_mesh(path: str) -> None:
     rng = np.random.default_rng(0)
     abstract = nnx.eval_shape(lambda: Llama(cfg, nnx.Rngs(0)))
     tensors = {name: rng.normal(size=variable.shape[::-1] if transposed else variable.shape).astype(np.float32)
-               for name, (variable, transposed) in _hf_parameters(abstract).items()}
+               for name, (variable, transposed, _) in _hf_parameters(abstract, "qwen2").items()}
     path = _write_checkpoint(pathlib.Path(path), tensors)
     mesh = jax.make_mesh((jax.device_count(),), ("tp",))
     expected, sharded = from_pretrained(path), from_pretrained(path, mesh=mesh)

@@ -16,6 +16,7 @@ import jaxattn
 from jaxattn.kv_cache import pool_sharding
 from jaxattn.models.llama import (PRESETS, AttendFn, Llama, forward_paged, param_shardings, shard_model,
                                   tensor_parallel_rules)
+from tests.paged_inputs import rel_error
 
 
 def dense_attend(sliding_window: int | None = None) -> AttendFn:
@@ -199,3 +200,38 @@ def test_sharded_forward_on_cpu_devices(num_devices):
 
     run_on_cpu_devices(num_devices, "from tests.models.test_llama import check_sharded_forward; "
                                     "check_sharded_forward()")
+
+
+@pytest.mark.parametrize("shared_expert_dim, norm_topk_prob", [(0, True), (40, False)])
+def test_mixture_of_experts_layer(shared_expert_dim, norm_topk_prob):
+    """layers.MoE equals its definition token by token (each token's top-k experts by softmax
+    probability, weighted, plus the gated shared expert), and the Engine serving a mixture-of-experts
+    model gives the dense forward's greedy tokens."""
+    from jaxattn.engine import Engine
+
+    cfg = PRESETS["tiny"].replace(num_experts=5, num_experts_per_tok=2, moe_hidden_dim=48,
+                                  shared_expert_dim=shared_expert_dim, norm_topk_prob=norm_topk_prob)
+    model = Llama(cfg, nnx.Rngs(0))
+    moe = model.layers[0].mlp
+    rng = np.random.default_rng()
+    x = jnp.asarray(rng.normal(size=(9, cfg.dim)), jnp.float32)
+    probs = np.asarray(jax.nn.softmax(moe.router(x), axis=-1))
+    expected = np.zeros(x.shape, np.float64)
+    gate, up, down = (np.asarray(w[...], np.float64) for w in (moe.gate_proj, moe.up_proj, moe.down_proj))
+    xs = np.asarray(x, np.float64)
+    for t in range(x.shape[0]):
+        chosen = np.argsort(-probs[t])[:2]
+        weights = probs[t, chosen] / (probs[t, chosen].sum() if norm_topk_prob else 1.0)
+        for e, w in zip(chosen, weights):
+            h = xs[t] @ gate[e]
+            expected[t] += w * ((h / (1 + np.exp(-h)) * (xs[t] @ up[e])) @ down[e])
+    if shared_expert_dim:
+        expected += np.asarray(jax.nn.sigmoid(moe.shared_expert_gate(x)) * moe.shared_expert(x))
+    assert rel_error(moe(x), expected) < 1e-5
+    prompts = [rng.integers(0, cfg.vocab_size, size=n) for n in (3, 17, 9)]
+    engine = Engine(model, max_seqs=2, max_seq_len=40, page_size=8, max_step_tokens=16, backend="xla")
+    requests = [engine.add_request(p, 6) for p in prompts]
+    engine.run()
+    assert [r.output for r in requests] == [dense_greedy(model, p, 6) for p in prompts]
+    with pytest.raises(ValueError, match="num_experts \\(5\\) must be 0"):
+        param_shardings(model, jax.make_mesh((1,), ("tp",)))
