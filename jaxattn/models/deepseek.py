@@ -1,7 +1,10 @@
 """A DeepSeek-V2-shaped decoder in Flax NNX with multi-head latent attention over packed tokens:
-per layer RMSNorm, MLA (no query compression, as in V2-Lite), RMSNorm, and a dense SwiGLU MLP in
-place of the mixture of experts (V2-Lite preset: the size of its active experts, 6 routed + 2
-shared of 1408). RoPE is plain (no YaRN) in the half-split convention; weights are random.
+per layer RMSNorm, MLA (no query compression, as in V2-Lite), RMSNorm, and a dense SwiGLU MLP or,
+with ``num_experts``, DeepSeek's mixture of experts from layer ``first_k_dense_replace`` on
+(``layers.MoE``: routed experts with V2's softmax or V3's sigmoid + bias routing, grouped
+routing, a scaling factor, and ungated shared experts). Preset "v2-lite" has a dense MLP the size
+of V2-Lite's active experts (6 routed + 2 shared of 1408), "v2-lite-moe" its real experts. RoPE is
+plain (no YaRN) in the half-split convention; weights are random (no checkpoint loader yet).
 
 The layers around attention are Llama's (``jaxattn.models.layers``). Attention is supplied by the
 caller, as in ``jaxattn.models.llama``: paged over an ``MLACache`` per layer in serving
@@ -42,6 +45,14 @@ class DeepSeekConfig:
     norm_eps: float = 1e-6
     dtype: str = "bfloat16"
     tie_embeddings: bool = False
+    # DeepSeek's mixture of experts (layers.MoE) from layer first_k_dense_replace on; 0 experts: dense MLPs
+    num_experts: int = 0
+    num_experts_per_tok: int = 6
+    moe_hidden_dim: int = 0
+    norm_topk_prob: bool = False
+    shared_expert_dim: int = 0       # n_shared_experts x moe_intermediate_size, added ungated
+    first_k_dense_replace: int = 0
+    routing: layers.MoERouting = layers.MoERouting(gated_shared_expert=False)
 
     @property
     def scale(self) -> float:
@@ -57,6 +68,12 @@ PRESETS: dict[str, DeepSeekConfig] = {
     # DeepSeek-V2-Lite's attention shapes; use .replace(num_layers=...) to fit a budget.
     "v2-lite": DeepSeekConfig(vocab_size=102400, dim=2048, num_layers=27, num_q_heads=16, kv_lora_rank=512,
                               qk_nope_dim=128, qk_rope_dim=64, v_head_dim=128, hidden_dim=8 * 1408),
+    # ... and its mixture of experts: 64 routed experts of 1408 (6 per token), 2 shared, layer 0 dense
+    # (10944); not yet measured on a GPU, so "v2-lite" keeps the dense stand-in for the benchmarks.
+    "v2-lite-moe": DeepSeekConfig(vocab_size=102400, dim=2048, num_layers=27, num_q_heads=16, kv_lora_rank=512,
+                                  qk_nope_dim=128, qk_rope_dim=64, v_head_dim=128, hidden_dim=10944, num_experts=64,
+                                  num_experts_per_tok=6, moe_hidden_dim=1408, shared_expert_dim=2 * 1408,
+                                  first_k_dense_replace=1),
 }
 
 # attend(layer, q_nope [T, Hq, Dn], q_rope [T, Hq, Dr], latents [T, R + Dr], w_uk [R, Hq, Dn],

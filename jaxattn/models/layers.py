@@ -119,7 +119,7 @@ class MLP(nnx.Module):
 
 
 class MoEConfig(Protocol):
-    """The config fields ``MoE`` reads besides ``DecoderConfig``'s."""
+    """The config fields ``MoE`` reads besides ``DecoderConfig``'s (``MoERouting``'s too)."""
 
     @property
     def num_experts(self) -> int: ...
@@ -131,15 +131,44 @@ class MoEConfig(Protocol):
     def norm_topk_prob(self) -> bool: ...
     @property
     def shared_expert_dim(self) -> int: ...
+    @property
+    def routing(self) -> "MoERouting": ...
+
+
+@dataclasses.dataclass(frozen=True)
+class MoERouting:
+    """How a router picks experts beyond softmax top-k (DeepSeek's options; the defaults are
+    Mixtral's and Qwen's).
+
+    Attributes:
+      scoring: "softmax" over the router's logits, or "sigmoid" of each (DeepSeek-V3).
+      n_group, topk_group: the experts in ``n_group`` equal groups, a token's experts chosen
+        within its ``topk_group`` best groups (a group's score: its best expert's, or with
+        ``sigmoid`` the sum of its best two); 1, 1: no groups.
+      score_bias: add the router's ``e_score_correction_bias`` to the scores for choosing only
+        (DeepSeek-V3's ``noaux_tc``), not to the weights.
+      routed_scaling_factor: the chosen experts' weights are multiplied by it (after
+        ``norm_topk_prob``'s renormalization).
+      gated_shared_expert: the shared expert is scaled by ``sigmoid(shared_expert_gate(x))``
+        (Qwen2-MoE); else added as is (DeepSeek's ``shared_experts``).
+    """
+
+    scoring: str = "softmax"
+    n_group: int = 1
+    topk_group: int = 1
+    score_bias: bool = False
+    routed_scaling_factor: float = 1.0
+    gated_shared_expert: bool = True
 
 
 class MoE(nnx.Module):
-    """A top-k mixture of SwiGLU experts (Mixtral's, Qwen2-MoE's and Qwen3-MoE's): a linear
-    ``router`` scores the ``num_experts`` experts (softmax in float32), each token goes to its
-    ``num_experts_per_tok`` best with their probabilities as weights (renormalized to sum to 1
+    """A top-k mixture of SwiGLU experts (Mixtral's, Qwen2-MoE's, Qwen3-MoE's, DeepSeek-V2's and
+    V3's): a linear ``router`` scores the ``num_experts`` experts (in float32; ``cfg.routing``,
+    ``MoERouting``: softmax or sigmoid, groups, a score bias, a scaling factor), each token goes
+    to its ``num_experts_per_tok`` best with their scores as weights (renormalized to sum to 1
     with ``norm_topk_prob``, cast to the model's dtype), and with ``shared_expert_dim`` a
-    ``shared_expert`` MLP every token takes, scaled by ``sigmoid(shared_expert_gate(x))``
-    (Qwen2-MoE's). The experts' weights are stacked, ``gate_proj`` / ``up_proj`` ``[E, dim, F]``
+    ``shared_expert`` MLP every token takes (scaled by ``sigmoid(shared_expert_gate(x))`` in
+    Qwen2-MoE). The experts' weights are stacked, ``gate_proj`` / ``up_proj`` ``[E, dim, F]``
     and ``down_proj`` ``[E, F, dim]``, their F columns split on the logical axis "mlp".
 
     The experts run as grouped GEMMs (``jax.lax.ragged_dot``) over the token copies grouped by
@@ -150,6 +179,8 @@ class MoE(nnx.Module):
         self.cfg = cfg
         experts, hidden = cfg.num_experts, cfg.moe_hidden_dim
         self.router = linear(cfg, cfg.dim, experts, rngs, (None, None))
+        if cfg.routing.score_bias:
+            self.score_bias = nnx.Param(jnp.zeros((experts,), jnp.float32))
         init = nnx.initializers.normal(cfg.dim ** -0.5)
         for name, shape, axes in (("gate_proj", (experts, cfg.dim, hidden), (None, None, "mlp")),
                                   ("up_proj", (experts, cfg.dim, hidden), (None, None, "mlp")),
@@ -157,15 +188,33 @@ class MoE(nnx.Module):
             setattr(self, name, nnx.Param(partitioned(init, axes)(rngs.params(), shape, cfg.dtype)))
         if cfg.shared_expert_dim:
             self.shared_expert = MLP(cfg, rngs, cfg.shared_expert_dim)
-            self.shared_expert_gate = linear(cfg, cfg.dim, 1, rngs, (None, None))
+            if cfg.routing.gated_shared_expert:
+                self.shared_expert_gate = linear(cfg, cfg.dim, 1, rngs, (None, None))
+
+    def route(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """Each token's experts and their weights: ``(weights float32[T, k], chosen int32[T, k])``."""
+        cfg, routing = self.cfg, self.cfg.routing
+        k, experts = cfg.num_experts_per_tok, cfg.num_experts
+        logits = x.astype(jnp.float32) @ self.router.kernel[...].astype(jnp.float32)
+        scores = jax.nn.softmax(logits, axis=-1) if routing.scoring == "softmax" else jax.nn.sigmoid(logits)
+        choice = scores + self.score_bias[...] if routing.score_bias else scores
+        if routing.n_group > 1:
+            grouped = choice.reshape(choice.shape[0], routing.n_group, experts // routing.n_group)
+            group_score = (jnp.max(grouped, axis=-1) if routing.scoring == "softmax"
+                           else jnp.sum(jax.lax.top_k(grouped, 2)[0], axis=-1))
+            kept = jnp.sum(jax.nn.one_hot(jax.lax.top_k(group_score, routing.topk_group)[1], routing.n_group), axis=1)
+            masked = 0.0 if routing.scoring == "softmax" else -jnp.inf
+            choice = jnp.where(jnp.repeat(kept > 0, experts // routing.n_group, axis=1), choice, masked)
+        chosen = jax.lax.top_k(choice, k)[1]
+        weights = jnp.take_along_axis(scores, chosen, axis=1)
+        if cfg.norm_topk_prob:
+            weights = weights / (jnp.sum(weights, axis=-1, keepdims=True) + 1e-20)
+        return weights * routing.routed_scaling_factor, chosen
 
     def __call__(self, x: jax.Array) -> jax.Array:
         cfg = self.cfg
         tokens, k, experts = x.shape[0], cfg.num_experts_per_tok, cfg.num_experts
-        probs = jax.nn.softmax(self.router(x).astype(jnp.float32), axis=-1)
-        weights, chosen = jax.lax.top_k(probs, k)                                   # [T, k]
-        if cfg.norm_topk_prob:
-            weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+        weights, chosen = self.route(x)
         weights = weights.astype(x.dtype)
         # each token copy's place in the copies grouped by expert: its expert's offset + its rank there
         onehot = jax.nn.one_hot(chosen.reshape(-1), experts, dtype=jnp.int32)      # [T k, E]
@@ -178,21 +227,25 @@ class MoE(nnx.Module):
         out = jax.lax.ragged_dot((jax.nn.silu(gate) * up).astype(x.dtype), self.down_proj[...], group_sizes)
         y = jnp.sum(out[place].reshape(tokens, k, -1) * weights[:, :, None], axis=1).astype(x.dtype)
         if cfg.shared_expert_dim:
-            y = y + jax.nn.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+            shared = self.shared_expert(x)
+            if cfg.routing.gated_shared_expert:
+                shared = jax.nn.sigmoid(self.shared_expert_gate(x)) * shared
+            y = y + shared
         return y
 
 
 class Block(nnx.Module):
-    """Pre-norm residual block: ``x + attn(norm(x))``, then ``x + mlp(norm(x))`` (an ``MoE`` when
-    the config has ``num_experts``). ``attention``
+    """Pre-norm residual block: ``x + attn(norm(x))``, then ``x + mlp(norm(x))`` (an ``MoE`` with
+    ``moe``). ``attention``
     builds the model's attention module from ``(cfg, rngs)``; it is called as
     ``attn(x [T, dim], positions int32[T], attend) -> [T, dim]``."""
 
-    def __init__(self, cfg: DecoderConfig, rngs: nnx.Rngs, attention: Callable[[Any, nnx.Rngs], nnx.Module]):
+    def __init__(self, cfg: DecoderConfig, rngs: nnx.Rngs, attention: Callable[[Any, nnx.Rngs], nnx.Module],
+                 moe: bool = False):
         self.attn_norm = rms_norm(cfg, cfg.dim, rngs)
         self.attn = attention(cfg, rngs)
         self.mlp_norm = rms_norm(cfg, cfg.dim, rngs)
-        self.mlp = MoE(cfg, rngs) if getattr(cfg, "num_experts", 0) else MLP(cfg, rngs)
+        self.mlp = MoE(cfg, rngs) if moe else MLP(cfg, rngs)
 
     def __call__(self, x: jax.Array, positions: jax.Array, attend: Callable) -> jax.Array:
         x = x + self.attn(self.attn_norm(x), positions, attend)
@@ -200,8 +253,10 @@ class Block(nnx.Module):
 
 
 def blocks(cfg: DecoderConfig, rngs: nnx.Rngs, attention: Callable[[Any, nnx.Rngs], nnx.Module]) -> nnx.List:
-    """``cfg.num_layers`` blocks around ``attention`` modules."""
-    return nnx.List([Block(cfg, rngs, attention) for _ in range(cfg.num_layers)])
+    """``cfg.num_layers`` blocks around ``attention`` modules; with ``num_experts``, their MLPs
+    are ``MoE``s from layer ``first_k_dense_replace`` on (DeepSeek's; 0 elsewhere)."""
+    experts, dense = getattr(cfg, "num_experts", 0), getattr(cfg, "first_k_dense_replace", 0)
+    return nnx.List([Block(cfg, rngs, attention, bool(experts) and i >= dense) for i in range(cfg.num_layers)])
 
 
 class Decoder(nnx.Module):

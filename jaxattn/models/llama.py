@@ -58,6 +58,7 @@ class LlamaConfig:
     moe_hidden_dim: int = 0          # each expert's hidden size
     norm_topk_prob: bool = True      # the chosen experts' weights renormalized to sum to 1
     shared_expert_dim: int = 0       # a sigmoid-gated shared expert's hidden size (Qwen2-MoE); 0: none
+    routing: layers.MoERouting = layers.MoERouting()
 
     def replace(self, **changes) -> "LlamaConfig":
         return dataclasses.replace(self, **changes)

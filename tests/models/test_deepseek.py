@@ -81,18 +81,23 @@ def _paged_matches_dense(backend: str):
             np.testing.assert_allclose(hidden[start:start + hi - lo], expected[lo:hi], rtol=1e-4, atol=1e-4)
 
 
+def dense_greedy(model: DeepSeek, prompt: np.ndarray, new_tokens: int, max_len: int = 32) -> list[int]:
+    """The dense forward's greedy continuation of ``prompt``: ``new_tokens`` tokens."""
+    graphdef, state = nnx.split(model)
+    seq = np.zeros(max_len, np.int32)                 # one shape: causal, so padding never reaches earlier rows
+    seq[:prompt.size] = prompt
+    for n in range(prompt.size, prompt.size + new_tokens):
+        hidden = _dense_hidden(graphdef, state, jnp.asarray(seq))
+        seq[n] = int(jnp.argmax(model.logits(hidden[n - 1])))
+    return seq[prompt.size:prompt.size + new_tokens].tolist()
+
+
 def test_engine_greedy_tokens_match_dense_forward():
     model = DeepSeek(PRESETS["tiny"], nnx.Rngs(1))
-    graphdef, state = nnx.split(model)
     rng = np.random.default_rng(1)
     prompts = [rng.integers(0, 512, size=n).astype(np.int32) for n in (13, 21)]
     engine = Engine(model, max_seqs=2, max_seq_len=32, page_size=8, max_step_tokens=8, backend="xla")
     requests = [engine.add_request(p, max_new_tokens=6) for p in prompts]
     engine.run()
     for prompt, request in zip(prompts, requests):
-        seq = np.zeros(32, np.int32)                  # one shape: causal, so padding never reaches earlier rows
-        seq[:prompt.size] = prompt
-        for n in range(prompt.size, prompt.size + 6):
-            hidden = _dense_hidden(graphdef, state, jnp.asarray(seq))
-            seq[n] = int(jnp.argmax(model.logits(hidden[n - 1])))
-        assert request.output == seq[prompt.size:prompt.size + 6].tolist()
+        assert request.output == dense_greedy(model, prompt, 6)
