@@ -1,10 +1,13 @@
 """A DeepSeek-V2-shaped decoder in Flax NNX with multi-head latent attention over packed tokens:
-per layer RMSNorm, MLA (no query compression, as in V2-Lite), RMSNorm, and a dense SwiGLU MLP or,
+per layer RMSNorm, MLA (queries compressed through ``q_lora_rank`` as in V2 and V3, or not as
+in V2-Lite), RMSNorm, and a dense SwiGLU MLP or,
 with ``num_experts``, DeepSeek's mixture of experts from layer ``first_k_dense_replace`` on
 (``layers.MoE``: routed experts with V2's softmax or V3's sigmoid + bias routing, grouped
 routing, a scaling factor, and ungated shared experts). Preset "v2-lite" has a dense MLP the size
 of V2-Lite's active experts (6 routed + 2 shared of 1408), "v2-lite-moe" its real experts. RoPE is
-plain (no YaRN) in the half-split convention; weights are random (no checkpoint loader yet).
+plain (no YaRN) in the half-split convention; weights are random unless loaded from a
+deepseek_v2 / deepseek_v3 checkpoint by ``jaxattn.models.from_pretrained`` (which reorders the
+checkpoints' interleaved RoPE dimensions into this convention).
 
 The layers around attention are Llama's (``jaxattn.models.layers``). Attention is supplied by the
 caller, as in ``jaxattn.models.llama``: paged over an ``MLACache`` per layer in serving
@@ -45,6 +48,7 @@ class DeepSeekConfig:
     norm_eps: float = 1e-6
     dtype: str = "bfloat16"
     tie_embeddings: bool = False
+    q_lora_rank: int | None = None   # queries through a compressed rank (V2, V3): q_a_proj, q_a_norm, q_b_proj
     # DeepSeek's mixture of experts (layers.MoE) from layer first_k_dense_replace on; 0 experts: dense MLPs
     num_experts: int = 0
     num_experts_per_tok: int = 6
@@ -86,7 +90,13 @@ class Attention(nnx.Module):
         self.cfg = cfg
         heads = cfg.num_q_heads
         # Logical axes as Llama's (heads split, the shared latent replicated), for a future mesh.
-        self.q_proj = layers.linear(cfg, cfg.dim, heads * (cfg.qk_nope_dim + cfg.qk_rope_dim), rngs, (None, "heads"))
+        q_dim = heads * (cfg.qk_nope_dim + cfg.qk_rope_dim)
+        if cfg.q_lora_rank:
+            self.q_a_proj = layers.linear(cfg, cfg.dim, cfg.q_lora_rank, rngs, (None, None))
+            self.q_a_norm = layers.rms_norm(cfg, cfg.q_lora_rank, rngs)
+            self.q_b_proj = layers.linear(cfg, cfg.q_lora_rank, q_dim, rngs, (None, "heads"))
+        else:
+            self.q_proj = layers.linear(cfg, cfg.dim, q_dim, rngs, (None, "heads"))
         self.kv_a_proj = layers.linear(cfg, cfg.dim, cfg.kv_lora_rank + cfg.qk_rope_dim, rngs, (None, None))
         self.kv_a_norm = layers.rms_norm(cfg, cfg.kv_lora_rank, rngs)
         self.kv_b_proj = layers.linear(cfg, cfg.kv_lora_rank, heads * (cfg.qk_nope_dim + cfg.v_head_dim), rngs,
@@ -102,7 +112,8 @@ class Attention(nnx.Module):
     def __call__(self, x: jax.Array, positions: jax.Array, attend: Callable) -> jax.Array:
         """x: [T, dim], positions: int32[T] -> [T, dim]."""
         cfg = self.cfg
-        q = self.q_proj(x).reshape(x.shape[0], cfg.num_q_heads, -1)
+        q = self.q_b_proj(self.q_a_norm(self.q_a_proj(x))) if cfg.q_lora_rank else self.q_proj(x)
+        q = q.reshape(x.shape[0], cfg.num_q_heads, -1)
         kv = self.kv_a_proj(x)
         inv_freq = rope_frequencies(cfg.qk_rope_dim, cfg.rope_theta)
         q_rope = rope(q[..., cfg.qk_nope_dim:], positions, inv_freq)

@@ -6,6 +6,7 @@ directories only."""
 
 from __future__ import annotations
 
+import dataclasses
 import glob
 import json
 import os
@@ -17,9 +18,13 @@ from flax import nnx
 
 import numpy as np
 
+from jaxattn.models.deepseek import DeepSeek, DeepSeekConfig
+from jaxattn.models.layers import MoE, MoERouting
 from jaxattn.models.llama import Llama, Llama3RopeScaling, LlamaConfig, param_shardings
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe")
+DEEPSEEK_MODEL_TYPES = ("deepseek_v2", "deepseek_v3")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe",
+                         *DEEPSEEK_MODEL_TYPES)
 MOE_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe")
 _REQUIRED_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size")
 # Tensors some checkpoints carry that the model recomputes or does not need.
@@ -72,8 +77,8 @@ def _sliding_window(hf: dict[str, Any]) -> int | None:
 def llama_config_from_hf(hf: dict[str, Any], dtype: str) -> LlamaConfig:
     """The ``LlamaConfig`` of a Hugging Face ``config.json`` (as a dict); ValueError naming the
     field for anything the model does not implement."""
-    if hf.get("model_type") not in SUPPORTED_MODEL_TYPES:
-        raise _field(hf, "model_type", f"one of {SUPPORTED_MODEL_TYPES}")
+    if hf.get("model_type") not in SUPPORTED_MODEL_TYPES or hf.get("model_type") in DEEPSEEK_MODEL_TYPES:
+        raise _field(hf, "model_type", f"one of {SUPPORTED_MODEL_TYPES[:-len(DEEPSEEK_MODEL_TYPES)]}")
     model_type = hf["model_type"]
     if hf.get("hidden_act", "silu") != "silu":
         raise _field(hf, "hidden_act", "'silu'")
@@ -121,6 +126,69 @@ def _moe_config(hf: dict[str, Any], cfg: LlamaConfig) -> LlamaConfig:
                        norm_topk_prob=bool(hf.get("norm_topk_prob", False)), shared_expert_dim=shared or 0)
 
 
+def deepseek_config_from_hf(hf: dict[str, Any], dtype: str) -> DeepSeekConfig:
+    """The ``DeepSeekConfig`` of a deepseek_v2 / deepseek_v3 ``config.json``: MLA (with or without
+    ``q_lora_rank``), dense layers before ``first_k_dense_replace``, then V2's softmax routing
+    (greedy or group-limited) or V3's sigmoid routing with its score bias; ValueError naming the
+    field for anything the model does not implement (YaRN rope scaling among them)."""
+    model_type = hf.get("model_type")
+    if model_type not in DEEPSEEK_MODEL_TYPES:
+        raise _field(hf, "model_type", f"one of {DEEPSEEK_MODEL_TYPES}")
+    if hf.get("hidden_act", "silu") != "silu":
+        raise _field(hf, "hidden_act", "'silu'")
+    if hf.get("attention_bias", False):
+        raise _field(hf, "attention_bias", "false")
+    theta, scaling = _rope(hf)
+    if scaling is not None:
+        raise _field(hf, "rope_scaling", "no rope scaling (YaRN is not implemented yet)")
+    if hf.get("moe_layer_freq", 1) not in (1, None):
+        raise _field(hf, "moe_layer_freq", "1 (experts in every layer from first_k_dense_replace on)")
+    experts = hf.get("n_routed_experts") or 0
+    groups = dict(n_group=hf.get("n_group") or 1, topk_group=hf.get("topk_group") or 1)
+    scaling_factor = float(hf.get("routed_scaling_factor") or 1.0)
+    if model_type == "deepseek_v2":
+        if hf.get("topk_method", "greedy") not in ("greedy", "group_limited_greedy"):
+            raise _field(hf, "topk_method", "'greedy' or 'group_limited_greedy'")
+        if hf.get("scoring_func", "softmax") not in ("softmax", None):
+            raise _field(hf, "scoring_func", "'softmax'")
+        if hf.get("norm_topk_prob"):
+            raise _field(hf, "norm_topk_prob", "false (transformers' DeepSeek-V2 does not renormalize)")
+        if hf.get("topk_method", "greedy") == "greedy":
+            groups = dict(n_group=1, topk_group=1)
+        routing = MoERouting(routed_scaling_factor=scaling_factor, gated_shared_expert=False, **groups)
+    else:
+        if hf.get("topk_method", "noaux_tc") not in ("noaux_tc", None):
+            raise _field(hf, "topk_method", "'noaux_tc'")
+        if hf.get("scoring_func", "sigmoid") not in ("sigmoid", None):
+            raise _field(hf, "scoring_func", "'sigmoid'")
+        routing = MoERouting(scoring="sigmoid", score_bias=True, routed_scaling_factor=scaling_factor,
+                             gated_shared_expert=False, **groups)
+    moe_hidden = hf.get("moe_intermediate_size") or 0
+    return DeepSeekConfig(
+        vocab_size=hf["vocab_size"], dim=hf["hidden_size"], num_layers=hf["num_hidden_layers"],
+        num_q_heads=hf["num_attention_heads"], kv_lora_rank=hf["kv_lora_rank"], qk_nope_dim=hf["qk_nope_head_dim"],
+        qk_rope_dim=hf["qk_rope_head_dim"], v_head_dim=hf["v_head_dim"], hidden_dim=hf["intermediate_size"],
+        rope_theta=theta, norm_eps=hf.get("rms_norm_eps", 1e-6), dtype=dtype,
+        tie_embeddings=bool(hf.get("tie_word_embeddings", False)), q_lora_rank=hf.get("q_lora_rank"),
+        num_experts=experts, num_experts_per_tok=hf.get("num_experts_per_tok") or 1, moe_hidden_dim=moe_hidden,
+        norm_topk_prob=bool(hf.get("norm_topk_prob", False)) and model_type == "deepseek_v3",
+        shared_expert_dim=(hf.get("n_shared_experts") or 0) * moe_hidden,
+        first_k_dense_replace=hf.get("first_k_dense_replace") or 0, routing=routing)
+
+
+def _interleaved_to_half(rope_dim: int) -> np.ndarray:
+    """The order that takes a RoPE part stored in interleaved pairs (DeepSeek's checkpoints:
+    dimensions 2i and 2i + 1 rotate together) to the half-split convention of ``layers.rope``."""
+    return np.concatenate([np.arange(0, rope_dim, 2), np.arange(1, rope_dim, 2)])
+
+
+def _past_the_layers(name: str, num_layers: int) -> bool:
+    """Whether tensor ``name`` belongs to a layer at or past ``num_layers`` (DeepSeek-V3's
+    multi-token-prediction layers, which the model does not run)."""
+    parts = name.split(".")
+    return len(parts) > 2 and parts[:2] == ["model", "layers"] and parts[2].isdigit() and int(parts[2]) >= num_layers
+
+
 def _checkpoint_files(path: str) -> list[str]:
     index = os.path.join(path, "model.safetensors.index.json")
     if os.path.isfile(index):
@@ -133,20 +201,25 @@ def _checkpoint_files(path: str) -> list[str]:
     return files
 
 
-# (variable, whether HF stores it transposed, the expert it is in a stacked expert variable or None)
-Target = tuple[nnx.Variable, bool, int | None]
+@dataclasses.dataclass(frozen=True)
+class Target:
+    """Where a checkpoint tensor goes: ``variable``; ``transposed``: HF stores it transposed;
+    ``expert``: its index in a stacked expert variable (None: the whole variable); ``rows``: the
+    order to take the HF tensor's rows in (None: as stored)."""
+
+    variable: nnx.Variable
+    transposed: bool
+    expert: int | None = None
+    rows: np.ndarray | None = None
 
 
 def _hf_parameters(model: Llama, model_type: str) -> dict[str, Target]:
     """Hugging Face tensor name -> where it goes in the model (``Target``)."""
-    params = {"model.embed_tokens.weight": (model.embed.embedding, False, None),
-              "model.norm.weight": (model.norm.scale, False, None)}
-    if not model.cfg.tie_embeddings:
-        params["lm_head.weight"] = (model.lm_head.kernel, True, None)
+    params = _ends(model)
     for i, block in enumerate(model.layers):
         prefix = f"model.layers.{i}."
-        params[prefix + "input_layernorm.weight"] = (block.attn_norm.scale, False, None)
-        params[prefix + "post_attention_layernorm.weight"] = (block.mlp_norm.scale, False, None)
+        params[prefix + "input_layernorm.weight"] = Target(block.attn_norm.scale, False)
+        params[prefix + "post_attention_layernorm.weight"] = Target(block.mlp_norm.scale, False)
         linears = {f"self_attn.{name}": getattr(block.attn, name) for name in ("q_proj", "k_proj", "v_proj", "o_proj")}
         if model.cfg.num_experts:
             params.update(_expert_parameters(block.mlp, prefix, model_type))
@@ -156,13 +229,66 @@ def _hf_parameters(model: Llama, model_type: str) -> dict[str, Target]:
                 linears["mlp.shared_expert_gate"] = block.mlp.shared_expert_gate
         else:
             linears.update({f"mlp.{name}": getattr(block.mlp, name) for name in ("gate_proj", "up_proj", "down_proj")})
-        for name, linear in linears.items():
-            params[f"{prefix}{name}.weight"] = (linear.kernel, True, None)
-            if linear.bias is not None:
-                params[f"{prefix}{name}.bias"] = (linear.bias, False, None)
+        params.update(_linears(prefix, linears))
         if model.cfg.qk_norm:
-            params[prefix + "self_attn.q_norm.weight"] = (block.attn.q_norm.scale, False, None)
-            params[prefix + "self_attn.k_norm.weight"] = (block.attn.k_norm.scale, False, None)
+            params[prefix + "self_attn.q_norm.weight"] = Target(block.attn.q_norm.scale, False)
+            params[prefix + "self_attn.k_norm.weight"] = Target(block.attn.k_norm.scale, False)
+    return params
+
+
+def _ends(model: Llama | DeepSeek) -> dict[str, Target]:
+    """The embedding, final norm and (untied) LM head."""
+    params = {"model.embed_tokens.weight": Target(model.embed.embedding, False),
+              "model.norm.weight": Target(model.norm.scale, False)}
+    if not model.cfg.tie_embeddings:
+        params["lm_head.weight"] = Target(model.lm_head.kernel, True)
+    return params
+
+
+def _linears(prefix: str, linears: dict[str, nnx.Linear], rows: dict[str, np.ndarray] | None = None
+             ) -> dict[str, Target]:
+    """The weight (and bias) tensors of ``linears`` by HF name (``rows``: a weight's row order)."""
+    params = {}
+    for name, linear in linears.items():
+        params[f"{prefix}{name}.weight"] = Target(linear.kernel, True, rows=(rows or {}).get(name))
+        if linear.bias is not None:
+            params[f"{prefix}{name}.bias"] = Target(linear.bias, False)
+    return params
+
+
+def _deepseek_parameters(model: DeepSeek, model_type: str, interleaved: bool) -> dict[str, Target]:
+    """HF tensor name -> ``Target`` of a DeepSeek model (``interleaved``: the checkpoint's RoPE
+    parts are in interleaved pairs, reordered on load)."""
+    cfg = model.cfg
+    head = cfg.qk_nope_dim + cfg.qk_rope_dim
+    rope_order = _interleaved_to_half(cfg.qk_rope_dim) if interleaved else np.arange(cfg.qk_rope_dim)
+    q_rows = np.concatenate([h * head + np.concatenate([np.arange(cfg.qk_nope_dim), cfg.qk_nope_dim + rope_order])
+                             for h in range(cfg.num_q_heads)])
+    kv_rows = np.concatenate([np.arange(cfg.kv_lora_rank), cfg.kv_lora_rank + rope_order])
+    params = _ends(model)
+    for i, block in enumerate(model.layers):
+        prefix = f"model.layers.{i}."
+        attn = block.attn
+        params[prefix + "input_layernorm.weight"] = Target(block.attn_norm.scale, False)
+        params[prefix + "post_attention_layernorm.weight"] = Target(block.mlp_norm.scale, False)
+        params[prefix + "self_attn.kv_a_layernorm.weight"] = Target(attn.kv_a_norm.scale, False)
+        linears = {"self_attn.kv_a_proj_with_mqa": attn.kv_a_proj, "self_attn.kv_b_proj": attn.kv_b_proj,
+                   "self_attn.o_proj": attn.o_proj}
+        rows = {"self_attn.kv_a_proj_with_mqa": kv_rows, "self_attn.q_proj": q_rows, "self_attn.q_b_proj": q_rows}
+        if cfg.q_lora_rank:
+            linears.update({"self_attn.q_a_proj": attn.q_a_proj, "self_attn.q_b_proj": attn.q_b_proj})
+            params[prefix + "self_attn.q_a_layernorm.weight"] = Target(attn.q_a_norm.scale, False)
+        else:
+            linears["self_attn.q_proj"] = attn.q_proj
+        if isinstance(block.mlp, MoE):
+            params.update(_expert_parameters(block.mlp, prefix, model_type))
+            linears.update({f"mlp.shared_experts.{name}": getattr(block.mlp.shared_expert, name)
+                            for name in ("gate_proj", "up_proj", "down_proj")} if cfg.shared_expert_dim else {})
+            if cfg.routing.score_bias:
+                params[prefix + "mlp.gate.e_score_correction_bias"] = Target(block.mlp.score_bias, False)
+        else:
+            linears.update({f"mlp.{name}": getattr(block.mlp, name) for name in ("gate_proj", "up_proj", "down_proj")})
+        params.update(_linears(prefix, linears, rows))
     return params
 
 
@@ -173,20 +299,23 @@ def _expert_parameters(moe, prefix: str, model_type: str) -> dict[str, Target]:
         module, names = "block_sparse_moe", {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
     else:
         module, names = "mlp", {name: name for name in ("gate_proj", "up_proj", "down_proj")}
-    params = {f"{prefix}{module}.gate.weight": (moe.router.kernel, True, None)}
+    params = {f"{prefix}{module}.gate.weight": Target(moe.router.kernel, True)}
     for j in range(moe.cfg.num_experts):
         for ours, theirs in names.items():
-            params[f"{prefix}{module}.experts.{j}.{theirs}.weight"] = (getattr(moe, ours), True, j)
+            params[f"{prefix}{module}.experts.{j}.{theirs}.weight"] = Target(getattr(moe, ours), True, j)
     return params
 
 
-def from_pretrained(path: str, dtype: str | jnp.dtype | None = None, mesh: jax.sharding.Mesh | None = None) -> Llama:
+def from_pretrained(path: str, dtype: str | jnp.dtype | None = None,
+                    mesh: jax.sharding.Mesh | None = None) -> Llama | DeepSeek:
     """Loads a local Hugging Face checkpoint directory (``config.json`` and ``*.safetensors``,
     sharded with ``model.safetensors.index.json`` or not) of a model_type of
-    ``SUPPORTED_MODEL_TYPES`` (llama, mistral, qwen2, qwen3; the mixtures of experts mixtral,
-    qwen2_moe and qwen3_moe) into a ``Llama``. Tensors are read one at a time and converted to ``dtype`` (default:
-    the checkpoint's ``torch_dtype``/``dtype``, else bfloat16) on the default device, or with a
-    ``mesh``, each placed for tensor parallelism over all the mesh's devices as
+    ``SUPPORTED_MODEL_TYPES`` into a ``Llama`` (llama, mistral, qwen2, qwen3; the mixtures of
+    experts mixtral, qwen2_moe and qwen3_moe) or a ``DeepSeek`` (deepseek_v2, deepseek_v3; without
+    YaRN; the layers past ``num_hidden_layers``, V3's multi-token prediction, are skipped).
+    Tensors are read one at a time and converted to ``dtype`` (default: the checkpoint's
+    ``torch_dtype``/``dtype``, else bfloat16) on the default device, or with a ``mesh`` (Llama
+    only), each placed for tensor parallelism over all the mesh's devices as
     ``jaxattn.models.llama.shard_model`` places them (one tensor on the default device at a time).
 
     Raises ValueError naming the config field of an unsupported model, or the tensor that is
@@ -201,9 +330,18 @@ def from_pretrained(path: str, dtype: str | jnp.dtype | None = None, mesh: jax.s
     with open(config_path) as f:
         hf = json.load(f)
     dtype = jnp.dtype(dtype or hf.get("torch_dtype") or hf.get("dtype") or "bfloat16").name
-    cfg = llama_config_from_hf(hf, dtype)
-    model = nnx.eval_shape(lambda: Llama(cfg, nnx.Rngs(0)))
-    expected = _hf_parameters(model, hf["model_type"])
+    if hf.get("model_type") in DEEPSEEK_MODEL_TYPES:
+        if mesh is not None:
+            raise ValueError("from_pretrained: mesh must be None for DeepSeek models (MLA is not split over "
+                             "devices yet)")
+        cfg = deepseek_config_from_hf(hf, dtype)
+        model = nnx.eval_shape(lambda: DeepSeek(cfg, nnx.Rngs(0)))
+        interleaved = hf["model_type"] == "deepseek_v2" or hf.get("rope_interleave", True)
+        expected = _deepseek_parameters(model, hf["model_type"], interleaved)
+    else:
+        cfg = llama_config_from_hf(hf, dtype)
+        model = nnx.eval_shape(lambda: Llama(cfg, nnx.Rngs(0)))
+        expected = _hf_parameters(model, hf["model_type"])
     stacks: dict[int, list] = {}         # id(variable) -> [host array, experts still to read]
     placement = {}
     if mesh is not None:
@@ -214,16 +352,20 @@ def from_pretrained(path: str, dtype: str | jnp.dtype | None = None, mesh: jax.s
         with safe_open(file, framework="numpy") as tensors:
             for name in tensors.keys():
                 if name not in expected:
-                    if name.endswith(_IGNORED_SUFFIXES) or (name == "lm_head.weight" and cfg.tie_embeddings):
+                    if name.endswith(_IGNORED_SUFFIXES) or (name == "lm_head.weight" and cfg.tie_embeddings) \
+                            or _past_the_layers(name, cfg.num_layers):
                         continue
                     raise ValueError(f"from_pretrained: unexpected tensor {name!r} in {file} for {cfg}")
-                variable, transposed, expert = expected.pop(name)
+                target = expected.pop(name)
+                variable, transposed, expert = target.variable, target.transposed, target.expert
                 array = tensors.get_tensor(name)
                 shape = variable.shape if expert is None else variable.shape[1:]
                 hf_shape = tuple(shape[::-1] if transposed else shape)
                 if array.shape != hf_shape:
                     raise ValueError(f"from_pretrained: tensor {name!r} in {file} has shape {array.shape}, "
                                      f"expected {hf_shape}")
+                if target.rows is not None:
+                    array = array[target.rows]
                 if expert is not None:           # one expert of a stack: set once all are read
                     stack = stacks.setdefault(id(variable), [np.empty(variable.shape, array.dtype),
                                                              variable.shape[0]])

@@ -14,6 +14,8 @@ _SHAPES = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidde
                num_key_value_heads=2, max_position_embeddings=256)
 _LLAMA3_ROPE = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
                     original_max_position_embeddings=16)  # short, so that the scaled band covers test positions
+_MLA = dict(num_key_value_heads=4, qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=16, num_experts_per_tok=2,
+            moe_intermediate_size=32, first_k_dense_replace=1)
 # name: (transformers config class, its arguments beyond _SHAPES, save_pretrained arguments)
 CHECKPOINTS = {
     "llama": ("LlamaConfig", {}, {}),
@@ -27,6 +29,12 @@ CHECKPOINTS = {
                                                        shared_expert_intermediate_size=80, norm_topk_prob=False), {}),
     "qwen3-moe": ("Qwen3MoeConfig", dict(num_experts=6, num_experts_per_tok=2, moe_intermediate_size=32, head_dim=16,
                                          norm_topk_prob=True), dict(max_shard_size="50KB")),
+    # MLA (interleaved RoPE in the checkpoint), a dense first layer, then experts
+    "deepseek-v2-lite-moe": ("DeepseekV2Config", dict(q_lora_rank=None, kv_lora_rank=32, **_MLA, topk_method="greedy",
+                                                      n_routed_experts=8, n_shared_experts=2), {}),
+    "deepseek-v3-grouped": ("DeepseekV3Config", dict(q_lora_rank=48, kv_lora_rank=32, **_MLA, n_routed_experts=8,
+                                                     n_shared_experts=1, n_group=4, topk_group=2,
+                                                     routed_scaling_factor=2.5), dict(max_shard_size="50KB")),
 }
 # The tokenizer of save_tokenizer: word i of a text is token id i of this vocabulary.
 WORDS = [f"w{i}" for i in range(VOCAB)]

@@ -30,6 +30,8 @@ from jaxattn.models.llama import (PRESETS, Llama, Llama3RopeScaling, param_shard
                                   rope_frequencies)
 from jaxattn.sampling import SamplingParams  # noqa: E402
 from tests.models.hf_checkpoints import CHECKPOINTS, VOCAB, generate, save_checkpoint  # noqa: E402
+from jaxattn.models.deepseek import DeepSeek  # noqa: E402
+from tests.models.test_deepseek import _dense_hidden as deepseek_dense_hidden  # noqa: E402
 from tests.models.test_llama import dense_hidden  # noqa: E402
 from tests.paged_inputs import rel_error  # noqa: E402
 from tests.test_sharding import run_on_cpu_devices  # noqa: E402
@@ -55,7 +57,8 @@ def test_dense_logits_match_transformers(checkpoint):
     tokens = np.random.default_rng(1).integers(0, VOCAB, size=max(PROMPT_LENS))  # every position, one compile
     with torch.no_grad():
         expected = reference(torch.from_numpy(tokens)[None]).logits[0].numpy()
-    hidden = dense_hidden(*nnx.split(model), jnp.asarray(tokens, jnp.int32))
+    dense = deepseek_dense_hidden if isinstance(model, DeepSeek) else dense_hidden
+    hidden = dense(*nnx.split(model), jnp.asarray(tokens, jnp.int32))
     assert rel_error(model.logits(hidden), expected) <= 1e-4
 
 
