@@ -5,7 +5,7 @@ with ``num_experts``, DeepSeek's mixture of experts from layer ``first_k_dense_r
 (``layers.MoE``: routed experts with V2's softmax or V3's sigmoid + bias routing, grouped
 routing, a scaling factor, and ungated shared experts). Preset "v2-lite" has a dense MLP the size
 of V2-Lite's active experts (6 routed + 2 shared of 1408), "v2-lite-moe" its real experts. RoPE is
-plain (no YaRN) in the half-split convention; weights are random unless loaded from a
+in the half-split convention, with YaRN scaling (``rope_scaling``) or not; weights are random unless loaded from a
 deepseek_v2 / deepseek_v3 checkpoint by ``jaxattn.models.from_pretrained`` (which reorders the
 checkpoints' interleaved RoPE dimensions into this convention).
 
@@ -49,6 +49,7 @@ class DeepSeekConfig:
     dtype: str = "bfloat16"
     tie_embeddings: bool = False
     q_lora_rank: int | None = None   # queries through a compressed rank (V2, V3): q_a_proj, q_a_norm, q_b_proj
+    rope_scaling: layers.YarnRopeScaling | None = None
     # DeepSeek's mixture of experts (layers.MoE) from layer first_k_dense_replace on; 0 experts: dense MLPs
     num_experts: int = 0
     num_experts_per_tok: int = 6
@@ -60,7 +61,8 @@ class DeepSeekConfig:
 
     @property
     def scale(self) -> float:
-        return (self.qk_nope_dim + self.qk_rope_dim) ** -0.5
+        scale = (self.qk_nope_dim + self.qk_rope_dim) ** -0.5
+        return scale * self.rope_scaling.softmax_factor if self.rope_scaling else scale
 
     def replace(self, **changes) -> "DeepSeekConfig":
         return dataclasses.replace(self, **changes)
@@ -115,9 +117,11 @@ class Attention(nnx.Module):
         q = self.q_b_proj(self.q_a_norm(self.q_a_proj(x))) if cfg.q_lora_rank else self.q_proj(x)
         q = q.reshape(x.shape[0], cfg.num_q_heads, -1)
         kv = self.kv_a_proj(x)
-        inv_freq = rope_frequencies(cfg.qk_rope_dim, cfg.rope_theta)
+        inv_freq = rope_frequencies(cfg.qk_rope_dim, cfg.rope_theta, cfg.rope_scaling)
         q_rope = rope(q[..., cfg.qk_nope_dim:], positions, inv_freq)
         k_rope = rope(kv[:, None, cfg.kv_lora_rank:], positions, inv_freq)[:, 0]
+        if cfg.rope_scaling and cfg.rope_scaling.attention_factor != 1.0:
+            q_rope, k_rope = (x * jnp.asarray(cfg.rope_scaling.attention_factor, x.dtype) for x in (q_rope, k_rope))
         latents = jnp.concatenate([self.kv_a_norm(kv[:, :cfg.kv_lora_rank]), k_rope], axis=-1)
         out = attend(q[..., :cfg.qk_nope_dim], q_rope, latents, *self.up_projections())
         return self.o_proj(out.reshape(x.shape[0], -1))

@@ -19,7 +19,7 @@ from flax import nnx
 import numpy as np
 
 from jaxattn.models.deepseek import DeepSeek, DeepSeekConfig
-from jaxattn.models.layers import MoE, MoERouting
+from jaxattn.models.layers import MoE, MoERouting, YarnRopeScaling
 from jaxattn.models.llama import Llama, Llama3RopeScaling, LlamaConfig, param_shardings
 
 DEEPSEEK_MODEL_TYPES = ("deepseek_v2", "deepseek_v3")
@@ -129,8 +129,8 @@ def _moe_config(hf: dict[str, Any], cfg: LlamaConfig) -> LlamaConfig:
 def deepseek_config_from_hf(hf: dict[str, Any], dtype: str) -> DeepSeekConfig:
     """The ``DeepSeekConfig`` of a deepseek_v2 / deepseek_v3 ``config.json``: MLA (with or without
     ``q_lora_rank``), dense layers before ``first_k_dense_replace``, then V2's softmax routing
-    (greedy or group-limited) or V3's sigmoid routing with its score bias; ValueError naming the
-    field for anything the model does not implement (YaRN rope scaling among them)."""
+    (greedy or group-limited) or V3's sigmoid routing with its score bias, YaRN rope scaling or
+    none; ValueError naming the field for anything the model does not implement."""
     model_type = hf.get("model_type")
     if model_type not in DEEPSEEK_MODEL_TYPES:
         raise _field(hf, "model_type", f"one of {DEEPSEEK_MODEL_TYPES}")
@@ -138,9 +138,7 @@ def deepseek_config_from_hf(hf: dict[str, Any], dtype: str) -> DeepSeekConfig:
         raise _field(hf, "hidden_act", "'silu'")
     if hf.get("attention_bias", False):
         raise _field(hf, "attention_bias", "false")
-    theta, scaling = _rope(hf)
-    if scaling is not None:
-        raise _field(hf, "rope_scaling", "no rope scaling (YaRN is not implemented yet)")
+    theta, yarn = _yarn(hf)
     if hf.get("moe_layer_freq", 1) not in (1, None):
         raise _field(hf, "moe_layer_freq", "1 (experts in every layer from first_k_dense_replace on)")
     experts = hf.get("n_routed_experts") or 0
@@ -173,7 +171,28 @@ def deepseek_config_from_hf(hf: dict[str, Any], dtype: str) -> DeepSeekConfig:
         num_experts=experts, num_experts_per_tok=hf.get("num_experts_per_tok") or 1, moe_hidden_dim=moe_hidden,
         norm_topk_prob=bool(hf.get("norm_topk_prob", False)) and model_type == "deepseek_v3",
         shared_expert_dim=(hf.get("n_shared_experts") or 0) * moe_hidden,
-        first_k_dense_replace=hf.get("first_k_dense_replace") or 0, routing=routing)
+        first_k_dense_replace=hf.get("first_k_dense_replace") or 0, routing=routing, rope_scaling=yarn)
+
+
+def _yarn(hf: dict[str, Any]) -> tuple[float, YarnRopeScaling | None]:
+    """(rope_theta, YaRN scaling or None) of a DeepSeek ``config.json``."""
+    name = "rope_parameters" if hf.get("rope_parameters") is not None else "rope_scaling"
+    params = hf.get(name) or {}
+    theta = float(params.get("rope_theta") or hf.get("rope_theta") or 10000.0)
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type == "default":
+        return theta, None
+    if rope_type != "yarn" or params.get("attention_factor") is not None:
+        raise _field(hf, name, "rope_type 'default' or 'yarn' (without attention_factor)")
+    original = params.get("original_max_position_embeddings")
+    factor = params.get("factor") or (hf["max_position_embeddings"] / original if original else None)
+    if not original or not factor:
+        raise _field(hf, name, "yarn with factor and original_max_position_embeddings")
+    return theta, YarnRopeScaling(
+        factor=float(factor), original_max_position_embeddings=int(original),
+        beta_fast=float(params.get("beta_fast") or 32), beta_slow=float(params.get("beta_slow") or 1),
+        mscale=float(params.get("mscale") or 0.0), mscale_all_dim=float(params.get("mscale_all_dim") or 0.0),
+        truncate=bool(params.get("truncate", True)))
 
 
 def _interleaved_to_half(rope_dim: int) -> np.ndarray:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import Any, Callable, Protocol
 
 import jax
@@ -50,9 +51,57 @@ class Llama3RopeScaling:
     original_max_position_embeddings: int
 
 
-def rope_frequencies(head_dim: int, theta: float, scaling: Llama3RopeScaling | None = None) -> np.ndarray:
+@dataclasses.dataclass(frozen=True)
+class YarnRopeScaling:
+    """YaRN (DeepSeek-V2/V3's rope scaling, as transformers computes it): frequencies blended
+    between interpolated (``/ factor``) and kept, by a linear ramp over the dimensions whose
+    rotations over ``original_max_position_embeddings`` positions lie between ``beta_slow`` and
+    ``beta_fast``; rotated parts scaled by ``attention_factor`` (``mscale(factor, mscale) /
+    mscale(factor, mscale_all_dim)``, mscale(s, m) = 0.1 m ln s + 1); and DeepSeek's softmax scale
+    multiplied by ``mscale(factor, mscale_all_dim) ** 2`` (``softmax_factor``)."""
+    factor: float
+    original_max_position_embeddings: int
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float = 1.0
+    mscale_all_dim: float = 0.0
+    truncate: bool = True
+
+    @staticmethod
+    def _mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    @property
+    def attention_factor(self) -> float:
+        if self.mscale and self.mscale_all_dim:
+            return self._mscale(self.factor, self.mscale) / self._mscale(self.factor, self.mscale_all_dim)
+        return self._mscale(self.factor)
+
+    @property
+    def softmax_factor(self) -> float:
+        return self._mscale(self.factor, self.mscale_all_dim) ** 2 if self.mscale_all_dim else 1.0
+
+    def frequencies(self, head_dim: int, theta: float) -> np.ndarray:
+        """float64[head_dim // 2]: the blended inverse frequencies."""
+        def dimension(rotations: float) -> float:
+            return head_dim * math.log(self.original_max_position_embeddings / (rotations * 2 * math.pi)) / (
+                2 * math.log(theta))
+
+        low, high = dimension(self.beta_fast), dimension(self.beta_slow)
+        if self.truncate:
+            low, high = math.floor(low), math.ceil(high)
+        low, high = max(low, 0), min(high, head_dim - 1)
+        ramp = np.clip((np.arange(head_dim // 2, dtype=np.float64) - low) / ((high - low) or 0.001), 0, 1)
+        kept = theta ** (-np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+        return kept / self.factor * ramp + kept * (1 - ramp)
+
+
+def rope_frequencies(head_dim: int, theta: float, scaling: Llama3RopeScaling | YarnRopeScaling | None = None
+                     ) -> np.ndarray:
     """Rotary inverse frequencies float32[head_dim // 2] (in float64 before the cast, so they
     are the correctly rounded values)."""
+    if isinstance(scaling, YarnRopeScaling):
+        return scaling.frequencies(head_dim, theta).astype(np.float32)
     inv_freq = theta ** (-np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
     if scaling is not None:
         wavelen = 2 * np.pi / inv_freq

@@ -16,6 +16,9 @@ _LLAMA3_ROPE = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_fr
                     original_max_position_embeddings=16)  # short, so that the scaled band covers test positions
 _MLA = dict(num_key_value_heads=4, qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=16, num_experts_per_tok=2,
             moe_intermediate_size=32, first_k_dense_replace=1)
+# DeepSeek's YaRN, a short original context (its ramp covers the dimensions; factor: 256 / 16), attention_factor != 1
+_YARN = dict(rope_type="yarn", factor=16.0, original_max_position_embeddings=16, beta_fast=32, beta_slow=1, mscale=1.0,
+             mscale_all_dim=0.8)
 # name: (transformers config class, its arguments beyond _SHAPES, save_pretrained arguments)
 CHECKPOINTS = {
     "llama": ("LlamaConfig", {}, {}),
@@ -32,9 +35,10 @@ CHECKPOINTS = {
     # MLA (interleaved RoPE in the checkpoint), a dense first layer, then experts
     "deepseek-v2-lite-moe": ("DeepseekV2Config", dict(q_lora_rank=None, kv_lora_rank=32, **_MLA, topk_method="greedy",
                                                       n_routed_experts=8, n_shared_experts=2), {}),
-    "deepseek-v3-grouped": ("DeepseekV3Config", dict(q_lora_rank=48, kv_lora_rank=32, **_MLA, n_routed_experts=8,
-                                                     n_shared_experts=1, n_group=4, topk_group=2,
-                                                     routed_scaling_factor=2.5), dict(max_shard_size="50KB")),
+    "deepseek-v3-grouped-yarn": ("DeepseekV3Config", dict(q_lora_rank=48, kv_lora_rank=32, **_MLA, n_routed_experts=8,
+                                                          n_shared_experts=1, n_group=4, topk_group=2,
+                                                          routed_scaling_factor=2.5, rope_scaling=_YARN),
+                                 dict(max_shard_size="50KB")),
 }
 # The tokenizer of save_tokenizer: word i of a text is token id i of this vocabulary.
 WORDS = [f"w{i}" for i in range(VOCAB)]
