@@ -348,6 +348,8 @@ def from_pretrained(path: str, dtype: str | jnp.dtype | None = None,
         raise ValueError(f"from_pretrained: path={path!r} is not a local checkpoint directory with a config.json")
     with open(config_path) as f:
         hf = json.load(f)
+    if hf.get("quantization_config"):
+        raise _field(hf, "quantization_config", "none (quantized weights such as FP8 are not read yet)")
     dtype = jnp.dtype(dtype or hf.get("torch_dtype") or hf.get("dtype") or "bfloat16").name
     if hf.get("model_type") in DEEPSEEK_MODEL_TYPES:
         if mesh is not None:

@@ -120,6 +120,34 @@ def test_unsupported_mixture_of_experts_fields_are_named(changes, field):
         llama_config_from_hf({**moe, **changes}, "float32")
 
 
+def test_deepseek_configs(tmp_path):
+    """DeepSeek-V2-Lite's own config.json fields parse (YaRN, greedy routing, 64 experts, 2 shared,
+    a dense first layer); V2 with norm_topk_prob, another scoring or rope type, and quantized
+    checkpoints are refused by field."""
+    from jaxattn.models.hf import deepseek_config_from_hf
+
+    lite = dict(model_type="deepseek_v2", vocab_size=102400, hidden_size=2048, intermediate_size=10944,
+                moe_intermediate_size=1408, num_hidden_layers=27, num_attention_heads=16, n_routed_experts=64,
+                n_shared_experts=2, num_experts_per_tok=6, first_k_dense_replace=1, moe_layer_freq=1,
+                kv_lora_rank=512, q_lora_rank=None, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
+                topk_method="greedy", n_group=1, topk_group=1, norm_topk_prob=False, scoring_func="softmax",
+                routed_scaling_factor=1.0, max_position_embeddings=163840, rope_theta=10000,
+                rope_scaling=dict(type="yarn", factor=40, original_max_position_embeddings=4096, beta_fast=32,
+                                  beta_slow=1, mscale=0.707, mscale_all_dim=0.707))
+    cfg = deepseek_config_from_hf(lite, "bfloat16")
+    assert (cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_hidden_dim, cfg.shared_expert_dim,
+            cfg.first_k_dense_replace) == (64, 6, 1408, 2816, 1)
+    assert cfg.rope_scaling.factor == 40 and cfg.rope_scaling.attention_factor == pytest.approx(1.0)
+    for changes, field in ((dict(norm_topk_prob=True), "norm_topk_prob"),
+                           (dict(scoring_func="sigmoid"), "scoring_func"), (dict(topk_method="noaux_tc"), "topk_method"), (dict(moe_layer_freq=2), "moe_layer_freq"),
+                           (dict(rope_scaling=dict(type="dynamic", factor=2.0)), "rope_scaling")):
+        with pytest.raises(ValueError, match=field):
+            deepseek_config_from_hf({**lite, **changes}, "bfloat16")
+    (tmp_path / "config.json").write_text(json.dumps({**lite, "quantization_config": {"quant_method": "fp8"}}))
+    with pytest.raises(ValueError, match="quantization_config"):
+        from_pretrained(str(tmp_path))
+
+
 def test_attention_bias_outside_qwen2_is_refused():
     with pytest.raises(ValueError, match="attention_bias"):
         llama_config_from_hf({**_QWEN2, "model_type": "llama", "attention_bias": True}, "float32")
