@@ -139,7 +139,8 @@ def test_deepseek_configs(tmp_path):
             cfg.first_k_dense_replace) == (64, 6, 1408, 2816, 1)
     assert cfg.rope_scaling.factor == 40 and cfg.rope_scaling.attention_factor == pytest.approx(1.0)
     for changes, field in ((dict(norm_topk_prob=True), "norm_topk_prob"),
-                           (dict(scoring_func="sigmoid"), "scoring_func"), (dict(topk_method="noaux_tc"), "topk_method"),
+                           (dict(scoring_func="sigmoid"), "scoring_func"),
+                           (dict(topk_method="noaux_tc"), "topk_method"),
                            (dict(moe_layer_freq=2), "moe_layer_freq"),
                            (dict(rope_scaling=dict(type="dynamic", factor=2.0)), "rope_scaling")):
         with pytest.raises(ValueError, match=field):
