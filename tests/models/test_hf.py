@@ -161,8 +161,8 @@ def check_from_pretrained_on_mesh(path: str) -> None:
     cfg = llama_config_from_hf(_QWEN2, "float32")
     rng = np.random.default_rng(0)
     abstract = nnx.eval_shape(lambda: Llama(cfg, nnx.Rngs(0)))
-    tensors = {name: rng.normal(size=variable.shape[::-1] if transposed else variable.shape).astype(np.float32)
-               for name, (variable, transposed, _) in _hf_parameters(abstract, "qwen2").items()}
+    tensors = {name: rng.normal(size=t.variable.shape[::-1] if t.transposed else t.variable.shape).astype(np.float32)
+               for name, t in _hf_parameters(abstract, "qwen2").items()}
     path = _write_checkpoint(pathlib.Path(path), tensors)
     mesh = jax.make_mesh((jax.device_count(),), ("tp",))
     expected, sharded = from_pretrained(path), from_pretrained(path, mesh=mesh)
