@@ -177,7 +177,7 @@ def assert_pool_consistent(engine: Engine) -> None:
     assert int(engine.runner.table.num_free) == usage.free, (int(engine.runner.table.num_free), usage)
 
 
-@pytest.mark.parametrize("k", [1, 3, 8])
+@pytest.mark.parametrize("k", [1, 3, pytest.param(8, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("overlap", [True, False])
 def test_greedy_outputs_equal_those_without_speculation(k, overlap):
     """Greedy tokens with n-gram speculation are the engine's without it, token for token, with
@@ -303,7 +303,7 @@ def test_oracle_drafts_bound_speculation(k):
         assert_pool_consistent(engine)
 
 
-@pytest.mark.parametrize("overlap", [True, False])
+@pytest.mark.parametrize("overlap", [True, pytest.param(False, marks=pytest.mark.slow)])
 def test_draft_model_speculation(overlap):
     """A draft model's drafts: the model itself as its draft ("tiny", the same weights) has every
     draft kept (about n / (K + 1) decode steps); a one-layer model of other weights has few kept;

@@ -40,7 +40,10 @@ PROMPT_LENS = (5, 23, 12, 40)
 NEW_TOKENS = 32
 
 
-@pytest.fixture(scope="module", params=list(CHECKPOINTS))
+# the mixtures of experts run in the README's pytest command, not again in Bazel's (marked slow)
+@pytest.fixture(scope="module", params=[pytest.param(name, marks=pytest.mark.slow)
+                                        if any(kind in name for kind in ("moe", "mixtral", "deepseek")) else name
+                                        for name in CHECKPOINTS])
 def checkpoint(request, tmp_path_factory) -> tuple[torch.nn.Module, Llama]:
     """(transformers model, the same checkpoint loaded with from_pretrained) in float32."""
     path = tmp_path_factory.mktemp(request.param)
