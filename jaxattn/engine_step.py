@@ -94,6 +94,11 @@ class SpecRows:
     rows: jax.Array
     samples: jax.Array
 
+    @classmethod
+    def none(cls, shape: "StepShape") -> "SpecRows":
+        """Host arrays for a step of ``shape`` with no row speculating or sampling (filled in by ``pack_step``)."""
+        return cls(np.full(shape.tokens, -1, np.int32), np.zeros(shape.rows, bool), np.zeros(shape.rows, bool))
+
 
 StepFn = Callable[..., tuple[tuple[jax.Array, ...], jax.Array, jax.Array, list[Cache], jaxattn.PageTable,
                              DraftState | None]]
@@ -417,7 +422,7 @@ def pack_step(schedule: Schedule, shape: StepShape, *, max_seqs: int, page_size:
     q_lens = np.zeros(shape.rows, np.int32)
     spec = None
     if draft_tokens is not None:
-        spec = SpecRows(np.full(shape.tokens, -1, np.int32), np.zeros(shape.rows, bool), np.zeros(shape.rows, bool))
+        spec = SpecRows.none(shape)
     offset = 0
     for i, row in enumerate(schedule.rows):
         r = row.request
@@ -635,7 +640,7 @@ class StepRunner:
             sampling = SamplingBatch.from_params([SamplingParams(temperature=1.0)] * shape.rows, [0] * shape.rows)
         spec = None
         if self.drafter is not None:
-            spec = SpecRows(np.full(shape.tokens, -1, np.int32), np.zeros(shape.rows, bool), np.zeros(shape.rows, bool))
+            spec = SpecRows.none(shape)
         return StepInputs(shape, np.full(self.max_seqs, -1, np.int32), np.zeros(shape.tokens, np.int32),
                           np.full(shape.tokens, -1, np.int32), np.full(shape.rows, -1, np.int32),
                           np.zeros(shape.rows, np.int32), sampling, prefix, logprobs, [], masked, spec)

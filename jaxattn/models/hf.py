@@ -1,8 +1,8 @@
 """Hugging Face checkpoints of the Llama family (Llama 2/3/3.1, Mistral, Qwen2, Qwen3, and the
-mixtures of experts Mixtral, Qwen2-MoE and Qwen3-MoE) into ``jaxattn.models.llama.Llama``:
-``config.json`` becomes a ``LlamaConfig`` and the ``*.safetensors`` tensors are streamed into the
-model one at a time (an expert stack is assembled on the host from its experts' tensors). Local
-directories only."""
+mixtures of experts Mixtral, Qwen2-MoE and Qwen3-MoE) into ``jaxattn.models.llama.Llama``, and of
+DeepSeek-V2/V3 into ``jaxattn.models.deepseek.DeepSeek``: ``config.json`` becomes the model's
+config and the ``*.safetensors`` tensors are streamed into the model one at a time (an expert
+stack is assembled on the host from its experts' tensors). Local directories only."""
 
 from __future__ import annotations
 
@@ -14,18 +14,18 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from flax import nnx
-
 import numpy as np
+from flax import nnx
 
 from jaxattn.models.deepseek import DeepSeek, DeepSeekConfig
 from jaxattn.models.layers import MoE, MoERouting, YarnRopeScaling
 from jaxattn.models.llama import Llama, Llama3RopeScaling, LlamaConfig, param_shardings
 
-DEEPSEEK_MODEL_TYPES = ("deepseek_v2", "deepseek_v3")
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe",
-                         *DEEPSEEK_MODEL_TYPES)
 MOE_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe")
+LLAMA_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", *MOE_MODEL_TYPES)
+DEEPSEEK_MODEL_TYPES = ("deepseek_v2", "deepseek_v3")
+SUPPORTED_MODEL_TYPES = (*LLAMA_MODEL_TYPES, *DEEPSEEK_MODEL_TYPES)
+SWIGLU = ("gate_proj", "up_proj", "down_proj")      # an MLP's linears, as the modules and checkpoints name them
 _REQUIRED_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size")
 # Tensors some checkpoints carry that the model recomputes or does not need.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -36,15 +36,20 @@ def _field(hf: dict[str, Any], name: str, expected: str) -> ValueError:
                       f"for model_type={hf.get('model_type')!r}; expected {expected}")
 
 
-def _rope(hf: dict[str, Any]) -> tuple[float, Llama3RopeScaling | None]:
-    """(rope_theta, scaling) from ``rope_theta`` + ``rope_scaling`` (transformers 4) or
-    ``rope_parameters`` (transformers 5)."""
+def _rope_parameters(hf: dict[str, Any]) -> tuple[str, dict[str, Any], float, str]:
+    """``(field name, its dict, rope_theta, rope type)`` from ``rope_theta`` + ``rope_scaling``
+    (transformers 4) or ``rope_parameters`` (transformers 5)."""
     name = "rope_parameters" if hf.get("rope_parameters") is not None else "rope_scaling"
     params = hf.get(name) or {}
     theta = float(params.get("rope_theta") or hf.get("rope_theta") or 10000.0)
+    return name, params, theta, params.get("rope_type", params.get("type", "default"))
+
+
+def _rope(hf: dict[str, Any]) -> tuple[float, Llama3RopeScaling | None]:
+    """(rope_theta, Llama 3.1 scaling or None) of a Llama-family ``config.json``."""
+    name, params, theta, rope_type = _rope_parameters(hf)
     if params.get("partial_rotary_factor", 1.0) != 1.0:
         raise _field(hf, name, "partial_rotary_factor 1.0")
-    rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type == "default":
         return theta, None
     if rope_type != "llama3":
@@ -77,8 +82,8 @@ def _sliding_window(hf: dict[str, Any]) -> int | None:
 def llama_config_from_hf(hf: dict[str, Any], dtype: str) -> LlamaConfig:
     """The ``LlamaConfig`` of a Hugging Face ``config.json`` (as a dict); ValueError naming the
     field for anything the model does not implement."""
-    if hf.get("model_type") not in SUPPORTED_MODEL_TYPES or hf.get("model_type") in DEEPSEEK_MODEL_TYPES:
-        raise _field(hf, "model_type", f"one of {SUPPORTED_MODEL_TYPES[:-len(DEEPSEEK_MODEL_TYPES)]}")
+    if hf.get("model_type") not in LLAMA_MODEL_TYPES:
+        raise _field(hf, "model_type", f"one of {LLAMA_MODEL_TYPES}")
     model_type = hf["model_type"]
     if hf.get("hidden_act", "silu") != "silu":
         raise _field(hf, "hidden_act", "'silu'")
@@ -176,10 +181,7 @@ def deepseek_config_from_hf(hf: dict[str, Any], dtype: str) -> DeepSeekConfig:
 
 def _yarn(hf: dict[str, Any]) -> tuple[float, YarnRopeScaling | None]:
     """(rope_theta, YaRN scaling or None) of a DeepSeek ``config.json``."""
-    name = "rope_parameters" if hf.get("rope_parameters") is not None else "rope_scaling"
-    params = hf.get(name) or {}
-    theta = float(params.get("rope_theta") or hf.get("rope_theta") or 10000.0)
-    rope_type = params.get("rope_type", params.get("type", "default"))
+    name, params, theta, rope_type = _rope_parameters(hf)
     if rope_type == "default":
         return theta, None
     if rope_type != "yarn" or params.get("attention_factor") is not None:
@@ -243,11 +245,10 @@ def _hf_parameters(model: Llama, model_type: str) -> dict[str, Target]:
         if model.cfg.num_experts:
             params.update(_expert_parameters(block.mlp, prefix, model_type))
             if model.cfg.shared_expert_dim:
-                linears.update({f"mlp.shared_expert.{name}": getattr(block.mlp.shared_expert, name)
-                                for name in ("gate_proj", "up_proj", "down_proj")})
+                linears.update(_swiglu("mlp.shared_expert", block.mlp.shared_expert))
                 linears["mlp.shared_expert_gate"] = block.mlp.shared_expert_gate
         else:
-            linears.update({f"mlp.{name}": getattr(block.mlp, name) for name in ("gate_proj", "up_proj", "down_proj")})
+            linears.update(_swiglu("mlp", block.mlp))
         params.update(_linears(prefix, linears))
         if model.cfg.qk_norm:
             params[prefix + "self_attn.q_norm.weight"] = Target(block.attn.q_norm.scale, False)
@@ -262,6 +263,11 @@ def _ends(model: Llama | DeepSeek) -> dict[str, Target]:
     if not model.cfg.tie_embeddings:
         params["lm_head.weight"] = Target(model.lm_head.kernel, True)
     return params
+
+
+def _swiglu(name: str, mlp) -> dict[str, nnx.Linear]:
+    """The linears of a SwiGLU ``mlp`` (an ``MLP``) by HF name under ``name``."""
+    return {f"{name}.{linear}": getattr(mlp, linear) for linear in SWIGLU}
 
 
 def _linears(prefix: str, linears: dict[str, nnx.Linear], rows: dict[str, np.ndarray] | None = None
@@ -301,12 +307,12 @@ def _deepseek_parameters(model: DeepSeek, model_type: str, interleaved: bool) ->
             linears["self_attn.q_proj"] = attn.q_proj
         if isinstance(block.mlp, MoE):
             params.update(_expert_parameters(block.mlp, prefix, model_type))
-            linears.update({f"mlp.shared_experts.{name}": getattr(block.mlp.shared_expert, name)
-                            for name in ("gate_proj", "up_proj", "down_proj")} if cfg.shared_expert_dim else {})
+            if cfg.shared_expert_dim:
+                linears.update(_swiglu("mlp.shared_experts", block.mlp.shared_expert))
             if cfg.routing.score_bias:
                 params[prefix + "mlp.gate.e_score_correction_bias"] = Target(block.mlp.score_bias, False)
         else:
-            linears.update({f"mlp.{name}": getattr(block.mlp, name) for name in ("gate_proj", "up_proj", "down_proj")})
+            linears.update(_swiglu("mlp", block.mlp))
         params.update(_linears(prefix, linears, rows))
     return params
 
@@ -317,7 +323,7 @@ def _expert_parameters(moe, prefix: str, model_type: str) -> dict[str, Target]:
     if model_type == "mixtral":
         module, names = "block_sparse_moe", {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
     else:
-        module, names = "mlp", {name: name for name in ("gate_proj", "up_proj", "down_proj")}
+        module, names = "mlp", {name: name for name in SWIGLU}
     params = {f"{prefix}{module}.gate.weight": Target(moe.router.kernel, True)}
     for j in range(moe.cfg.num_experts):
         for ours, theirs in names.items():
@@ -330,8 +336,8 @@ def from_pretrained(path: str, dtype: str | jnp.dtype | None = None,
     """Loads a local Hugging Face checkpoint directory (``config.json`` and ``*.safetensors``,
     sharded with ``model.safetensors.index.json`` or not) of a model_type of
     ``SUPPORTED_MODEL_TYPES`` into a ``Llama`` (llama, mistral, qwen2, qwen3; the mixtures of
-    experts mixtral, qwen2_moe and qwen3_moe) or a ``DeepSeek`` (deepseek_v2, deepseek_v3; without
-    YaRN; the layers past ``num_hidden_layers``, V3's multi-token prediction, are skipped).
+    experts mixtral, qwen2_moe and qwen3_moe) or a ``DeepSeek`` (deepseek_v2, deepseek_v3, YaRN or
+    not; the layers past ``num_hidden_layers``, V3's multi-token prediction, are skipped).
     Tensors are read one at a time and converted to ``dtype`` (default: the checkpoint's
     ``torch_dtype``/``dtype``, else bfloat16) on the default device, or with a ``mesh`` (Llama
     only), each placed for tensor parallelism over all the mesh's devices as
