@@ -209,6 +209,14 @@ class MoERouting:
     routed_scaling_factor: float = 1.0
     gated_shared_expert: bool = True
 
+    def __post_init__(self):
+        if self.scoring not in ("softmax", "sigmoid"):
+            raise ValueError(f"MoERouting: scoring must be 'softmax' or 'sigmoid', got {self.scoring!r}")
+        if not (isinstance(self.n_group, int) and isinstance(self.topk_group, int)
+                and 1 <= self.topk_group <= self.n_group):
+            raise ValueError(f"MoERouting: n_group and topk_group must be ints with 1 <= topk_group <= n_group, got "
+                             f"{self.n_group!r} and {self.topk_group!r}")
+
 
 class MoE(nnx.Module):
     """A top-k mixture of SwiGLU experts (Mixtral's, Qwen2-MoE's, Qwen3-MoE's, DeepSeek-V2's and
@@ -227,6 +235,16 @@ class MoE(nnx.Module):
     def __init__(self, cfg: MoEConfig, rngs: nnx.Rngs):
         self.cfg = cfg
         experts, hidden = cfg.num_experts, cfg.moe_hidden_dim
+        if not 1 <= cfg.num_experts_per_tok <= experts:
+            raise ValueError(f"MoE: num_experts_per_tok must be in [1, num_experts={experts}], got "
+                             f"{cfg.num_experts_per_tok}")
+        # a group's score under sigmoid scoring is the sum of its best two experts
+        least = 2 if cfg.routing.scoring == "sigmoid" and cfg.routing.n_group > 1 else 1
+        if experts % cfg.routing.n_group or experts // cfg.routing.n_group < least:
+            raise ValueError(f"MoE: num_experts ({experts}) must split into routing.n_group={cfg.routing.n_group} "
+                             f"equal groups of at least {least} experts")
+        if hidden < 1:
+            raise ValueError(f"MoE: moe_hidden_dim must be >= 1, got {hidden}")
         self.router = linear(cfg, cfg.dim, experts, rngs, (None, None))
         if cfg.routing.score_bias:
             self.score_bias = nnx.Param(jnp.zeros((experts,), jnp.float32))

@@ -103,3 +103,25 @@ def test_deepseek_with_experts_serves_its_greedy_tokens():
     requests = [engine.add_request(p, 6) for p in prompts]
     engine.run()
     assert [r.output for r in requests] == [dense_greedy(model, p, 6) for p in prompts]
+
+
+@pytest.mark.parametrize("changes, match", [
+    (dict(num_experts_per_tok=9), "num_experts_per_tok must be in \\[1, num_experts=8\\]"),
+    (dict(num_experts_per_tok=0), "num_experts_per_tok must be in"),
+    (dict(moe_hidden_dim=0), "moe_hidden_dim must be >= 1"),
+    (dict(routing=layers.MoERouting(n_group=3, topk_group=1)), "must split into routing.n_group=3"),
+    (dict(routing=layers.MoERouting(scoring="sigmoid", n_group=8, topk_group=2)), "groups of at least 2"),
+])
+def test_bad_moe_configs_are_named(changes, match):
+    with pytest.raises(ValueError, match=match):
+        layers.MoE(dataclasses.replace(_Config(), **changes), nnx.Rngs(0))
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(scoring="relu"), "scoring must be 'softmax' or 'sigmoid'"),
+    (dict(n_group=2, topk_group=3), "1 <= topk_group <= n_group"),
+    (dict(n_group=0, topk_group=0), "1 <= topk_group <= n_group"),
+])
+def test_bad_routing_is_named(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        layers.MoERouting(**kwargs)
