@@ -2,7 +2,7 @@
 
     python -m benchmarks.bench_speculative [--preset llama3-8b] [--layers N] [--context 1024] [--output 128]
         [--batches 1,4,16,64] [--ks 2,4,8] [--ngram-batch 16] [--draft-preset llama3.2-1b] [--page-size 64]
-        [--backend auto] [--smoke]
+        [--backend auto] [--section speculative] [--smoke]
 
 Random weights make acceptance meaningless, so the table reports bounds (greedy requests, all at
 once, ``--context`` prompt tokens and ``--output`` generated tokens each):
@@ -105,6 +105,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-step-tokens", type=int, default=2048)
     parser.add_argument("--page-size", type=int, default=64)
     parser.add_argument("--backend", default="auto", help="paged_attention backend")
+    parser.add_argument("--section", default="speculative",
+                        help="RESULTS.md section to write (runs split over several calls write one each)")
     parser.add_argument("--smoke", action="store_true", help="a tiny model (CPU, seconds); RESULTS.md is left alone")
     args = parser.parse_args(argv)
     if args.smoke:
@@ -120,40 +122,39 @@ def main(argv: list[str] | None = None) -> None:
     vocab = cfg.vocab_size
     rows, mismatched = [], []
 
-    def check(r: Run, base: Run) -> None:
+    def add(batch: int, r: Run, base: Run) -> None:
+        """Adds ``r``'s row (printed as it comes: a run cut at the call's limit still says what ran)."""
         if r.outputs != base.outputs:
             mismatched.append(r.label)
+        rows.append(row(batch, r, base))
+        print(rows[-1], flush=True)
 
     for batch in batches:
         requests = trace(np.random.default_rng(batch), batch, args.context, args.output, vocab, repeat=False)
         base = run(model, requests, args, None, "none")
-        rows.append(row(batch, base, base))
+        add(batch, base, base)
         continuation = [np.asarray(o, np.int32) for o in base.outputs]
         for k in ks:
             for label, drafts in (("oracle: every draft kept", continuation),
                                   ("oracle: no draft kept", [(c + 1) % vocab for c in continuation])):
                 given = [dataclasses.replace(r, draft_oracle=d) for r, d in zip(requests, drafts)]
-                result = run(model, given, args, {"method": "oracle", "num_speculative_tokens": k}, label)
-                check(result, base)
-                rows.append(row(batch, result, base))
-                print(rows[-1], flush=True)
+                add(batch, run(model, given, args, {"method": "oracle", "num_speculative_tokens": k}, label), base)
         if args.draft_preset != "none":
             draft = {"method": "draft_model", "model": args.draft_preset, "num_speculative_tokens": 4}
-            result = run(model, requests, args, draft, f"draft model ({args.draft_preset} shapes, random weights)")
-            check(result, base)
-            rows.append(row(batch, result, base))
+            add(batch, run(model, requests, args, draft, f"draft model ({args.draft_preset} shapes, random weights)"),
+                base)
     if args.ngram_batch:
         requests = trace(np.random.default_rng(0), args.ngram_batch, args.context, args.output, vocab, repeat=True)
         base = run(model, requests, args, None, "none (repeating prompts)")
         ngram = run(model, requests, args, {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4,
                                             "prompt_lookup_min": 1}, "n-gram (repeating prompts)")
-        check(ngram, base)
-        rows += [row(args.ngram_batch, base, base), row(args.ngram_batch, ngram, base)]
+        add(args.ngram_batch, base, base)
+        add(args.ngram_batch, ngram, base)
     header = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
     command = (f"python -m benchmarks.bench_speculative --preset {args.preset} --layers {cfg.num_layers} "
                f"--context {args.context} --output {args.output} --batches {args.batches} --ks {args.ks} "
                f"--ngram-batch {args.ngram_batch} --draft-preset {args.draft_preset} --page-size {args.page_size} "
-               f"--backend {args.backend}"
+               f"--backend {args.backend} --section {args.section}"
                + (" --smoke" if args.smoke else ""))
     lines = [
         f"Device: {device_name()}; date {datetime.date.today()}; jax {jax.__version__}; model {args.preset} shapes "
@@ -174,7 +175,7 @@ def main(argv: list[str] | None = None) -> None:
         "Outputs equal to the engine's without speculation: "
         + ("all runs." if not mismatched else f"NOT {', '.join(mismatched)} (near ties in low precision)."),
     ]
-    print(write_section("speculative", "\n".join(lines),
+    print(write_section(args.section, "\n".join(lines),
                         heading="Speculative decoding (benchmarks/bench_speculative.py)", update=not args.smoke))
 
 

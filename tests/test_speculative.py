@@ -373,3 +373,43 @@ def test_sampled_tokens_keep_their_distribution_through_the_engine():
         counts = np.stack([np.bincount(plain[:, position], minlength=8),
                            np.bincount(speculating[:, position], minlength=8)])
         assert chi2_contingency(counts[:, counts.sum(0) > 0]).pvalue > 0.01, counts
+
+
+def first_difference(got: list[int], expected: list[int]) -> int:
+    return next((i for i, (a, b) in enumerate(zip(got, expected)) if a != b), min(len(got), len(expected)))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["auto", "triton", "trtllm"])
+def test_gpu_speculation_keeps_greedy_tokens(backend):
+    """On the GPU kernels (verify rows of K + 1 tokens): with the oracle drafter given the
+    engine's own greedy continuation, every request keeps its tokens up to the first near tie of
+    the float32 dense logits (bf16 verify rows and decode rows round differently), drafts are kept
+    (decode steps about n / (K + 1)); n-gram speculation keeps the tokens likewise."""
+    from tests.test_engine import _near_tie, _small_model
+
+    model = _small_model()
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, 1024, size=n) for n in (70, 5, 130, 33)]
+    common = dict(max_seqs=4, max_seq_len=256, page_size=64, max_step_tokens=64, backend=backend, record_steps=True)
+    expected = outputs(Engine(model, **common), prompts, 32)
+    k = 4
+
+    def check(got: list[list[int]]) -> None:
+        for prompt, tokens, reference in zip(prompts, got, expected):
+            i = first_difference(tokens, reference)
+            if i < len(reference):
+                context = np.concatenate([prompt, reference[:i]])
+                assert _near_tie(model, context, tokens[i], reference[i]), (backend, i, tokens, reference)
+
+    oracle = Engine(model, **common, speculative={"method": "oracle", "num_speculative_tokens": k})
+    requests = [oracle.add_request(p, 32) for p in prompts]
+    for request, tokens in zip(requests, expected):
+        request.draft_oracle = np.asarray(tokens)
+    oracle.run()
+    check([r.output for r in requests])
+    if [r.output for r in requests] == expected:
+        decode_steps = sum(record.draft_tokens > 0 for record in oracle.step_records)
+        assert decode_steps <= -(-32 // (k + 1)) + 4, decode_steps
+    assert_pool_consistent(oracle)
+    check(outputs(Engine(model, **common, speculative=ngram(k)), prompts, 32))
