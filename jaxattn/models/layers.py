@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import Mesh, PartitionSpec
 
 Axes = tuple[str | None, ...]
 
@@ -226,11 +227,15 @@ class MoE(nnx.Module):
     with ``norm_topk_prob``, cast to the model's dtype), and with ``shared_expert_dim`` a
     ``shared_expert`` MLP every token takes (scaled by ``sigmoid(shared_expert_gate(x))`` in
     Qwen2-MoE). The experts' weights are stacked, ``gate_proj`` / ``up_proj`` ``[E, dim, F]``
-    and ``down_proj`` ``[E, F, dim]``, their F columns split on the logical axis "mlp".
+    and ``down_proj`` ``[E, F, dim]``, on the logical axes "experts" (E) and "expert_mlp" (F):
+    tensor parallelism splits every expert's F columns, expert parallelism (``expert_parallel``,
+    set by ``jaxattn.models.llama.enable_expert_parallel``) gives each device whole experts.
 
     The experts run as grouped GEMMs (``jax.lax.ragged_dot``) over the token copies grouped by
     expert; the grouping is a counting permutation (one-hot cumsums, no sort: straight-line code
     for command buffers). Not yet measured on a GPU against the other grouped-GEMM paths."""
+
+    expert_parallel: "ExpertParallel | None" = None
 
     def __init__(self, cfg: MoEConfig, rngs: nnx.Rngs):
         self.cfg = cfg
@@ -249,9 +254,9 @@ class MoE(nnx.Module):
         if cfg.routing.score_bias:
             self.score_bias = nnx.Param(jnp.zeros((experts,), jnp.float32))
         init = nnx.initializers.normal(cfg.dim ** -0.5)
-        for name, shape, axes in (("gate_proj", (experts, cfg.dim, hidden), (None, None, "mlp")),
-                                  ("up_proj", (experts, cfg.dim, hidden), (None, None, "mlp")),
-                                  ("down_proj", (experts, hidden, cfg.dim), (None, "mlp", None))):
+        for name, shape, axes in (("gate_proj", (experts, cfg.dim, hidden), ("experts", None, "expert_mlp")),
+                                  ("up_proj", (experts, cfg.dim, hidden), ("experts", None, "expert_mlp")),
+                                  ("down_proj", (experts, hidden, cfg.dim), ("experts", "expert_mlp", None))):
             setattr(self, name, nnx.Param(partitioned(init, axes)(rngs.params(), shape, cfg.dtype)))
         if cfg.shared_expert_dim:
             self.shared_expert = MLP(cfg, rngs, cfg.shared_expert_dim)
@@ -280,25 +285,64 @@ class MoE(nnx.Module):
 
     def __call__(self, x: jax.Array) -> jax.Array:
         cfg = self.cfg
-        tokens, k, experts = x.shape[0], cfg.num_experts_per_tok, cfg.num_experts
         weights, chosen = self.route(x)
-        weights = weights.astype(x.dtype)
-        # each token copy's place in the copies grouped by expert: its expert's offset + its rank there
-        onehot = jax.nn.one_hot(chosen.reshape(-1), experts, dtype=jnp.int32)      # [T k, E]
-        group_sizes = jnp.sum(onehot, axis=0)
-        rank = jnp.sum((jnp.cumsum(onehot, axis=0) - 1) * onehot, axis=1)
-        place = jnp.cumsum(group_sizes)[chosen.reshape(-1)] - group_sizes[chosen.reshape(-1)] + rank
-        grouped = jnp.zeros((tokens * k, x.shape[1]), x.dtype).at[place].set(jnp.repeat(x, k, axis=0))
-        gate = jax.lax.ragged_dot(grouped, self.gate_proj[...], group_sizes)
-        up = jax.lax.ragged_dot(grouped, self.up_proj[...], group_sizes)
-        out = jax.lax.ragged_dot((jax.nn.silu(gate) * up).astype(x.dtype), self.down_proj[...], group_sizes)
-        y = jnp.sum(out[place].reshape(tokens, k, -1) * weights[:, :, None], axis=1).astype(x.dtype)
+        experts = (self.gate_proj[...], self.up_proj[...], self.down_proj[...])
+        if self.expert_parallel is None:
+            y = routed_experts(x, weights.astype(x.dtype), chosen, *experts)
+        else:
+            y = self.expert_parallel(x, weights.astype(x.dtype), chosen, *experts)
         if cfg.shared_expert_dim:
             shared = self.shared_expert(x)
             if cfg.routing.gated_shared_expert:
                 shared = jax.nn.sigmoid(self.shared_expert_gate(x)) * shared
             y = y + shared
         return y
+
+
+def routed_experts(x: jax.Array, weights: jax.Array, chosen: jax.Array, gate_proj: jax.Array, up_proj: jax.Array,
+                   down_proj: jax.Array, first: jax.Array | int = 0) -> jax.Array:
+    """``sum_j weights[t, j] * expert_{chosen[t, j]}(x[t])`` ``[T, dim]`` over the experts
+    ``first .. first + E`` whose stacked weights are given (``[E, dim, F]``, ``[E, dim, F]``,
+    ``[E, F, dim]``); copies routed to other experts add nothing (expert parallelism: a device's
+    experts). ``x [T, dim]``, ``weights [T, k]`` in x's dtype, ``chosen int32[T, k]``."""
+    tokens, k = chosen.shape
+    experts = gate_proj.shape[0]
+    local = chosen.reshape(-1) - first
+    here = (local >= 0) & (local < experts)
+    group = jnp.where(here, local, experts)           # copies for other devices' experts: a last group
+    # each token copy's place in the copies grouped by expert: its group's offset + its rank there
+    onehot = jax.nn.one_hot(group, experts + 1, dtype=jnp.int32)      # [T k, E + 1]
+    counts = jnp.sum(onehot, axis=0)
+    rank = jnp.sum((jnp.cumsum(onehot, axis=0) - 1) * onehot, axis=1)
+    place = jnp.cumsum(counts)[group] - counts[group] + rank
+    grouped = jnp.zeros((tokens * k, x.shape[1]), x.dtype).at[place].set(jnp.repeat(x, k, axis=0))
+    group_sizes = counts[:experts]                     # the last group's rows are in none: ragged_dot skips them
+    gate = jax.lax.ragged_dot(grouped, gate_proj, group_sizes)
+    up = jax.lax.ragged_dot(grouped, up_proj, group_sizes)
+    out = jax.lax.ragged_dot((jax.nn.silu(gate) * up).astype(x.dtype), down_proj, group_sizes)
+    # rows in no group are not defined by every lowering: select, not multiply by a zero weight
+    copies = jnp.where(here.reshape(tokens, k, 1), out[place].reshape(tokens, k, -1) * weights[:, :, None], 0)
+    return jnp.sum(copies, axis=1).astype(x.dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class ExpertParallel:
+    """A ``MoE``'s experts split over the mesh ``axes`` (whole experts per device, the stacked
+    weights sharded on their first axis): with the tokens replicated, as tensor-parallel attention
+    leaves them, each device runs its own experts on the copies routed to them and one all-reduce
+    (a ``psum``) sums the devices' outputs, so no token moves (vLLM's expert parallelism within a
+    tensor-parallel group; an all-to-all would pay once the tokens are split over devices)."""
+    mesh: Mesh
+    axes: str | tuple[str, ...]
+
+    def __call__(self, x: jax.Array, weights: jax.Array, chosen: jax.Array, *experts: jax.Array) -> jax.Array:
+        def local(x, weights, chosen, *experts):
+            first = jax.lax.axis_index(self.axes) * experts[0].shape[0]
+            return jax.lax.psum(routed_experts(x, weights, chosen, *experts, first=first), self.axes)
+
+        split = PartitionSpec(self.axes)
+        return jax.shard_map(local, mesh=self.mesh, in_specs=(PartitionSpec(),) * 3 + (split,) * len(experts),
+                             out_specs=PartitionSpec())(x, weights, chosen, *experts)
 
 
 class Block(nnx.Module):

@@ -12,7 +12,11 @@ columns), "mlp" (gate/up columns, down rows) and "vocab" (embedding rows, LM hea
 (XLA adds one all-reduce after each), vocab-parallel embedding and LM head. Each device then
 holds ``Hq / tp`` query heads and ``Hkv / tp`` KV heads. With more shards than KV heads, the k/v
 projections stay replicated and the caches hold ``tp`` KV heads, each original head repeated
-``tp / Hkv`` times (``jaxattn.sharding.replicate_kv_heads``, as vLLM does)."""
+``tp / Hkv`` times (``jaxattn.sharding.replicate_kv_heads``, as vLLM does). A mixture of experts
+splits every expert's hidden columns the same way ("expert_mlp"), or, after
+``enable_expert_parallel`` (vLLM's ``--enable-expert-parallel``), gives each device
+``num_experts / tp`` whole experts ("experts"; ``layers.ExpertParallel``), its shared expert
+split like the dense MLP."""
 
 from __future__ import annotations
 
@@ -27,12 +31,12 @@ from jax.sharding import Mesh
 import jaxattn
 from jaxattn.kv_cache import SlotMapping, pool_sharding
 from jaxattn.models import layers
-from jaxattn.models.layers import MLP, Block, Llama3RopeScaling, rope, rope_frequencies
+from jaxattn.models.layers import MLP, Block, ExpertParallel, Llama3RopeScaling, MoE, rope, rope_frequencies
 from jaxattn.sharding import MeshAxes, num_head_shards, replicate_kv_heads, tensor_parallel_mesh
 
 __all__ = ["AttendFn", "Attention", "Block", "Llama", "Llama3RopeScaling", "LlamaConfig", "MLP", "PRESETS",
-           "forward_paged", "param_shardings", "plan_step", "random_model", "rope", "rope_frequencies", "shard_model",
-           "tensor_parallel_rules"]
+           "enable_expert_parallel", "expert_parallel_axes", "forward_paged", "param_shardings", "plan_step",
+           "random_model", "rope", "rope_frequencies", "shard_model", "tensor_parallel_rules"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,7 +139,7 @@ class Llama(layers.Decoder):
         num_kv_heads, sharding = cfg.num_kv_heads, None
         if mesh is not None:
             mesh, axes = tensor_parallel_mesh(mesh, axes)
-            tensor_parallel_rules(cfg, mesh, axes)          # shard_model's checks
+            tensor_parallel_rules(cfg, mesh, axes, expert_parallel_axes(self) is not None)   # shard_model's checks
             num_kv_heads = max(num_kv_heads, num_head_shards(mesh, axes))
             sharding = pool_sharding(mesh, axes, layout)
         return [jaxattn.KVCache.create(num_pages, page_size, num_kv_heads, cfg.head_dim, dtype=dtype or cfg.dtype,
@@ -146,58 +150,99 @@ class Llama(layers.Decoder):
         return param_shardings(self, mesh, axes)
 
 
-def tensor_parallel_rules(cfg: LlamaConfig, mesh: Mesh,
-                          axes: str | tuple[str, ...]) -> tuple[tuple[str, MeshAxes], ...]:
+def tensor_parallel_rules(cfg: LlamaConfig, mesh: Mesh, axes: str | tuple[str, ...],
+                          expert_parallel: bool = False) -> tuple[tuple[str, MeshAxes], ...]:
     """Flax logical-axis rules that split the model over mesh ``axes`` (module docstring): query
-    heads, MLP columns and the vocabulary always, KV heads when the shards divide them. ValueError
-    naming the config field that the number of shards does not divide."""
+    heads, MLP columns and the vocabulary always, KV heads when the shards divide them, the
+    experts' hidden columns or (``expert_parallel``) the experts themselves. ValueError naming the
+    config field that the number of shards does not divide."""
     if not hasattr(cfg, "num_kv_heads"):
         raise ValueError(f"tensor parallelism: {type(cfg).__name__} models are not supported (Llama-family only; "
                          f"MLA is not split over devices yet)")
-    if cfg.num_experts:
-        raise ValueError(f"tensor parallelism: the model's num_experts ({cfg.num_experts}) must be 0: mixtures of "
-                         f"experts are not split over devices yet")
     num_shards = num_head_shards(mesh, axes)
-    for field in ("num_q_heads", "hidden_dim", "vocab_size"):
+    split = ["num_q_heads", "hidden_dim", "vocab_size"]
+    if cfg.num_experts:
+        split += ["num_experts" if expert_parallel else "moe_hidden_dim"]
+        split += ["shared_expert_dim"] if cfg.shared_expert_dim else []
+    for field in split:
         if getattr(cfg, field) % num_shards:
-            raise ValueError(f"tensor parallelism over {num_shards} shards (mesh axes {axes!r}): the model's "
-                             f"{field} ({getattr(cfg, field)}) must be a multiple of {num_shards}")
+            raise ValueError(f"{'expert' if field == 'num_experts' else 'tensor'} parallelism over {num_shards} "
+                             f"shards (mesh axes {axes!r}): the model's {field} ({getattr(cfg, field)}) must be a "
+                             f"multiple of {num_shards}")
     if cfg.num_kv_heads % num_shards and num_shards % cfg.num_kv_heads:
         raise ValueError(f"tensor parallelism over {num_shards} shards (mesh axes {axes!r}): the model's "
                          f"num_kv_heads ({cfg.num_kv_heads}) and {num_shards} must divide one another (fewer "
                          f"shards split the KV heads, more replicate them)")
     kv_heads = axes if cfg.num_kv_heads % num_shards == 0 else None
-    return ("heads", axes), ("kv_heads", kv_heads), ("mlp", axes), ("vocab", axes)
+    experts, expert_mlp = (axes, None) if expert_parallel else (None, axes)
+    return (("heads", axes), ("kv_heads", kv_heads), ("mlp", axes), ("vocab", axes), ("experts", experts),
+            ("expert_mlp", expert_mlp))
+
+
+def _moes(model: Llama) -> list[MoE]:
+    return [block.mlp for block in model.layers if isinstance(block.mlp, MoE)]
+
+
+def expert_parallel_axes(model: Llama) -> ExpertParallel | None:
+    """The mesh and axes ``enable_expert_parallel`` split ``model``'s experts over, or None."""
+    placements = {moe.expert_parallel for moe in _moes(model)}
+    return placements.pop() if len(placements) == 1 else None
+
+
+def enable_expert_parallel(model: Llama, mesh: Mesh, axes: MeshAxes = None) -> Llama:
+    """Makes ``model``'s mixtures of experts run expert-parallel over mesh ``axes`` (default: all
+    the mesh's; ``layers.ExpertParallel``): ``param_shardings`` and ``shard_model`` then place
+    whole experts per device, and the jitted step runs each device's experts and sums their
+    outputs. Sets a static attribute of each ``MoE``; the weights are not moved (``shard_model``
+    or ``Engine(mesh=)`` place them). ValueError when the model has no experts or the shards do
+    not divide them."""
+    if not getattr(model.cfg, "num_experts", 0):
+        raise ValueError("enable_expert_parallel: the model has no experts (cfg.num_experts is 0)")
+    mesh, axes = tensor_parallel_mesh(mesh, axes)
+    tensor_parallel_rules(model.cfg, mesh, axes, expert_parallel=True)
+    for moe in _moes(model):
+        moe.expert_parallel = ExpertParallel(mesh, axes)
+    return model
 
 
 def param_shardings(model: Llama, mesh: Mesh, axes: MeshAxes = None) -> nnx.State:
     """The ``NamedSharding`` of each of ``nnx.state(model)``'s weights for tensor parallelism over
-    mesh ``axes`` (default: all the mesh's; on the mesh with Auto axis types)."""
+    mesh ``axes`` (default: all the mesh's; on the mesh with Auto axis types), experts split whole
+    after ``enable_expert_parallel`` over the same mesh and axes (ValueError otherwise)."""
     mesh, axes = tensor_parallel_mesh(mesh, axes)
-    with nnx.logical_axis_rules(tensor_parallel_rules(model.cfg, mesh, axes)):
+    placement = expert_parallel_axes(model)
+    if placement is not None and placement != ExpertParallel(mesh, axes):
+        raise ValueError(f"param_shardings: the model's experts are split over mesh axes {placement.axes!r} of "
+                         f"another mesh (enable_expert_parallel); place it over that mesh, or enable expert "
+                         f"parallelism again over this one")
+    with nnx.logical_axis_rules(tensor_parallel_rules(model.cfg, mesh, axes, placement is not None)):
         return nnx.get_named_sharding(nnx.state(model), mesh)
 
 
-def shard_model(model: Llama, mesh: Mesh, axes: MeshAxes = None) -> Llama:
+def shard_model(model: Llama, mesh: Mesh, axes: MeshAxes = None, *, expert_parallel: bool = False) -> Llama:
     """Places ``model``'s weights (in place) for tensor parallelism over mesh ``axes`` (default:
-    all the mesh's); returns the model. Run it under ``jax.jit`` as usual: XLA keeps each weight
-    where it is and all-reduces the outputs of the row-parallel layers. Create the KV caches with
+    all the mesh's), whole experts per device with ``expert_parallel`` (``enable_expert_parallel``);
+    returns the model. Run it under ``jax.jit`` as usual: XLA keeps each weight where it is and
+    all-reduces the outputs of the row-parallel layers. Create the KV caches with
     ``model.init_caches(..., mesh=mesh, axes=axes)``."""
+    if expert_parallel:
+        enable_expert_parallel(model, mesh, axes)
     nnx.update(model, jax.device_put(nnx.state(model), param_shardings(model, mesh, axes)))
     return model
 
 
 def random_model(preset: str, *, layers: int | None = None, dtype: str | None = None,
-                 mesh: Mesh | None = None) -> Llama:
+                 mesh: Mesh | None = None, expert_parallel: bool = False) -> Llama:
     """A random-weight Llama of ``PRESETS[preset]``'s shapes (with ``layers`` layers and weights
-    of ``dtype`` when given), split over ``mesh`` by ``shard_model`` when given."""
+    of ``dtype`` when given), split over ``mesh`` by ``shard_model`` when given (its experts whole
+    per device with ``expert_parallel``)."""
     cfg = PRESETS[preset]
     if layers is not None:
         cfg = cfg.replace(num_layers=layers)
     if dtype is not None:
         cfg = cfg.replace(dtype=dtype)
     model = Llama(cfg, nnx.Rngs(0))
-    return shard_model(model, mesh) if mesh is not None else model
+    return shard_model(model, mesh, expert_parallel=expert_parallel) if mesh is not None else model
 
 
 def plan_step(model: Llama, num_tokens: int, caches: list[jaxattn.KVCache], meta: jaxattn.AttentionMetadata,

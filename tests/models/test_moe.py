@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -125,3 +126,91 @@ def test_bad_moe_configs_are_named(changes, match):
 def test_bad_routing_is_named(kwargs, match):
     with pytest.raises(ValueError, match=match):
         layers.MoERouting(**kwargs)
+
+
+def test_experts_split_over_devices_sum_to_the_whole():
+    """routed_experts over each half of the experts (``first``: a device's first expert) adds up
+    to routed_experts over all of them: what each device of expert parallelism computes."""
+    rng = np.random.default_rng()
+    x = jnp.asarray(rng.normal(size=(11, DIM)), jnp.float32)
+    weights = jnp.asarray(rng.uniform(size=(11, 3)), jnp.float32)
+    chosen = jnp.asarray(np.stack([rng.choice(EXPERTS, 3, replace=False) for _ in range(11)]), jnp.int32)
+    experts = [jnp.asarray(rng.normal(size=shape), jnp.float32) * 0.3
+               for shape in ((EXPERTS, DIM, HIDDEN), (EXPERTS, DIM, HIDDEN), (EXPERTS, HIDDEN, DIM))]
+    whole = layers.routed_experts(x, weights, chosen, *experts)
+    half = EXPERTS // 2
+    parts = [layers.routed_experts(x, weights, chosen, *[w[first:first + half] for w in experts], first=first)
+             for first in (0, half)]
+    assert rel_error(parts[0] + parts[1], whole) < 1e-6
+    dense = sum(weights[:, j, None] * jnp.stack([
+        (jax.nn.silu(x[t] @ experts[0][e]) * (x[t] @ experts[1][e])) @ experts[2][e]
+        for t, e in enumerate(np.asarray(chosen[:, j]))]) for j in range(3))
+    assert rel_error(whole, dense) < 1e-5
+
+
+def moe_llama():
+    from jaxattn.models.llama import PRESETS, Llama
+
+    cfg = PRESETS["tiny"].replace(num_experts=4, num_experts_per_tok=2, moe_hidden_dim=48, shared_expert_dim=32,
+                                  dtype="float32")
+    return Llama(cfg, nnx.Rngs(0))
+
+
+def check_moe_engine_on_mesh() -> None:
+    """(On 2 CPU devices.) A Qwen2-MoE-shaped model (shared expert, float32) served on a mesh gives
+    the one-device engine's greedy tokens, its experts split by hidden columns (tensor
+    parallelism) or whole per device (``enable_expert_parallel``); expert-parallel steps keep
+    each device's experts where they are (no gather of expert weights, an all-reduce per layer's
+    experts) and ``shard_model`` places half the experts on each device; shards that do not
+    divide the experts (or their hidden columns) are named."""
+    from jaxattn.engine import Engine
+    from jaxattn.models.llama import Llama, enable_expert_parallel, shard_model
+    from tests.test_engine import _communicated, _greedy_outputs
+    from tests.test_engine_step import trace_step
+
+    model = moe_llama()
+    cfg = model.cfg
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, cfg.vocab_size, size=n) for n in (5, 21, 1, 13)]
+    mesh = jax.make_mesh((2,), ("tp",))
+
+    def engine(mesh=None) -> Engine:
+        return Engine(model, max_seqs=3, max_seq_len=40, page_size=8, max_step_tokens=16, backend="xla", mesh=mesh)
+
+    expected = _greedy_outputs(engine(), prompts, 6)
+    assert _greedy_outputs(engine(mesh), prompts, 6) == expected
+    enable_expert_parallel(model, mesh)
+    parallel = engine(mesh)
+    assert _greedy_outputs(parallel, prompts, 6) == expected
+    expert_bytes = cfg.dim * cfg.moe_hidden_dim            # one expert's gate_proj, in elements
+    for shape in (parallel.buckets.shapes[0], parallel.buckets.shapes[-1]):
+        sizes = _communicated(trace_step(parallel, shape).lower().compile().as_text())
+        assert len(sizes.pop("all-reduce", [])) >= 2 * cfg.num_layers, (shape, sizes)
+        assert set(sizes) <= {"all-gather"} and max(sizes.get("all-gather", [0])) < expert_bytes, (shape, sizes)
+    sharded = shard_model(moe_llama(), mesh, expert_parallel=True)
+    gate = sharded.layers[0].mlp.gate_proj[...]
+    assert gate.addressable_shards[0].data.shape == (cfg.num_experts // 2, cfg.dim, cfg.moe_hidden_dim)
+    odd = Llama(cfg.replace(num_experts=3, moe_hidden_dim=47), nnx.Rngs(0))
+    with pytest.raises(ValueError, match="expert parallelism over 2 shards .* num_experts \\(3\\) must be a multiple"):
+        enable_expert_parallel(odd, mesh)
+    with pytest.raises(ValueError, match="tensor parallelism over 2 shards .* moe_hidden_dim \\(47\\) must be a"):
+        shard_model(odd, mesh)
+
+
+def test_moe_engine_on_two_cpu_devices():
+    from tests.test_sharding import run_on_cpu_devices
+
+    run_on_cpu_devices(2, "from tests.models.test_moe import check_moe_engine_on_mesh; check_moe_engine_on_mesh()")
+
+
+def test_expert_parallel_errors_name_the_field():
+    from jaxattn.models.llama import PRESETS, Llama, enable_expert_parallel, param_shardings
+
+    model = moe_llama()
+    mesh = jax.make_mesh((1,), ("tp",))
+    with pytest.raises(ValueError, match="the model has no experts"):
+        enable_expert_parallel(Llama(PRESETS["tiny"], nnx.Rngs(0)), mesh)
+    enable_expert_parallel(model, mesh)
+    other = jax.make_mesh((1,), ("ep",))
+    with pytest.raises(ValueError, match="experts are split over mesh axes 'tp' of another mesh"):
+        param_shardings(model, other)
