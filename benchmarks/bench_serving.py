@@ -1,8 +1,8 @@
 """Serving a request trace through the Engine, against a roofline measured in the same run.
 
-    python -m benchmarks.bench_serving --trace {decode-heavy,chat,shared-prefix,poisson} [--preset llama3-8b]
-        [--layers N] [--requests N] [--max-seqs N] [--num-pages N] [--max-step-tokens N] [--page-size 64]
-        [--backend auto] [--rate R] [--no-overlap] [--smoke]
+    python -m benchmarks.bench_serving --trace {decode-heavy,chat,shared-prefix,poisson,throughput}
+        [--preset llama3-8b] [--layers N] [--requests N] [--max-seqs N] [--num-pages N] [--max-step-tokens N]
+        [--page-size 64] [--backend auto] [--rate R] [--tp N [--enable-expert-parallel]] [--no-overlap] [--smoke]
 
 One trace per call (random weights; every length drawn with seed 0, and written in the table):
   * decode-heavy: 512 requests of 1024 prompt and 1024 generated tokens, all at once (the shape of
@@ -13,7 +13,15 @@ One trace per call (random weights; every length drawn with seed 0, and written 
   * shared-prefix: 128 requests, a shared 1024-token system prompt + 32..256 own tokens, 128
     generated tokens each, all at once, served with prefix caching off and on;
   * poisson: the chat trace all at once (its requests/s is the saturation rate), then with Poisson
-    arrivals at ``--rate`` (default: 0.9 x that saturation rate), for TTFT and TPOT under load.
+    arrivals at ``--rate`` (default: 0.9 x that saturation rate), for TTFT and TPOT under load;
+  * throughput: 300 requests of 1000 prompt and 1000 generated tokens, all at once (vLLM's
+    ``benchmark_throughput --input-len 1000 --output-len 1000 --num-prompts 300``, the workload of
+    the DeepSeek-Coder-V2-Lite figures this project started from).
+Presets: the Llama family's (``jaxattn.models.llama.PRESETS``, mixtures of experts included:
+qwen1.5-moe-a2.7b, qwen3-30b-a3b, mixtral-8x7b) and deepseek-v2-lite (MLA + 64 experts, 6 per
+token). ``--tp N`` serves on N devices (tensor parallelism; with ``--enable-expert-parallel``
+the experts whole per device); a preset or mesh other than llama3-8b on one device writes a
+section of its own.
 ``--requests`` scales a trace down (for quick runs); ``--smoke`` serves a tiny model on tiny traces
 (seconds on a CPU) and writes only ``$OUT``. Each trace writes its section of benchmarks/RESULTS.md
 ("serving_<trace>"; shared-prefix: "serving").
@@ -28,7 +36,11 @@ engine ran (``Engine(record_steps=True)``'s ``StepRecord``) must move
 and compute
     flops = 2 x matmul weights x tokens + 2 x LM-head weights x rows (one logit row per sequence)
           + 4 x layers x q_heads x head_dim x attention_pairs,
-KV bytes per token from the model's caches (``jax.eval_shape`` of ``init_caches``). A step's bound
+KV bytes per token from the model's caches (``jax.eval_shape`` of ``init_caches``). A mixture of
+experts' routed experts count by the experts a step touches: with random weights the router's
+choices are close to uniform, so a step of T tokens reads E (1 - (1 - k/E)^T) experts per MoE
+layer (the expectation for k of E experts per token, chosen uniformly) and computes k experts per
+token; the shared experts and the router count as dense weights. A step's bound
 is max(bytes / copy rate, flops / matmul rate); the trace's roofline is the sum over its steps
 (real tokens only, not the padding of the compiled buckets: it measures how well the engine runs
 its own schedule). % of roofline = roofline s / wall s.
@@ -63,15 +75,21 @@ from flax import nnx
 from benchmarks.common import copy_bandwidth, device_name, gemm_rate, write_section
 from jaxattn.engine import Engine
 from jaxattn.models.base import page_bytes
-from jaxattn.models.llama import PRESETS, Llama
+from jaxattn.models.deepseek import PRESETS as DEEPSEEK_PRESETS
+from jaxattn.models.deepseek import DeepSeek
+from jaxattn.models.llama import PRESETS, Llama, shard_model
 
-TRACES = ("decode-heavy", "chat", "shared-prefix", "poisson")
+TRACES = ("decode-heavy", "chat", "shared-prefix", "poisson", "throughput")
 SECTIONS = {"decode-heavy": "serving_decode-heavy", "chat": "serving_chat", "shared-prefix": "serving",
-            "poisson": "serving_poisson"}
+            "poisson": "serving_poisson", "throughput": "serving_throughput"}
 HEADINGS = {"decode-heavy": "Serving: decode-heavy trace (benchmarks/bench_serving.py)",
             "chat": "Serving: chat-like trace (benchmarks/bench_serving.py)",
             "shared-prefix": "Serving (benchmarks/bench_serving.py)",
-            "poisson": "Serving: Poisson arrivals (benchmarks/bench_serving.py)"}
+            "poisson": "Serving: Poisson arrivals (benchmarks/bench_serving.py)",
+            "throughput": "Serving: 300 x (1000 in / 1000 out) (benchmarks/bench_serving.py)"}
+# model shapes by preset name: (class, config)
+MODELS = {**{name: (Llama, cfg) for name, cfg in PRESETS.items()},
+          "deepseek-v2-lite": (DeepSeek, DEEPSEEK_PRESETS["v2-lite-moe"])}
 TARGETS = {"decode-heavy": 85, "chat": 75, "shared-prefix": 75}   # % of the roofline
 LOAD = 0.9                       # the Poisson trace's default rate, as a share of the saturation rate
 @dataclasses.dataclass(frozen=True)
@@ -103,7 +121,20 @@ SOURCES = {
     "shared-prefix": "Published elsewhere: no figure for this trace that we could attribute.",
     "poisson": "Published rows: SGLang's benchmark/benchmark_vllm_060/README.md (sgl-project/sglang; medians), not "
                "our run, and on an A100, not an H100: the nearest we found.",
+    "throughput": "Published elsewhere, for scale and not comparable (another GPU, FP8 weights, real weights): the "
+                  "cuDNN paged-prefill work this project grew from reported vLLM at 2,308 -> 4,733 output tokens/s on "
+                  "DeepSeek-Coder-V2-Lite-Instruct with --quantization=fp8 on this trace, on Blackwell.",
 }
+
+
+def smoke_model(preset: str) -> tuple[type, object]:
+    """The tiny model of ``preset``'s class (with a few experts when it has experts): ``--smoke``."""
+    model_class, cfg = MODELS[preset]
+    tiny = (DEEPSEEK_PRESETS if model_class is DeepSeek else PRESETS)["tiny"]
+    if cfg.num_experts:
+        tiny = tiny.replace(num_experts=4, num_experts_per_tok=2, moe_hidden_dim=64,
+                            shared_expert_dim=64 if cfg.shared_expert_dim else 0)
+    return model_class, tiny
 
 
 def published_row(first_column: str | None, p: Published) -> str:
@@ -131,9 +162,10 @@ class TraceSpec:
 
 SPECS = {"decode-heavy": TraceSpec(512, 1024, 1024), "chat": TraceSpec(1000, 250, 210, max_len=1024),
          "shared-prefix": TraceSpec(128, 1024, 128, user_len=(32, 256)),
-         "poisson": TraceSpec(1000, 250, 210, max_len=1024)}
+         "poisson": TraceSpec(1000, 250, 210, max_len=1024), "throughput": TraceSpec(300, 1000, 1000)}
 SMOKE = {"decode-heavy": TraceSpec(6, 24, 16), "chat": TraceSpec(10, 12, 10, max_len=40),
-         "shared-prefix": TraceSpec(8, 40, 8, user_len=(2, 12)), "poisson": TraceSpec(10, 12, 10, max_len=40)}
+         "shared-prefix": TraceSpec(8, 40, 8, user_len=(2, 12)), "poisson": TraceSpec(10, 12, 10, max_len=40),
+         "throughput": TraceSpec(5, 20, 12)}
 SIGMA = 1.0                      # the lognormal lengths' sigma
 
 
@@ -156,7 +188,7 @@ def make_trace(kind: str, spec: TraceSpec, vocab: int, rate: float = 0.0, seed: 
     with ``rate`` > 0 as a Poisson process of ``rate`` requests/s (the same requests)."""
     rng = np.random.default_rng(seed)
     n = spec.requests
-    if kind == "decode-heavy":
+    if kind in ("decode-heavy", "throughput"):
         prompts = [rng.integers(0, vocab, size=spec.prompt_len, dtype=np.int32) for _ in range(n)]
         output_lens = np.full(n, spec.output_len)
     elif kind in ("chat", "poisson"):
@@ -179,7 +211,7 @@ def describe(kind: str, trace: Sequence[TraceRequest], spec: TraceSpec) -> str:
     """The trace's lengths, as drawn."""
     prompts = np.array([r.prompt.size for r in trace])
     outputs = np.array([r.new_tokens for r in trace])
-    if kind == "decode-heavy":
+    if kind in ("decode-heavy", "throughput"):
         return f"{spec.prompt_len} in / {spec.output_len} out"
     if kind == "shared-prefix":
         return f"{spec.prompt_len} shared + U[{spec.user_len[0]},{spec.user_len[1]}] in / {spec.output_len} out"
@@ -197,42 +229,62 @@ class Costs:
     weight_bytes: float          # read once per step (the embedding table excluded unless tied)
     embed_row_bytes: float       # per token: its embedding row (0 when tied: counted in weight_bytes)
     kv_bytes_per_token: float    # K/V of every layer
-    matmul_params: float         # weights each token multiplies (the blocks' kernels)
+    matmul_params: float         # weights each token multiplies (the blocks' kernels, routed experts excluded)
     head_params: float           # LM-head weights, per row
     flops_per_pair: float        # attention FLOPs per (query, key) pair, all layers
+    num_experts: int = 0         # routed experts per MoE layer (0: a dense model)
+    experts_per_token: int = 0
+    expert_bytes: float = 0.0    # one routed expert's weights, summed over the MoE layers
+    expert_params: float = 0.0
 
 
-def model_costs(model: Llama, page_size: int, kv_dtype=None) -> Costs:
-    """``Costs`` of ``model`` (Llama-shaped: dense blocks, an ``embed`` and maybe an ``lm_head``)
-    with its caches in pages of ``page_size`` of ``kv_dtype`` (default: the model's)."""
+def model_costs(model: Llama | DeepSeek, page_size: int, kv_dtype=None) -> Costs:
+    """``Costs`` of ``model`` (an ``embed``, blocks of 2-D kernels and maybe stacked ``[E, in,
+    out]`` experts, maybe an ``lm_head``) with its caches in pages of ``page_size`` of
+    ``kv_dtype`` (default: the model's). Attention FLOPs per pair: 2 x (q.k width + v width) per
+    query head, MLA's absorbed form (latent + RoPE, latent) for DeepSeek."""
     cfg = model.cfg
-    weight_bytes = embed_bytes = matmul = head = 0.0
+    weight_bytes = embed_bytes = matmul = head = expert_bytes = expert_params = 0.0
     for path, x in jax.tree_util.tree_flatten_with_path(nnx.state(model, nnx.Param))[0]:
         name, nbytes = jax.tree_util.keystr(path), x.size * x.dtype.itemsize
         if "embed" in name:
             embed_bytes = nbytes
             head += x.size if cfg.tie_embeddings else 0
             continue
+        if x.ndim == 3:                  # a mixture of experts' stacked experts: counted per step as touched
+            expert_bytes += nbytes / x.shape[0]
+            expert_params += x.size / x.shape[0]
+            continue
         weight_bytes += nbytes
         if "lm_head" in name:
             head += x.size
         elif x.ndim >= 2:
             matmul += x.size
-
+    if isinstance(model, DeepSeek):
+        pair = 2 * (cfg.kv_lora_rank + cfg.qk_rope_dim) + 2 * cfg.kv_lora_rank
+    else:
+        pair = 4 * cfg.head_dim
     return Costs(weight_bytes=weight_bytes + (embed_bytes if cfg.tie_embeddings else 0),
                  embed_row_bytes=0.0 if cfg.tie_embeddings else embed_bytes / cfg.vocab_size,
                  kv_bytes_per_token=page_bytes(model, page_size, dtype=kv_dtype) / page_size,
                  matmul_params=matmul, head_params=head,
-                 flops_per_pair=4.0 * cfg.num_layers * cfg.num_q_heads * cfg.head_dim)
+                 flops_per_pair=float(cfg.num_layers * cfg.num_q_heads * pair),
+                 num_experts=cfg.num_experts if expert_bytes else 0,
+                 experts_per_token=cfg.num_experts_per_tok if expert_bytes else 0,
+                 expert_bytes=expert_bytes, expert_params=expert_params)
 
 
 def step_bound(record, costs: Costs, copy_rate: float, matmul_rate: float) -> float:
     """Seconds a step (a ``StepRecord``) takes at least: its bytes over the copy rate or its FLOPs
-    over the matmul rate, whichever is longer."""
-    nbytes = (costs.weight_bytes + record.tokens * costs.embed_row_bytes
+    over the matmul rate, whichever is longer (routed experts: those the step is expected to touch,
+    module docstring)."""
+    touched = 0.0
+    if costs.num_experts:
+        touched = costs.num_experts * (1 - (1 - costs.experts_per_token / costs.num_experts) ** record.tokens)
+    nbytes = (costs.weight_bytes + touched * costs.expert_bytes + record.tokens * costs.embed_row_bytes
               + (record.context_tokens + record.tokens) * costs.kv_bytes_per_token)
-    flops = (2 * costs.matmul_params * record.tokens + 2 * costs.head_params * record.rows
-             + costs.flops_per_pair * record.attention_pairs)
+    flops = (2 * (costs.matmul_params + costs.experts_per_token * costs.expert_params) * record.tokens
+             + 2 * costs.head_params * record.rows + costs.flops_per_pair * record.attention_pairs)
     return max(nbytes / copy_rate, flops / matmul_rate)
 
 
@@ -329,6 +381,8 @@ def command(args: argparse.Namespace, layers: int) -> str:
     parts = ["python -m benchmarks.bench_serving", f"--trace {args.trace}", f"--preset {args.preset}",
              f"--layers {layers}", f"--requests {args.requests}", f"--page-size {args.page_size}",
              f"--backend {args.backend}"]
+    parts += [f"--tp {args.tp}"] if args.tp > 1 else []
+    parts += ["--enable-expert-parallel"] if args.enable_expert_parallel else []
     parts += [f"--{name.replace('_', '-')} {getattr(args, name)}"
               for name in ("max_seqs", "num_pages", "max_step_tokens") if getattr(args, name) is not None]
     parts += [f"--rate {args.rate:.4g}"] if args.rate is not None else []
@@ -338,8 +392,11 @@ def command(args: argparse.Namespace, layers: int) -> str:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.bench_serving", description=__doc__.split("\n\n")[0])
     parser.add_argument("--trace", required=True, choices=TRACES)
-    parser.add_argument("--preset", default="llama3-8b", choices=sorted(PRESETS), help="model shapes (random weights)")
+    parser.add_argument("--preset", default="llama3-8b", choices=sorted(MODELS), help="model shapes (random weights)")
     parser.add_argument("--layers", type=int, default=None, help="number of layers (default: the preset's)")
+    parser.add_argument("--tp", type=int, default=1, help="devices to split the model over (tensor parallelism)")
+    parser.add_argument("--enable-expert-parallel", action="store_true",
+                        help="with --tp: each device holds whole experts (a mixture-of-experts preset)")
     parser.add_argument("--requests", type=int, default=None, help="requests in the trace (default: the trace's)")
     parser.add_argument("--max-seqs", type=int, default=None, help="sequences in flight (default: the Engine's)")
     parser.add_argument("--num-pages", type=int, default=None,
@@ -354,14 +411,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--smoke", action="store_true", help="a tiny model and trace (CPU, seconds); RESULTS.md "
                                                               "is left alone")
     args = parser.parse_args(argv)
+    if args.enable_expert_parallel and args.tp < 2:
+        parser.error("--enable-expert-parallel needs --tp N with N >= 2")
     spec = (SMOKE if args.smoke else SPECS)[args.trace]
+    model_class, cfg = MODELS[args.preset]
     if args.smoke:
-        args.preset, args.page_size = "tiny", 8
+        model_class, cfg = smoke_model(args.preset)
+        args.page_size = 8
         args.max_seqs = args.max_seqs or 4
         args.max_step_tokens = args.max_step_tokens or 4       # two step shapes to compile
     args.requests = args.requests or spec.requests
     spec = dataclasses.replace(spec, requests=args.requests)
-    cfg = PRESETS[args.preset]
     if args.layers is not None:
         cfg = cfg.replace(num_layers=args.layers)
 
@@ -371,7 +431,12 @@ def main(argv: list[str] | None = None) -> None:
         copy_rate, matmul_rate = copy_bandwidth(), gemm_rate()
     rates = f"copy rate {copy_rate / 1e9:,.0f} GB/s (read + write), matmul rate {matmul_rate / 1e12:.3g} TFLOP/s"
     print(rates, flush=True)
-    model = Llama(cfg, nnx.Rngs(0))
+    model = model_class(cfg, nnx.Rngs(0))
+    mesh = None
+    if args.tp > 1:
+        mesh = jax.make_mesh((args.tp,), ("tp",), axis_types=(jax.sharding.AxisType.Auto,),
+                             devices=jax.devices()[:args.tp])
+        model = shard_model(model, mesh, expert_parallel=args.enable_expert_parallel)
     costs = model_costs(model, args.page_size)
     trace = make_trace(args.trace, spec, cfg.vocab_size)
     max_seq_len = max(r.prompt.size + r.new_tokens for r in trace)
@@ -380,7 +445,8 @@ def main(argv: list[str] | None = None) -> None:
     def run(trace: Sequence[TraceRequest], prefix_caching: bool = True) -> dict:
         engine = Engine(model, max_seqs=args.max_seqs, max_seq_len=max_seq_len, page_size=args.page_size,
                         num_pages=args.num_pages, max_step_tokens=args.max_step_tokens, backend=args.backend,
-                        enable_prefix_caching=prefix_caching, overlap=not args.no_overlap, record_steps=True)
+                        enable_prefix_caching=prefix_caching, overlap=not args.no_overlap, record_steps=True,
+                        mesh=mesh)
         setup.update(max_seqs=engine.max_seqs, num_pages=engine.num_pages, max_step_tokens=engine.max_step_tokens,
                      warmup_s=max(setup.get("warmup_s", 0.0), engine.warmup(sampled=False)))
         result = summarize(serve(engine, trace), costs, copy_rate, matmul_rate)
@@ -415,8 +481,12 @@ def main(argv: list[str] | None = None) -> None:
                    f"once, then with Poisson arrivals at {LOAD:g} x the requests/s of that run unless --rate is given",
         "shared-prefix": "all at once, prefix caching off, then on",
     }.get(args.trace, "all at once")
+    parallel = ""
+    if args.tp > 1:
+        parallel = (f"split over {args.tp} devices (tensor parallelism"
+                    + (", experts whole per device); " if args.enable_expert_parallel else "); "))
     header = (f"Device: {device_name()}; date {datetime.date.today()}; jax {jax.__version__}; model {args.preset} "
-              f"shapes with {cfg.num_layers} layers, {cfg.dtype}, random weights; backend {args.backend}; "
+              f"shapes with {cfg.num_layers} layers, {cfg.dtype}, random weights; {parallel}backend {args.backend}; "
               f"{engine_text}; warm-up (compiling every step shape) {setup['warmup_s']:.0f} s, not timed. The {rates} "
               f"({gemm} GEMM), measured in the same run.")
     trace_line = (f"Trace ({args.trace}, seed 0): {args.requests} requests, {shape}; random prompt tokens, greedy, "
@@ -448,8 +518,11 @@ def main(argv: list[str] | None = None) -> None:
         shares = ", ".join(f"{100 * r['roofline_share']:.0f}%" for r in results.values())
         lines += ["", f"Target: >= {TARGETS[args.trace]}% of the roofline; this run: {shares}."]
     lines += ["", SOURCES[args.trace]]
-    print(write_section(SECTIONS[args.trace], "\n".join(lines), heading=HEADINGS[args.trace],
-                        update=not args.smoke))
+    section, heading = SECTIONS[args.trace], HEADINGS[args.trace]
+    if args.preset != "llama3-8b" or args.tp > 1 or args.trace == "throughput":
+        suffix = args.preset + (f"_tp{args.tp}" if args.tp > 1 else "") + ("_ep" if args.enable_expert_parallel else "")
+        section, heading = f"{section}_{suffix}", f"{heading}: {suffix}"
+    print(write_section(section, "\n".join(lines), heading=heading, update=not args.smoke))
 
 
 if __name__ == "__main__":

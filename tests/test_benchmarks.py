@@ -16,7 +16,8 @@ from tests.xla_dump import REPO
 
 
 @pytest.mark.parametrize("module", ["bench_tp", "bench_serving --trace shared-prefix", "bench_mla", "profile_calls",
-                                    "bench_step_variants", "bench_speculative"])
+                                    "bench_step_variants", "bench_speculative",
+                                    "bench_serving --trace throughput --preset deepseek-v2-lite"])
 def test_smoke_run(module, tmp_path):
     env = dict(os.environ, OUT=str(tmp_path), JAX_PLATFORMS="cpu")
     module, *args = module.split()
@@ -175,6 +176,32 @@ def test_serving_traces():
     arrivals = np.array([r.arrival for r in timed])
     assert (np.diff(arrivals) >= 0).all() and 15 < arrivals[-1] < 25           # 1000 requests at 50/s
     assert all((a.prompt == b.prompt).all() for a, b in zip(chat, timed))      # the chat trace, spread out
+    throughput = make_trace("throughput", SPECS["throughput"], 1000)
+    assert len(throughput) == 300 and {(r.prompt.size, r.new_tokens) for r in throughput} == {(1000, 1000)}
+
+
+def test_serving_roofline_counts_the_experts_a_step_touches():
+    """A mixture of experts' roofline (Qwen1.5-MoE shapes): dense weights every step, each routed
+    expert once if the step touches it (the expectation under uniform routing), k experts' FLOPs
+    per token."""
+    from flax import nnx
+
+    from benchmarks.bench_serving import model_costs, step_bound
+    from jaxattn.engine_step import StepRecord
+    from jaxattn.models.llama import PRESETS, Llama
+
+    cfg = PRESETS["qwen1.5-moe-a2.7b"]
+    costs = model_costs(nnx.eval_shape(lambda: Llama(cfg, nnx.Rngs(0))), page_size=64)
+    expert = 3 * 2048 * 1408
+    assert costs.num_experts == 60 and costs.experts_per_token == 4
+    assert costs.expert_params == 24 * expert and costs.expert_bytes == 2 * 24 * expert
+    # attention (with q/k/v biases not counted as matmuls), router, gated shared expert
+    dense = 24 * (4 * 2048 * 2048 + 2048 * 60 + 3 * 2048 * 5632 + 2048)
+    assert costs.matmul_params == dense
+    one = StepRecord(rows=1, decode_rows=1, tokens=1, prefill_tokens=0, context_tokens=0, attention_pairs=0,
+                     padded_rows=0, padded_tokens=0, t_start=0.0)
+    nbytes = costs.weight_bytes + 4 * costs.expert_bytes + 2048 * 2 + costs.kv_bytes_per_token
+    assert step_bound(one, costs, copy_rate=1e12, matmul_rate=1e18) == pytest.approx(nbytes / 1e12)
 
 
 def test_serving_roofline():

@@ -81,6 +81,18 @@ PRESETS: dict[str, LlamaConfig] = {
     # Llama-3.2-1B's shapes (Llama 3's vocabulary): a draft model for the 8B and 70B shapes
     "llama3.2-1b": LlamaConfig(vocab_size=128256, dim=2048, num_layers=16, num_q_heads=32, num_kv_heads=8,
                                head_dim=64, hidden_dim=8192, tie_embeddings=True),
+    # mixtures of experts: Qwen1.5-MoE-A2.7B (Qwen2-MoE: 60 experts of 1408, 4 per token, a gated
+    # shared expert of 5632), Qwen3-30B-A3B (128 experts of 768, 8 per token) and Mixtral-8x7B's shapes
+    "qwen1.5-moe-a2.7b": LlamaConfig(vocab_size=151936, dim=2048, num_layers=24, num_q_heads=16, num_kv_heads=16,
+                                     head_dim=128, hidden_dim=5632, rope_theta=1e6, norm_eps=1e-6, qkv_bias=True,
+                                     num_experts=60, num_experts_per_tok=4, moe_hidden_dim=1408,
+                                     norm_topk_prob=False, shared_expert_dim=5632),
+    "qwen3-30b-a3b": LlamaConfig(vocab_size=151936, dim=2048, num_layers=48, num_q_heads=32, num_kv_heads=4,
+                                 head_dim=128, hidden_dim=6144, rope_theta=1e6, norm_eps=1e-6, qk_norm=True,
+                                 num_experts=128, num_experts_per_tok=8, moe_hidden_dim=768),
+    "mixtral-8x7b": LlamaConfig(vocab_size=32000, dim=4096, num_layers=32, num_q_heads=32, num_kv_heads=8,
+                                head_dim=128, hidden_dim=14336, rope_theta=1e6, num_experts=8, num_experts_per_tok=2,
+                                moe_hidden_dim=14336),
 }
 
 # attend(layer, q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, D]) -> [T, Hq, D]
