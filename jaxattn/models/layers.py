@@ -300,11 +300,13 @@ class MoE(nnx.Module):
 
 
 def routed_experts(x: jax.Array, weights: jax.Array, chosen: jax.Array, gate_proj: jax.Array, up_proj: jax.Array,
-                   down_proj: jax.Array, first: jax.Array | int = 0) -> jax.Array:
+                   down_proj: jax.Array, first: jax.Array | int = 0,
+                   ragged_dot: Callable[..., jax.Array] = jax.lax.ragged_dot) -> jax.Array:
     """``sum_j weights[t, j] * expert_{chosen[t, j]}(x[t])`` ``[T, dim]`` over the experts
     ``first .. first + E`` whose stacked weights are given (``[E, dim, F]``, ``[E, dim, F]``,
     ``[E, F, dim]``); copies routed to other experts add nothing (expert parallelism: a device's
-    experts). ``x [T, dim]``, ``weights [T, k]`` in x's dtype, ``chosen int32[T, k]``."""
+    experts). ``x [T, dim]``, ``weights [T, k]`` in x's dtype, ``chosen int32[T, k]``;
+    ``ragged_dot(lhs, rhs, group_sizes)``: the grouped GEMM (``benchmarks/bench_moe.py`` compares)."""
     tokens, k = chosen.shape
     experts = gate_proj.shape[0]
     local = chosen.reshape(-1) - first
@@ -317,9 +319,9 @@ def routed_experts(x: jax.Array, weights: jax.Array, chosen: jax.Array, gate_pro
     place = jnp.cumsum(counts)[group] - counts[group] + rank
     grouped = jnp.zeros((tokens * k, x.shape[1]), x.dtype).at[place].set(jnp.repeat(x, k, axis=0))
     group_sizes = counts[:experts]                     # the last group's rows are in none: ragged_dot skips them
-    gate = jax.lax.ragged_dot(grouped, gate_proj, group_sizes)
-    up = jax.lax.ragged_dot(grouped, up_proj, group_sizes)
-    out = jax.lax.ragged_dot((jax.nn.silu(gate) * up).astype(x.dtype), down_proj, group_sizes)
+    gate = ragged_dot(grouped, gate_proj, group_sizes)
+    up = ragged_dot(grouped, up_proj, group_sizes)
+    out = ragged_dot((jax.nn.silu(gate) * up).astype(x.dtype), down_proj, group_sizes)
     # rows in no group are not defined by every lowering: select, not multiply by a zero weight
     copies = jnp.where(here.reshape(tokens, k, 1), out[place].reshape(tokens, k, -1) * weights[:, :, None], 0)
     return jnp.sum(copies, axis=1).astype(x.dtype)

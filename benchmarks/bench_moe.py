@@ -1,0 +1,145 @@
+"""Grouped GEMMs for a mixture of experts' routed experts, by tokens per step and model shapes,
+against the copy and matmul rates measured in the same run.
+
+    python -m benchmarks.bench_moe [--models deepseek-v2-lite,qwen1.5-moe-a2.7b,qwen3-30b-a3b,mixtral-8x7b]
+        [--tokens 1,8,32,128,512,2048] [--trials 20] [--smoke]
+
+One MoE layer's routed experts (no router, no shared expert), random bf16 weights, each token
+routed to k distinct experts drawn uniformly (seed 0), per variant:
+  * ragged_dot: ``jaxattn.models.layers.routed_experts``, three ``jax.lax.ragged_dot`` over the
+    token copies grouped by a counting permutation: what the models run;
+  * dense: every expert on every token (an einsum over the stacked weights), the outputs weighted
+    by the routing (0 for the experts a token did not choose): each expert's weights are read
+    once, with E / k times the FLOPs: the candidate for decode batches that touch nearly every
+    expert;
+  * tokamax: ``tokamax.ragged_dot`` in place of ``jax.lax.ragged_dot``, where tokamax is installed.
+Per row: GPU time per call (the profiler; median wall time on a CPU), the experts the tokens
+touch, the weight bytes of those experts over the time as a share of the copy rate, the routed
+FLOPs (2 x 3 x dim x F x k per token) over the time as a share of the matmul rate, and each
+variant against ragged_dot. Writes the "moe_grouped_gemm" section of benchmarks/RESULTS.md;
+``--smoke`` runs tiny shapes (CPU, seconds) and writes only ``$OUT``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import functools
+import importlib.util
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from benchmarks.common import copy_bandwidth, device_name, device_seconds, gemm_rate, rel_error, write_section
+from jaxattn.models.layers import routed_experts
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    """One MoE layer's routed experts: ``experts`` of hidden size ``hidden``, ``k`` per token."""
+    dim: int
+    hidden: int
+    experts: int
+    k: int
+
+
+SHAPES = {"deepseek-v2-lite": Shape(2048, 1408, 64, 6), "qwen1.5-moe-a2.7b": Shape(2048, 1408, 60, 4),
+          "qwen3-30b-a3b": Shape(2048, 768, 128, 8), "mixtral-8x7b": Shape(4096, 14336, 8, 2)}
+SMOKE = {"tiny": Shape(64, 32, 8, 2)}
+
+
+def dense_experts(x: jax.Array, weights: jax.Array, chosen: jax.Array, gate_proj: jax.Array, up_proj: jax.Array,
+                  down_proj: jax.Array) -> jax.Array:
+    """``routed_experts`` computed by every expert for every token: ``[T, dim]``."""
+    hidden = jax.nn.silu(jnp.einsum("td,edf->etf", x, gate_proj)) * jnp.einsum("td,edf->etf", x, up_proj)
+    out = jnp.einsum("etf,efd->etd", hidden.astype(x.dtype), down_proj)
+    routing = jnp.sum(jax.nn.one_hot(chosen, gate_proj.shape[0], dtype=x.dtype) * weights[:, :, None], axis=1)
+    return jnp.einsum("etd,te->td", out, routing).astype(x.dtype)
+
+
+def tokamax_experts() -> Callable | None:
+    """``routed_experts`` with tokamax's ``ragged_dot``, or None where tokamax is not installed."""
+    if importlib.util.find_spec("tokamax") is None:
+        return None
+    import tokamax
+
+    return functools.partial(routed_experts, ragged_dot=tokamax.ragged_dot)
+
+
+def inputs(shape: Shape, tokens: int, seed: int = 0) -> tuple[jax.Array, ...]:
+    """``(x, weights, chosen, gate_proj, up_proj, down_proj)`` in bf16, uniform routing."""
+    rng = np.random.default_rng(seed)
+    chosen = np.argsort(rng.random((tokens, shape.experts)), axis=1)[:, :shape.k].astype(np.int32)
+    weights = rng.dirichlet(np.ones(shape.k), size=tokens)
+    keys = jax.random.split(jax.random.key(seed), 4)
+    x = jax.random.normal(keys[0], (tokens, shape.dim), jnp.bfloat16)
+    scale = shape.dim ** -0.5
+    gate, up = (jax.random.normal(key, (shape.experts, shape.dim, shape.hidden), jnp.bfloat16) * scale
+                for key in keys[1:3])
+    down = jax.random.normal(keys[3], (shape.experts, shape.hidden, shape.dim), jnp.bfloat16) * shape.hidden ** -0.5
+    return x, jnp.asarray(weights, jnp.bfloat16), jnp.asarray(chosen), gate, up, down
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.bench_moe", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--models", default=",".join(SHAPES),
+                        help="model shapes, comma-separated: " + ", ".join(SHAPES))
+    parser.add_argument("--tokens", default="1,8,32,128,512,2048", help="tokens per call, comma-separated")
+    parser.add_argument("--trials", type=int, default=20)
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes (CPU, seconds); RESULTS.md is left alone")
+    args = parser.parse_args(argv)
+    shapes = SMOKE if args.smoke else {name: SHAPES[name] for name in args.models.split(",")}
+    tokens = [1, 4] if args.smoke else [int(t) for t in args.tokens.split(",")]
+    if args.smoke:
+        copy_rate, matmul_rate = copy_bandwidth(1 << 24, trials=3), gemm_rate(256, jnp.float32, trials=3)
+    else:
+        copy_rate, matmul_rate = copy_bandwidth(), gemm_rate()
+    variants = {"ragged_dot": routed_experts, "dense": dense_experts}
+    if (tokamax := tokamax_experts()) is not None:
+        variants["tokamax"] = tokamax
+    compiled = {name: jax.jit(fn) for name, fn in variants.items()}
+    columns = ["model", "tokens", "experts touched", *[f"{name} us" for name in variants],
+               "ragged_dot % of copy rate", "ragged_dot % of matmul rate", "fastest", "fastest vs ragged_dot"]
+    rows, errors = [], []
+    for model, shape in shapes.items():
+        expert_bytes = 3 * shape.dim * shape.hidden * 2
+        for count in tokens:
+            operands = inputs(shape, count)
+            touched = len(np.unique(np.asarray(operands[2])))
+            reference = compiled["ragged_dot"](*operands)
+            seconds = {}
+            for name, fn in compiled.items():
+                errors.append(rel_error(fn(*operands), reference))
+                seconds[name] = device_seconds(lambda: fn(*operands), args.trials)
+            fastest = min(seconds, key=seconds.get)
+            flops = 2 * 3 * shape.dim * shape.hidden * shape.k * count
+            cells = [model, str(count), f"{touched} / {shape.experts}", *[f"{1e6 * s:.1f}" for s in seconds.values()],
+                     f"{100 * touched * expert_bytes / seconds['ragged_dot'] / copy_rate:.0f}%",
+                     f"{100 * flops / seconds['ragged_dot'] / matmul_rate:.0f}%", fastest,
+                     f"{seconds['ragged_dot'] / seconds[fastest]:.2f}x"]
+            rows.append("| " + " | ".join(cells) + " |")
+            print(rows[-1], flush=True)
+    command = (f"python -m benchmarks.bench_moe --models {','.join(shapes)} --tokens {','.join(map(str, tokens))} "
+               f"--trials {args.trials}" + (" --smoke" if args.smoke else ""))
+    lines = [
+        f"Device: {device_name()}; date {datetime.date.today()}; jax {jax.__version__}; bf16; one MoE layer's routed "
+        f"experts, uniform random routing (seed 0); copy rate {copy_rate / 1e9:,.0f} GB/s (read + write), matmul "
+        f"rate {matmul_rate / 1e12:.3g} TFLOP/s, measured in the same run. tokamax "
+        f"{'measured' if 'tokamax' in variants else 'not installed: not measured'}.",
+        f"Command: `{command}`",
+        "",
+        "| " + " | ".join(columns) + " |", "|" + "---|" * len(columns), *rows,
+        "",
+        "us: GPU time per call (profiler). % of copy rate: the touched experts' weight bytes / ragged_dot's time "
+        "over the copy rate; % of matmul rate: 2 x 3 x "
+        f"dim x F x k FLOPs per token / time. Largest relative difference from ragged_dot's output: {max(errors):.1e}.",
+    ]
+    print(write_section("moe_grouped_gemm", "\n".join(lines), update=not args.smoke,
+                        heading="Grouped GEMMs of a mixture of experts (benchmarks/bench_moe.py)"))
+
+
+if __name__ == "__main__":
+    main()
