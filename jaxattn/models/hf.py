@@ -2,13 +2,20 @@
 mixtures of experts Mixtral, Qwen2-MoE and Qwen3-MoE) into ``jaxattn.models.llama.Llama``, and of
 DeepSeek-V2/V3 into ``jaxattn.models.deepseek.DeepSeek``: ``config.json`` becomes the model's
 config and the ``*.safetensors`` tensors are streamed into the model one at a time (an expert
-stack is assembled on the host from its experts' tensors). Local directories only."""
+stack is assembled on the host from its experts' tensors). Local directories only.
+
+FP8 checkpoints (``quantization_config.quant_method == "fp8"``: float8_e4m3fn weights with
+``weight_scale_inv`` block scales or ``weight_scale`` per-tensor / per-channel scales) load their
+decoder-block linears as ``jaxattn.models.quantization.Fp8Linear`` with the scales as stored,
+and the FP8 tensors the model keeps in its dtype dequantized; ``quantization="fp8"`` quantizes a
+bf16 / float32 checkpoint's linears per output channel as they are read."""
 
 from __future__ import annotations
 
 import dataclasses
 import glob
 import json
+import math
 import os
 from typing import Any
 
@@ -20,6 +27,8 @@ from flax import nnx
 from jaxattn.models.deepseek import DeepSeek, DeepSeekConfig
 from jaxattn.models.layers import MoE, MoERouting, YarnRopeScaling
 from jaxattn.models.llama import Llama, Llama3RopeScaling, LlamaConfig, param_shardings
+from jaxattn.models.quantization import FP8_DTYPE, Fp8Linear, Granularity, dequantize, quantize_kernel
+from jaxattn.models.quantization import linears as quantizable_linears
 
 MOE_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe")
 LLAMA_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", *MOE_MODEL_TYPES)
@@ -29,6 +38,9 @@ SWIGLU = ("gate_proj", "up_proj", "down_proj")      # an MLP's linears, as the m
 _REQUIRED_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size")
 # Tensors some checkpoints carry that the model recomputes or does not need.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+QUANTIZATIONS = ("fp8",)          # from_pretrained's quantization= and the quant_method it reads
+# safetensors dtypes read from the file's bytes (safetensors' NumPy reader has no float8 dtype)
+_RAW_DTYPES = {"F8_E4M3": FP8_DTYPE, "F32": np.float32, "F16": np.float16, "BF16": jnp.bfloat16}
 
 
 def _field(hf: dict[str, Any], name: str, expected: str) -> ValueError:
@@ -223,15 +235,60 @@ def _checkpoint_files(path: str) -> list[str]:
 
 
 @dataclasses.dataclass(frozen=True)
+class Stored:
+    """A tensor of a checkpoint file as its safetensors header describes it."""
+
+    file: str
+    dtype: str                   # safetensors' name: "BF16", "F8_E4M3", ...
+    shape: tuple[int, ...]
+    offset: int                  # of its bytes in the file
+
+    def read(self) -> np.ndarray:
+        """The tensor, read from the file's bytes (dtypes of ``_RAW_DTYPES``)."""
+        if self.dtype not in _RAW_DTYPES:
+            raise ValueError(f"from_pretrained: a {self.dtype} tensor in {self.file} is not read here; FP8 weights "
+                             f"and their scales must be one of {sorted(_RAW_DTYPES)}")
+        dtype = np.dtype(_RAW_DTYPES[self.dtype])
+        return np.fromfile(self.file, dtype, math.prod(self.shape), offset=self.offset).reshape(self.shape)
+
+
+def _stored_tensors(files: list[str]) -> dict[str, Stored]:
+    """Every tensor of the checkpoint ``files`` by name, from their headers (nothing else is read)."""
+    stored = {}
+    for file in files:
+        with open(file, "rb") as f:
+            size = int.from_bytes(f.read(8), "little")
+            header = json.loads(f.read(size))
+        for name, info in header.items():
+            if name != "__metadata__":
+                stored[name] = Stored(file, info["dtype"], tuple(info["shape"]), 8 + size + info["data_offsets"][0])
+    return stored
+
+
+@dataclasses.dataclass(frozen=True)
 class Target:
     """Where a checkpoint tensor goes: ``variable``; ``transposed``: HF stores it transposed;
     ``expert``: its index in a stacked expert variable (None: the whole variable); ``rows``: the
-    order to take the HF tensor's rows in (None: as stored)."""
+    order to take the HF tensor's rows in (None: as stored). FP8: ``stored_shape``, the shape a
+    scale is stored in when it is not the variable's (``[out, 1]``, ``[1]``); ``scale`` and
+    ``granularity``, the checkpoint scale that dequantizes this FP8 tensor on load (the model
+    keeps it in its dtype); ``quantize``, the scale variable of the ``Fp8Linear`` whose kernel
+    is quantized from this tensor on load (per output channel)."""
 
     variable: nnx.Variable
     transposed: bool
     expert: int | None = None
     rows: np.ndarray | None = None
+    stored_shape: tuple[int, ...] | None = None
+    scale: str | None = None
+    granularity: Granularity | None = None
+    quantize: nnx.Variable | None = None
+
+    @property
+    def hf_shape(self) -> tuple[int, ...]:
+        """The shape the checkpoint stores the tensor in (``stored_shape`` aside)."""
+        shape = self.variable.shape if self.expert is None else self.variable.shape[1:]
+        return tuple(shape[::-1] if self.transposed else shape)
 
 
 def _hf_parameters(model: Llama, model_type: str) -> dict[str, Target]:
@@ -331,8 +388,120 @@ def _expert_parameters(moe, prefix: str, model_type: str) -> dict[str, Target]:
     return params
 
 
-def from_pretrained(path: str, dtype: str | jnp.dtype | None = None,
-                    mesh: jax.sharding.Mesh | None = None) -> Llama | DeepSeek:
+@dataclasses.dataclass(frozen=True)
+class Fp8Format:
+    """How FP8 weights are read: ``stored``: the checkpoint's own (scales as stored; ``block``:
+    its ``weight_block_size`` as (rows, columns) of the ``[in, out]`` kernel, else each scale's
+    shape says per tensor or per channel); else quantized per output channel on load."""
+
+    stored: bool
+    block: tuple[int, int] | None = None
+
+
+def fp8_format(hf: dict[str, Any], quantization: str | None) -> Fp8Format | None:
+    """The FP8 format of a ``config.json`` and ``from_pretrained``'s ``quantization`` argument
+    (None: no quantization); ValueError naming what is not supported."""
+    if quantization not in (None, *QUANTIZATIONS):
+        raise ValueError(f"from_pretrained: quantization must be None or one of {QUANTIZATIONS}, got "
+                         f"{quantization!r}")
+    config = hf.get("quantization_config")
+    if not config:
+        return Fp8Format(stored=False) if quantization else None
+    method = config.get("quant_method") if isinstance(config, dict) else None
+    if method not in QUANTIZATIONS:
+        raise ValueError(f"from_pretrained: config.json field quantization_config.quant_method={method!r} is not "
+                         f"supported; expected one of {QUANTIZATIONS} (float8_e4m3fn weights with weight_scale or "
+                         f"weight_scale_inv scales: per tensor, per output channel or weight_block_size blocks). "
+                         f"Other methods (awq, gptq, bitsandbytes, compressed-tensors, ...) are not read")
+    if config.get("activation_scheme", "dynamic") not in ("dynamic", "static"):
+        raise ValueError(f"from_pretrained: config.json field quantization_config.activation_scheme="
+                         f"{config['activation_scheme']!r} is not supported; expected 'dynamic' or 'static'")
+    block = config.get("weight_block_size")
+    if block is None:
+        return Fp8Format(stored=True)
+    if not (isinstance(block, (list, tuple)) and len(block) == 2
+            and all(isinstance(b, int) and not isinstance(b, bool) and b >= 1 for b in block)):
+        raise ValueError(f"from_pretrained: config.json field quantization_config.weight_block_size={block!r} is "
+                         f"not supported; expected two positive ints [block_out, block_in]")
+    return Fp8Format(stored=True, block=(block[1], block[0]))    # HF's [out, in] -> the kernel's [in, out]
+
+
+def _stored_scale(stored: dict[str, Stored], weight: str, hf_shape: tuple[int, ...],
+                  block: tuple[int, int] | None) -> tuple[str, Granularity]:
+    """The name and granularity of the scale of FP8 tensor ``weight`` (stored ``[out, in]``)."""
+    base = weight[:-len("weight")]
+    names = [base + suffix for suffix in ("weight_scale_inv", "weight_scale") if base + suffix in stored]
+    if not names:
+        raise ValueError(f"from_pretrained: FP8 tensor {weight!r} has no {base}weight_scale_inv or "
+                         f"{base}weight_scale in the checkpoint")
+    name, (out, fan_in) = names[0], hf_shape
+    shape = stored[name].shape
+    if block is not None:
+        expected = (math.ceil(out / block[1]), math.ceil(fan_in / block[0]))
+        if shape != expected:
+            raise ValueError(f"from_pretrained: tensor {name!r} has shape {shape}, expected {expected}: the "
+                             f"weight_block_size blocks of {weight!r} {hf_shape}")
+        return name, block
+    if math.prod(shape) == 1:
+        return name, "tensor"
+    if shape in ((out,), (out, 1)):
+        return name, "channel"
+    raise ValueError(f"from_pretrained: tensor {name!r} has shape {shape}: expected a per-tensor scale ([] or [1]) "
+                     f"or per-channel scales ([{out}] or [{out}, 1]) for {weight!r} {hf_shape}, or "
+                     f"quantization_config.weight_block_size for block scales")
+
+
+def _fp8_targets(model: Llama | DeepSeek, expected: dict[str, Target], stored: dict[str, Stored],
+                 fp8: Fp8Format) -> set[str]:
+    """Makes each linear of ``quantizable_linears(model)`` (abstract) an ``Fp8Linear`` where the
+    checkpoint holds its weight in FP8 (with ``fp8.stored``; else every one, quantized on load)
+    and points its tensors there in ``expected``; the checkpoint's other FP8 tensors (MoE experts,
+    MLA's kv_b_proj, ignored-but-quantized layers) are dequantized on load. A block-scaled linear
+    whose rows the loader reorders across blocks (DeepSeek's RoPE rows) is dequantized too.
+    Returns the names of the tensors read with others (their scales) or not needed (activation
+    scales: activations are not quantized)."""
+    weights = {id(target.variable): name for name, target in expected.items()}
+    for owner, attr, linear in list(quantizable_linears(model)):
+        weight = weights[id(linear.kernel)]
+        target, granularity = expected[weight], "channel"
+        if fp8.stored:
+            if weight not in stored or stored[weight].dtype != "F8_E4M3":
+                continue
+            scale, granularity = _stored_scale(stored, weight, target.hf_shape, fp8.block)
+            if (not isinstance(granularity, str) and target.rows is not None
+                    and np.any(target.rows // granularity[1] != np.arange(len(target.rows)) // granularity[1])):
+                continue
+        layer = nnx.eval_shape(lambda lin: Fp8Linear.from_linear(lin, granularity), linear)
+        setattr(owner, attr, layer)
+        expected[weight] = dataclasses.replace(target, variable=layer.kernel,
+                                               quantize=None if fp8.stored else layer.scale)
+        if layer.bias is not None:
+            expected[weight[:-len("weight")] + "bias"] = Target(layer.bias, False)
+        if fp8.stored:
+            expected[scale] = Target(layer.scale, not isinstance(granularity, str), stored_shape=stored[scale].shape,
+                                     rows=target.rows if granularity == "channel" else None)
+    if not fp8.stored:
+        return set()
+    read_along = {name for name in stored if name.endswith(".input_scale")}
+    for name, target in list(expected.items()):
+        if name in stored and stored[name].dtype == "F8_E4M3" and target.variable.dtype != FP8_DTYPE:
+            scale, granularity = _stored_scale(stored, name, target.hf_shape, fp8.block)
+            expected[name] = dataclasses.replace(target, scale=scale, granularity=granularity)
+            read_along.add(scale)
+    return read_along
+
+
+def _dequantized(weight: np.ndarray, scale: np.ndarray, granularity: Granularity) -> np.ndarray:
+    """float32 ``weight * scale`` of an FP8 tensor stored ``[out, in]`` and its stored scale."""
+    if isinstance(granularity, str):
+        scale = scale.reshape(() if granularity == "tensor" else (-1,))
+    else:
+        scale = scale.T
+    return dequantize(weight.T, scale, granularity).T
+
+
+def from_pretrained(path: str, dtype: str | jnp.dtype | None = None, mesh: jax.sharding.Mesh | None = None,
+                    quantization: str | None = None) -> Llama | DeepSeek:
     """Loads a local Hugging Face checkpoint directory (``config.json`` and ``*.safetensors``,
     sharded with ``model.safetensors.index.json`` or not) of a model_type of
     ``SUPPORTED_MODEL_TYPES`` into a ``Llama`` (llama, mistral, qwen2, qwen3; the mixtures of
@@ -343,8 +512,19 @@ def from_pretrained(path: str, dtype: str | jnp.dtype | None = None,
     only), each placed for tensor parallelism over all the mesh's devices as
     ``jaxattn.models.llama.shard_model`` places them (one tensor on the default device at a time).
 
-    Raises ValueError naming the config field of an unsupported model, or the tensor that is
-    missing, unexpected or of the wrong shape."""
+    FP8: a checkpoint with ``quantization_config.quant_method == "fp8"`` (transformers'
+    FineGrainedFP8, vLLM's and DeepSeek-V3's format: float8_e4m3fn weights, ``weight_scale_inv``
+    block scales of ``weight_block_size``, or ``weight_scale`` per tensor / per output channel;
+    layers in ``modules_to_not_convert`` / ``ignored_layers`` stored unquantized) loads the linears
+    ``jaxattn.models.quantization.quantize`` would replace as ``Fp8Linear``s with their scales as
+    stored, and dequantizes its other FP8 tensors (MoE experts, MLA's kv_b_proj) to ``dtype``;
+    activation scales (``input_scale``) are skipped, activations are not quantized.
+    ``quantization="fp8"`` quantizes an unquantized checkpoint's linears per output channel as they
+    are read (``quantize``'s result, without holding the unquantized model).
+
+    Raises ValueError naming the config field of an unsupported model (``quantization_config``:
+    another ``quant_method``, a bad ``weight_block_size``), or the tensor that is missing,
+    unexpected or of the wrong shape."""
     try:
         from safetensors import safe_open  # the one runtime use of safetensors, an optional dependency
     except ImportError:
@@ -354,8 +534,7 @@ def from_pretrained(path: str, dtype: str | jnp.dtype | None = None,
         raise ValueError(f"from_pretrained: path={path!r} is not a local checkpoint directory with a config.json")
     with open(config_path) as f:
         hf = json.load(f)
-    if hf.get("quantization_config"):
-        raise _field(hf, "quantization_config", "none (quantized weights such as FP8 are not read yet)")
+    fp8 = fp8_format(hf, quantization)
     dtype = jnp.dtype(dtype or hf.get("torch_dtype") or hf.get("dtype") or "bfloat16").name
     if hf.get("model_type") in DEEPSEEK_MODEL_TYPES:
         if mesh is not None:
@@ -369,28 +548,36 @@ def from_pretrained(path: str, dtype: str | jnp.dtype | None = None,
         cfg = llama_config_from_hf(hf, dtype)
         model = nnx.eval_shape(lambda: Llama(cfg, nnx.Rngs(0)))
         expected = _hf_parameters(model, hf["model_type"])
+    files = _checkpoint_files(path)
+    stored = _stored_tensors(files)
+    read_along = _fp8_targets(model, expected, stored, fp8) if fp8 else set()
     stacks: dict[int, list] = {}         # id(variable) -> [host array, experts still to read]
     placement = {}
     if mesh is not None:
         variables = jax.tree.leaves(nnx.state(model), is_leaf=lambda x: isinstance(x, nnx.Variable))
         placement = {id(v): s for v, s in zip(variables, jax.tree.leaves(param_shardings(model, mesh)))}
 
-    for file in _checkpoint_files(path):
+    def put(variable: nnx.Variable, value: jax.Array) -> None:
+        variable.set_value(jax.device_put(value, placement[id(variable)]) if placement else value)
+
+    for file in files:
         with safe_open(file, framework="numpy") as tensors:
             for name in tensors.keys():
                 if name not in expected:
                     if name.endswith(_IGNORED_SUFFIXES) or (name == "lm_head.weight" and cfg.tie_embeddings) \
-                            or _past_the_layers(name, cfg.num_layers):
+                            or _past_the_layers(name, cfg.num_layers) or name in read_along:
                         continue
                     raise ValueError(f"from_pretrained: unexpected tensor {name!r} in {file} for {cfg}")
                 target = expected.pop(name)
                 variable, transposed, expert = target.variable, target.transposed, target.expert
-                array = tensors.get_tensor(name)
-                shape = variable.shape if expert is None else variable.shape[1:]
-                hf_shape = tuple(shape[::-1] if transposed else shape)
-                if array.shape != hf_shape:
+                array = stored[name].read() if stored[name].dtype == "F8_E4M3" else tensors.get_tensor(name)
+                if array.shape != (target.stored_shape or target.hf_shape):
                     raise ValueError(f"from_pretrained: tensor {name!r} in {file} has shape {array.shape}, "
-                                     f"expected {hf_shape}")
+                                     f"expected {target.hf_shape}")
+                array = array.reshape(target.hf_shape)
+                if target.scale is not None:     # FP8 that the model keeps in its dtype
+                    array = _dequantized(array, stored[target.scale].read(), target.granularity)
+                    array = array.astype(variable.dtype)
                 if target.rows is not None:
                     array = array[target.rows]
                 if expert is not None:           # one expert of a stack: set once all are read
@@ -401,9 +588,13 @@ def from_pretrained(path: str, dtype: str | jnp.dtype | None = None,
                     if stack[1]:
                         continue
                     array, transposed = stacks.pop(id(variable))[0], False
-                value = jnp.asarray(array, dtype=dtype)
-                value = value.T if transposed else value
-                variable.set_value(jax.device_put(value, placement[id(variable)]) if placement else value)
+                if target.quantize is not None:  # quantized on load: the stored values, transposed, per channel
+                    kernel, scale = quantize_kernel(jnp.asarray(array).T)
+                    put(variable, kernel)
+                    put(target.quantize, scale)
+                    continue
+                value = jnp.asarray(array, dtype=variable.dtype)
+                put(variable, value.T if transposed else value)
     if expected:
         raise ValueError(f"from_pretrained: tensors missing from {path}: {sorted(expected)}")
     return model
