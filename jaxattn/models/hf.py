@@ -227,7 +227,7 @@ def _checkpoint_files(path: str) -> list[str]:
     if os.path.isfile(index):
         with open(index) as f:
             return [os.path.join(path, name) for name in sorted(set(json.load(f)["weight_map"].values()))]
-    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+    files = sorted(glob.glob(os.path.join(glob.escape(path), "*.safetensors")))
     if not files:
         raise ValueError(f"from_pretrained: path={path!r} has no *.safetensors files (other weight formats "
                          f"are not read)")
@@ -556,6 +556,11 @@ def from_pretrained(path: str, dtype: str | jnp.dtype | None = None, mesh: jax.s
     if mesh is not None:
         variables = jax.tree.leaves(nnx.state(model), is_leaf=lambda x: isinstance(x, nnx.Variable))
         placement = {id(v): s for v, s in zip(variables, jax.tree.leaves(param_shardings(model, mesh)))}
+        for name, target in expected.items():     # FP8 block scales: a count of blocks the shards may not divide
+            try:
+                placement[id(target.variable)].shard_shape(target.variable.shape)
+            except ValueError as error:
+                raise ValueError(f"from_pretrained: tensor {name!r} cannot be split over the mesh: {error}") from None
 
     def put(variable: nnx.Variable, value: jax.Array) -> None:
         variable.set_value(jax.device_put(value, placement[id(variable)]) if placement else value)

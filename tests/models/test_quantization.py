@@ -14,6 +14,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 from jaxattn.models import from_pretrained
 from jaxattn.models.deepseek import PRESETS as DEEPSEEK_PRESETS
@@ -24,6 +25,7 @@ from jaxattn.models.quantization import FP8_MAX, Fp8Linear, quantize, quantize_k
 from tests.models.test_deepseek import _dense_hidden as deepseek_dense_hidden
 from tests.models.test_llama import dense_hidden
 from tests.paged_inputs import rel_error
+from tests.test_sharding import run_on_cpu_devices
 
 FP8 = ml_dtypes.float8_e4m3fn
 
@@ -328,3 +330,28 @@ def _read_all(file: str) -> dict[str, np.ndarray]:
     from jaxattn.models.hf import _stored_tensors
 
     return {name: stored.read() for name, stored in _stored_tensors([file]).items()}
+
+
+def check_fp8_checkpoints_on_mesh(path: str) -> None:
+    """(On 2 CPU devices.) FP8 checkpoints loaded onto a mesh give the one-device logits, their
+    scales split like their kernels; block counts the shards do not divide are named."""
+    mesh = jax.make_mesh((jax.device_count(),), ("tp",))
+    tokens = np.arange(10, dtype=np.int32)
+    for kind, qc, column, row in (("channel", {}, P("tp"), P(None)),
+                                  ([8, 8], dict(weight_block_size=[8, 8]), P(None, "tp"), P("tp", None))):
+        fp8_path, reference_path = _fp8_checkpoint(pathlib.Path(path) / str(len(qc)), LLAMA, kind, qc)
+        model = from_pretrained(fp8_path, dtype="float32", mesh=mesh)
+        assert model.layers[0].attn.q_proj.scale.get_value().sharding.spec == column
+        assert model.layers[0].attn.o_proj.scale.get_value().sharding.spec == row
+        expected = _logits(from_pretrained(fp8_path, dtype="float32"), tokens)
+        np.testing.assert_allclose(_logits(model, tokens), expected, rtol=1e-5, atol=1e-5 * np.abs(expected).max())
+    quantized = from_pretrained(reference_path, quantization="fp8", mesh=mesh)
+    assert quantized.layers[0].mlp.up_proj.scale.get_value().sharding.spec == P("tp")
+    fp8_path, _ = _fp8_checkpoint(pathlib.Path(path) / "16", LLAMA, [16, 16], dict(weight_block_size=[16, 16]))
+    with pytest.raises(ValueError, match="k_proj.weight_scale_inv' cannot be split over the mesh"):
+        from_pretrained(fp8_path, mesh=mesh)                              # k_proj: 80 columns, 5 blocks
+
+
+def test_fp8_checkpoints_on_a_mesh(tmp_path):
+    run_on_cpu_devices(2, f"from tests.models.test_quantization import check_fp8_checkpoints_on_mesh; "
+                          f"check_fp8_checkpoints_on_mesh({str(tmp_path)!r})")
