@@ -1,7 +1,8 @@
 """FP8 weights (jaxattn.models.quantization): Fp8Linear against its dequantized weight in float32,
-``quantize`` on tiny random models against the unquantized logits, and FP8 checkpoints written
-here with NumPy + safetensors (no torch) loaded by ``from_pretrained`` against the same checkpoint
-dequantized to float32; errors name the bad argument or config field."""
+``quantize`` on tiny random models against the unquantized logits (and served by the Engine),
+their scales' shardings, and FP8 checkpoints written here with NumPy + safetensors (no torch)
+loaded by ``from_pretrained`` against the same checkpoint dequantized to float32; errors name the
+bad argument or config field."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
+from jaxattn.engine import Engine
 from jaxattn.models import from_pretrained
 from jaxattn.models.deepseek import PRESETS as DEEPSEEK_PRESETS
 from jaxattn.models.deepseek import DeepSeek
@@ -23,7 +25,7 @@ from jaxattn.models.hf import _deepseek_parameters, _hf_parameters, deepseek_con
 from jaxattn.models.llama import PRESETS, Llama, param_shardings
 from jaxattn.models.quantization import FP8_MAX, Fp8Linear, quantize, quantize_kernel
 from tests.models.test_deepseek import _dense_hidden as deepseek_dense_hidden
-from tests.models.test_llama import dense_hidden
+from tests.models.test_llama import dense_greedy, dense_hidden
 from tests.paged_inputs import rel_error
 from tests.test_sharding import run_on_cpu_devices
 
@@ -135,6 +137,16 @@ def test_quantize_keeps_logits_close(name, block_size):
     if name != "llama":
         assert isinstance(block.mlp.router, nnx.Linear) and block.mlp.gate_proj.dtype == jnp.float32
     assert isinstance(model.lm_head, nnx.Linear) and not any("lm_head" in p or "embed" in p for p in paths)
+
+
+def test_engine_serves_a_quantized_model():
+    """The paged step (Engine, xla) gives the dense forward's greedy tokens of the same FP8 model."""
+    model = quantize(Llama(PRESETS["tiny"], nnx.Rngs(0)), block_size=64)
+    engine = Engine(model, max_seqs=2, max_seq_len=64, page_size=16, backend="xla")
+    prompts = [np.arange(5, dtype=np.int32) + 3, np.arange(9, dtype=np.int32) * 7]
+    requests = [engine.add_request(prompt, max_new_tokens=6) for prompt in prompts]
+    engine.run()
+    assert [r.output for r in requests] == [dense_greedy(model, prompt, 6) for prompt in prompts]
 
 
 def test_quantized_scales_are_split_like_their_kernels():
