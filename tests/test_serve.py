@@ -388,7 +388,9 @@ def test_command_line(capsys):
                           (["--model", "/nonexistent"], "is not a local checkpoint directory"),
                           (["--preset", "tiny", "--max-seqs", "0"], "must be an int >= 1"),
                           (["--preset", "tiny", "--speculative-config", '{"method": "eagle"}'],
-                           "speculative: SpeculativeConfig: method must be one of")):
+                           "speculative: SpeculativeConfig: method must be one of"),
+                          (["--preset", "qwen1.5-moe-a2.7b", "--enable-expert-parallel"],
+                           "--enable-expert-parallel splits the experts over the --tp devices")):
         with pytest.raises(SystemExit) as exit_info:
             cli.main(argv)
         assert exit_info.value.code == 2 and message in capsys.readouterr().err, argv

@@ -26,7 +26,7 @@ from flax import nnx
 
 from jaxattn.models.deepseek import DeepSeek, DeepSeekConfig
 from jaxattn.models.layers import MoE, MoERouting, YarnRopeScaling
-from jaxattn.models.llama import Llama, Llama3RopeScaling, LlamaConfig, param_shardings
+from jaxattn.models.llama import Llama, Llama3RopeScaling, LlamaConfig, enable_expert_parallel, param_shardings
 from jaxattn.models.quantization import FP8_DTYPE, Fp8Linear, Granularity, dequantize, quantize_kernel
 from jaxattn.models.quantization import linears as quantizable_linears
 
@@ -501,7 +501,7 @@ def _dequantized(weight: np.ndarray, scale: np.ndarray, granularity: Granularity
 
 
 def from_pretrained(path: str, dtype: str | jnp.dtype | None = None, mesh: jax.sharding.Mesh | None = None,
-                    quantization: str | None = None) -> Llama | DeepSeek:
+                    quantization: str | None = None, expert_parallel: bool = False) -> Llama | DeepSeek:
     """Loads a local Hugging Face checkpoint directory (``config.json`` and ``*.safetensors``,
     sharded with ``model.safetensors.index.json`` or not) of a model_type of
     ``SUPPORTED_MODEL_TYPES`` into a ``Llama`` (llama, mistral, qwen2, qwen3; the mixtures of
@@ -510,7 +510,9 @@ def from_pretrained(path: str, dtype: str | jnp.dtype | None = None, mesh: jax.s
     Tensors are read one at a time and converted to ``dtype`` (default: the checkpoint's
     ``torch_dtype``/``dtype``, else bfloat16) on the default device, or with a ``mesh`` (Llama
     only), each placed for tensor parallelism over all the mesh's devices as
-    ``jaxattn.models.llama.shard_model`` places them (one tensor on the default device at a time).
+    ``jaxattn.models.llama.shard_model`` places them (one tensor on the default device at a time);
+    with ``expert_parallel`` too, a mixture of experts' experts whole per device
+    (``jaxattn.models.llama.enable_expert_parallel``).
 
     FP8: a checkpoint with ``quantization_config.quant_method == "fp8"`` (transformers'
     FineGrainedFP8, vLLM's and DeepSeek-V3's format: float8_e4m3fn weights, ``weight_scale_inv``
@@ -535,6 +537,8 @@ def from_pretrained(path: str, dtype: str | jnp.dtype | None = None, mesh: jax.s
     with open(config_path) as f:
         hf = json.load(f)
     fp8 = fp8_format(hf, quantization)
+    if expert_parallel and mesh is None:
+        raise ValueError("from_pretrained: expert_parallel splits the experts over a mesh: give mesh")
     dtype = jnp.dtype(dtype or hf.get("torch_dtype") or hf.get("dtype") or "bfloat16").name
     if hf.get("model_type") in DEEPSEEK_MODEL_TYPES:
         if mesh is not None:
@@ -547,6 +551,8 @@ def from_pretrained(path: str, dtype: str | jnp.dtype | None = None, mesh: jax.s
     else:
         cfg = llama_config_from_hf(hf, dtype)
         model = nnx.eval_shape(lambda: Llama(cfg, nnx.Rngs(0)))
+        if expert_parallel:
+            enable_expert_parallel(model, mesh)
         expected = _hf_parameters(model, hf["model_type"])
     files = _checkpoint_files(path)
     stored = _stored_tensors(files)

@@ -82,6 +82,9 @@ def build_parser(on_gpu: bool) -> argparse.ArgumentParser:
                              "\"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4}' (default: none)")
     engine.add_argument("--tp", type=positive_int, metavar="N", default=1,
                         help="split the model over this many devices of this process (default: 1)")
+    engine.add_argument("--enable-expert-parallel", action="store_true",
+                        help="with --tp: each device holds whole experts of a mixture of experts instead of a slice "
+                             "of every expert")
     server = parser.add_argument_group("server")
     server.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
     server.add_argument("--port", type=int, default=8000, help="port to listen on (default: %(default)s)")
@@ -97,13 +100,21 @@ def build_parser(on_gpu: bool) -> argparse.ArgumentParser:
 
 def load_model(args: argparse.Namespace, parser: argparse.ArgumentParser, mesh) -> tuple[object, str, TextTokenizer | None]:
     """(model, served name, tokenizer or None) of ``--model`` or ``--preset`` (and ``--tokenizer``)."""
+    expert_parallel = args.enable_expert_parallel
+    if expert_parallel and mesh is None:
+        parser.error("--enable-expert-parallel splits the experts over the --tp devices: give --tp 2 or more")
     if args.model is None:
-        model, name = random_model(args.preset, layers=args.layers, dtype=args.dtype, mesh=mesh), args.preset
+        try:
+            model = random_model(args.preset, layers=args.layers, dtype=args.dtype, mesh=mesh,
+                                 expert_parallel=expert_parallel)
+        except ValueError as err:
+            parser.error(f"--preset {args.preset}: {err}")
+        name = args.preset
     else:
         if args.layers is not None:
             parser.error("--layers changes a preset: not with --model")
         try:
-            model = from_pretrained(args.model, dtype=args.dtype, mesh=mesh)
+            model = from_pretrained(args.model, dtype=args.dtype, mesh=mesh, expert_parallel=expert_parallel)
         except (ValueError, OSError, ImportError) as err:
             parser.error(f"--model {args.model}: {err}")
         name = os.path.basename(os.path.normpath(args.model))

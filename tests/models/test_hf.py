@@ -158,28 +158,41 @@ def test_attention_bias_outside_qwen2_is_refused():
         llama_config_from_hf({**_QWEN2, "model_type": "llama", "attention_bias": True}, "float32")
 
 
-def check_from_pretrained_on_mesh(path: str) -> None:
+_QWEN2_MOE = dict(_QWEN2, model_type="qwen2_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=6,
+                  shared_expert_intermediate_size=8, norm_topk_prob=False, decoder_sparse_step=1, mlp_only_layers=[])
+
+
+def check_from_pretrained_on_mesh(path: str, expert_parallel: bool = False) -> None:
     """(On 2 CPU devices.) A checkpoint loaded onto a mesh holds the one-device load's values, each
-    tensor placed as ``shard_model`` places it."""
-    cfg = llama_config_from_hf(_QWEN2, "float32")
+    tensor placed as ``shard_model`` places it (a Qwen2-MoE's experts whole per device with
+    ``expert_parallel``)."""
+    hf = _QWEN2_MOE if expert_parallel else _QWEN2
+    cfg = llama_config_from_hf(hf, "float32")
     rng = np.random.default_rng(0)
     abstract = nnx.eval_shape(lambda: Llama(cfg, nnx.Rngs(0)))
-    tensors = {name: rng.normal(size=t.variable.shape[::-1] if t.transposed else t.variable.shape).astype(np.float32)
-               for name, t in _hf_parameters(abstract, "qwen2").items()}
-    path = _write_checkpoint(pathlib.Path(path), tensors)
+    tensors = {}
+    for name, t in _hf_parameters(abstract, hf["model_type"]).items():
+        shape = t.variable.shape if t.expert is None else t.variable.shape[1:]
+        tensors[name] = rng.normal(size=shape[::-1] if t.transposed else shape).astype(np.float32)
+    path = _write_checkpoint(pathlib.Path(path), tensors, hf)
     mesh = jax.make_mesh((jax.device_count(),), ("tp",))
-    expected, sharded = from_pretrained(path), from_pretrained(path, mesh=mesh)
+    expected, sharded = from_pretrained(path), from_pretrained(path, mesh=mesh, expert_parallel=expert_parallel)
     for (name, sharding), (_, weight), (_, value) in zip(nnx.to_flat_state(param_shardings(sharded, mesh)),
                                                          nnx.to_flat_state(nnx.state(sharded)),
                                                          nnx.to_flat_state(nnx.state(expected))):
         assert weight.get_value().sharding == sharding.get_value(), name
         np.testing.assert_array_equal(weight.get_value(), value.get_value(), err_msg=str(name))
     assert sharded.layers[0].attn.q_proj.bias.get_value().sharding.spec == P("tp")
+    if expert_parallel:
+        assert sharded.layers[0].mlp.gate_proj.get_value().sharding.spec == P("tp", None, None)
 
 
-def test_from_pretrained_on_a_mesh(tmp_path):
+@pytest.mark.parametrize("expert_parallel", [False, True])
+def test_from_pretrained_on_a_mesh(tmp_path, expert_parallel):
     run_on_cpu_devices(2, f"from tests.models.test_hf import check_from_pretrained_on_mesh; "
-                          f"check_from_pretrained_on_mesh({str(tmp_path)!r})")
+                          f"check_from_pretrained_on_mesh({str(tmp_path)!r}, {expert_parallel})")
+    with pytest.raises(ValueError, match="expert_parallel splits the experts over a mesh"):
+        from_pretrained(str(tmp_path), expert_parallel=True)
 
 
 def test_without_safetensors_the_error_says_what_to_install(tmp_path, monkeypatch):
@@ -193,10 +206,10 @@ def test_missing_config_fields_are_named():
         llama_config_from_hf({k: v for k, v in _QWEN2.items() if k != "intermediate_size"}, "float32")
 
 
-def _write_checkpoint(path, tensors: dict[str, np.ndarray]) -> str:
+def _write_checkpoint(path, tensors: dict[str, np.ndarray], config: dict = _QWEN2) -> str:
     from safetensors.numpy import save_file
 
-    (path / "config.json").write_text(json.dumps(_QWEN2))
+    (path / "config.json").write_text(json.dumps(config))
     save_file(tensors, str(path / "model.safetensors"))
     return str(path)
 
