@@ -78,6 +78,7 @@ from jaxattn.models.base import page_bytes
 from jaxattn.models.deepseek import PRESETS as DEEPSEEK_PRESETS
 from jaxattn.models.deepseek import DeepSeek
 from jaxattn.models.llama import PRESETS, Llama, shard_model
+from jaxattn.models.quantization import quantize
 
 TRACES = ("decode-heavy", "chat", "shared-prefix", "poisson", "throughput")
 SECTIONS = {"decode-heavy": "serving_decode-heavy", "chat": "serving_chat", "shared-prefix": "serving",
@@ -383,6 +384,7 @@ def command(args: argparse.Namespace, layers: int) -> str:
              f"--backend {args.backend}"]
     parts += [f"--tp {args.tp}"] if args.tp > 1 else []
     parts += ["--enable-expert-parallel"] if args.enable_expert_parallel else []
+    parts += [f"--quantization {args.quantization}"] if args.quantization else []
     parts += [f"--{name.replace('_', '-')} {getattr(args, name)}"
               for name in ("max_seqs", "num_pages", "max_step_tokens") if getattr(args, name) is not None]
     parts += [f"--rate {args.rate:.4g}"] if args.rate is not None else []
@@ -397,6 +399,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--tp", type=int, default=1, help="devices to split the model over (tensor parallelism)")
     parser.add_argument("--enable-expert-parallel", action="store_true",
                         help="with --tp: each device holds whole experts (a mixture-of-experts preset)")
+    parser.add_argument("--quantization", choices=["fp8"], default=None,
+                        help="FP8 weights (jaxattn.models.quantization.quantize: the blocks' linears)")
     parser.add_argument("--requests", type=int, default=None, help="requests in the trace (default: the trace's)")
     parser.add_argument("--max-seqs", type=int, default=None, help="sequences in flight (default: the Engine's)")
     parser.add_argument("--num-pages", type=int, default=None,
@@ -432,6 +436,8 @@ def main(argv: list[str] | None = None) -> None:
     rates = f"copy rate {copy_rate / 1e9:,.0f} GB/s (read + write), matmul rate {matmul_rate / 1e12:.3g} TFLOP/s"
     print(rates, flush=True)
     model = model_class(cfg, nnx.Rngs(0))
+    if args.quantization:
+        quantize(model, args.quantization)
     mesh = None
     if args.tp > 1:
         mesh = jax.make_mesh((args.tp,), ("tp",), axis_types=(jax.sharding.AxisType.Auto,),
@@ -486,7 +492,8 @@ def main(argv: list[str] | None = None) -> None:
         parallel = (f"split over {args.tp} devices (tensor parallelism"
                     + (", experts whole per device); " if args.enable_expert_parallel else "); "))
     header = (f"Device: {device_name()}; date {datetime.date.today()}; jax {jax.__version__}; model {args.preset} "
-              f"shapes with {cfg.num_layers} layers, {cfg.dtype}, random weights; {parallel}backend {args.backend}; "
+              f"shapes with {cfg.num_layers} layers, {cfg.dtype}{' (FP8 linears)' if args.quantization else ''}, "
+              f"random weights; {parallel}backend {args.backend}; "
               f"{engine_text}; warm-up (compiling every step shape) {setup['warmup_s']:.0f} s, not timed. The {rates} "
               f"({gemm} GEMM), measured in the same run.")
     trace_line = (f"Trace ({args.trace}, seed 0): {args.requests} requests, {shape}; random prompt tokens, greedy, "
@@ -519,8 +526,9 @@ def main(argv: list[str] | None = None) -> None:
         lines += ["", f"Target: >= {TARGETS[args.trace]}% of the roofline; this run: {shares}."]
     lines += ["", SOURCES[args.trace]]
     section, heading = SECTIONS[args.trace], HEADINGS[args.trace]
-    if args.preset != "llama3-8b" or args.tp > 1 or args.trace == "throughput":
-        suffix = args.preset + (f"_tp{args.tp}" if args.tp > 1 else "") + ("_ep" if args.enable_expert_parallel else "")
+    if args.preset != "llama3-8b" or args.tp > 1 or args.trace == "throughput" or args.quantization:
+        suffix = (args.preset + (f"_tp{args.tp}" if args.tp > 1 else "")
+                  + ("_ep" if args.enable_expert_parallel else "") + (f"_{args.quantization}" if args.quantization else ""))
         section, heading = f"{section}_{suffix}", f"{heading}: {suffix}"
     print(write_section(section, "\n".join(lines), heading=heading, update=not args.smoke))
 

@@ -32,6 +32,7 @@ import jaxattn
 from jaxattn.kv_cache import SlotMapping, pool_sharding
 from jaxattn.models import layers
 from jaxattn.models.layers import MLP, Block, ExpertParallel, Llama3RopeScaling, MoE, rope, rope_frequencies
+from jaxattn.models.quantization import quantize
 from jaxattn.sharding import MeshAxes, num_head_shards, replicate_kv_heads, tensor_parallel_mesh
 
 __all__ = ["AttendFn", "Attention", "Block", "Llama", "Llama3RopeScaling", "LlamaConfig", "MLP", "PRESETS",
@@ -244,16 +245,19 @@ def shard_model(model: Llama, mesh: Mesh, axes: MeshAxes = None, *, expert_paral
 
 
 def random_model(preset: str, *, layers: int | None = None, dtype: str | None = None,
-                 mesh: Mesh | None = None, expert_parallel: bool = False) -> Llama:
+                 mesh: Mesh | None = None, expert_parallel: bool = False, quantization: str | None = None) -> Llama:
     """A random-weight Llama of ``PRESETS[preset]``'s shapes (with ``layers`` layers and weights
-    of ``dtype`` when given), split over ``mesh`` by ``shard_model`` when given (its experts whole
-    per device with ``expert_parallel``)."""
+    of ``dtype`` when given), its linears quantized with ``quantization`` ("fp8":
+    ``jaxattn.models.quantization.quantize``), split over ``mesh`` by ``shard_model`` when given
+    (its experts whole per device with ``expert_parallel``)."""
     cfg = PRESETS[preset]
     if layers is not None:
         cfg = cfg.replace(num_layers=layers)
     if dtype is not None:
         cfg = cfg.replace(dtype=dtype)
     model = Llama(cfg, nnx.Rngs(0))
+    if quantization is not None:
+        quantize(model, quantization)
     return shard_model(model, mesh, expert_parallel=expert_parallel) if mesh is not None else model
 
 

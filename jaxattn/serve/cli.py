@@ -27,6 +27,7 @@ from jaxattn.cli_args import DTYPES, positive_int
 from jaxattn.engine import Engine
 from jaxattn.models import from_pretrained
 from jaxattn.models.llama import PRESETS, random_model
+from jaxattn.models.quantization import METHODS
 from jaxattn.sampling import MAX_LOGPROBS
 from jaxattn.serve.app import MAX_REQUEST_BYTES, build_app
 from jaxattn.serve.loop import EngineLoop
@@ -82,6 +83,9 @@ def build_parser(on_gpu: bool) -> argparse.ArgumentParser:
                              "\"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4}' (default: none)")
     engine.add_argument("--tp", type=positive_int, metavar="N", default=1,
                         help="split the model over this many devices of this process (default: 1)")
+    engine.add_argument("--quantization", choices=METHODS, default=None,
+                        help="quantize the weights as they load (fp8: the decoder blocks' linears, per output "
+                             "channel); an FP8 checkpoint is read as FP8 without it")
     engine.add_argument("--enable-expert-parallel", action="store_true",
                         help="with --tp: each device holds whole experts of a mixture of experts instead of a slice "
                              "of every expert")
@@ -106,7 +110,7 @@ def load_model(args: argparse.Namespace, parser: argparse.ArgumentParser, mesh) 
     if args.model is None:
         try:
             model = random_model(args.preset, layers=args.layers, dtype=args.dtype, mesh=mesh,
-                                 expert_parallel=expert_parallel)
+                                 expert_parallel=expert_parallel, quantization=args.quantization)
         except ValueError as err:
             parser.error(f"--preset {args.preset}: {err}")
         name = args.preset
@@ -114,7 +118,8 @@ def load_model(args: argparse.Namespace, parser: argparse.ArgumentParser, mesh) 
         if args.layers is not None:
             parser.error("--layers changes a preset: not with --model")
         try:
-            model = from_pretrained(args.model, dtype=args.dtype, mesh=mesh, expert_parallel=expert_parallel)
+            model = from_pretrained(args.model, dtype=args.dtype, mesh=mesh, expert_parallel=expert_parallel,
+                                    quantization=args.quantization)
         except (ValueError, OSError, ImportError) as err:
             parser.error(f"--model {args.model}: {err}")
         name = os.path.basename(os.path.normpath(args.model))

@@ -367,3 +367,13 @@ def check_fp8_checkpoints_on_mesh(path: str) -> None:
 def test_fp8_checkpoints_on_a_mesh(tmp_path):
     run_on_cpu_devices(2, f"from tests.models.test_quantization import check_fp8_checkpoints_on_mesh; "
                           f"check_fp8_checkpoints_on_mesh({str(tmp_path)!r})")
+
+
+def test_random_model_quantized_and_split_over_a_mesh():
+    """``random_model(quantization="fp8")`` (the server's and bench_serving's ``--quantization``)
+    quantizes before placing: the linears are Fp8Linear, on the mesh's device."""
+    from jaxattn.models.llama import random_model
+
+    model = random_model("tiny", quantization="fp8", mesh=jax.make_mesh((1,), ("tp",)))
+    assert isinstance(model.layers[0].attn.q_proj, Fp8Linear)
+    assert model.layers[0].mlp.down_proj.kernel[...].dtype == jnp.float8_e4m3fn
