@@ -59,7 +59,7 @@ def run_case(model: Llama, backend: str, batch: int, context: int, steps: int, b
         state = jax.block_until_ready(model_step(state))
     step_s, host_s, state = time_steps(model_step, state, steps)
     state, step_busy_s = profiled(model_step, state, steps)
-    _, caches, table = state
+    _, caches, table, _ = state
 
     k = jnp.zeros((batch, cfg.num_kv_heads, cfg.head_dim), cfg.dtype)
 

@@ -13,8 +13,9 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 import jaxattn
 from benchmarks.common import PAGE
 from jaxattn.attention import backend_for
-from jaxattn.engine_step import make_engine_step
+from jaxattn.engine_step import DraftState, SpecRows, make_engine_step
 from jaxattn.models.llama import Llama
+from jaxattn.speculative import SpeculativeConfig
 
 
 def fill(model: Llama, batch: int, context: int, steps: int, seed: int, mesh: Mesh | None = None,
@@ -42,32 +43,52 @@ def fill(model: Llama, batch: int, context: int, steps: int, seed: int, mesh: Me
 
 
 def decode_step(model: Llama, backend: str, batch: int, context: int, steps: int, mesh: Mesh | None = None,
-                kv_dtype=None):
+                kv_dtype=None, draft_tokens: int = 0):
     """``(model_step, state, weights, plan)``: one greedy decode step of the engine as a function
-    of its state (next tokens, caches, table), chained calls of which decode ``batch`` sequences
-    from ``context - 1`` tokens on (room for ``7 * steps + 8`` steps); the first state; the
-    model's weights; what ``paged_attention`` runs. With a ``mesh`` (a model placed by
+    of its state (next tokens, caches, table, drafting), chained calls of which decode ``batch``
+    sequences from ``context - 1`` tokens on (room for ``7 * steps + 8`` steps); the first state;
+    the model's weights; what ``paged_attention`` runs. With a ``mesh`` (a model placed by
     ``shard_model``), the caches and table are placed as ``Engine(mesh=)`` places them;
-    ``kv_dtype``: the caches' (default the model's)."""
+    ``kv_dtype``: the caches' (default the model's). With ``draft_tokens`` K > 0 it is the
+    speculating engine's step instead (n-gram drafts, vLLM's default lookup): every row verifies
+    its K drafts in K + 1 query tokens and keeps what it accepts (random weights: about none)."""
     cfg = model.cfg
     step, weights = make_engine_step(model)
-    caches, table = fill(model, batch, context, 7 * steps + 8, seed=batch + context, mesh=mesh, kv_dtype=kv_dtype)
+    row_tokens = draft_tokens + 1
+    caches, table = fill(model, batch, context, row_tokens * (7 * steps + 8), seed=batch + context, mesh=mesh,
+                         kv_dtype=kv_dtype)
     ids = jnp.arange(batch, dtype=jnp.int32)
-    ones = jnp.ones((batch,), jnp.int32)
+    q_lens = jnp.full((batch,), row_tokens, jnp.int32)
     no_release = jnp.full((batch,), -1, jnp.int32)
-    no_tokens = jnp.zeros((batch,), jnp.int32)
-    tokens = jnp.asarray(np.random.default_rng(0).integers(0, cfg.vocab_size, size=batch), jnp.int32)
-    q = jnp.zeros((batch, cfg.num_q_heads, cfg.head_dim), cfg.dtype)
-    meta = table.metadata(ids, ones, max_q_len=1)
+    no_tokens = jnp.zeros((batch * row_tokens,), jnp.int32)
+    rng = np.random.default_rng(0)
+    tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, size=batch), jnp.int32)
+    q = jnp.zeros((batch * row_tokens, cfg.num_q_heads, cfg.head_dim), cfg.dtype)
+    meta = table.metadata(ids, q_lens, max_q_len=row_tokens)
     plan = str(backend_for(q, caches[0], meta, backend=backend))
+    drafting = spec = drafter = None
+    token_src = ids
+    if draft_tokens:
+        drafter = SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": draft_tokens})
+        history = jnp.asarray(rng.integers(0, cfg.vocab_size, size=(batch, table.max_pages_per_seq * PAGE)),
+                              jnp.int32)
+        drafting = DraftState(history, jnp.asarray(rng.integers(0, cfg.vocab_size, size=(batch, row_tokens)),
+                                                   jnp.int32))
+        # every row's inputs: its token sampled last and its drafts, from the step before
+        spec = SpecRows(jnp.arange(batch * row_tokens, dtype=jnp.int32), jnp.ones((batch,), bool),
+                        jnp.zeros((batch,), bool))
+        token_src = jnp.full((batch * row_tokens,), -1, jnp.int32)
+        if mesh is not None:
+            drafting = jax.device_put(drafting, NamedSharding(caches[0].k_pages.sharding.mesh, PartitionSpec()))
 
     def model_step(state):      # as the Engine's decode step: each row's input is its previous token
-        tok, caches, table = state
-        (tok, _), ok, pages, caches, table, _ = step(weights, caches, table, tok, no_release, no_tokens, ids, ids,
-                                                     ones, max_q_len=1, backend=backend)
-        return tok, caches, table
+        tok, caches, table, drafting = state
+        (tok, *_), ok, pages, caches, table, drafting = step(
+            weights, caches, table, tok, no_release, no_tokens, token_src, ids, q_lens, drafting=drafting, spec=spec,
+            max_q_len=row_tokens, backend=backend, drafter=drafter)
+        return tok, caches, table, drafting
 
-    return model_step, (tokens, caches, table), weights, plan
+    return model_step, (tokens, caches, table, drafting), weights, plan
 
 
 def step_bytes(cfg, weights: list[jax.Array], batch: int, context: int) -> tuple[float, float]:
