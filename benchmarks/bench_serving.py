@@ -350,6 +350,43 @@ def summarize(result: dict, costs: Costs, copy_rate: float, matmul_rate: float) 
                 host_ms=1e3 * float(np.mean(host)) if host else 0.0)
 
 
+STEP_KINDS = ("decode only", "mixed", "prefill only")
+
+
+def step_kind(record) -> str:
+    """A step's kind: decodes only (a row's token and its drafts), prompt chunks only, or both."""
+    if not record.prefill_tokens:
+        return "decode only"
+    return "mixed" if record.decode_rows else "prefill only"
+
+
+def breakdown(result: dict, costs: Costs, copy_rate: float, matmul_rate: float) -> list[str]:
+    """Where a run's time goes by step kind, as table rows: steps; time, estimated per step as the
+    interval between its tokens reaching the host and the previous step's (the GPU's step time
+    when the GPU is busy throughout; the first step's from the trace's start, and time spent
+    waiting for arrivals goes to the step after it); that time's share
+    of the wall time; the roofline's share of that time; tokens computed; and the padding the
+    compiled shapes added (tokens and rows run that the step did not need, as a share of the
+    shapes' tokens and rows)."""
+    records = result["records"]
+    done = [result["start"]] + [r.t_done for r in records]
+    stats = {kind: collections.Counter() for kind in STEP_KINDS}
+    for before, record, after in zip(done, records, done[1:]):
+        kind = stats[step_kind(record)]
+        kind.update(steps=1, seconds=max(0.0, after - before), tokens=record.tokens, rows=record.rows,
+                    roofline=step_bound(record, costs, copy_rate, matmul_rate), padded_tokens=record.padded_tokens,
+                    padded_rows=record.padded_rows)
+    rows = []
+    for kind, k in stats.items():
+        if not k["steps"]:
+            continue
+        padding = (1 - k["tokens"] / k["padded_tokens"], 1 - k["rows"] / k["padded_rows"])
+        rows.append(f"| {kind} | {k['steps']:,} | {k['seconds']:.2f} | {100 * k['seconds'] / result['wall_s']:.0f}% | "
+                    f"{100 * k['roofline'] / max(k['seconds'], 1e-12):.0f}% | {k['tokens']:,} | "
+                    f"{100 * padding[0]:.0f}% | {100 * padding[1]:.0f}% |")
+    return rows
+
+
 COLUMNS = ("trace shape | requests | generated tokens | wall s | generated tokens/s | total tokens/s | roofline s | "
            "% of roofline | GPU busy % | host ms/step | steps | TTFT ms p50 / p90 / p99 | TPOT ms p50 / p90 / p99 "
            "| preemptions")
@@ -521,6 +558,13 @@ def main(argv: list[str] | None = None) -> None:
                        f"tokens. Requests whose tokens are the same with prefix caching on and off: "
                        f"{same}/{args.requests} (bf16 on the GPU: a prefill that starts after cached pages rounds "
                        f"differently, and greedy tokens may part after a near tie).")]
+    for label, r in results.items():
+        lines += ["", f"Where the time goes by step kind{f' ({label})' if label else ''}:", "",
+                  "| step kind | steps | s | share of wall | % of roofline | tokens | padded tokens | padded rows |",
+                  "|---|---|---|---|---|---|---|---|", *breakdown(r, costs, copy_rate, matmul_rate)]
+    lines += ["", "A step's time: from the step before's tokens reaching the host to its own (the GPU's step time "
+                  "while the GPU is busy; GPU busy % above says how far that holds). Padded tokens / rows: the share "
+                  "of the compiled shape's tokens / rows the step did not need."]
     if args.trace in TARGETS:
         shares = ", ".join(f"{100 * r['roofline_share']:.0f}%" for r in results.values())
         lines += ["", f"Target: >= {TARGETS[args.trace]}% of the roofline; this run: {shares}."]

@@ -307,3 +307,28 @@ def test_tune_mla_candidates_compile_for_sm90(tmp_path):
                             env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "failed: none" in result.stdout
+
+
+def test_serving_breakdown_by_step_kind():
+    """bench_serving's time by step kind: each step's time from the step before's tokens to its
+    own, its kind from its rows, the padding its compiled shape added."""
+    from flax import nnx
+
+    from benchmarks.bench_serving import breakdown, model_costs
+    from jaxattn.engine_step import StepRecord
+    from jaxattn.models.llama import PRESETS, Llama
+
+    costs = model_costs(nnx.eval_shape(lambda: Llama(PRESETS["tiny"], nnx.Rngs(0))), page_size=8)
+
+    def record(decode_rows, prefill_tokens, padded_tokens, t_done):
+        rows = decode_rows + bool(prefill_tokens)
+        return StepRecord(rows=rows, decode_rows=decode_rows, tokens=decode_rows + prefill_tokens,
+                          prefill_tokens=prefill_tokens, context_tokens=0, attention_pairs=0, padded_rows=4,
+                          padded_tokens=padded_tokens, t_start=0.0, t_done=t_done)
+
+    records = [record(0, 64, 64, 1.0), record(2, 30, 64, 1.5), record(4, 0, 4, 2.0), record(2, 0, 4, 4.0)]
+    rows = breakdown({"records": records, "start": 0.0, "wall_s": 4.0}, costs, 1e12, 1e15)
+    cells = [[cell.strip() for cell in line.strip("|").split("|")] for line in rows]
+    assert [c[:4] for c in cells] == [["decode only", "2", "2.50", "62%"], ["mixed", "1", "0.50", "12%"],
+                                      ["prefill only", "1", "1.00", "25%"]]
+    assert [c[5:] for c in cells] == [["6", "25%", "25%"], ["32", "50%", "25%"], ["64", "0%", "75%"]]
