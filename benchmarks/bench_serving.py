@@ -73,12 +73,13 @@ import numpy as np
 from flax import nnx
 
 from benchmarks.common import copy_bandwidth, device_name, gemm_rate, write_section
+from jaxattn.cli_args import tp_mesh
 from jaxattn.engine import Engine
 from jaxattn.models.base import page_bytes
 from jaxattn.models.deepseek import PRESETS as DEEPSEEK_PRESETS
 from jaxattn.models.deepseek import DeepSeek
 from jaxattn.models.llama import PRESETS, Llama, shard_model
-from jaxattn.models.quantization import quantize
+from jaxattn.models.quantization import METHODS, quantize
 
 TRACES = ("decode-heavy", "chat", "shared-prefix", "poisson", "throughput")
 SECTIONS = {"decode-heavy": "serving_decode-heavy", "chat": "serving_chat", "shared-prefix": "serving",
@@ -436,7 +437,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--tp", type=int, default=1, help="devices to split the model over (tensor parallelism)")
     parser.add_argument("--enable-expert-parallel", action="store_true",
                         help="with --tp: each device holds whole experts (a mixture-of-experts preset)")
-    parser.add_argument("--quantization", choices=["fp8"], default=None,
+    parser.add_argument("--quantization", choices=METHODS, default=None,
                         help="FP8 weights (jaxattn.models.quantization.quantize: the blocks' linears)")
     parser.add_argument("--requests", type=int, default=None, help="requests in the trace (default: the trace's)")
     parser.add_argument("--max-seqs", type=int, default=None, help="sequences in flight (default: the Engine's)")
@@ -475,10 +476,8 @@ def main(argv: list[str] | None = None) -> None:
     model = model_class(cfg, nnx.Rngs(0))
     if args.quantization:
         quantize(model, args.quantization)
-    mesh = None
-    if args.tp > 1:
-        mesh = jax.make_mesh((args.tp,), ("tp",), axis_types=(jax.sharding.AxisType.Auto,),
-                             devices=jax.devices()[:args.tp])
+    mesh = tp_mesh(jax.devices()[:args.tp])
+    if mesh is not None:
         model = shard_model(model, mesh, expert_parallel=args.enable_expert_parallel)
     costs = model_costs(model, args.page_size)
     trace = make_trace(args.trace, spec, cfg.vocab_size)
@@ -571,8 +570,8 @@ def main(argv: list[str] | None = None) -> None:
     lines += ["", SOURCES[args.trace]]
     section, heading = SECTIONS[args.trace], HEADINGS[args.trace]
     if args.preset != "llama3-8b" or args.tp > 1 or args.trace == "throughput" or args.quantization:
-        suffix = (args.preset + (f"_tp{args.tp}" if args.tp > 1 else "")
-                  + ("_ep" if args.enable_expert_parallel else "") + (f"_{args.quantization}" if args.quantization else ""))
+        suffix = (args.preset + (f"_tp{args.tp}" if args.tp > 1 else "") + ("_ep" if args.enable_expert_parallel else "")
+                  + (f"_{args.quantization}" if args.quantization else ""))
         section, heading = f"{section}_{suffix}", f"{heading}: {suffix}"
     print(write_section(section, "\n".join(lines), heading=heading, update=not args.smoke))
 

@@ -31,11 +31,10 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import AxisType
 
 import jaxattn
 from jaxattn.attention import backend_for
-from jaxattn.cli_args import DTYPES, positive_int
+from jaxattn.cli_args import DTYPES, positive_int, tp_mesh
 from jaxattn.engine import Engine
 from jaxattn.models import from_pretrained
 from jaxattn.models.llama import PRESETS, LlamaConfig, random_model
@@ -207,7 +206,7 @@ def main(argv: list[str] | None = None) -> None:
     if not args.coordinator and tp > jax.local_device_count():
         parser.error(f"--tp {tp}: there are only {jax.local_device_count()} devices")
     devices = jax.devices() if args.coordinator else jax.local_devices()[:tp]
-    mesh = None if tp == 1 else jax.make_mesh((tp,), ("tp",), axis_types=(AxisType.Auto,), devices=devices)
+    mesh = tp_mesh(devices)
     leader = jax.process_index() == 0
     say = print if leader else lambda *_: None
     if args.model is not None and (args.preset is not None or args.layers is not None):

@@ -27,7 +27,7 @@ from flax import nnx
 from jaxattn.models.deepseek import DeepSeek, DeepSeekConfig
 from jaxattn.models.layers import MoE, MoERouting, YarnRopeScaling
 from jaxattn.models.llama import Llama, Llama3RopeScaling, LlamaConfig, enable_expert_parallel, param_shardings
-from jaxattn.models.quantization import FP8_DTYPE, Fp8Linear, Granularity, dequantize, quantize_kernel
+from jaxattn.models.quantization import FP8_DTYPE, METHODS, Fp8Linear, Granularity, dequantize, quantize_kernel
 from jaxattn.models.quantization import linears as quantizable_linears
 
 MOE_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe")
@@ -38,7 +38,6 @@ SWIGLU = ("gate_proj", "up_proj", "down_proj")      # an MLP's linears, as the m
 _REQUIRED_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size")
 # Tensors some checkpoints carry that the model recomputes or does not need.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
-QUANTIZATIONS = ("fp8",)          # from_pretrained's quantization= and the quant_method it reads
 # safetensors dtypes read from the file's bytes (safetensors' NumPy reader has no float8 dtype)
 _RAW_DTYPES = {"F8_E4M3": FP8_DTYPE, "F32": np.float32, "F16": np.float16, "BF16": jnp.bfloat16}
 
@@ -401,16 +400,16 @@ class Fp8Format:
 def fp8_format(hf: dict[str, Any], quantization: str | None) -> Fp8Format | None:
     """The FP8 format of a ``config.json`` and ``from_pretrained``'s ``quantization`` argument
     (None: no quantization); ValueError naming what is not supported."""
-    if quantization not in (None, *QUANTIZATIONS):
-        raise ValueError(f"from_pretrained: quantization must be None or one of {QUANTIZATIONS}, got "
+    if quantization not in (None, *METHODS):
+        raise ValueError(f"from_pretrained: quantization must be None or one of {METHODS}, got "
                          f"{quantization!r}")
     config = hf.get("quantization_config")
     if not config:
         return Fp8Format(stored=False) if quantization else None
     method = config.get("quant_method") if isinstance(config, dict) else None
-    if method not in QUANTIZATIONS:
+    if method not in METHODS:
         raise ValueError(f"from_pretrained: config.json field quantization_config.quant_method={method!r} is not "
-                         f"supported; expected one of {QUANTIZATIONS} (float8_e4m3fn weights with weight_scale or "
+                         f"supported; expected one of {METHODS} (float8_e4m3fn weights with weight_scale or "
                          f"weight_scale_inv scales: per tensor, per output channel or weight_block_size blocks). "
                          f"Other methods (awq, gptq, bitsandbytes, compressed-tensors, ...) are not read")
     if config.get("activation_scheme", "dynamic") not in ("dynamic", "static"):
@@ -584,7 +583,7 @@ def from_pretrained(path: str, dtype: str | jnp.dtype | None = None, mesh: jax.s
                 array = stored[name].read() if stored[name].dtype == "F8_E4M3" else tensors.get_tensor(name)
                 if array.shape != (target.stored_shape or target.hf_shape):
                     raise ValueError(f"from_pretrained: tensor {name!r} in {file} has shape {array.shape}, "
-                                     f"expected {target.hf_shape}")
+                                     f"expected {target.stored_shape or target.hf_shape}")
                 array = array.reshape(target.hf_shape)
                 if target.scale is not None:     # FP8 that the model keeps in its dtype
                     array = _dequantized(array, stored[target.scale].read(), target.granularity)

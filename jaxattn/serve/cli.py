@@ -20,10 +20,9 @@ import threading
 
 import jax
 import uvicorn
-from jax.sharding import AxisType
 
 import jaxattn
-from jaxattn.cli_args import DTYPES, positive_int
+from jaxattn.cli_args import DTYPES, positive_int, tp_mesh
 from jaxattn.engine import Engine
 from jaxattn.models import from_pretrained
 from jaxattn.models.llama import PRESETS, random_model
@@ -169,8 +168,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.tp > jax.local_device_count():
         parser.error(f"--tp {args.tp}: there are only {jax.local_device_count()} devices")
-    mesh = None if args.tp == 1 else jax.make_mesh((args.tp,), ("tp",), axis_types=(AxisType.Auto,),
-                                                   devices=jax.local_devices()[:args.tp])
+    mesh = tp_mesh(jax.local_devices()[:args.tp])
     model, name, tokenizer = load_model(args, parser, mesh)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     log = logging.getLogger("jaxattn.serve")
