@@ -570,8 +570,9 @@ def main(argv: list[str] | None = None) -> None:
     lines += ["", SOURCES[args.trace]]
     section, heading = SECTIONS[args.trace], HEADINGS[args.trace]
     if args.preset != "llama3-8b" or args.tp > 1 or args.trace == "throughput" or args.quantization:
-        suffix = (args.preset + (f"_tp{args.tp}" if args.tp > 1 else "") + ("_ep" if args.enable_expert_parallel else "")
-                  + (f"_{args.quantization}" if args.quantization else ""))
+        suffix = "".join([args.preset, f"_tp{args.tp}" if args.tp > 1 else "",
+                          "_ep" if args.enable_expert_parallel else "",
+                          f"_{args.quantization}" if args.quantization else ""])
         section, heading = f"{section}_{suffix}", f"{heading}: {suffix}"
     print(write_section(section, "\n".join(lines), heading=heading, update=not args.smoke))
 
