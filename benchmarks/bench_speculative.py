@@ -97,7 +97,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--layers", type=int, default=None, help="number of layers (default: the preset's)")
     parser.add_argument("--context", type=int, default=1024, help="prompt tokens per request")
     parser.add_argument("--output", type=int, default=128, help="generated tokens per request")
-    parser.add_argument("--batches", default="1,4,16,64", help="requests in flight, comma-separated")
+    parser.add_argument("--batches", default="1,4,16,64", help="requests in flight, comma-separated (\"\": none)")
     parser.add_argument("--ks", default="2,4,8", help="drafts per step, comma-separated")
     parser.add_argument("--ngram-batch", type=int, default=16, help="B of the n-gram run (0: none)")
     parser.add_argument("--draft-preset", default="llama3.2-1b", choices=["none", *sorted(PRESETS)],
@@ -113,8 +113,8 @@ def main(argv: list[str] | None = None) -> None:
         args.preset, args.context, args.output, args.page_size = "tiny", 24, 12, 8
         args.batches, args.ks, args.ngram_batch, args.max_step_tokens = "1,2", "2", 2, 64
         args.draft_preset = "tiny"
-    batches = [int(b) for b in args.batches.split(",")]
-    ks = [int(k) for k in args.ks.split(",")]
+    batches = [int(b) for b in args.batches.split(",") if b]      # "": the n-gram rows only
+    ks = [int(k) for k in args.ks.split(",") if k]
     cfg = PRESETS[args.preset]
     if args.layers is not None:
         cfg = cfg.replace(num_layers=args.layers)
