@@ -5,19 +5,17 @@ against the copy and matmul rates measured in the same run.
         [--tokens 1,8,32,128,512,2048] [--trials 20] [--smoke]
 
 One MoE layer's routed experts (no router, no shared expert), random bf16 weights, each token
-routed to k distinct experts drawn uniformly (seed 0), per variant:
-  * ragged_dot: ``jaxattn.models.layers.routed_experts``, three ``jax.lax.ragged_dot`` over the
-    token copies grouped by a counting permutation: what the models run;
-  * dense: every expert on every token (an einsum over the stacked weights), the outputs weighted
-    by the routing (0 for the experts a token did not choose): each expert's weights are read
-    once, with E / k times the FLOPs: the candidate for decode batches that touch nearly every
-    expert;
-  * tokamax: ``tokamax.ragged_dot`` in place of ``jax.lax.ragged_dot``, where tokamax is installed.
-Per row: GPU time per call (the profiler; median wall time on a CPU), the experts the tokens
-touch, the weight bytes of those experts over the time as a share of the copy rate, the routed
-FLOPs (2 x 3 x dim x F x k per token) over the time as a share of the matmul rate, and each
-variant against ragged_dot. Writes the "moe_grouped_gemm" section of benchmarks/RESULTS.md;
-``--smoke`` runs tiny shapes (CPU, seconds) and writes only ``$OUT``.
+routed to k distinct experts drawn uniformly (seed 0), by each of ``jaxattn.models.experts``'
+strategies (``GEMMS``: "ragged_dot", three ``jax.lax.ragged_dot`` over the token copies grouped
+by expert; "dense", every expert on every token, E / k times the FLOPs; "triton", the Triton
+grouped GEMM over expert-aligned blocks), and "tokamax" (``tokamax.ragged_dot`` in place of
+``jax.lax.ragged_dot``) where tokamax is installed. Per row: GPU time per call (the profiler;
+median wall time on a CPU), the experts the tokens touch, the fastest variant and the one
+``choose_gemm`` takes for the models ("auto"), the fastest's touched experts' weight bytes over
+its time as a share of the copy rate and its routed FLOPs (2 x 3 x dim x F x k per token) over
+its time as a share of the matmul rate, and the fastest against ragged_dot. Writes the
+"moe_grouped_gemm" section of benchmarks/RESULTS.md; ``--smoke`` runs tiny shapes (CPU, seconds)
+and writes only ``$OUT``.
 """
 
 from __future__ import annotations
@@ -34,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.common import copy_bandwidth, device_name, device_seconds, gemm_rate, rel_error, write_section
-from jaxattn.models.layers import routed_experts
+from jaxattn.models.experts import GEMMS, choose_gemm, routed_experts
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,15 +47,6 @@ class Shape:
 SHAPES = {"deepseek-v2-lite": Shape(2048, 1408, 64, 6), "qwen1.5-moe-a2.7b": Shape(2048, 1408, 60, 4),
           "qwen3-30b-a3b": Shape(2048, 768, 128, 8), "mixtral-8x7b": Shape(4096, 14336, 8, 2)}
 SMOKE = {"tiny": Shape(64, 32, 8, 2)}
-
-
-def dense_experts(x: jax.Array, weights: jax.Array, chosen: jax.Array, gate_proj: jax.Array, up_proj: jax.Array,
-                  down_proj: jax.Array) -> jax.Array:
-    """``routed_experts`` computed by every expert for every token: ``[T, dim]``."""
-    hidden = jax.nn.silu(jnp.einsum("td,edf->etf", x, gate_proj)) * jnp.einsum("td,edf->etf", x, up_proj)
-    out = jnp.einsum("etf,efd->etd", hidden.astype(x.dtype), down_proj)
-    routing = jnp.sum(jax.nn.one_hot(chosen, gate_proj.shape[0], dtype=x.dtype) * weights[:, :, None], axis=1)
-    return jnp.einsum("etd,te->td", out, routing).astype(x.dtype)
 
 
 def tokamax_experts() -> Callable | None:
@@ -97,12 +86,12 @@ def main(argv: list[str] | None = None) -> None:
         copy_rate, matmul_rate = copy_bandwidth(1 << 24, trials=3), gemm_rate(256, jnp.float32, trials=3)
     else:
         copy_rate, matmul_rate = copy_bandwidth(), gemm_rate()
-    variants = {"ragged_dot": routed_experts, "dense": dense_experts}
+    variants = {gemm: functools.partial(routed_experts, gemm=gemm) for gemm in GEMMS}
     if (tokamax := tokamax_experts()) is not None:
         variants["tokamax"] = tokamax
     compiled = {name: jax.jit(fn) for name, fn in variants.items()}
-    columns = ["model", "tokens", "experts touched", *[f"{name} us" for name in variants],
-               "ragged_dot % of copy rate", "ragged_dot % of matmul rate", "fastest", "fastest vs ragged_dot"]
+    columns = ["model", "tokens", "experts touched", *[f"{name} us" for name in variants], "fastest", "auto takes",
+               "fastest % of copy rate", "fastest % of matmul rate", "fastest vs ragged_dot"]
     rows, errors = [], []
     for model, shape in shapes.items():
         expert_bytes = 3 * shape.dim * shape.hidden * 2
@@ -117,8 +106,9 @@ def main(argv: list[str] | None = None) -> None:
             fastest = min(seconds, key=seconds.get)
             flops = 2 * 3 * shape.dim * shape.hidden * shape.k * count
             cells = [model, str(count), f"{touched} / {shape.experts}", *[f"{1e6 * s:.1f}" for s in seconds.values()],
-                     f"{100 * touched * expert_bytes / seconds['ragged_dot'] / copy_rate:.0f}%",
-                     f"{100 * flops / seconds['ragged_dot'] / matmul_rate:.0f}%", fastest,
+                     fastest, choose_gemm(count, shape.experts, shape.k),
+                     f"{100 * touched * expert_bytes / seconds[fastest] / copy_rate:.0f}%",
+                     f"{100 * flops / seconds[fastest] / matmul_rate:.0f}%",
                      f"{seconds['ragged_dot'] / seconds[fastest]:.2f}x"]
             rows.append("| " + " | ".join(cells) + " |")
             print(rows[-1], flush=True)
@@ -133,7 +123,7 @@ def main(argv: list[str] | None = None) -> None:
         "",
         "| " + " | ".join(columns) + " |", "|" + "---|" * len(columns), *rows,
         "",
-        "us: GPU time per call (profiler). % of copy rate: the touched experts' weight bytes / ragged_dot's time "
+        "us: GPU time per call (profiler). % of copy rate: the touched experts' weight bytes / the fastest's time "
         "over the copy rate; % of matmul rate: 2 x 3 x "
         f"dim x F x k FLOPs per token / time. Largest relative difference from ragged_dot's output: {max(errors):.1e}.",
     ]

@@ -2,7 +2,8 @@
 
     python -m benchmarks.bench_serving --trace {decode-heavy,chat,shared-prefix,poisson,throughput}
         [--preset llama3-8b] [--layers N] [--requests N] [--max-seqs N] [--num-pages N] [--max-step-tokens N]
-        [--page-size 64] [--backend auto] [--rate R] [--tp N [--enable-expert-parallel]] [--no-overlap] [--smoke]
+        [--page-size 64] [--backend auto] [--rate R] [--tp N [--enable-expert-parallel]] [--quantization fp8]
+        [--moe-gemm {auto,ragged_dot,dense,triton}] [--no-overlap] [--smoke]
 
 One trace per call (random weights; every length drawn with seed 0, and written in the table):
   * decode-heavy: 512 requests of 1024 prompt and 1024 generated tokens, all at once (the shape of
@@ -20,8 +21,9 @@ One trace per call (random weights; every length drawn with seed 0, and written 
 Presets: the Llama family's (``jaxattn.models.llama.PRESETS``, mixtures of experts included:
 qwen1.5-moe-a2.7b, qwen3-30b-a3b, mixtral-8x7b) and deepseek-v2-lite (MLA + 64 experts, 6 per
 token). ``--tp N`` serves on N devices (tensor parallelism; with ``--enable-expert-parallel``
-the experts whole per device); a preset or mesh other than llama3-8b on one device writes a
-section of its own.
+the experts whole per device); ``--quantization fp8`` serves FP8 linears; ``--moe-gemm`` fixes how
+the experts are computed (``jaxattn.models.experts``; default: per step shape). A preset, mesh,
+quantization or expert GEMM other than the defaults writes a section of its own.
 ``--requests`` scales a trace down (for quick runs); ``--smoke`` serves a tiny model on tiny traces
 (seconds on a CPU) and writes only ``$OUT``. Each trace writes its section of benchmarks/RESULTS.md
 ("serving_<trace>"; shared-prefix: "serving").
@@ -78,6 +80,8 @@ from jaxattn.engine import Engine
 from jaxattn.models.base import page_bytes
 from jaxattn.models.deepseek import PRESETS as DEEPSEEK_PRESETS
 from jaxattn.models.deepseek import DeepSeek
+from jaxattn.models.experts import GEMMS
+from jaxattn.models.layers import set_expert_gemm
 from jaxattn.models.llama import PRESETS, Llama, shard_model
 from jaxattn.models.quantization import METHODS, quantize
 
@@ -423,6 +427,7 @@ def command(args: argparse.Namespace, layers: int) -> str:
     parts += [f"--tp {args.tp}"] if args.tp > 1 else []
     parts += ["--enable-expert-parallel"] if args.enable_expert_parallel else []
     parts += [f"--quantization {args.quantization}"] if args.quantization else []
+    parts += [f"--moe-gemm {args.moe_gemm}"] if args.moe_gemm != "auto" else []
     parts += [f"--{name.replace('_', '-')} {getattr(args, name)}"
               for name in ("max_seqs", "num_pages", "max_step_tokens") if getattr(args, name) is not None]
     parts += [f"--rate {args.rate:.4g}"] if args.rate is not None else []
@@ -439,6 +444,8 @@ def main(argv: list[str] | None = None) -> None:
                         help="with --tp: each device holds whole experts (a mixture-of-experts preset)")
     parser.add_argument("--quantization", choices=METHODS, default=None,
                         help="FP8 weights (jaxattn.models.quantization.quantize: the blocks' linears)")
+    parser.add_argument("--moe-gemm", choices=["auto", *GEMMS], default="auto",
+                        help="how a mixture of experts computes its experts (jaxattn.models.experts)")
     parser.add_argument("--requests", type=int, default=None, help="requests in the trace (default: the trace's)")
     parser.add_argument("--max-seqs", type=int, default=None, help="sequences in flight (default: the Engine's)")
     parser.add_argument("--num-pages", type=int, default=None,
@@ -476,6 +483,8 @@ def main(argv: list[str] | None = None) -> None:
     model = model_class(cfg, nnx.Rngs(0))
     if args.quantization:
         quantize(model, args.quantization)
+    if args.moe_gemm != "auto":
+        set_expert_gemm(model, args.moe_gemm)
     mesh = tp_mesh(jax.devices()[:args.tp])
     if mesh is not None:
         model = shard_model(model, mesh, expert_parallel=args.enable_expert_parallel)
@@ -572,7 +581,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.preset != "llama3-8b" or args.tp > 1 or args.trace == "throughput" or args.quantization:
         suffix = "".join([args.preset, f"_tp{args.tp}" if args.tp > 1 else "",
                           "_ep" if args.enable_expert_parallel else "",
-                          f"_{args.quantization}" if args.quantization else ""])
+                          f"_{args.quantization}" if args.quantization else "",
+                          f"_{args.moe_gemm}" if args.moe_gemm != "auto" else ""])
         section, heading = f"{section}_{suffix}", f"{heading}: {suffix}"
     print(write_section(section, "\n".join(lines), heading=heading, update=not args.smoke))
 

@@ -19,6 +19,8 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, PartitionSpec
 
+from jaxattn.models.experts import GEMMS, routed_experts
+
 Axes = tuple[str | None, ...]
 
 
@@ -231,11 +233,11 @@ class MoE(nnx.Module):
     tensor parallelism splits every expert's F columns, expert parallelism (``expert_parallel``,
     set by ``jaxattn.models.llama.enable_expert_parallel``) gives each device whole experts.
 
-    The experts run as grouped GEMMs (``jax.lax.ragged_dot``) over the token copies grouped by
-    expert; the grouping is a counting permutation (one-hot cumsums, no sort: straight-line code
-    for command buffers). Not yet measured on a GPU against the other grouped-GEMM paths."""
+    The routed experts run as ``jaxattn.models.experts.routed_experts`` with the strategy
+    ``gemm`` ("auto": chosen per step shape from measurements; ``set_expert_gemm``)."""
 
     expert_parallel: "ExpertParallel | None" = None
+    gemm: str = "auto"
 
     def __init__(self, cfg: MoEConfig, rngs: nnx.Rngs):
         self.cfg = cfg
@@ -288,9 +290,9 @@ class MoE(nnx.Module):
         weights, chosen = self.route(x)
         experts = (self.gate_proj[...], self.up_proj[...], self.down_proj[...])
         if self.expert_parallel is None:
-            y = routed_experts(x, weights.astype(x.dtype), chosen, *experts)
+            y = routed_experts(x, weights.astype(x.dtype), chosen, *experts, gemm=self.gemm)
         else:
-            y = self.expert_parallel(x, weights.astype(x.dtype), chosen, *experts)
+            y = self.expert_parallel(x, weights.astype(x.dtype), chosen, *experts, gemm=self.gemm)
         if cfg.shared_expert_dim:
             shared = self.shared_expert(x)
             if cfg.routing.gated_shared_expert:
@@ -299,32 +301,18 @@ class MoE(nnx.Module):
         return y
 
 
-def routed_experts(x: jax.Array, weights: jax.Array, chosen: jax.Array, gate_proj: jax.Array, up_proj: jax.Array,
-                   down_proj: jax.Array, first: jax.Array | int = 0,
-                   ragged_dot: Callable[..., jax.Array] = jax.lax.ragged_dot) -> jax.Array:
-    """``sum_j weights[t, j] * expert_{chosen[t, j]}(x[t])`` ``[T, dim]`` over the experts
-    ``first .. first + E`` whose stacked weights are given (``[E, dim, F]``, ``[E, dim, F]``,
-    ``[E, F, dim]``); copies routed to other experts add nothing (expert parallelism: a device's
-    experts). ``x [T, dim]``, ``weights [T, k]`` in x's dtype, ``chosen int32[T, k]``;
-    ``ragged_dot(lhs, rhs, group_sizes)``: the grouped GEMM (``benchmarks/bench_moe.py`` compares)."""
-    tokens, k = chosen.shape
-    experts = gate_proj.shape[0]
-    local = chosen.reshape(-1) - first
-    here = (local >= 0) & (local < experts)
-    group = jnp.where(here, local, experts)           # copies for other devices' experts: a last group
-    # each token copy's place in the copies grouped by expert: its group's offset + its rank there
-    onehot = jax.nn.one_hot(group, experts + 1, dtype=jnp.int32)      # [T k, E + 1]
-    counts = jnp.sum(onehot, axis=0)
-    rank = jnp.sum((jnp.cumsum(onehot, axis=0) - 1) * onehot, axis=1)
-    place = jnp.cumsum(counts)[group] - counts[group] + rank
-    grouped = jnp.zeros((tokens * k, x.shape[1]), x.dtype).at[place].set(jnp.repeat(x, k, axis=0))
-    group_sizes = counts[:experts]                     # the last group's rows are in none: ragged_dot skips them
-    gate = ragged_dot(grouped, gate_proj, group_sizes)
-    up = ragged_dot(grouped, up_proj, group_sizes)
-    out = ragged_dot((jax.nn.silu(gate) * up).astype(x.dtype), down_proj, group_sizes)
-    # rows in no group are not defined by every lowering: select, not multiply by a zero weight
-    copies = jnp.where(here.reshape(tokens, k, 1), out[place].reshape(tokens, k, -1) * weights[:, :, None], 0)
-    return jnp.sum(copies, axis=1).astype(x.dtype)
+def set_expert_gemm(model: nnx.Module, gemm: str) -> nnx.Module:
+    """Makes every ``MoE`` in ``model`` compute its routed experts with ``gemm``: "auto" (chosen per
+    step shape, ``experts.choose_gemm``) or one of ``experts.GEMMS``. A static attribute: steps
+    compiled afterwards use it. ValueError for another name or a model without experts."""
+    if gemm != "auto" and gemm not in GEMMS:
+        raise ValueError(f"set_expert_gemm: gemm must be 'auto' or one of {GEMMS}, got {gemm!r}")
+    moes = [module for _, module in nnx.iter_graph(model) if isinstance(module, MoE)]
+    if not moes:
+        raise ValueError("set_expert_gemm: the model has no mixture of experts")
+    for moe in moes:
+        moe.gemm = gemm
+    return model
 
 
 @dataclasses.dataclass(frozen=True)
@@ -337,10 +325,11 @@ class ExpertParallel:
     mesh: Mesh
     axes: str | tuple[str, ...]
 
-    def __call__(self, x: jax.Array, weights: jax.Array, chosen: jax.Array, *experts: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, weights: jax.Array, chosen: jax.Array, *experts: jax.Array,
+                 gemm: str = "auto") -> jax.Array:
         def local(x, weights, chosen, *experts):
             first = jax.lax.axis_index(self.axes) * experts[0].shape[0]
-            return jax.lax.psum(routed_experts(x, weights, chosen, *experts, first=first), self.axes)
+            return jax.lax.psum(routed_experts(x, weights, chosen, *experts, first=first, gemm=gemm), self.axes)
 
         split = PartitionSpec(self.axes)
         return jax.shard_map(local, mesh=self.mesh, in_specs=(PartitionSpec(),) * 3 + (split,) * len(experts),

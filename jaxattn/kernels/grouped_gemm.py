@@ -1,0 +1,82 @@
+"""A Triton grouped GEMM for a mixture of experts: rows grouped by expert, each group padded to a
+whole number of ``BLOCK_M``-row blocks, every block multiplied by its own expert's weights.
+
+``rows [R, K]`` holds the token copies in expert order; ``block_expert int32[R / BLOCK_M]`` names
+each block's expert, or -1 for the blocks past the last group (their output rows are left
+unwritten). A program computes one ``BLOCK_M x BLOCK_N`` tile of one block, so only the experts
+that some row uses have their weights read (a decode batch that touches 6 of 64 experts reads 6),
+and at large batches each expert's tile is reused across its blocks from L2. With ``swiglu`` the
+kernel takes two weight stacks (gate, up) and writes ``silu(rows @ gate) * (rows @ up)``: the
+rows are read once for both.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import triton
+import triton.language as tl
+
+BLOCK_N = 64
+BLOCK_K = 64
+
+
+@triton.jit
+def grouped_gemm_kernel(rows_ptr, block_expert_ptr, w_ptr, w2_ptr, out_ptr, N: tl.constexpr, K: tl.constexpr,
+                        SWIGLU: tl.constexpr, DOT_F32: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                        BLOCK_K: tl.constexpr):
+    """``out[block] = rows[block] @ w[e]`` (``SWIGLU``: ``silu(rows @ w[e]) * (rows @ w2[e])``),
+    ``e = block_expert[block]``; ``w, w2: [E, K, N]``, ``rows: [R, K]``, ``out: [R, N]``."""
+    block = tl.program_id(0)
+    expert = tl.load(block_expert_ptr + block)
+    if expert >= 0:
+        offs_m = (block * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+        offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_k = tl.arange(0, BLOCK_K)
+        a_ptrs = rows_ptr + offs_m[:, None] * K + offs_k[None, :]
+        w_offsets = expert.to(tl.int64) * K * N + offs_k[:, None] * N + offs_n[None, :]
+        acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+        acc2 = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            k_in = (k0 + offs_k) < K
+            w_mask = k_in[:, None] & (offs_n[None, :] < N)
+            a = tl.load(a_ptrs, mask=k_in[None, :], other=0.0)
+            b = tl.load(w_ptr + w_offsets, mask=w_mask, other=0.0)
+            if DOT_F32:       # Triton's interpreter (CPU tests) multiplies float32 only
+                a = a.to(tl.float32)
+                b = b.to(tl.float32)
+            acc = tl.dot(a, b, acc)
+            if SWIGLU:
+                b2 = tl.load(w2_ptr + w_offsets, mask=w_mask, other=0.0)
+                if DOT_F32:
+                    b2 = b2.to(tl.float32)
+                acc2 = tl.dot(a, b2, acc2)
+            a_ptrs += BLOCK_K
+            w_offsets += BLOCK_K * N
+        if SWIGLU:
+            acc = acc * tl.sigmoid(acc) * acc2
+        tl.store(out_ptr + offs_m[:, None] * N + offs_n[None, :], acc.to(out_ptr.dtype.element_ty),
+                 mask=offs_n[None, :] < N)
+
+
+def grouped_gemm(rows: jax.Array, block_expert: jax.Array, weights: jax.Array, up: jax.Array | None = None, *,
+                 block_m: int) -> jax.Array:
+    """``[R, N]``: each ``block_m``-row block of ``rows [R, K]`` times its expert's ``weights
+    [E, K, N]`` (with ``up``: ``silu(rows @ weights) * (rows @ up)``, SwiGLU's gate and up), the
+    experts given by ``block_expert int32[R / block_m]`` (-1: a block no group uses, its output
+    rows unwritten). ``R`` must be a multiple of ``block_m`` (>= 16, a power of two)."""
+    from jaxattn.kernels.triton_call import triton_call
+
+    num_rows, k = rows.shape
+    if num_rows % block_m or block_expert.shape != (num_rows // block_m,):
+        raise ValueError(f"grouped_gemm: rows {rows.shape} must be {block_expert.shape[0]} blocks of {block_m} rows")
+    if weights.shape[1] != k or (up is not None and up.shape != weights.shape):
+        raise ValueError(f"grouped_gemm: weights {weights.shape} (and up) must be [E, {k}, N]")
+    n = weights.shape[2]
+    (out,) = triton_call(
+        rows, block_expert.astype(jnp.int32), weights, weights if up is None else up,
+        kernel=grouped_gemm_kernel, out_shape=[jax.ShapeDtypeStruct((num_rows, n), rows.dtype)],
+        grid=(num_rows // block_m, triton.cdiv(n, BLOCK_N)), num_warps=4, num_stages=3,
+        N=n, K=k, SWIGLU=up is not None, DOT_F32=jax.default_backend() == "cpu", BLOCK_M=block_m,
+        BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K)
+    return out
