@@ -238,22 +238,29 @@ class MLACache:
 
     @classmethod
     def create(cls, num_pages: int, page_size: int, kv_lora_rank: int = 512, rope_dim: int = 64,
-               dtype=jnp.bfloat16, scale: float | None = None) -> "MLACache":
+               dtype=jnp.bfloat16, scale: float | None = None,
+               sharding: NamedSharding | None = None) -> "MLACache":
         """A zeroed pool of ``num_pages`` pages (page 0 is the null page). FP8 pools get a scale
-        (default 1.0, positive and finite); other dtypes take none."""
+        (default 1.0, positive and finite); other dtypes take none. ``sharding``: where the pool
+        and its scale live, replicated (``PartitionSpec()``) over a mesh: every device attends
+        with its whole latent pool."""
         for name, value in (("num_pages", num_pages), ("page_size", page_size),
                             ("kv_lora_rank", kv_lora_rank), ("rope_dim", rope_dim)):
             if not is_positive_int(value):
                 raise ValueError(f"MLACache.create: {name} must be a positive int, got {value!r}")
         if num_pages < 2:
             raise ValueError(f"MLACache.create: num_pages must be >= 2 (page 0 is the null page), got {num_pages}")
+        if sharding is not None and not (isinstance(sharding, NamedSharding) and sharding.is_fully_replicated):
+            raise ValueError(f"MLACache.create: sharding must be a replicated NamedSharding (the latent pool is not "
+                             f"split over devices), got {sharding!r}")
         if is_fp8(dtype):
             scale = jnp.asarray(1.0 if scale is None else _checked_scale("MLACache.create", "scale", scale),
-                                jnp.float32)
+                                jnp.float32, device=sharding)
         elif scale is not None:
             raise ValueError(f"MLACache.create: scale is only for {jnp.dtype(FP8_DTYPE).name} pages, "
                              f"got dtype={jnp.dtype(dtype).name}")
-        return cls(jnp.zeros((num_pages, page_size, kv_lora_rank + rope_dim), dtype), scale, kv_lora_rank)
+        return cls(jnp.zeros((num_pages, page_size, kv_lora_rank + rope_dim), dtype, device=sharding), scale,
+                   kv_lora_rank)
 
     @property
     def num_pages(self) -> int:

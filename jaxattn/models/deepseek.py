@@ -24,13 +24,15 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 import jaxattn
 from jaxattn.kv_cache import LAYOUTS, SlotMapping
 from jaxattn.mla import MAX_DECODE_Q_LEN, absorb_query, project_values
 from jaxattn.models import layers
 from jaxattn.models.layers import rope, rope_frequencies
+from jaxattn.models.parallel import expert_parallel_axes, param_shardings, tensor_parallel_rules
+from jaxattn.sharding import MeshAxes, tensor_parallel_mesh
 
 
 @dataclasses.dataclass(frozen=True)
@@ -144,21 +146,25 @@ class DeepSeek(layers.Decoder):
         return forward_paged(self, tokens, caches, meta, slots, backend, plan)
 
     def init_caches(self, num_pages: int, page_size: int, layout: str = "HND", dtype=None,
-                    mesh: Mesh | None = None) -> list[jaxattn.MLACache]:
+                    mesh: Mesh | None = None, axes: MeshAxes = None) -> list[jaxattn.MLACache]:
         """One zeroed latent pool per layer (``dtype`` defaults to the model's). ``layout`` is
-        accepted for the engine: with one latent "KV head", HND and NHD are the same pool.
-        ``mesh`` must be None: MLA is not split over devices yet."""
-        if mesh is not None:
-            raise ValueError("DeepSeek.init_caches: mesh must be None (tensor parallelism of MLA is not supported yet)")
+        accepted for the engine: with one latent "KV head", HND and NHD are the same pool. With a
+        ``mesh``, every device holds the whole pools (MLA is not split: ``jaxattn.models.parallel``)."""
         if layout not in LAYOUTS:
             raise ValueError(f"DeepSeek.init_caches: layout must be one of {LAYOUTS}, got {layout!r}")
         cfg = self.cfg
+        sharding = None
+        if mesh is not None:
+            mesh, axes = tensor_parallel_mesh(mesh, axes)
+            tensor_parallel_rules(cfg, mesh, axes, expert_parallel_axes(self) is not None)   # shard_model's checks
+            sharding = NamedSharding(mesh, PartitionSpec())
         return [jaxattn.MLACache.create(num_pages, page_size, cfg.kv_lora_rank, cfg.qk_rope_dim,
-                                        dtype=dtype or cfg.dtype) for _ in range(cfg.num_layers)]
+                                        dtype=dtype or cfg.dtype, sharding=sharding) for _ in range(cfg.num_layers)]
 
-    def param_shardings(self, mesh: Mesh) -> nnx.State:
-        """Raises ValueError: MLA is not split over devices yet."""
-        raise ValueError("DeepSeek.param_shardings: tensor parallelism of MLA is not supported yet")
+    def param_shardings(self, mesh: Mesh, axes: MeshAxes = None) -> nnx.State:
+        """``jaxattn.models.parallel.param_shardings(self, mesh, axes)``: MLPs, experts and the
+        vocabulary split, MLA replicated."""
+        return param_shardings(self, mesh, axes)
 
 
 def plan_step(model: DeepSeek, num_tokens: int, caches: list[jaxattn.MLACache], meta: jaxattn.AttentionMetadata,

@@ -26,7 +26,8 @@ from flax import nnx
 
 from jaxattn.models.deepseek import DeepSeek, DeepSeekConfig
 from jaxattn.models.layers import MoE, MoERouting, YarnRopeScaling
-from jaxattn.models.llama import Llama, Llama3RopeScaling, LlamaConfig, enable_expert_parallel, param_shardings
+from jaxattn.models.llama import Llama, Llama3RopeScaling, LlamaConfig
+from jaxattn.models.parallel import enable_expert_parallel, param_shardings
 from jaxattn.models.quantization import FP8_DTYPE, METHODS, Fp8Linear, Granularity, dequantize, quantize_kernel
 from jaxattn.models.quantization import linears as quantizable_linears
 
@@ -507,11 +508,11 @@ def from_pretrained(path: str, dtype: str | jnp.dtype | None = None, mesh: jax.s
     experts mixtral, qwen2_moe and qwen3_moe) or a ``DeepSeek`` (deepseek_v2, deepseek_v3, YaRN or
     not; the layers past ``num_hidden_layers``, V3's multi-token prediction, are skipped).
     Tensors are read one at a time and converted to ``dtype`` (default: the checkpoint's
-    ``torch_dtype``/``dtype``, else bfloat16) on the default device, or with a ``mesh`` (Llama
-    only), each placed for tensor parallelism over all the mesh's devices as
-    ``jaxattn.models.llama.shard_model`` places them (one tensor on the default device at a time);
-    with ``expert_parallel`` too, a mixture of experts' experts whole per device
-    (``jaxattn.models.llama.enable_expert_parallel``).
+    ``torch_dtype``/``dtype``, else bfloat16) on the default device, or with a ``mesh``, each
+    placed for tensor parallelism over all the mesh's devices as
+    ``jaxattn.models.parallel.shard_model`` places them (one tensor on the default device at a
+    time; DeepSeek's MLA replicated); with ``expert_parallel`` too, a mixture of experts' experts
+    whole per device (``jaxattn.models.parallel.enable_expert_parallel``).
 
     FP8: a checkpoint with ``quantization_config.quant_method == "fp8"`` (transformers'
     FineGrainedFP8, vLLM's and DeepSeek-V3's format: float8_e4m3fn weights, ``weight_scale_inv``
@@ -540,11 +541,10 @@ def from_pretrained(path: str, dtype: str | jnp.dtype | None = None, mesh: jax.s
         raise ValueError("from_pretrained: expert_parallel splits the experts over a mesh: give mesh")
     dtype = jnp.dtype(dtype or hf.get("torch_dtype") or hf.get("dtype") or "bfloat16").name
     if hf.get("model_type") in DEEPSEEK_MODEL_TYPES:
-        if mesh is not None:
-            raise ValueError("from_pretrained: mesh must be None for DeepSeek models (MLA is not split over "
-                             "devices yet)")
         cfg = deepseek_config_from_hf(hf, dtype)
         model = nnx.eval_shape(lambda: DeepSeek(cfg, nnx.Rngs(0)))
+        if expert_parallel:
+            enable_expert_parallel(model, mesh)
         interleaved = hf["model_type"] == "deepseek_v2" or hf.get("rope_interleave", True)
         expected = _deepseek_parameters(model, hf["model_type"], interleaved)
     else:

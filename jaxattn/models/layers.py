@@ -231,7 +231,7 @@ class MoE(nnx.Module):
     Qwen2-MoE). The experts' weights are stacked, ``gate_proj`` / ``up_proj`` ``[E, dim, F]``
     and ``down_proj`` ``[E, F, dim]``, on the logical axes "experts" (E) and "expert_mlp" (F):
     tensor parallelism splits every expert's F columns, expert parallelism (``expert_parallel``,
-    set by ``jaxattn.models.llama.enable_expert_parallel``) gives each device whole experts.
+    set by ``jaxattn.models.parallel.enable_expert_parallel``) gives each device whole experts.
 
     The routed experts run as ``jaxattn.models.experts.routed_experts`` with the strategy
     ``gemm`` ("auto": chosen per step shape from measurements; ``set_expert_gemm``)."""

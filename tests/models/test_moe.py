@@ -203,6 +203,57 @@ def test_moe_engine_on_two_cpu_devices():
     run_on_cpu_devices(2, "from tests.models.test_moe import check_moe_engine_on_mesh; check_moe_engine_on_mesh()")
 
 
+def moe_deepseek():
+    from jaxattn.models.deepseek import PRESETS, DeepSeek
+
+    cfg = PRESETS["tiny"].replace(num_experts=4, num_experts_per_tok=2, moe_hidden_dim=32, shared_expert_dim=64,
+                                  first_k_dense_replace=1, dtype="float32",
+                                  routing=layers.MoERouting(scoring="sigmoid", n_group=2, topk_group=1,
+                                                            score_bias=True, gated_shared_expert=False))
+    return DeepSeek(cfg, nnx.Rngs(0))
+
+
+def check_deepseek_engine_on_mesh() -> None:
+    """(On 2 CPU devices.) A DeepSeek with a dense first layer and experts after, served on a mesh,
+    gives the one-device engine's greedy tokens with its experts split by hidden columns and
+    whole per device; its MLA weights and latent pools stay whole on each device, its MLPs and
+    experts are split."""
+    from jaxattn.engine import Engine
+    from jaxattn.models.parallel import enable_expert_parallel, shard_model
+    from tests.test_engine import _greedy_outputs
+
+    model = moe_deepseek()
+    cfg = model.cfg
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, cfg.vocab_size, size=n) for n in (5, 21, 1, 13)]
+    mesh = jax.make_mesh((2,), ("tp",))
+
+    def engine(mesh=None) -> Engine:
+        return Engine(model, max_seqs=3, max_seq_len=40, page_size=8, max_step_tokens=16, backend="xla", mesh=mesh)
+
+    expected = _greedy_outputs(engine(), prompts, 6)
+    tensor_parallel = engine(mesh)
+    pool = tensor_parallel.runner.caches[0].pages
+    assert pool.sharding.is_fully_replicated and pool.addressable_shards[0].data.shape == pool.shape
+    assert _greedy_outputs(tensor_parallel, prompts, 6) == expected
+    enable_expert_parallel(model, mesh)
+    assert _greedy_outputs(engine(mesh), prompts, 6) == expected
+    sharded = shard_model(moe_deepseek(), mesh, expert_parallel=True)
+    moe, attention = sharded.layers[1].mlp, sharded.layers[1].attn
+    assert moe.gate_proj[...].addressable_shards[0].data.shape == (cfg.num_experts // 2, cfg.dim, cfg.moe_hidden_dim)
+    kv_b = attention.kv_b_proj.kernel[...]
+    assert kv_b.addressable_shards[0].data.shape == kv_b.shape
+    dense = sharded.layers[0].mlp.gate_proj.kernel[...]
+    assert dense.addressable_shards[0].data.shape == (cfg.dim, cfg.hidden_dim // 2)
+
+
+def test_deepseek_engine_on_two_cpu_devices():
+    from tests.test_sharding import run_on_cpu_devices
+
+    run_on_cpu_devices(2, "from tests.models.test_moe import check_deepseek_engine_on_mesh; "
+                          "check_deepseek_engine_on_mesh()")
+
+
 def test_expert_parallel_errors_name_the_field():
     from jaxattn.models.llama import PRESETS, Llama, enable_expert_parallel, param_shardings
 

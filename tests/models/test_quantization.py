@@ -346,7 +346,8 @@ def _read_all(file: str) -> dict[str, np.ndarray]:
 
 def check_fp8_checkpoints_on_mesh(path: str) -> None:
     """(On 2 CPU devices.) FP8 checkpoints loaded onto a mesh give the one-device logits, their
-    scales split like their kernels; block counts the shards do not divide are named."""
+    scales split like their kernels (a DeepSeek's MLA whole on each device, its experts split by
+    columns or whole); block counts the shards do not divide are named."""
     mesh = jax.make_mesh((jax.device_count(),), ("tp",))
     tokens = np.arange(10, dtype=np.int32)
     for kind, qc, column, row in (("channel", {}, P("tp"), P(None)),
@@ -362,6 +363,14 @@ def check_fp8_checkpoints_on_mesh(path: str) -> None:
     fp8_path, _ = _fp8_checkpoint(pathlib.Path(path) / "16", LLAMA, [16, 16], dict(weight_block_size=[16, 16]))
     with pytest.raises(ValueError, match="k_proj.weight_scale_inv' cannot be split over the mesh"):
         from_pretrained(fp8_path, mesh=mesh)                              # k_proj: 80 columns, 5 blocks
+    # DeepSeek-V3: MLA whole on each device, the dense MLP and the experts split (by columns, or whole)
+    fp8_path, _ = _fp8_checkpoint(pathlib.Path(path) / "deepseek", DEEPSEEK_V3, [8, 8], dict(weight_block_size=[8, 8]))
+    expected = _logits(from_pretrained(fp8_path, dtype="float32"), tokens)
+    for expert_parallel in (False, True):
+        model = from_pretrained(fp8_path, dtype="float32", mesh=mesh, expert_parallel=expert_parallel)
+        np.testing.assert_allclose(_logits(model, tokens), expected, rtol=1e-5, atol=1e-5 * np.abs(expected).max())
+    assert model.layers[1].mlp.gate_proj.get_value().addressable_shards[0].data.shape == (4, 64, 32)
+    assert model.layers[1].attn.o_proj.scale.get_value().sharding.is_fully_replicated
 
 
 def test_fp8_checkpoints_on_a_mesh(tmp_path):
