@@ -3,7 +3,8 @@
     python -m benchmarks.bench_serving --trace {decode-heavy,chat,shared-prefix,poisson,throughput}
         [--preset llama3-8b] [--layers N] [--requests N] [--max-seqs N] [--num-pages N] [--max-step-tokens N]
         [--page-size 64] [--backend auto] [--rate R] [--tp N [--enable-expert-parallel]] [--quantization fp8]
-        [--moe-gemm {auto,ragged_dot,dense,triton}] [--no-overlap] [--smoke]
+        [--moe-gemm {auto,ragged_dot,dense,triton}] [--profile-at STEP,... [--profile-steps 8]] [--no-overlap]
+        [--smoke]
 
 One trace per call (random weights; every length drawn with seed 0, and written in the table):
   * decode-heavy: 512 requests of 1024 prompt and 1024 generated tokens, all at once (the shape of
@@ -23,7 +24,9 @@ qwen1.5-moe-a2.7b, qwen3-30b-a3b, mixtral-8x7b) and deepseek-v2-lite (MLA + 64 e
 token). ``--tp N`` serves on N devices (tensor parallelism; with ``--enable-expert-parallel``
 the experts whole per device); ``--quantization fp8`` serves FP8 linears; ``--moe-gemm`` fixes how
 the experts are computed (``jaxattn.models.experts``; default: per step shape). A preset, mesh,
-quantization or expert GEMM other than the defaults writes a section of its own.
+quantization or expert GEMM other than the defaults writes a section of its own. ``--profile-at``
+adds the GPU kernels of a few steps from those steps of the trace, by kind (``StepWindow``):
+where a mixed or a decode step's time goes inside the engine's own buckets.
 ``--requests`` scales a trace down (for quick runs); ``--smoke`` serves a tiny model on tiny traces
 (seconds on a CPU) and writes only ``$OUT``. Each trace writes its section of benchmarks/RESULTS.md
 ("serving_<trace>"; shared-prefix: "serving").
@@ -66,6 +69,7 @@ import dataclasses
 import datetime
 import gc
 import itertools
+import tempfile
 import time
 from collections.abc import Sequence
 
@@ -74,7 +78,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from benchmarks.common import copy_bandwidth, device_name, gemm_rate, write_section
+from benchmarks.common import copy_bandwidth, device_name, gemm_rate, trace_events, write_section
+from benchmarks.profile_step import kind_of
 from jaxattn.cli_args import tp_mesh
 from jaxattn.engine import Engine
 from jaxattn.models.base import page_bytes
@@ -306,13 +311,16 @@ def busy_share(records: Sequence, start: float, wall: float) -> float:
 
 # --- serving --------------------------------------------------------------------------------------
 
-def serve(engine: Engine, trace: Sequence[TraceRequest]) -> dict:
+def serve(engine: Engine, trace: Sequence[TraceRequest], profile_at: Sequence[int] = (),
+          profile_steps: int = 8) -> dict:
     """Serves ``trace`` in real time on a warmed-up ``engine`` (made with ``record_steps=True``):
-    per-request token times, the steps it ran and its counters."""
+    per-request token times, the steps it ran and its counters; with ``profile_at``, the GPU's
+    kernels of ``profile_steps`` steps from each of those step numbers (``StepWindow``)."""
     pending = collections.deque(trace)
     arrival, first, last, requests = {}, {}, {}, []
     stats_before = collections.Counter(engine.stats)
     steps_before = len(engine.step_records)
+    windows = [StepWindow(at, profile_steps) for at in sorted(profile_at)]
     start = time.perf_counter()
     while pending or engine.has_work:
         now = time.perf_counter()
@@ -331,8 +339,12 @@ def serve(engine: Engine, trace: Sequence[TraceRequest]) -> dict:
             if tokens:
                 first.setdefault(request.id, now)
                 last[request.id] = now
+        for window in windows:
+            window.advance(len(engine.step_records) - steps_before)
     wall = max(last.values()) - start
     records = engine.step_records[steps_before:]
+    for window in windows:
+        window.advance(len(records), finished=True)
     stats = collections.Counter(engine.stats)
     stats.subtract(stats_before)
     ids = [r.id for r in requests]
@@ -342,7 +354,59 @@ def serve(engine: Engine, trace: Sequence[TraceRequest]) -> dict:
             "prompt_tokens": sum(r.prompt.size for r in requests),
             "generated": sum(len(r.output) for r in requests),
             "computed_tokens": sum(r.tokens for r in records), "preemptions": stats["preemptions"],
-            "outputs": [list(r.output) for r in requests]}
+            "outputs": [list(r.output) for r in requests],
+            "profiles": [(w, collections.Counter(step_kind(r) for r in records[w.first:w.last]))
+                         for w in windows if w.events is not None]}
+
+
+class StepWindow:
+    """A profile of the GPU's kernels over ``steps`` engine steps from step ``at`` of a trace
+    (``jax.profiler``, started and stopped between steps: with the overlap, the window's kernels
+    are those that ran while its steps were being launched, one step's worth shifted). The
+    profiler's own cost slows those steps; the trace's other figures include them."""
+
+    def __init__(self, at: int, steps: int):
+        self.at, self.steps = at, steps
+        self.first = self.last = None
+        self.events: dict[str, tuple[float, float]] | None = None
+        self._dir: tempfile.TemporaryDirectory | None = None
+
+    def advance(self, done: int, finished: bool = False) -> None:
+        """Starts or stops the profile once ``done`` steps of the trace have run."""
+        if self._dir is None and self.events is None and done >= self.at and not finished:
+            self._dir, self.first = tempfile.TemporaryDirectory(), done
+            jax.profiler.start_trace(self._dir.name)
+        elif self._dir is not None and (done >= self.first + self.steps or finished):
+            jax.profiler.stop_trace()
+            self.last = done
+            try:
+                self.events = trace_events(self._dir.name, max(1, done - self.first))
+            except RuntimeError:           # no GPU stream events (the CPU smoke runs)
+                self.events = {}
+            self._dir.cleanup()
+            self._dir = None
+
+
+def kernel_rows(window: StepWindow, kinds: collections.Counter, top: int = 6) -> list[str]:
+    """A window's profile as table rows: GPU time and launches per step by kind of kernel
+    (``benchmarks.profile_step.kind_of``), then its ``top`` kernels."""
+    steps = ", ".join(f"{n} {kind}" for kind, n in kinds.items())
+    lines = ["", f"GPU kernels of steps {window.first}-{window.last - 1} of the trace ({steps}), per step:", ""]
+    if not window.events:
+        return lines + ["No GPU kernels were profiled (not a GPU)."]
+    total = sum(seconds for seconds, _ in window.events.values())
+    by_kind: dict[str, list[float]] = {}
+    for name, (seconds, launches) in window.events.items():
+        entry = by_kind.setdefault(kind_of(name), [0.0, 0.0])
+        entry[0] += seconds
+        entry[1] += launches
+    lines += ["| kernel kind | ms per step | share | launches per step |", "|---|---|---|---|"]
+    lines += [f"| {kind} | {1e3 * s:.2f} | {100 * s / total:.0f}% | {n:.0f} |"
+              for kind, (s, n) in sorted(by_kind.items(), key=lambda item: -item[1][0])]
+    lines += [f"| total | {1e3 * total:.2f} | 100% | {sum(n for _, n in by_kind.values()):.0f} |", "",
+              "| kernel | kind | ms per step | launches per step |", "|---|---|---|---|"]
+    heaviest = sorted(window.events.items(), key=lambda item: -item[1][0])[:top]
+    return lines + [f"| `{name[:80]}` | {kind_of(name)} | {1e3 * s:.3f} | {n:.0f} |" for name, (s, n) in heaviest]
 
 
 def summarize(result: dict, costs: Costs, copy_rate: float, matmul_rate: float) -> dict:
@@ -431,6 +495,7 @@ def command(args: argparse.Namespace, layers: int) -> str:
     parts += [f"--{name.replace('_', '-')} {getattr(args, name)}"
               for name in ("max_seqs", "num_pages", "max_step_tokens") if getattr(args, name) is not None]
     parts += [f"--rate {args.rate:.4g}"] if args.rate is not None else []
+    parts += [f"--profile-at {args.profile_at} --profile-steps {args.profile_steps}"] if args.profile_at else []
     return " ".join(parts + (["--no-overlap"] if args.no_overlap else []) + (["--smoke"] if args.smoke else []))
 
 
@@ -457,11 +522,18 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rate", type=float, default=None,
                         help=f"poisson: requests/s (default: {LOAD} x the saturation rate measured first)")
     parser.add_argument("--no-overlap", action="store_true", help="Engine(overlap=False)")
+    parser.add_argument("--profile-at", default="", metavar="STEP,...",
+                        help="profile the GPU's kernels of --profile-steps steps from each of these steps of the "
+                             "trace (e.g. 40,1500: a mixed and a decode-only window of the throughput trace)")
+    parser.add_argument("--profile-steps", type=int, default=8, help="steps per profiled window")
     parser.add_argument("--smoke", action="store_true", help="a tiny model and trace (CPU, seconds); RESULTS.md "
                                                               "is left alone")
     args = parser.parse_args(argv)
     if args.enable_expert_parallel and args.tp < 2:
         parser.error("--enable-expert-parallel needs --tp N with N >= 2")
+    starts = sorted(int(step) for step in args.profile_at.split(",") if step)
+    if any(b - a < args.profile_steps for a, b in zip(starts, starts[1:])) or args.profile_steps < 1:
+        parser.error("--profile-at: windows of --profile-steps steps must not overlap (and --profile-steps >= 1)")
     spec = (SMOKE if args.smoke else SPECS)[args.trace]
     model_class, cfg = MODELS[args.preset]
     if args.smoke:
@@ -500,7 +572,8 @@ def main(argv: list[str] | None = None) -> None:
                         mesh=mesh)
         setup.update(max_seqs=engine.max_seqs, num_pages=engine.num_pages, max_step_tokens=engine.max_step_tokens,
                      warmup_s=max(setup.get("warmup_s", 0.0), engine.warmup(sampled=False)))
-        result = summarize(serve(engine, trace), costs, copy_rate, matmul_rate)
+        profile_at = [int(step) for step in args.profile_at.split(",") if step]
+        result = summarize(serve(engine, trace, profile_at, args.profile_steps), costs, copy_rate, matmul_rate)
         del engine                               # its KV pool, before the next engine takes the memory
         gc.collect()
         return result
@@ -570,6 +643,9 @@ def main(argv: list[str] | None = None) -> None:
         lines += ["", f"Where the time goes by step kind{f' ({label})' if label else ''}:", "",
                   "| step kind | steps | s | share of wall | % of roofline | tokens | padded tokens | padded rows |",
                   "|---|---|---|---|---|---|---|---|", *breakdown(r, costs, copy_rate, matmul_rate)]
+    for label, r in results.items():
+        for window, kinds in r["profiles"]:
+            lines += kernel_rows(window, kinds)
     lines += ["", "A step's time: from the step before's tokens reaching the host to its own (the GPU's step time "
                   "while the GPU is busy; GPU busy % above says how far that holds). Padded tokens / rows: the share "
                   "of the compiled shape's tokens / rows the step did not need."]

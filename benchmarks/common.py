@@ -394,8 +394,14 @@ def device_events(fn: Callable[[], object], calls: int) -> dict[str, tuple[float
             for _ in range(calls):
                 out = fn()
             jax.block_until_ready(out)
-        (path,) = glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True)
-        profile = jax.profiler.ProfileData.from_file(path)
+        return trace_events(trace_dir, calls)
+
+
+def trace_events(trace_dir: str, calls: float) -> dict[str, tuple[float, float]]:
+    """``device_events``' result for the profile ``jax.profiler`` wrote to ``trace_dir`` over
+    ``calls`` calls (or steps)."""
+    (path,) = glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True)
+    profile = jax.profiler.ProfileData.from_file(path)
     events: dict[str, tuple[float, float]] = {}
     for plane in profile.planes:
         if plane.name.startswith("/device:GPU"):

@@ -17,7 +17,8 @@ from tests.xla_dump import REPO
 
 @pytest.mark.parametrize("module", ["bench_tp", "bench_serving --trace shared-prefix", "bench_mla", "profile_calls",
                                     "bench_step_variants", "bench_speculative",
-                                    "bench_serving --trace throughput --preset deepseek-v2-lite", "bench_moe",
+                                    "bench_serving --trace throughput --preset deepseek-v2-lite --moe-gemm dense "
+                                    "--profile-at 2", "bench_moe",
                                     "profile_verify"])
 def test_smoke_run(module, tmp_path):
     env = dict(os.environ, OUT=str(tmp_path), JAX_PLATFORMS="cpu")
@@ -25,6 +26,23 @@ def test_smoke_run(module, tmp_path):
     result = subprocess.run([sys.executable, "-m", f"benchmarks.{module}", *args, "--smoke"], check=False, cwd=REPO,
                             env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+
+
+def test_serving_profile_window_groups_kernels_by_kind():
+    import collections
+
+    from benchmarks.bench_serving import StepWindow, kernel_rows
+
+    window = StepWindow(40, 2)
+    window.first, window.last = 40, 42
+    window.events = {"gemm_fusion_dot_3": (3e-3, 4.0), "nvjet_hsh_128x256": (1e-3, 2.0), "xqa_kernel": (5e-4, 1.0),
+                     "loop_add_fusion": (5e-4, 6.0)}
+    rows = kernel_rows(window, collections.Counter({"mixed": 2}), top=2)
+    assert "steps 40-41 of the trace (2 mixed)" in rows[1]
+    assert "| GEMM | 4.00 | 80% | 6 |" in rows and "| attention | 0.50 | 10% | 1 |" in rows
+    assert "| total | 5.00 | 100% | 13 |" in rows
+    assert rows[-2:] == ["| `gemm_fusion_dot_3` | GEMM | 3.000 | 4 |",
+                         "| `nvjet_hsh_128x256` | GEMM | 1.000 | 2 |"]
 
 
 def test_profile_calls_splits_backend_kernels_from_the_per_call_work():
