@@ -22,7 +22,7 @@ One trace per call (random weights; every length drawn with seed 0, and written 
 Presets: the Llama family's (``jaxattn.models.llama.PRESETS``, mixtures of experts included:
 qwen1.5-moe-a2.7b, qwen3-30b-a3b, mixtral-8x7b) and deepseek-v2-lite (MLA + 64 experts, 6 per
 token). ``--tp N`` serves on N devices (tensor parallelism; with ``--enable-expert-parallel``
-the experts whole per device); ``--quantization fp8`` serves FP8 linears; ``--moe-gemm`` fixes how
+the experts whole per device); ``--quantization fp8`` serves FP8 linears and experts; ``--moe-gemm`` fixes how
 the experts are computed (``jaxattn.models.experts``; default: per step shape). A preset, mesh,
 quantization or expert GEMM other than the defaults writes a section of its own. ``--profile-at``
 adds the GPU kernels of a few steps from those steps of the trace, by kind (``StepWindow``):
@@ -86,7 +86,7 @@ from jaxattn.models.base import page_bytes
 from jaxattn.models.deepseek import PRESETS as DEEPSEEK_PRESETS
 from jaxattn.models.deepseek import DeepSeek
 from jaxattn.models.experts import GEMMS
-from jaxattn.models.layers import set_expert_gemm
+from jaxattn.models.layers import EXPERT_AXES, MoE, set_expert_gemm
 from jaxattn.models.llama import PRESETS, Llama, shard_model
 from jaxattn.models.quantization import METHODS, quantize
 
@@ -256,20 +256,22 @@ def model_costs(model: Llama | DeepSeek, page_size: int, kv_dtype=None) -> Costs
     query head, MLA's absorbed form (latent + RoPE, latent) for DeepSeek."""
     cfg = model.cfg
     weight_bytes = embed_bytes = matmul = head = expert_bytes = expert_params = 0.0
-    for path, x in jax.tree_util.tree_flatten_with_path(nnx.state(model, nnx.Param))[0]:
-        name, nbytes = jax.tree_util.keystr(path), x.size * x.dtype.itemsize
+    for path, variable in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+        x = variable.get_value()
+        name, nbytes = ".".join(map(str, path)), x.size * x.dtype.itemsize
+        scale = path[-1] == "scale"          # a norm's, or an FP8 kernel's scales: bytes, no FLOPs
         if "embed" in name:
             embed_bytes = nbytes
             head += x.size if cfg.tie_embeddings else 0
             continue
-        if x.ndim == 3:                  # a mixture of experts' stacked experts: counted per step as touched
-            expert_bytes += nbytes / x.shape[0]
-            expert_params += x.size / x.shape[0]
+        if path[:1] == ("layers",) and isinstance(model.layers[path[1]].mlp, MoE) and path[3] in EXPERT_AXES:
+            expert_bytes += nbytes / x.shape[0]  # a mixture's stacked experts: counted per step as touched
+            expert_params += 0 if scale else x.size / x.shape[0]
             continue
         weight_bytes += nbytes
         if "lm_head" in name:
             head += x.size
-        elif x.ndim >= 2:
+        elif x.ndim >= 2 and not scale:
             matmul += x.size
     if isinstance(model, DeepSeek):
         pair = 2 * (cfg.kv_lora_rank + cfg.qk_rope_dim) + 2 * cfg.kv_lora_rank
@@ -610,7 +612,7 @@ def main(argv: list[str] | None = None) -> None:
         parallel = (f"split over {args.tp} devices (tensor parallelism"
                     + (", experts whole per device); " if args.enable_expert_parallel else "); "))
     header = (f"Device: {device_name()}; date {datetime.date.today()}; jax {jax.__version__}; model {args.preset} "
-              f"shapes with {cfg.num_layers} layers, {cfg.dtype}{' (FP8 linears)' if args.quantization else ''}, "
+              f"shapes with {cfg.num_layers} layers, {cfg.dtype}{' (FP8 weights)' if args.quantization else ''}, "
               f"random weights; {parallel}backend {args.backend}; "
               f"{engine_text}; warm-up (compiling every step shape) {setup['warmup_s']:.0f} s, not timed. The {rates} "
               f"({gemm} GEMM), measured in the same run.")

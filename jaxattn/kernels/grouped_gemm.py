@@ -7,7 +7,8 @@ unwritten). A program computes one ``BLOCK_M x BLOCK_N`` tile of one block, so o
 that some row uses have their weights read (a decode batch that touches 6 of 64 experts reads 6),
 and at large batches each expert's tile is reused across its blocks from L2. With ``swiglu`` the
 kernel takes two weight stacks (gate, up) and writes ``silu(rows @ gate) * (rows @ up)``: the
-rows are read once for both.
+rows are read once for both. FP8 weights are read as FP8 and multiplied by their scales (per
+expert, output channel or block) in the kernel before a dot in the rows' dtype (weight-only FP8).
 """
 
 from __future__ import annotations
@@ -22,11 +23,14 @@ BLOCK_K = 64
 
 
 @triton.jit
-def grouped_gemm_kernel(rows_ptr, block_expert_ptr, w_ptr, w2_ptr, out_ptr, N: tl.constexpr, K: tl.constexpr,
-                        SWIGLU: tl.constexpr, DOT_F32: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                        BLOCK_K: tl.constexpr):
+def grouped_gemm_kernel(rows_ptr, block_expert_ptr, w_ptr, w2_ptr, s_ptr, s2_ptr, out_ptr, N: tl.constexpr,
+                        K: tl.constexpr, SWIGLU: tl.constexpr, SCALED: tl.constexpr, SCALE_ROWS: tl.constexpr,
+                        SCALE_COLS: tl.constexpr, BI: tl.constexpr, BO: tl.constexpr, DOT_F32: tl.constexpr,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """``out[block] = rows[block] @ w[e]`` (``SWIGLU``: ``silu(rows @ w[e]) * (rows @ w2[e])``),
-    ``e = block_expert[block]``; ``w, w2: [E, K, N]``, ``rows: [R, K]``, ``out: [R, N]``."""
+    ``e = block_expert[block]``; ``w, w2: [E, K, N]``, ``rows: [R, K]``, ``out: [R, N]``. With
+    ``SCALED``, ``w`` and ``w2`` are FP8 and multiplied by their scales ``s, s2: [E, SCALE_ROWS,
+    SCALE_COLS]`` (one per block of ``BI`` rows and ``BO`` columns) before each dot."""
     block = tl.program_id(0)
     expert = tl.load(block_expert_ptr + block)
     if expert >= 0:
@@ -35,19 +39,25 @@ def grouped_gemm_kernel(rows_ptr, block_expert_ptr, w_ptr, w2_ptr, out_ptr, N: t
         offs_k = tl.arange(0, BLOCK_K)
         a_ptrs = rows_ptr + offs_m[:, None] * K + offs_k[None, :]
         w_offsets = expert.to(tl.int64) * K * N + offs_k[:, None] * N + offs_n[None, :]
+        s_base = expert.to(tl.int64) * SCALE_ROWS * SCALE_COLS + (offs_n // BO)[None, :]
         acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
         acc2 = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
         for k0 in range(0, K, BLOCK_K):
             k_in = (k0 + offs_k) < K
             w_mask = k_in[:, None] & (offs_n[None, :] < N)
+            s_offsets = s_base + ((k0 + offs_k) // BI)[:, None] * SCALE_COLS
             a = tl.load(a_ptrs, mask=k_in[None, :], other=0.0)
             b = tl.load(w_ptr + w_offsets, mask=w_mask, other=0.0)
+            if SCALED:
+                b = (b.to(tl.float32) * tl.load(s_ptr + s_offsets, mask=w_mask, other=0.0)).to(a.dtype)
             if DOT_F32:       # Triton's interpreter (CPU tests) multiplies float32 only
                 a = a.to(tl.float32)
                 b = b.to(tl.float32)
             acc = tl.dot(a, b, acc)
             if SWIGLU:
                 b2 = tl.load(w2_ptr + w_offsets, mask=w_mask, other=0.0)
+                if SCALED:
+                    b2 = (b2.to(tl.float32) * tl.load(s2_ptr + s_offsets, mask=w_mask, other=0.0)).to(a.dtype)
                 if DOT_F32:
                     b2 = b2.to(tl.float32)
                 acc2 = tl.dot(a, b2, acc2)
@@ -60,11 +70,14 @@ def grouped_gemm_kernel(rows_ptr, block_expert_ptr, w_ptr, w2_ptr, out_ptr, N: t
 
 
 def grouped_gemm(rows: jax.Array, block_expert: jax.Array, weights: jax.Array, up: jax.Array | None = None, *,
-                 block_m: int) -> jax.Array:
+                 block_m: int, scale: jax.Array | None = None, up_scale: jax.Array | None = None,
+                 scale_block: tuple[int, int] = (1, 1)) -> jax.Array:
     """``[R, N]``: each ``block_m``-row block of ``rows [R, K]`` times its expert's ``weights
     [E, K, N]`` (with ``up``: ``silu(rows @ weights) * (rows @ up)``, SwiGLU's gate and up), the
     experts given by ``block_expert int32[R / block_m]`` (-1: a block no group uses, its output
-    rows unwritten). ``R`` must be a multiple of ``block_m`` (>= 16, a power of two)."""
+    rows unwritten). ``R`` must be a multiple of ``block_m`` (>= 16, a power of two). FP8 weights
+    come with float32 ``scale`` (and ``up_scale``) ``[E, ceil(K / bi), ceil(N / bo)]``,
+    ``scale_block = (bi, bo)``: dequantized in the kernel, so the weights are read as FP8."""
     from jaxattn.kernels.triton_call import triton_call
 
     num_rows, k = rows.shape
@@ -72,11 +85,22 @@ def grouped_gemm(rows: jax.Array, block_expert: jax.Array, weights: jax.Array, u
         raise ValueError(f"grouped_gemm: rows {rows.shape} must be {block_expert.shape[0]} blocks of {block_m} rows")
     if weights.shape[1] != k or (up is not None and up.shape != weights.shape):
         raise ValueError(f"grouped_gemm: weights {weights.shape} (and up) must be [E, {k}, N]")
-    n = weights.shape[2]
+    experts, _, n = weights.shape
+    bi, bo = scale_block
+    if scale is not None:
+        expected = (experts, -(-k // bi), -(-n // bo))
+        if scale.shape != expected or (up is not None and (up_scale is None or up_scale.shape != expected)):
+            raise ValueError(f"grouped_gemm: scale (and up_scale) must be {expected} for blocks {scale_block}, got "
+                             f"{scale.shape}")
+    elif weights.dtype != rows.dtype:
+        raise ValueError(f"grouped_gemm: weights of {weights.dtype} need a scale (rows are {rows.dtype})")
+    # unscaled: the weights stand in for the scale pointers, which the kernel then never reads
+    scales = (weights, weights) if scale is None else (scale, scale if up_scale is None else up_scale)
+    scale_rows, scale_cols = (1, 1) if scale is None else scale.shape[1:]
     (out,) = triton_call(
-        rows, block_expert.astype(jnp.int32), weights, weights if up is None else up,
+        rows, block_expert.astype(jnp.int32), weights, weights if up is None else up, *scales,
         kernel=grouped_gemm_kernel, out_shape=[jax.ShapeDtypeStruct((num_rows, n), rows.dtype)],
         grid=(num_rows // block_m, triton.cdiv(n, BLOCK_N)), num_warps=4, num_stages=3,
-        N=n, K=k, SWIGLU=up is not None, DOT_F32=jax.default_backend() == "cpu", BLOCK_M=block_m,
-        BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K)
+        N=n, K=k, SWIGLU=up is not None, SCALED=scale is not None, SCALE_ROWS=scale_rows, SCALE_COLS=scale_cols,
+        BI=bi, BO=bo, DOT_F32=jax.default_backend() == "cpu", BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K)
     return out

@@ -16,12 +16,49 @@ the Triton kernel is not yet measured there and is taken only when asked for. Of
 
 from __future__ import annotations
 
-from typing import Callable
+import dataclasses
+from typing import Callable, Union
 
 import jax
 import jax.numpy as jnp
 
 GEMMS = ("ragged_dot", "dense", "triton")
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Fp8Stack:
+    """A stack of E FP8 expert kernels, ``W[e] = values[e] * scale[e]`` broadcast
+    (``jaxattn.models.quantization.Fp8Experts`` holds one): ``values`` float8_e4m3fn ``[E, in,
+    out]``, ``scale`` float32 ``[E]`` (per expert), ``[E, out]`` (per output channel) or, with
+    ``block = (bi, bo)``, ``[E, ceil(in / bi), ceil(out / bo)]``."""
+    values: jax.Array
+    scale: jax.Array
+    block: tuple[int, int] | None = dataclasses.field(default=None, metadata=dict(static=True))
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.values.shape
+
+    def blocks(self) -> tuple[jax.Array, int, int]:
+        """The scales as blocks of any granularity: ``(scale [E, KB, NB], bi, bo)``, block (kb, nb)
+        covering rows ``kb*bi ..`` and columns ``nb*bo ..`` of each ``[in, out]`` kernel."""
+        experts, rows, cols = self.values.shape
+        if self.block is not None:
+            return self.scale, *self.block
+        if self.scale.ndim == 1:
+            return self.scale.reshape(experts, 1, 1), rows, cols
+        return self.scale.reshape(experts, 1, cols), rows, 1
+
+    def dequantize(self, dtype) -> jax.Array:
+        """``[E, in, out]`` in ``dtype``: the values times their scales in float32, rounded once."""
+        scale, bi, bo = self.blocks()
+        rows, cols = self.values.shape[1:]
+        expanded = jnp.repeat(jnp.repeat(scale, bi, axis=1)[:, :rows], bo, axis=2)[:, :, :cols]
+        return (self.values.astype(jnp.float32) * expanded).astype(dtype)
+
+
+Stack = Union[jax.Array, Fp8Stack]      # an expert weight stack: in the model's dtype, or FP8
 
 
 def choose_gemm(tokens: int, experts: int, k: int) -> str:
@@ -31,23 +68,27 @@ def choose_gemm(tokens: int, experts: int, k: int) -> str:
     return "dense" if jax.default_backend() == "gpu" else "ragged_dot"
 
 
-def routed_experts(x: jax.Array, weights: jax.Array, chosen: jax.Array, gate_proj: jax.Array, up_proj: jax.Array,
-                   down_proj: jax.Array, first: jax.Array | int = 0, gemm: str = "auto",
+def routed_experts(x: jax.Array, weights: jax.Array, chosen: jax.Array, gate_proj: Stack, up_proj: Stack,
+                   down_proj: Stack, first: jax.Array | int = 0, gemm: str = "auto",
                    ragged_dot: Callable[..., jax.Array] = jax.lax.ragged_dot) -> jax.Array:
     """``sum_j weights[t, j] * expert_{chosen[t, j]}(x[t])`` ``[T, dim]`` over the experts
     ``first .. first + E`` whose stacked weights are given (``[E, dim, F]``, ``[E, dim, F]``,
     ``[E, F, dim]``); copies routed to other experts add nothing (expert parallelism: a device's
     experts). ``x [T, dim]``, ``weights [T, k]`` in x's dtype, ``chosen int32[T, k]``; ``gemm``:
     one of ``GEMMS`` or "auto" (``choose_gemm``); ``ragged_dot(lhs, rhs, group_sizes)``: the
-    grouped GEMM of "ragged_dot" (``benchmarks/bench_moe.py`` compares tokamax's)."""
+    grouped GEMM of "ragged_dot" (``benchmarks/bench_moe.py`` compares tokamax's). A stack may be an
+    ``Fp8Stack``: "triton" reads its FP8 values and scales in the kernel, the others dequantize it
+    first (XLA may fuse that into the GEMM's operand)."""
     if gemm == "auto":
         gemm = choose_gemm(x.shape[0], gate_proj.shape[0], chosen.shape[1])
+    if gemm == "triton":
+        return _triton(x, weights, chosen, gate_proj, up_proj, down_proj, first)
+    gate_proj, up_proj, down_proj = (w.dequantize(x.dtype) if isinstance(w, Fp8Stack) else w
+                                     for w in (gate_proj, up_proj, down_proj))
     if gemm == "dense":
         return _dense(x, weights, chosen, gate_proj, up_proj, down_proj, first)
     if gemm == "ragged_dot":
         return _ragged(x, weights, chosen, gate_proj, up_proj, down_proj, first, ragged_dot)
-    if gemm == "triton":
-        return _triton(x, weights, chosen, gate_proj, up_proj, down_proj, first)
     raise ValueError(f"routed_experts: gemm must be 'auto' or one of {GEMMS}, got {gemm!r}")
 
 
@@ -116,6 +157,22 @@ def _triton(x, weights, chosen, gate_proj, up_proj, down_proj, first):
     rows = jnp.zeros((num_blocks * block_m, x.shape[1]), x.dtype).at[place].set(jnp.repeat(x, k, axis=0), mode="drop")
     block_expert = jnp.searchsorted(ends, jnp.arange(num_blocks) * block_m, side="right")
     block_expert = jnp.where(block_expert < experts, block_expert, -1).astype(jnp.int32)
-    hidden = grouped_gemm(rows, block_expert, gate_proj, up_proj, block_m=block_m)
-    out = grouped_gemm(hidden, block_expert, down_proj, block_m=block_m)
+    stacks, scales = _operands(gate_proj, up_proj)
+    hidden = grouped_gemm(rows, block_expert, *stacks, block_m=block_m, **scales)
+    stacks, scales = _operands(down_proj)
+    out = grouped_gemm(hidden, block_expert, *stacks, block_m=block_m, **scales)
     return _combine(out, place, here, weights)
+
+
+def _operands(weights: Stack, up: Stack | None = None) -> tuple[tuple, dict]:
+    """``grouped_gemm``'s weight operands and scale keywords of a stack, or of gate and up."""
+    if not isinstance(weights, Fp8Stack):
+        return (weights, up), {}
+    scale, bi, bo = weights.blocks()
+    if up is None:
+        return (weights.values, None), dict(scale=scale, scale_block=(bi, bo))
+    up_scale, *up_block = up.blocks()
+    if tuple(up_block) != (bi, bo):
+        raise ValueError(f"routed_experts: gate_proj and up_proj must be scaled alike, got blocks {(bi, bo)} and "
+                         f"{tuple(up_block)}")
+    return (weights.values, up.values), dict(scale=scale, up_scale=up_scale, scale_block=(bi, bo))

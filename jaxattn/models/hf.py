@@ -25,10 +25,11 @@ import numpy as np
 from flax import nnx
 
 from jaxattn.models.deepseek import DeepSeek, DeepSeekConfig
-from jaxattn.models.layers import MoE, MoERouting, YarnRopeScaling
+from jaxattn.models.layers import EXPERT_AXES, MoE, MoERouting, YarnRopeScaling
 from jaxattn.models.llama import Llama, Llama3RopeScaling, LlamaConfig
 from jaxattn.models.parallel import enable_expert_parallel, param_shardings
-from jaxattn.models.quantization import FP8_DTYPE, METHODS, Fp8Linear, Granularity, dequantize, quantize_kernel
+from jaxattn.models.quantization import (FP8_DTYPE, METHODS, Fp8Experts, Fp8Linear, Granularity, dequantize,
+                                        expert_stacks, quantize_kernel, quantize_stack)
 from jaxattn.models.quantization import linears as quantizable_linears
 
 MOE_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe")
@@ -480,7 +481,15 @@ def _fp8_targets(model: Llama | DeepSeek, expected: dict[str, Target], stored: d
         if fp8.stored:
             expected[scale] = Target(layer.scale, not isinstance(granularity, str), stored_shape=stored[scale].shape,
                                      rows=target.rows if granularity == "channel" else None)
-    if not fp8.stored:
+    if not fp8.stored:     # expert stacks quantized on load too, once all their experts are read
+        names: dict[int, list[str]] = {}
+        for name, target in expected.items():
+            names.setdefault(id(target.variable), []).append(name)
+        for moe, attr, param in list(expert_stacks(model)):
+            stack = nnx.eval_shape(lambda p: Fp8Experts.from_stack(p[...], EXPERT_AXES[attr]), param)
+            setattr(moe, attr, stack)
+            for name in names[id(param)]:
+                expected[name] = dataclasses.replace(expected[name], variable=stack.kernel, quantize=stack.scale)
         return set()
     read_along = {name for name in stored if name.endswith(".input_scale")}
     for name, target in list(expected.items()):
@@ -521,8 +530,9 @@ def from_pretrained(path: str, dtype: str | jnp.dtype | None = None, mesh: jax.s
     ``jaxattn.models.quantization.quantize`` would replace as ``Fp8Linear``s with their scales as
     stored, and dequantizes its other FP8 tensors (MoE experts, MLA's kv_b_proj) to ``dtype``;
     activation scales (``input_scale``) are skipped, activations are not quantized.
-    ``quantization="fp8"`` quantizes an unquantized checkpoint's linears per output channel as they
-    are read (``quantize``'s result, without holding the unquantized model).
+    ``quantization="fp8"`` quantizes an unquantized checkpoint's linears and expert stacks per
+    output channel as they are read (``quantize``'s result, without holding the unquantized model;
+    a stack once all its experts are read).
 
     Raises ValueError naming the config field of an unsupported model (``quantization_config``:
     another ``quant_method``, a bad ``weight_block_size``), or the tensor that is missing,
@@ -598,8 +608,9 @@ def from_pretrained(path: str, dtype: str | jnp.dtype | None = None, mesh: jax.s
                     if stack[1]:
                         continue
                     array, transposed = stacks.pop(id(variable))[0], False
-                if target.quantize is not None:  # quantized on load: the stored values, transposed, per channel
-                    kernel, scale = quantize_kernel(jnp.asarray(array).T)
+                if target.quantize is not None:  # quantized on load, per output channel
+                    kernel, scale = (quantize_stack(array) if expert is not None
+                                     else quantize_kernel(jnp.asarray(array).T))
                     put(variable, kernel)
                     put(target.quantize, scale)
                     continue

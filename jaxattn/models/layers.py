@@ -221,6 +221,11 @@ class MoERouting:
                              f"{self.n_group!r} and {self.topk_group!r}")
 
 
+# the logical axes of a MoE's stacked expert weights
+EXPERT_AXES = {"gate_proj": ("experts", None, "expert_mlp"), "up_proj": ("experts", None, "expert_mlp"),
+               "down_proj": ("experts", "expert_mlp", None)}
+
+
 class MoE(nnx.Module):
     """A top-k mixture of SwiGLU experts (Mixtral's, Qwen2-MoE's, Qwen3-MoE's, DeepSeek-V2's and
     V3's): a linear ``router`` scores the ``num_experts`` experts (in float32; ``cfg.routing``,
@@ -232,6 +237,8 @@ class MoE(nnx.Module):
     and ``down_proj`` ``[E, F, dim]``, on the logical axes "experts" (E) and "expert_mlp" (F):
     tensor parallelism splits every expert's F columns, expert parallelism (``expert_parallel``,
     set by ``jaxattn.models.parallel.enable_expert_parallel``) gives each device whole experts.
+    ``jaxattn.models.quantization.quantize`` makes each stack an ``Fp8Experts`` (FP8 values and
+    scales, the same logical axes).
 
     The routed experts run as ``jaxattn.models.experts.routed_experts`` with the strategy
     ``gemm`` ("auto": chosen per step shape from measurements; ``set_expert_gemm``)."""
@@ -256,10 +263,9 @@ class MoE(nnx.Module):
         if cfg.routing.score_bias:
             self.score_bias = nnx.Param(jnp.zeros((experts,), jnp.float32))
         init = nnx.initializers.normal(cfg.dim ** -0.5)
-        for name, shape, axes in (("gate_proj", (experts, cfg.dim, hidden), ("experts", None, "expert_mlp")),
-                                  ("up_proj", (experts, cfg.dim, hidden), ("experts", None, "expert_mlp")),
-                                  ("down_proj", (experts, hidden, cfg.dim), ("experts", "expert_mlp", None))):
-            setattr(self, name, nnx.Param(partitioned(init, axes)(rngs.params(), shape, cfg.dtype)))
+        for name, shape in (("gate_proj", (experts, cfg.dim, hidden)), ("up_proj", (experts, cfg.dim, hidden)),
+                            ("down_proj", (experts, hidden, cfg.dim))):
+            setattr(self, name, nnx.Param(partitioned(init, EXPERT_AXES[name])(rngs.params(), shape, cfg.dtype)))
         if cfg.shared_expert_dim:
             self.shared_expert = MLP(cfg, rngs, cfg.shared_expert_dim)
             if cfg.routing.gated_shared_expert:
@@ -288,7 +294,9 @@ class MoE(nnx.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         cfg = self.cfg
         weights, chosen = self.route(x)
-        experts = (self.gate_proj[...], self.up_proj[...], self.down_proj[...])
+        # a stack quantized by jaxattn.models.quantization (Fp8Experts) gives its values and scales
+        experts = tuple(w.stack() if isinstance(w, nnx.Module) else w[...]
+                        for w in (self.gate_proj, self.up_proj, self.down_proj))
         if self.expert_parallel is None:
             y = routed_experts(x, weights.astype(x.dtype), chosen, *experts, gemm=self.gemm)
         else:

@@ -1,6 +1,7 @@
 """FP8 weights for the reference decoders: ``Fp8Linear``, a drop-in for the ``nnx.Linear`` that
-``layers.linear`` builds, holding its kernel in float8_e4m3fn with float32 scales, and
-``quantize``, which swaps a model's decoder-block linears for it in place (vLLM's
+``layers.linear`` builds, holding its kernel in float8_e4m3fn with float32 scales,
+``Fp8Experts``, the same for a mixture of experts' stacked weights, and ``quantize``, which swaps
+a model's decoder-block linears and expert stacks for them in place (vLLM's
 ``--quantization fp8``). ``jaxattn.models.from_pretrained`` loads FP8 checkpoints into the same
 module.
 
@@ -21,6 +22,7 @@ import numpy as np
 from flax import nnx
 
 from jaxattn.models import layers
+from jaxattn.models.experts import Fp8Stack
 
 FP8_DTYPE = jnp.float8_e4m3fn
 FP8_MAX = float(jnp.finfo(FP8_DTYPE).max)     # 448
@@ -77,6 +79,12 @@ def quantize_kernel(kernel: jax.Array, granularity: Granularity = "channel") -> 
     # the clip keeps amax / scale's rounding from leaving the finite range (e4m3fn has no inf)
     q = jnp.clip(w / expand_scale(scale, w.shape, granularity), -FP8_MAX, FP8_MAX)
     return q.astype(FP8_DTYPE), scale
+
+
+def quantize_stack(stack: jax.Array, granularity: Granularity = "channel") -> tuple[jax.Array, jax.Array]:
+    """``quantize_kernel`` of each kernel of ``stack [E, in, out]``: ``(float8_e4m3fn [E, in, out],
+    float32 scales [E, ...])``."""
+    return jax.vmap(lambda w: quantize_kernel(w, granularity))(jnp.asarray(stack))
 
 
 def _param(value: jax.Array, axes: layers.Axes) -> nnx.Param:
@@ -146,6 +154,46 @@ class Fp8Linear(nnx.Module):
         return y if self.bias is None else y + self.bias[...]
 
 
+class Fp8Experts(nnx.Module):
+    """A mixture of experts' stack of E kernels ``[E, in, out]`` in float8_e4m3fn with float32
+    ``scale`` per expert (``[E]``), per output channel (``[E, out]``) or per block (``[E, ceil(in
+    / bi), ceil(out / bo)]`` with ``block_size=(bi, bo)``): the drop-in for a ``layers.MoE``'s
+    stacked ``nnx.Param``, on the same logical ``axes`` (scales split like the dimensions they
+    cover). ``stack()`` gives the ``experts.Fp8Stack`` that ``routed_experts`` computes with: the
+    Triton grouped GEMM reads the FP8 values and scales, the other strategies dequantize first."""
+
+    def __init__(self, kernel: jax.Array, scale: jax.Array, *, block_size: tuple[int, int] | None = None,
+                 axes: layers.Axes = (None, None, None)):
+        if kernel.ndim != 3 or kernel.dtype != FP8_DTYPE:
+            raise ValueError(f"Fp8Experts: kernel must be a 3-D float8_e4m3fn array [E, in, out], got "
+                             f"{kernel.dtype}{list(kernel.shape)}")
+        if block_size is not None:
+            granularity = _block_size(block_size, "Fp8Experts: block_size")
+        elif scale.ndim in (1, 2):
+            granularity = ("tensor", "channel")[scale.ndim - 1]
+        else:
+            raise ValueError(f"Fp8Experts: scale must be [E], [E, out] or, with block_size, 3-D; got shape "
+                             f"{scale.shape}")
+        expected = (kernel.shape[0], *scale_shape(*kernel.shape[1:], granularity))
+        if scale.shape != expected:
+            raise ValueError(f"Fp8Experts: scale has shape {scale.shape}; a kernel {kernel.shape} with "
+                             f"{granularity!r} scales needs {expected}")
+        self.block_size = None if isinstance(granularity, str) else granularity
+        self.kernel = _param(kernel, axes)
+        scale_axes = {"tensor": axes[:1], "channel": axes[:1] + axes[2:]}.get(granularity, axes) \
+            if isinstance(granularity, str) else axes
+        self.scale = _param(jnp.asarray(scale, jnp.float32), scale_axes)
+
+    @classmethod
+    def from_stack(cls, stack: jax.Array, axes: layers.Axes, granularity: Granularity = "channel") -> "Fp8Experts":
+        """``stack [E, in, out]`` quantized expert by expert (``quantize_kernel``)."""
+        kernel, scale = quantize_stack(stack, granularity)
+        return cls(kernel, scale, block_size=None if isinstance(granularity, str) else granularity, axes=axes)
+
+    def stack(self) -> Fp8Stack:
+        return Fp8Stack(self.kernel[...], self.scale[...], self.block_size)
+
+
 def _block_size(block_size, name: str) -> tuple[int, int]:
     """``block_size`` (an int b for b x b blocks, or a pair (bi, bo)) as a pair of positive ints."""
     pair = (block_size, block_size) if isinstance(block_size, (int, np.integer)) else block_size
@@ -180,9 +228,10 @@ def quantize(model: layers.Decoder, method: str = "fp8", *,
     ``[out, in]``) block scales. Activations stay in the model's dtype (weights are dequantized
     into the GEMM), so no activation scales are needed.
 
-    Not quantized: the embedding, LM head, norms, MoE routers, Qwen2-MoE's ``shared_expert_gate``,
-    MLA's ``kv_b_proj`` (``KEPT_LINEARS``), and the stacked MoE expert weights ``MoE.gate_proj`` /
-    ``up_proj`` / ``down_proj``, which stay in the model's dtype for now.
+    A mixture of experts' stacked weights (``MoE.gate_proj`` / ``up_proj`` / ``down_proj``)
+    become ``Fp8Experts`` with the same granularity, each expert scaled on its own. Not quantized:
+    the embedding, LM head, norms, MoE routers, Qwen2-MoE's ``shared_expert_gate`` and MLA's
+    ``kv_b_proj`` (``KEPT_LINEARS``).
 
     Quantize before ``shard_model`` (the new variables are then placed with the rest)."""
     if method not in METHODS:
@@ -190,4 +239,15 @@ def quantize(model: layers.Decoder, method: str = "fp8", *,
     granularity: Granularity = "channel" if block_size is None else _block_size(block_size, "quantize: block_size")
     for owner, name, linear in list(linears(model)):
         setattr(owner, name, Fp8Linear.from_linear(linear, granularity))
+    for moe, name, stack in list(expert_stacks(model)):
+        setattr(moe, name, Fp8Experts.from_stack(stack[...], layers.EXPERT_AXES[name], granularity))
     return model
+
+
+def expert_stacks(model: layers.Decoder) -> Iterator[tuple[layers.MoE, str, nnx.Param]]:
+    """``(moe, attribute, stacked weight)`` of each expert stack FP8 quantization replaces."""
+    for block in model.layers:
+        if isinstance(block.mlp, layers.MoE):
+            for name in layers.EXPERT_AXES:
+                if isinstance(getattr(block.mlp, name), nnx.Param):
+                    yield block.mlp, name, getattr(block.mlp, name)

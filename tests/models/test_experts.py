@@ -58,6 +58,31 @@ def test_each_gemm_gives_the_routed_sum(gemm, case):
     assert rel_error(out, reference(x, weights, chosen, *stacks, first=first)) < 1e-5
 
 
+@pytest.mark.parametrize("gemm", experts.GEMMS)
+@pytest.mark.parametrize("block", [None, "tensor", (16, 32), (8, 8)])
+def test_fp8_stacks_compute_their_dequantized_experts(gemm, block):
+    """An ``Fp8Stack`` (per channel, per expert, or blocks of rows x columns) gives what its
+    dequantized float32 stack gives: the Triton kernel scales in the kernel, the others before."""
+    rng = np.random.default_rng()
+    weights, chosen = routing(rng, 21, 8, 2)
+    x = rng.normal(size=(21, 64)).astype(np.float32)
+    stacks = []
+    for w in expert_weights(rng, 8, 64, 48):
+        values = jnp.asarray(w * 16, jnp.float8_e4m3fn)
+        if block is None:
+            scale = rng.uniform(0.5, 2.0, size=(8, w.shape[2])) / 16
+        elif block == "tensor":
+            scale = rng.uniform(0.5, 2.0, size=(8,)) / 16
+        else:
+            scale = rng.uniform(0.5, 2.0, size=(8, -(-w.shape[1] // block[0]), -(-w.shape[2] // block[1]))) / 16
+        stacks.append(experts.Fp8Stack(values, jnp.asarray(scale, jnp.float32), None if block in (None, "tensor")
+                                       else block))
+    args = (jnp.asarray(x), jnp.asarray(weights), jnp.asarray(chosen))
+    out = jax.jit(functools.partial(experts.routed_experts, gemm=gemm))(*args, *stacks)
+    dequantized = [s.dequantize(jnp.float32) for s in stacks]
+    assert rel_error(out, reference(x, weights, chosen, *dequantized)) < 1e-5
+
+
 @pytest.mark.parametrize("gemm", ["dense", "triton"])
 def test_bfloat16_gemms_agree_with_ragged_dot(gemm):
     rng = np.random.default_rng()

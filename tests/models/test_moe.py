@@ -161,10 +161,11 @@ def check_moe_engine_on_mesh() -> None:
     the one-device engine's greedy tokens, its experts split by hidden columns (tensor
     parallelism) or whole per device (``enable_expert_parallel``); expert-parallel steps keep
     each device's experts where they are (no gather of expert weights, an all-reduce per layer's
-    experts) and ``shard_model`` places half the experts on each device; shards that do not
-    divide the experts (or their hidden columns) are named."""
+    experts) and ``shard_model`` places half the experts on each device, FP8 experts' scales
+    with their values; shards that do not divide the experts (or their hidden columns) are named."""
     from jaxattn.engine import Engine
     from jaxattn.models.llama import Llama, enable_expert_parallel, shard_model
+    from jaxattn.models.quantization import quantize
     from tests.test_engine import _communicated, _greedy_outputs
     from tests.test_engine_step import trace_step
 
@@ -190,6 +191,17 @@ def check_moe_engine_on_mesh() -> None:
     sharded = shard_model(moe_llama(), mesh, expert_parallel=True)
     gate = sharded.layers[0].mlp.gate_proj[...]
     assert gate.addressable_shards[0].data.shape == (cfg.num_experts // 2, cfg.dim, cfg.moe_hidden_dim)
+    # FP8 experts (values and scales split alike): one device's greedy tokens, TP and EP
+    quantized = quantize(moe_llama())
+    expected = _greedy_outputs(Engine(quantized, max_seqs=3, max_seq_len=40, page_size=8, max_step_tokens=16,
+                                      backend="xla"), prompts, 6)
+    for expert_parallel in (False, True):
+        placed = shard_model(quantize(moe_llama()), mesh, expert_parallel=expert_parallel)
+        scale = placed.layers[0].mlp.gate_proj.scale.get_value()
+        assert scale.addressable_shards[0].data.shape == ((cfg.num_experts // 2, cfg.moe_hidden_dim) if expert_parallel
+                                                          else (cfg.num_experts, cfg.moe_hidden_dim // 2))
+        assert _greedy_outputs(Engine(placed, max_seqs=3, max_seq_len=40, page_size=8, max_step_tokens=16,
+                                      backend="xla", mesh=mesh), prompts, 6) == expected
     odd = Llama(cfg.replace(num_experts=3, moe_hidden_dim=47), nnx.Rngs(0))
     with pytest.raises(ValueError, match="expert parallelism over 2 shards .* num_experts \\(3\\) must be a multiple"):
         enable_expert_parallel(odd, mesh)

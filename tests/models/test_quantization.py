@@ -23,7 +23,7 @@ from jaxattn.models.deepseek import PRESETS as DEEPSEEK_PRESETS
 from jaxattn.models.deepseek import DeepSeek
 from jaxattn.models.hf import _deepseek_parameters, _hf_parameters, deepseek_config_from_hf, llama_config_from_hf
 from jaxattn.models.llama import PRESETS, Llama, param_shardings
-from jaxattn.models.quantization import FP8_MAX, Fp8Linear, quantize, quantize_kernel
+from jaxattn.models.quantization import FP8_MAX, Fp8Experts, Fp8Linear, quantize, quantize_kernel
 from tests.models.test_deepseek import _dense_hidden as deepseek_dense_hidden
 from tests.models.test_llama import dense_greedy, dense_hidden
 from tests.paged_inputs import rel_error
@@ -109,8 +109,9 @@ def test_quantize_keeps_logits_close(name, block_size):
     """Each FP8 linear's output moves by about 2.6% rms (e4m3 keeps 3 mantissa bits: a weight's
     relative error is at most 2^-4, about 2^-5.3 rms), and a tiny random 2-layer model chains some
     5 linears per residual branch: the logits moved by 8-9% rms (measured; 12% with experts,
-    whose routing flips at near ties). Bounds: relative L2 error <= 0.15 (0.2 with experts), max
-    |diff| <= 0.2 * max |logit| (0.5 with experts). Not greedy tokens: a random model's logits
+    whose routing flips at near ties; the expert stacks are quantized too). Bounds: relative L2
+    error <= 0.15 (0.2 with experts), max |diff| <= 0.2 * max |logit| (0.5 with experts). Not
+    greedy tokens: a random model's logits
     have near ties everywhere (the checkpoint tests below compare exact logits instead). A
     misplaced scale (transposed, another block) moves the logits by ~100%."""
     model = _MODELS[name]()
@@ -135,7 +136,9 @@ def test_quantize_keeps_logits_close(name, block_size):
         assert isinstance(block.mlp.shared_expert_gate, nnx.Linear)
         assert block.attn.q_proj.bias is not None
     if name != "llama":
-        assert isinstance(block.mlp.router, nnx.Linear) and block.mlp.gate_proj.dtype == jnp.float32
+        assert isinstance(block.mlp.router, nnx.Linear) and isinstance(block.mlp.gate_proj, Fp8Experts)
+        stack = block.mlp.down_proj                                 # [E, 64, dim]: per expert and column, or blocks
+        assert stack.scale.get_value().shape == ((4, 128) if block_size is None else (4, 1, 2))
     assert isinstance(model.lm_head, nnx.Linear) and not any("lm_head" in p or "embed" in p for p in paths)
 
 
@@ -288,11 +291,15 @@ def test_fp8_checkpoint_matches_its_dequantized_float32_checkpoint(tmp_path, fmt
         assert isinstance(attn.q_b_proj, Fp8Linear if fmt == "deepseek-v3" else nnx.Linear)
 
 
-def test_quantization_fp8_quantizes_as_it_loads(tmp_path):
-    """``from_pretrained(path, quantization="fp8")`` is ``quantize(from_pretrained(path))``."""
-    path = _write(tmp_path, {**LLAMA, "torch_dtype": "float32"}, _random_tensors(LLAMA))
+@pytest.mark.parametrize("hf", [LLAMA, DEEPSEEK_V3], ids=["llama", "deepseek-v3"])
+def test_quantization_fp8_quantizes_as_it_loads(tmp_path, hf):
+    """``from_pretrained(path, quantization="fp8")`` is ``quantize(from_pretrained(path))``, expert
+    stacks included (quantized once all their experts are read)."""
+    path = _write(tmp_path, {**hf, "torch_dtype": "float32"}, _random_tensors(hf))
     loaded, expected = from_pretrained(path, quantization="fp8"), quantize(from_pretrained(path))
     assert _fp8_paths(loaded) == _fp8_paths(expected) and _fp8_paths(loaded)
+    if hf is DEEPSEEK_V3:
+        assert isinstance(loaded.layers[1].mlp.down_proj, Fp8Experts)
     for (name, value), (_, other) in zip(nnx.to_flat_state(nnx.state(loaded)), nnx.to_flat_state(nnx.state(expected))):
         np.testing.assert_array_equal(np.asarray(value.get_value(), np.float32),
                                       np.asarray(other.get_value(), np.float32), err_msg=str(name))
