@@ -456,8 +456,9 @@ def _fp8_targets(model: Llama | DeepSeek, expected: dict[str, Target], stored: d
                  fp8: Fp8Format) -> set[str]:
     """Makes each linear of ``quantizable_linears(model)`` (abstract) an ``Fp8Linear`` where the
     checkpoint holds its weight in FP8 (with ``fp8.stored``; else every one, quantized on load)
-    and points its tensors there in ``expected``; the checkpoint's other FP8 tensors (MoE experts,
-    MLA's kv_b_proj, ignored-but-quantized layers) are dequantized on load. A block-scaled linear
+    and points its tensors there in ``expected``, and each expert stack an ``Fp8Experts``
+    likewise (``_fp8_expert_targets``); the checkpoint's other FP8 tensors (MLA's kv_b_proj,
+    ignored-but-quantized layers, experts scaled unlike their stack) are dequantized on load. A block-scaled linear
     whose rows the loader reorders across blocks (DeepSeek's RoPE rows) is dequantized too.
     Returns the names of the tensors read with others (their scales) or not needed (activation
     scales: activations are not quantized)."""
@@ -481,15 +482,8 @@ def _fp8_targets(model: Llama | DeepSeek, expected: dict[str, Target], stored: d
         if fp8.stored:
             expected[scale] = Target(layer.scale, not isinstance(granularity, str), stored_shape=stored[scale].shape,
                                      rows=target.rows if granularity == "channel" else None)
-    if not fp8.stored:     # expert stacks quantized on load too, once all their experts are read
-        names: dict[int, list[str]] = {}
-        for name, target in expected.items():
-            names.setdefault(id(target.variable), []).append(name)
-        for moe, attr, param in list(expert_stacks(model)):
-            stack = nnx.eval_shape(lambda p: Fp8Experts.from_stack(p[...], EXPERT_AXES[attr]), param)
-            setattr(moe, attr, stack)
-            for name in names[id(param)]:
-                expected[name] = dataclasses.replace(expected[name], variable=stack.kernel, quantize=stack.scale)
+    _fp8_expert_targets(model, expected, stored, fp8)
+    if not fp8.stored:
         return set()
     read_along = {name for name in stored if name.endswith(".input_scale")}
     for name, target in list(expected.items()):
@@ -498,6 +492,35 @@ def _fp8_targets(model: Llama | DeepSeek, expected: dict[str, Target], stored: d
             expected[name] = dataclasses.replace(target, scale=scale, granularity=granularity)
             read_along.add(scale)
     return read_along
+
+
+def _fp8_expert_targets(model: Llama | DeepSeek, expected: dict[str, Target], stored: dict[str, Stored],
+                        fp8: Fp8Format) -> None:
+    """Makes each expert stack of ``model`` (abstract) an ``Fp8Experts`` where every expert's
+    weight is stored in FP8 with scales of one granularity (with ``fp8.stored``; else every
+    stack, quantized once all its experts are read), its experts' weights and scales pointed
+    there in ``expected``."""
+    names: dict[int, list[str]] = {}
+    for name, target in expected.items():
+        names.setdefault(id(target.variable), []).append(name)
+    for moe, attr, param in list(expert_stacks(model)):
+        weights = sorted(names[id(param)], key=lambda name: expected[name].expert)
+        granularity, scales = "channel", []
+        if fp8.stored:
+            if not all(name in stored and stored[name].dtype == "F8_E4M3" for name in weights):
+                continue                                     # dequantized on load with the other FP8 tensors
+            scales = [_stored_scale(stored, name, expected[name].hf_shape, fp8.block) for name in weights]
+            if len({granularity for _, granularity in scales}) != 1:
+                continue
+            granularity = scales[0][1]
+        stack = nnx.eval_shape(lambda p: Fp8Experts.from_stack(p[...], EXPERT_AXES[attr], granularity), param)
+        setattr(moe, attr, stack)
+        for name in weights:
+            expected[name] = dataclasses.replace(expected[name], variable=stack.kernel,
+                                                 quantize=None if fp8.stored else stack.scale)
+        for name, (scale, _) in zip(weights, scales):     # block scales stored [out blocks, in blocks]
+            expected[scale] = Target(stack.scale, not isinstance(granularity, str), expected[name].expert,
+                                     stored_shape=stored[scale].shape)
 
 
 def _dequantized(weight: np.ndarray, scale: np.ndarray, granularity: Granularity) -> np.ndarray:
@@ -528,7 +551,8 @@ def from_pretrained(path: str, dtype: str | jnp.dtype | None = None, mesh: jax.s
     block scales of ``weight_block_size``, or ``weight_scale`` per tensor / per output channel;
     layers in ``modules_to_not_convert`` / ``ignored_layers`` stored unquantized) loads the linears
     ``jaxattn.models.quantization.quantize`` would replace as ``Fp8Linear``s with their scales as
-    stored, and dequantizes its other FP8 tensors (MoE experts, MLA's kv_b_proj) to ``dtype``;
+    stored, a mixture's expert stacks as ``Fp8Experts`` with their scales, and dequantizes its other
+    FP8 tensors (MLA's kv_b_proj) to ``dtype``;
     activation scales (``input_scale``) are skipped, activations are not quantized.
     ``quantization="fp8"`` quantizes an unquantized checkpoint's linears and expert stacks per
     output channel as they are read (``quantize``'s result, without holding the unquantized model;

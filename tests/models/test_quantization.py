@@ -286,7 +286,9 @@ def test_fp8_checkpoint_matches_its_dequantized_float32_checkpoint(tmp_path, fmt
         assert isinstance(model.layers[1].mlp.down_proj, nnx.Linear)
         assert model.layers[0].attn.q_proj.scale.get_value().shape == ()
     if hf is DEEPSEEK_V3:
-        assert isinstance(attn.kv_b_proj, nnx.Linear) and model.layers[1].mlp.gate_proj.dtype == jnp.float32
+        assert isinstance(attn.kv_b_proj, nnx.Linear)
+        experts = model.layers[1].mlp.gate_proj                     # kept in FP8, with the stored block scales
+        assert isinstance(experts, Fp8Experts) and experts.block_size == tuple(kind[::-1])
         assert isinstance(attn.o_proj, Fp8Linear)
         assert isinstance(attn.q_b_proj, Fp8Linear if fmt == "deepseek-v3" else nnx.Linear)
 
@@ -353,8 +355,8 @@ def _read_all(file: str) -> dict[str, np.ndarray]:
 
 def check_fp8_checkpoints_on_mesh(path: str) -> None:
     """(On 2 CPU devices.) FP8 checkpoints loaded onto a mesh give the one-device logits, their
-    scales split like their kernels (a DeepSeek's MLA whole on each device, its experts split by
-    columns or whole); block counts the shards do not divide are named."""
+    scales split like their kernels (a DeepSeek's MLA whole on each device, its FP8 experts split
+    by columns or whole); block counts the shards do not divide are named."""
     mesh = jax.make_mesh((jax.device_count(),), ("tp",))
     tokens = np.arange(10, dtype=np.int32)
     for kind, qc, column, row in (("channel", {}, P("tp"), P(None)),
@@ -376,7 +378,9 @@ def check_fp8_checkpoints_on_mesh(path: str) -> None:
     for expert_parallel in (False, True):
         model = from_pretrained(fp8_path, dtype="float32", mesh=mesh, expert_parallel=expert_parallel)
         np.testing.assert_allclose(_logits(model, tokens), expected, rtol=1e-5, atol=1e-5 * np.abs(expected).max())
-    assert model.layers[1].mlp.gate_proj.get_value().addressable_shards[0].data.shape == (4, 64, 32)
+    experts = model.layers[1].mlp.gate_proj                             # FP8 [8, 64, 32], blocks of 8 x 8
+    assert experts.kernel.get_value().addressable_shards[0].data.shape == (4, 64, 32)
+    assert experts.scale.get_value().addressable_shards[0].data.shape == (4, 8, 4)
     assert model.layers[1].attn.o_proj.scale.get_value().sharding.is_fully_replicated
 
 
