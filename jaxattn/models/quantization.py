@@ -111,20 +111,7 @@ class Fp8Linear(nnx.Module):
     def __init__(self, kernel: jax.Array, scale: jax.Array, bias: jax.Array | None = None, *,
                  block_size: tuple[int, int] | None = None, dtype: str | jnp.dtype = "bfloat16",
                  axes: layers.Axes = (None, None)):
-        if kernel.ndim != 2 or kernel.dtype != FP8_DTYPE:
-            raise ValueError(f"Fp8Linear: kernel must be a 2-D float8_e4m3fn array [in, out], got "
-                             f"{kernel.dtype}{list(kernel.shape)}")
-        if block_size is not None:
-            granularity = _block_size(block_size, "Fp8Linear: block_size")
-        elif scale.ndim in (0, 1):
-            granularity = ("tensor", "channel")[scale.ndim]
-        else:
-            raise ValueError(f"Fp8Linear: scale must be a scalar, [out] or, with block_size, 2-D; got shape "
-                             f"{scale.shape}")
-        expected = scale_shape(*kernel.shape, granularity)
-        if scale.shape != expected:
-            raise ValueError(f"Fp8Linear: scale has shape {scale.shape}; a kernel {kernel.shape} with "
-                             f"{granularity!r} scales needs {expected}")
+        granularity = _granularity("Fp8Linear", kernel, scale, block_size, stacked=False)
         if bias is not None and bias.shape != kernel.shape[1:]:
             raise ValueError(f"Fp8Linear: bias has shape {bias.shape}, expected {kernel.shape[1:]}")
         self.granularity = granularity
@@ -164,20 +151,7 @@ class Fp8Experts(nnx.Module):
 
     def __init__(self, kernel: jax.Array, scale: jax.Array, *, block_size: tuple[int, int] | None = None,
                  axes: layers.Axes = (None, None, None)):
-        if kernel.ndim != 3 or kernel.dtype != FP8_DTYPE:
-            raise ValueError(f"Fp8Experts: kernel must be a 3-D float8_e4m3fn array [E, in, out], got "
-                             f"{kernel.dtype}{list(kernel.shape)}")
-        if block_size is not None:
-            granularity = _block_size(block_size, "Fp8Experts: block_size")
-        elif scale.ndim in (1, 2):
-            granularity = ("tensor", "channel")[scale.ndim - 1]
-        else:
-            raise ValueError(f"Fp8Experts: scale must be [E], [E, out] or, with block_size, 3-D; got shape "
-                             f"{scale.shape}")
-        expected = (kernel.shape[0], *scale_shape(*kernel.shape[1:], granularity))
-        if scale.shape != expected:
-            raise ValueError(f"Fp8Experts: scale has shape {scale.shape}; a kernel {kernel.shape} with "
-                             f"{granularity!r} scales needs {expected}")
+        granularity = _granularity("Fp8Experts", kernel, scale, block_size, stacked=True)
         self.block_size = None if isinstance(granularity, str) else granularity
         self.kernel = _param(kernel, axes)
         scale_axes = {"tensor": axes[:1], "channel": axes[:1] + axes[2:]}.get(granularity, axes) \
@@ -192,6 +166,27 @@ class Fp8Experts(nnx.Module):
 
     def stack(self) -> Fp8Stack:
         return Fp8Stack(self.kernel[...], self.scale[...], self.block_size)
+
+
+def _granularity(owner: str, kernel: jax.Array, scale: jax.Array, block_size, stacked: bool) -> Granularity:
+    """The granularity of ``scale`` for the FP8 ``kernel`` ``[in, out]`` (``stacked``: ``[E, in,
+    out]``, one scale per expert first); ValueError naming ``owner``'s bad argument."""
+    lead, dims = (1, "[E, in, out]") if stacked else (0, "[in, out]")
+    if kernel.ndim != 2 + lead or kernel.dtype != FP8_DTYPE:
+        raise ValueError(f"{owner}: kernel must be a {2 + lead}-D float8_e4m3fn array {dims}, got "
+                         f"{kernel.dtype}{list(kernel.shape)}")
+    if block_size is not None:
+        granularity = _block_size(block_size, f"{owner}: block_size")
+    elif scale.ndim - lead in (0, 1):
+        granularity = ("tensor", "channel")[scale.ndim - lead]
+    else:
+        raise ValueError(f"{owner}: scale must be {'[E], [E, out]' if stacked else 'a scalar, [out]'} or, with "
+                         f"block_size, {2 + lead}-D; got shape {scale.shape}")
+    expected = kernel.shape[:lead] + scale_shape(*kernel.shape[lead:], granularity)
+    if scale.shape != expected:
+        raise ValueError(f"{owner}: scale has shape {scale.shape}; a kernel {kernel.shape} with "
+                         f"{granularity!r} scales needs {expected}")
+    return granularity
 
 
 def _block_size(block_size, name: str) -> tuple[int, int]:

@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from jax.sharding import Mesh
 
 from jaxattn.models import layers
 from tests.conftest import require_parity
@@ -156,6 +158,19 @@ def moe_llama():
     return Llama(cfg, nnx.Rngs(0))
 
 
+def _served(model) -> tuple[list[np.ndarray], Mesh, Callable]:
+    """(prompts, a 2-device mesh, ``engine(mesh=None)``: a small xla Engine of ``model``)."""
+    from jaxattn.engine import Engine
+
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, model.cfg.vocab_size, size=n) for n in (5, 21, 1, 13)]
+
+    def engine(mesh=None) -> Engine:
+        return Engine(model, max_seqs=3, max_seq_len=40, page_size=8, max_step_tokens=16, backend="xla", mesh=mesh)
+
+    return prompts, jax.make_mesh((2,), ("tp",)), engine
+
+
 def check_moe_engine_on_mesh() -> None:
     """(On 2 CPU devices.) A Qwen2-MoE-shaped model (shared expert, float32) served on a mesh gives
     the one-device engine's greedy tokens, its experts split by hidden columns (tensor
@@ -163,7 +178,6 @@ def check_moe_engine_on_mesh() -> None:
     each device's experts where they are (no gather of expert weights, an all-reduce per layer's
     experts) and ``shard_model`` places half the experts on each device, FP8 experts' scales
     with their values; shards that do not divide the experts (or their hidden columns) are named."""
-    from jaxattn.engine import Engine
     from jaxattn.models.llama import Llama, enable_expert_parallel, shard_model
     from jaxattn.models.quantization import quantize
     from tests.test_engine import _communicated, _greedy_outputs
@@ -171,13 +185,7 @@ def check_moe_engine_on_mesh() -> None:
 
     model = moe_llama()
     cfg = model.cfg
-    rng = np.random.default_rng(0)
-    prompts = [rng.integers(0, cfg.vocab_size, size=n) for n in (5, 21, 1, 13)]
-    mesh = jax.make_mesh((2,), ("tp",))
-
-    def engine(mesh=None) -> Engine:
-        return Engine(model, max_seqs=3, max_seq_len=40, page_size=8, max_step_tokens=16, backend="xla", mesh=mesh)
-
+    prompts, mesh, engine = _served(model)
     expected = _greedy_outputs(engine(), prompts, 6)
     assert _greedy_outputs(engine(mesh), prompts, 6) == expected
     enable_expert_parallel(model, mesh)
@@ -192,16 +200,13 @@ def check_moe_engine_on_mesh() -> None:
     gate = sharded.layers[0].mlp.gate_proj[...]
     assert gate.addressable_shards[0].data.shape == (cfg.num_experts // 2, cfg.dim, cfg.moe_hidden_dim)
     # FP8 experts (values and scales split alike): one device's greedy tokens, TP and EP
-    quantized = quantize(moe_llama())
-    expected = _greedy_outputs(Engine(quantized, max_seqs=3, max_seq_len=40, page_size=8, max_step_tokens=16,
-                                      backend="xla"), prompts, 6)
+    expected = _greedy_outputs(_served(quantize(moe_llama()))[2](), prompts, 6)
     for expert_parallel in (False, True):
         placed = shard_model(quantize(moe_llama()), mesh, expert_parallel=expert_parallel)
         scale = placed.layers[0].mlp.gate_proj.scale.get_value()
         assert scale.addressable_shards[0].data.shape == ((cfg.num_experts // 2, cfg.moe_hidden_dim) if expert_parallel
                                                           else (cfg.num_experts, cfg.moe_hidden_dim // 2))
-        assert _greedy_outputs(Engine(placed, max_seqs=3, max_seq_len=40, page_size=8, max_step_tokens=16,
-                                      backend="xla", mesh=mesh), prompts, 6) == expected
+        assert _greedy_outputs(_served(placed)[2](mesh), prompts, 6) == expected
     odd = Llama(cfg.replace(num_experts=3, moe_hidden_dim=47), nnx.Rngs(0))
     with pytest.raises(ValueError, match="expert parallelism over 2 shards .* num_experts \\(3\\) must be a multiple"):
         enable_expert_parallel(odd, mesh)
@@ -230,19 +235,12 @@ def check_deepseek_engine_on_mesh() -> None:
     gives the one-device engine's greedy tokens with its experts split by hidden columns and
     whole per device; its MLA weights and latent pools stay whole on each device, its MLPs and
     experts are split."""
-    from jaxattn.engine import Engine
     from jaxattn.models.parallel import enable_expert_parallel, shard_model
     from tests.test_engine import _greedy_outputs
 
     model = moe_deepseek()
     cfg = model.cfg
-    rng = np.random.default_rng(0)
-    prompts = [rng.integers(0, cfg.vocab_size, size=n) for n in (5, 21, 1, 13)]
-    mesh = jax.make_mesh((2,), ("tp",))
-
-    def engine(mesh=None) -> Engine:
-        return Engine(model, max_seqs=3, max_seq_len=40, page_size=8, max_step_tokens=16, backend="xla", mesh=mesh)
-
+    prompts, mesh, engine = _served(model)
     expected = _greedy_outputs(engine(), prompts, 6)
     tensor_parallel = engine(mesh)
     pool = tensor_parallel.runner.caches[0].pages

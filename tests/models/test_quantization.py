@@ -23,7 +23,7 @@ from jaxattn.models.deepseek import PRESETS as DEEPSEEK_PRESETS
 from jaxattn.models.deepseek import DeepSeek
 from jaxattn.models.hf import _deepseek_parameters, _hf_parameters, deepseek_config_from_hf, llama_config_from_hf
 from jaxattn.models.llama import PRESETS, Llama, param_shardings
-from jaxattn.models.quantization import FP8_MAX, Fp8Experts, Fp8Linear, quantize, quantize_kernel
+from jaxattn.models.quantization import FP8_MAX, Fp8Experts, Fp8Linear, quantize, quantize_kernel, quantize_stack
 from tests.models.test_deepseek import _dense_hidden as deepseek_dense_hidden
 from tests.models.test_llama import dense_greedy, dense_hidden
 from tests.paged_inputs import rel_error
@@ -81,6 +81,19 @@ def test_fp8_linear_refuses_bad_arrays():
         Fp8Linear(kernel, jnp.ones((1, 1)), block_size=(0, 8))
     with pytest.raises(ValueError, match="bias has shape"):
         Fp8Linear(kernel, scale, jnp.ones(3))
+
+
+def test_fp8_experts_refuse_bad_arrays():
+    kernel, scale = quantize_stack(np.ones((2, 8, 4), np.float32))
+    with pytest.raises(ValueError, match="Fp8Experts: kernel must be a 3-D float8_e4m3fn array \\[E, in, out\\]"):
+        Fp8Experts(kernel[0], scale)
+    with pytest.raises(ValueError, match="Fp8Experts: scale has shape \\(2, 3\\)"):
+        Fp8Experts(kernel, scale[:, :3])
+    with pytest.raises(ValueError, match="scale must be \\[E\\], \\[E, out\\] or, with block_size, 3-D"):
+        Fp8Experts(kernel, jnp.ones((2, 1, 1)))
+    with pytest.raises(ValueError, match="Fp8Experts: scale has shape \\(2, 1, 1\\)"):
+        Fp8Experts(kernel, jnp.ones((2, 1, 1)), block_size=4)
+    assert Fp8Experts(kernel, jnp.ones((2, 2, 1)), block_size=4).block_size == (4, 4)
 
 
 # ----------------------------------------------------------------------------------- quantize()
