@@ -228,3 +228,14 @@ def test_mla_cache_fp8_write_divides_by_the_scale_and_saturates():
 def test_mla_cache_errors(make, match):
     with pytest.raises(ValueError, match=match):
         make()
+
+
+def test_mla_cache_lives_where_its_sharding_says_replicated_only():
+    """A DeepSeek on a mesh keeps its whole latent pool (and an FP8 pool's scale) on every device."""
+    from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
+
+    replicated = NamedSharding(jax.make_mesh((1,), ("tp",)), PartitionSpec())
+    cache = MLACache.create(4, 8, kv_lora_rank=32, rope_dim=16, dtype=jnp.float8_e4m3fn, sharding=replicated)
+    assert cache.pages.sharding == replicated and cache.scale.sharding == replicated
+    with pytest.raises(ValueError, match="MLACache.create: sharding must be a replicated NamedSharding"):
+        MLACache.create(4, 8, kv_lora_rank=32, rope_dim=16, sharding=SingleDeviceSharding(jax.devices()[0]))
