@@ -2,7 +2,7 @@
 against the copy and matmul rates measured in the same run.
 
     python -m benchmarks.bench_moe [--models deepseek-v2-lite,qwen1.5-moe-a2.7b,qwen3-30b-a3b,mixtral-8x7b]
-        [--tokens 1,8,32,128,512,2048] [--trials 20] [--smoke]
+        [--tokens 1,8,32,128,512,2048] [--trials 20] [--fp8] [--smoke]
 
 One MoE layer's routed experts (no router, no shared expert), random bf16 weights, each token
 routed to k distinct experts drawn uniformly (seed 0), by each of ``jaxattn.models.experts``'
@@ -13,9 +13,10 @@ grouped GEMM over expert-aligned blocks), and "tokamax" (``tokamax.ragged_dot`` 
 median wall time on a CPU), the experts the tokens touch, the fastest variant and the one
 ``choose_gemm`` takes for the models ("auto"), the fastest's touched experts' weight bytes over
 its time as a share of the copy rate and its routed FLOPs (2 x 3 x dim x F x k per token) over
-its time as a share of the matmul rate, and the fastest against ragged_dot. Writes the
-"moe_grouped_gemm" section of benchmarks/RESULTS.md; ``--smoke`` runs tiny shapes (CPU, seconds)
-and writes only ``$OUT``.
+its time as a share of the matmul rate, and the fastest against ragged_dot. ``--fp8`` runs the same
+on FP8 expert stacks (per-channel scales; the Triton kernel reads FP8, the others dequantize
+first). Writes the "moe_grouped_gemm" (``--fp8``: "moe_grouped_gemm_fp8") section of
+benchmarks/RESULTS.md; ``--smoke`` runs tiny shapes (CPU, seconds) and writes only ``$OUT``.
 """
 
 from __future__ import annotations
@@ -32,7 +33,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.common import copy_bandwidth, device_name, device_seconds, gemm_rate, rel_error, write_section
-from jaxattn.models.experts import GEMMS, choose_gemm, routed_experts
+from jaxattn.models.experts import GEMMS, Fp8Stack, choose_gemm, routed_experts
+from jaxattn.models.quantization import quantize_stack
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,6 +80,8 @@ def main(argv: list[str] | None = None) -> None:
                         help="model shapes, comma-separated: " + ", ".join(SHAPES))
     parser.add_argument("--tokens", default="1,8,32,128,512,2048", help="tokens per call, comma-separated")
     parser.add_argument("--trials", type=int, default=20)
+    parser.add_argument("--fp8", action="store_true", help="FP8 experts (per-channel scales, experts.Fp8Stack): "
+                                                           "the section moe_grouped_gemm_fp8")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes (CPU, seconds); RESULTS.md is left alone")
     args = parser.parse_args(argv)
     shapes = SMOKE if args.smoke else {name: SHAPES[name] for name in args.models.split(",")}
@@ -94,9 +98,11 @@ def main(argv: list[str] | None = None) -> None:
                "fastest % of copy rate", "fastest % of matmul rate", "fastest vs ragged_dot"]
     rows, errors = [], []
     for model, shape in shapes.items():
-        expert_bytes = 3 * shape.dim * shape.hidden * 2
+        expert_bytes = 3 * shape.dim * shape.hidden * (1 if args.fp8 else 2)
         for count in tokens:
             operands = inputs(shape, count)
+            if args.fp8:
+                operands = (*operands[:3], *(Fp8Stack(*quantize_stack(w)) for w in operands[3:]))
             touched = len(np.unique(np.asarray(operands[2])))
             reference = compiled["ragged_dot"](*operands)
             seconds = {}
@@ -113,9 +119,10 @@ def main(argv: list[str] | None = None) -> None:
             rows.append("| " + " | ".join(cells) + " |")
             print(rows[-1], flush=True)
     command = (f"python -m benchmarks.bench_moe --models {','.join(shapes)} --tokens {','.join(map(str, tokens))} "
-               f"--trials {args.trials}" + (" --smoke" if args.smoke else ""))
+               f"--trials {args.trials}" + (" --fp8" if args.fp8 else "") + (" --smoke" if args.smoke else ""))
     lines = [
-        f"Device: {device_name()}; date {datetime.date.today()}; jax {jax.__version__}; bf16; one MoE layer's routed "
+        f"Device: {device_name()}; date {datetime.date.today()}; jax {jax.__version__}; "
+        f"{'FP8 experts (per-channel scales), bf16 activations' if args.fp8 else 'bf16'}; one MoE layer's routed "
         f"experts, uniform random routing (seed 0); copy rate {copy_rate / 1e9:,.0f} GB/s (read + write), matmul "
         f"rate {matmul_rate / 1e12:.3g} TFLOP/s, measured in the same run. tokamax "
         f"{'measured' if 'tokamax' in variants else 'not installed: not measured'}.",
@@ -127,8 +134,9 @@ def main(argv: list[str] | None = None) -> None:
         "over the copy rate; % of matmul rate: 2 x 3 x "
         f"dim x F x k FLOPs per token / time. Largest relative difference from ragged_dot's output: {max(errors):.1e}.",
     ]
-    print(write_section("moe_grouped_gemm", "\n".join(lines), update=not args.smoke,
-                        heading="Grouped GEMMs of a mixture of experts (benchmarks/bench_moe.py)"))
+    print(write_section("moe_grouped_gemm_fp8" if args.fp8 else "moe_grouped_gemm", "\n".join(lines),
+                        update=not args.smoke, heading="Grouped GEMMs of a mixture of experts (benchmarks/bench_moe.py)"
+                        + (": FP8 experts" if args.fp8 else "")))
 
 
 if __name__ == "__main__":
