@@ -390,7 +390,18 @@ class Engine:
         if self.has_work:
             raise RuntimeError("Engine.warmup: call it before adding requests")
         start = time.perf_counter()
-        self.runner.warmup(sampled=sampled, logprobs=self.max_logprobs > 0, masked=self.grammar_compiler is not None)
+        try:
+            self.runner.warmup(sampled=sampled, logprobs=self.max_logprobs > 0,
+                               masked=self.grammar_compiler is not None)
+        except jax.errors.JaxRuntimeError as error:
+            if "RESOURCE_EXHAUSTED" not in str(error):
+                raise
+            # the pool is sized before any step is compiled, so a step's temporaries may not fit beside it
+            raise RuntimeError(
+                f"Engine.warmup: a step ran out of device memory beside the KV pool of {self.num_pages:,} pages "
+                f"(the step's temporaries grow with max_step_tokens={self.max_step_tokens}); give the Engine fewer "
+                f"pages (num_pages, max_seqs, or a kv_memory_fraction below its default) or fewer tokens per "
+                f"step. XLA said: {str(error).splitlines()[0]}") from error
         return time.perf_counter() - start
 
 

@@ -228,6 +228,28 @@ def test_abort_of_another_engines_request_raises_and_changes_neither_engine():
     assert handles[0].finish_reason == "length"
 
 
+def test_warmup_out_of_memory_names_the_pool(monkeypatch):
+    """A step that runs out of device memory in warm-up (its temporaries beside a pool sized from
+    free memory: seen on an H200 with DeepSeek-V2-Lite's shapes) is a RuntimeError naming the
+    pool and what to shrink; other runtime errors pass through."""
+    engine = Engine(_tiny_model(), **_ARGS)
+
+    def out_of_memory(**_):
+        raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 8.05GiB\n...")
+
+    monkeypatch.setattr(engine.runner, "warmup", out_of_memory)
+    with pytest.raises(RuntimeError, match=rf"beside the KV pool of {engine.num_pages:,} pages .*\(num_pages, "
+                                           r"max_seqs, or a kv_memory_fraction .* XLA said: RESOURCE_EXHAUSTED"):
+        engine.warmup()
+
+    def other(**_):
+        raise jax.errors.JaxRuntimeError("INTERNAL: something else")
+
+    monkeypatch.setattr(engine.runner, "warmup", other)
+    with pytest.raises(jax.errors.JaxRuntimeError, match="INTERNAL"):
+        engine.warmup()
+
+
 def test_warmup_compiles_every_step_shape_and_records_steps(caplog):
     """After ``warmup`` a trace compiles nothing more (greedy requests with and without logprobs),
     and the warm-up logged each step it compiled (on the ``jaxattn.engine`` logger, which reaches
