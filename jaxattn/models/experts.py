@@ -51,11 +51,14 @@ class Fp8Stack:
         return self.scale.reshape(experts, 1, cols), rows, 1
 
     def dequantize(self, dtype) -> jax.Array:
-        """``[E, in, out]`` in ``dtype``: the values times their scales in float32, rounded once."""
-        scale, bi, bo = self.blocks()
-        rows, cols = self.values.shape[1:]
-        expanded = jnp.repeat(jnp.repeat(scale, bi, axis=1)[:, :rows], bo, axis=2)[:, :, :cols]
-        return (self.values.astype(jnp.float32) * expanded).astype(dtype)
+        """``[E, in, out]`` in ``dtype``: each expert's ``quantization.dequantize`` (the values times
+        their scales in float32), rounded once."""
+        # imported here: quantization builds on layers, which imports this module
+        from jaxattn.models.quantization import dequantize
+
+        granularity = self.block or ("tensor", "channel")[self.scale.ndim - 1]
+        return jax.vmap(lambda values, scale: dequantize(values, scale, granularity))(self.values,
+                                                                                       self.scale).astype(dtype)
 
 
 Stack = Union[jax.Array, Fp8Stack]      # an expert weight stack: in the model's dtype, or FP8
