@@ -79,7 +79,7 @@ import numpy as np
 from flax import nnx
 
 from benchmarks.common import copy_bandwidth, device_name, gemm_rate, trace_events, write_section
-from benchmarks.profile_step import kind_of
+from benchmarks.profile_step import by_kind, kind_of
 from jaxattn.cli_args import tp_mesh
 from jaxattn.engine import Engine
 from jaxattn.models.base import page_bytes
@@ -391,21 +391,16 @@ class StepWindow:
 
 def kernel_rows(window: StepWindow, kinds: collections.Counter, top: int = 6) -> list[str]:
     """A window's profile as table rows: GPU time and launches per step by kind of kernel
-    (``benchmarks.profile_step.kind_of``), then its ``top`` kernels."""
+    (``benchmarks.profile_step.by_kind``), then its ``top`` kernels."""
     steps = ", ".join(f"{n} {kind}" for kind, n in kinds.items())
     lines = ["", f"GPU kernels of steps {window.first}-{window.last - 1} of the trace ({steps}), per step:", ""]
     if not window.events:
         return lines + ["No GPU kernels were profiled (not a GPU)."]
     total = sum(seconds for seconds, _ in window.events.values())
-    by_kind: dict[str, list[float]] = {}
-    for name, (seconds, launches) in window.events.items():
-        entry = by_kind.setdefault(kind_of(name), [0.0, 0.0])
-        entry[0] += seconds
-        entry[1] += launches
+    grouped = by_kind(window.events)
     lines += ["| kernel kind | ms per step | share | launches per step |", "|---|---|---|---|"]
-    lines += [f"| {kind} | {1e3 * s:.2f} | {100 * s / total:.0f}% | {n:.0f} |"
-              for kind, (s, n) in sorted(by_kind.items(), key=lambda item: -item[1][0])]
-    lines += [f"| total | {1e3 * total:.2f} | 100% | {sum(n for _, n in by_kind.values()):.0f} |", "",
+    lines += [f"| {kind} | {1e3 * s:.2f} | {100 * s / total:.0f}% | {n:.0f} |" for kind, (s, n, _) in grouped.items()]
+    lines += [f"| total | {1e3 * total:.2f} | 100% | {sum(n for _, n, _ in grouped.values()):.0f} |", "",
               "| kernel | kind | ms per step | launches per step |", "|---|---|---|---|"]
     heaviest = sorted(window.events.items(), key=lambda item: -item[1][0])[:top]
     return lines + [f"| `{name[:80]}` | {kind_of(name)} | {1e3 * s:.3f} | {n:.0f} |" for name, (s, n) in heaviest]

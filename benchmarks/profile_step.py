@@ -48,6 +48,18 @@ def kind_of(name: str) -> str:
     return next(kind for kind, pattern in KINDS if re.search(pattern, name, re.IGNORECASE))
 
 
+def by_kind(events: dict[str, tuple[float, float]]) -> dict[str, tuple[float, float, int]]:
+    """``device_events``' kernels grouped by ``kind_of``: ``{kind: (seconds, launches, kernels)}``,
+    the kinds with the most seconds first."""
+    kinds: dict[str, list] = {}
+    for name, (seconds, launches) in events.items():
+        entry = kinds.setdefault(kind_of(name), [0.0, 0.0, 0])
+        entry[0] += seconds
+        entry[1] += launches
+        entry[2] += 1
+    return {kind: tuple(entry) for kind, entry in sorted(kinds.items(), key=lambda item: -item[1][0])}
+
+
 def profile(model: Llama, backend: str, batch: int, context: int, steps: int,
             kv_dtype=None) -> tuple[dict[str, tuple[float, float]], list]:
     """((GPU seconds, launches) per step by kernel name, the step's weights)."""
@@ -91,25 +103,22 @@ def main(argv: list[str] | None = None) -> None:
         weight_bytes, kv_bytes = step_bytes(cfg, weights, args.batch, context)
         bounds = {"GEMM": weight_bytes / bandwidth, "attention": kv_bytes / bandwidth}
         total = sum(seconds.values())
-        by_kind: dict[str, float] = {}
-        for name, s in seconds.items():
-            by_kind[kind_of(name)] = by_kind.get(kind_of(name), 0.0) + s
+        kinds = by_kind(events)
         roofline = (weight_bytes + kv_bytes) / bandwidth
         lines += [f"**Context {context}**: GPU time {total * 1e3:.2f} ms per step; roofline {roofline * 1e3:.2f} ms "
                   f"({100 * roofline / total:.0f}% of the GPU time); {sum(launches.values()):.0f} launches per step.",
                   "", "| kind | ms per step | share | bound ms | kernels | launches per step |",
                   "|---|---|---|---|---|---|"]
-        for kind, s in sorted(by_kind.items(), key=lambda item: -item[1]):
-            names = [name for name in seconds if kind_of(name) == kind]
+        for kind, (s, n, kernels) in kinds.items():
             lines.append(f"| {kind} | {s * 1e3:.3f} | {100 * s / total:.1f}% | {bounds.get(kind, 0.0) * 1e3:.3f} "
-                         f"| {len(names)} | {sum(launches[name] for name in names):.0f} |")
+                         f"| {kernels} | {n:.0f} |")
         lines += ["", "| kernel | kind | us per step | launches per step |", "|---|---|---|---|"]
         for name, s in sorted(seconds.items(), key=lambda item: -item[1])[:args.top]:
             lines.append(f"| `{name[:90]}` | {kind_of(name)} | {s * 1e6:.1f} | {launches[name]:.0f} |")
         lines.append("")
         del weights
         gc.collect()                 # the next context's caches need this one's memory
-        print("\n".join(lines[-(len(by_kind) + args.top + 8):]), flush=True)
+        print("\n".join(lines[-(len(kinds) + args.top + 8):]), flush=True)
     heading = "Where a decode step's GPU time goes" + (f" ({args.kv_dtype} caches)" if args.kv_dtype else "")
     print(write_section(args.section, "\n".join(lines), heading=heading))
 
