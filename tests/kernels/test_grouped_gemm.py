@@ -42,3 +42,10 @@ def test_misshapen_blocks_are_named():
         grouped_gemm(jnp.zeros((40, 8)), jnp.zeros((3,), jnp.int32), jnp.zeros((2, 8, 4)), block_m=16)
     with pytest.raises(ValueError, match=r"must be \[E, 8, N\]"):
         grouped_gemm(jnp.zeros((32, 8)), jnp.zeros((2,), jnp.int32), jnp.zeros((2, 6, 4)), block_m=16)
+    rows, blocks, fp8 = jnp.zeros((32, 8)), jnp.zeros((2,), jnp.int32), jnp.zeros((2, 8, 4), jnp.float8_e4m3fn)
+    with pytest.raises(ValueError, match="weights of float8_e4m3fn need a scale"):
+        grouped_gemm(rows, blocks, fp8, block_m=16)
+    with pytest.raises(ValueError, match=r"scale \(and up_scale\) must be \(2, 2, 1\) for blocks \(4, 4\)"):
+        grouped_gemm(rows, blocks, fp8, block_m=16, scale=jnp.ones((2, 1, 1)), scale_block=(4, 4))
+    with pytest.raises(ValueError, match=r"scale \(and up_scale\) must be"):
+        grouped_gemm(rows, blocks, fp8, fp8, block_m=16, scale=jnp.ones((2, 2, 1)), scale_block=(4, 4))

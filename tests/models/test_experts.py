@@ -135,6 +135,11 @@ def test_bad_gemms_are_named():
     with pytest.raises(ValueError, match="no mixture of experts"):
         layers.set_expert_gemm(nnx.Linear(2, 2, rngs=nnx.Rngs(0)), "dense")
     x, weights, chosen = jnp.zeros((2, 4)), jnp.ones((2, 1)), jnp.zeros((2, 1), jnp.int32)
+    stack = experts.Fp8Stack(jnp.zeros((2, 4, 3), jnp.float8_e4m3fn), jnp.ones((2, 3)))
+    blocked = experts.Fp8Stack(jnp.zeros((2, 4, 3), jnp.float8_e4m3fn), jnp.ones((2, 2, 2)), (2, 2))
+    with pytest.raises(ValueError, match="gate_proj and up_proj must be scaled alike"):
+        jax.jit(functools.partial(experts.routed_experts, gemm="triton"))(x, weights, chosen, stack, blocked,
+                                                                          jnp.zeros((2, 3, 4)))
     with pytest.raises(ValueError, match="routed_experts: gemm must be"):
         experts.routed_experts(x, weights, chosen, jnp.zeros((2, 4, 3)), jnp.zeros((2, 4, 3)), jnp.zeros((2, 3, 4)),
                                gemm="cublas")
