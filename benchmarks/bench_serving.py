@@ -69,6 +69,7 @@ import dataclasses
 import datetime
 import gc
 import itertools
+import sys
 import tempfile
 import time
 from collections.abc import Sequence
@@ -102,7 +103,10 @@ HEADINGS = {"decode-heavy": "Serving: decode-heavy trace (benchmarks/bench_servi
 MODELS = {**{name: (Llama, cfg) for name, cfg in PRESETS.items()},
           "deepseek-v2-lite": (DeepSeek, DEEPSEEK_PRESETS["v2-lite-moe"])}
 TARGETS = {"decode-heavy": 85, "chat": 75, "shared-prefix": 75}   # % of the roofline
+PROGRESS_S = 30.0                # seconds between progress lines on stderr while a trace runs
 LOAD = 0.9                       # the Poisson trace's default rate, as a share of the saturation rate
+
+
 @dataclasses.dataclass(frozen=True)
 class Published:
     """A figure published elsewhere (not our run), a row of its trace's table."""
@@ -323,7 +327,8 @@ def serve(engine: Engine, trace: Sequence[TraceRequest], profile_at: Sequence[in
     stats_before = collections.Counter(engine.stats)
     steps_before = len(engine.step_records)
     windows = [StepWindow(at, profile_steps) for at in sorted(profile_at)]
-    start = time.perf_counter()
+    start = report_at = time.perf_counter()
+    generated = 0
     while pending or engine.has_work:
         now = time.perf_counter()
         while pending and start + pending[0].arrival <= now:
@@ -341,6 +346,11 @@ def serve(engine: Engine, trace: Sequence[TraceRequest], profile_at: Sequence[in
             if tokens:
                 first.setdefault(request.id, now)
                 last[request.id] = now
+                generated += len(tokens)
+        if now >= report_at + PROGRESS_S:      # a run cut by a time limit still says how far it got
+            report_at = now
+            print(f"[{now - start:.0f} s] {len(engine.step_records) - steps_before} steps, {len(requests)} of "
+                  f"{len(trace)} requests added, {generated:,} tokens generated", file=sys.stderr, flush=True)
         for window in windows:
             window.advance(len(engine.step_records) - steps_before)
     wall = max(last.values()) - start
@@ -567,8 +577,10 @@ def main(argv: list[str] | None = None) -> None:
                         num_pages=args.num_pages, max_step_tokens=args.max_step_tokens, backend=args.backend,
                         enable_prefix_caching=prefix_caching, overlap=not args.no_overlap, record_steps=True,
                         mesh=mesh)
+        print(f"warm-up: compiling {len(engine.buckets.shapes)} step shapes", file=sys.stderr, flush=True)
         setup.update(max_seqs=engine.max_seqs, num_pages=engine.num_pages, max_step_tokens=engine.max_step_tokens,
                      warmup_s=max(setup.get("warmup_s", 0.0), engine.warmup(sampled=False)))
+        print(f"warm-up done in {setup['warmup_s']:.0f} s; serving {len(trace)} requests", file=sys.stderr, flush=True)
         profile_at = [int(step) for step in args.profile_at.split(",") if step]
         result = summarize(serve(engine, trace, profile_at, args.profile_steps), costs, copy_rate, matmul_rate)
         del engine                               # its KV pool, before the next engine takes the memory

@@ -18,7 +18,7 @@ from tests.xla_dump import REPO
 @pytest.mark.parametrize("module", ["bench_tp", "bench_serving --trace shared-prefix", "bench_mla", "profile_calls",
                                     "bench_step_variants", "bench_speculative",
                                     "bench_serving --trace throughput --preset deepseek-v2-lite --moe-gemm dense "
-                                    "--profile-at 2", "bench_moe", "bench_moe --fp8",
+                                    "--profile-at 2", "bench_moe", "bench_moe --fp8", "tune_grouped_gemm --tokens 1",
                                     "profile_verify"])
 def test_smoke_run(module, tmp_path):
     env = dict(os.environ, OUT=str(tmp_path), JAX_PLATFORMS="cpu")

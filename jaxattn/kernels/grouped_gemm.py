@@ -13,24 +13,51 @@ expert, output channel or block) in the kernel before a dot in the rows' dtype (
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 import triton
 import triton.language as tl
 
-BLOCK_N = 64
-BLOCK_K = 64
+class Tiles(NamedTuple):
+    """A launch configuration: ``block_n x block_k`` weight tiles, ``num_warps``, ``num_stages``."""
+    block_n: int = 64
+    block_k: int = 64
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+def default_tiles(block_m: int, swiglu: bool, fp8: bool, scale_rows: int | None = None) -> Tiles:
+    """The launch configuration measured fastest on an H100 at DeepSeek-V2-Lite's expert shapes
+    (``K x N`` 2048 x 1408 with SwiGLU, 1408 x 2048 without; 1 and 512 tokens, 8 configurations;
+    benchmarks/RESULTS.md, "Grouped GEMM launch configurations"): bf16 weights take 128 x 64 tiles;
+    FP8 weights at decode blocks (16 rows) take deep tiles, which hide the FP8 conversion behind
+    the loads. With block scales ``scale_rows`` weight rows deep, the tile is made no deeper than
+    a block, so that each tile's rows share their scales (scaled once per tile, not per weight)."""
+    if not fp8:
+        return Tiles(128, 64, 4, 4)
+    if block_m <= 16:
+        tiles = Tiles(64, 256, 8, 3) if swiglu else Tiles(32, 128, 4, 4)
+    else:
+        tiles = Tiles(64, 64, 4, 3) if swiglu else Tiles(128, 64, 4, 4)
+    if scale_rows is not None and scale_rows % tiles.block_k:
+        depth = scale_rows & -scale_rows               # the largest power of two dividing a block's rows
+        if depth >= 16:
+            tiles = tiles._replace(block_k=min(tiles.block_k, depth))
+    return tiles
 
 
 @triton.jit
 def grouped_gemm_kernel(rows_ptr, block_expert_ptr, w_ptr, w2_ptr, s_ptr, s2_ptr, out_ptr, N: tl.constexpr,
-                        K: tl.constexpr, SWIGLU: tl.constexpr, SCALED: tl.constexpr, SCALE_ROWS: tl.constexpr,
-                        SCALE_COLS: tl.constexpr, BI: tl.constexpr, BO: tl.constexpr, DOT_F32: tl.constexpr,
-                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                        K: tl.constexpr, SWIGLU: tl.constexpr, SCALED: tl.constexpr, TILE_SCALES: tl.constexpr,
+                        SCALE_ROWS: tl.constexpr, SCALE_COLS: tl.constexpr, BI: tl.constexpr, BO: tl.constexpr,
+                        DOT_F32: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """``out[block] = rows[block] @ w[e]`` (``SWIGLU``: ``silu(rows @ w[e]) * (rows @ w2[e])``),
     ``e = block_expert[block]``; ``w, w2: [E, K, N]``, ``rows: [R, K]``, ``out: [R, N]``. With
-    ``SCALED``, ``w`` and ``w2`` are FP8 and multiplied by their scales ``s, s2: [E, SCALE_ROWS,
-    SCALE_COLS]`` (one per block of ``BI`` rows and ``BO`` columns) before each dot."""
+    ``SCALED``, ``w`` and ``w2`` are FP8 with scales ``s, s2: [E, SCALE_ROWS, SCALE_COLS]`` (one per
+    block of ``BI`` rows and ``BO`` columns): with ``TILE_SCALES`` (each ``BLOCK_K`` rows of a
+    tile share their scales) the tile's dot is scaled per column, otherwise every weight is."""
     block = tl.program_id(0)
     expert = tl.load(block_expert_ptr + block)
     if expert >= 0:
@@ -39,28 +66,18 @@ def grouped_gemm_kernel(rows_ptr, block_expert_ptr, w_ptr, w2_ptr, s_ptr, s2_ptr
         offs_k = tl.arange(0, BLOCK_K)
         a_ptrs = rows_ptr + offs_m[:, None] * K + offs_k[None, :]
         w_offsets = expert.to(tl.int64) * K * N + offs_k[:, None] * N + offs_n[None, :]
-        s_base = expert.to(tl.int64) * SCALE_ROWS * SCALE_COLS + (offs_n // BO)[None, :]
+        s_base = expert.to(tl.int64) * SCALE_ROWS * SCALE_COLS + offs_n // BO
         acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
         acc2 = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
         for k0 in range(0, K, BLOCK_K):
             k_in = (k0 + offs_k) < K
             w_mask = k_in[:, None] & (offs_n[None, :] < N)
-            s_offsets = s_base + ((k0 + offs_k) // BI)[:, None] * SCALE_COLS
             a = tl.load(a_ptrs, mask=k_in[None, :], other=0.0)
-            b = tl.load(w_ptr + w_offsets, mask=w_mask, other=0.0)
-            if SCALED:
-                b = (b.to(tl.float32) * tl.load(s_ptr + s_offsets, mask=w_mask, other=0.0)).to(a.dtype)
-            if DOT_F32:       # Triton's interpreter (CPU tests) multiplies float32 only
-                a = a.to(tl.float32)
-                b = b.to(tl.float32)
-            acc = tl.dot(a, b, acc)
+            acc = _tile_dot(a, w_ptr + w_offsets, w_mask, s_ptr, s_base, k0, offs_k, offs_n < N, acc, SCALED,
+                            TILE_SCALES, SCALE_COLS, BI, DOT_F32)
             if SWIGLU:
-                b2 = tl.load(w2_ptr + w_offsets, mask=w_mask, other=0.0)
-                if SCALED:
-                    b2 = (b2.to(tl.float32) * tl.load(s2_ptr + s_offsets, mask=w_mask, other=0.0)).to(a.dtype)
-                if DOT_F32:
-                    b2 = b2.to(tl.float32)
-                acc2 = tl.dot(a, b2, acc2)
+                acc2 = _tile_dot(a, w2_ptr + w_offsets, w_mask, s2_ptr, s_base, k0, offs_k, offs_n < N, acc2, SCALED,
+                                 TILE_SCALES, SCALE_COLS, BI, DOT_F32)
             a_ptrs += BLOCK_K
             w_offsets += BLOCK_K * N
         if SWIGLU:
@@ -69,15 +86,34 @@ def grouped_gemm_kernel(rows_ptr, block_expert_ptr, w_ptr, w2_ptr, s_ptr, s2_ptr
                  mask=offs_n[None, :] < N)
 
 
+@triton.jit
+def _tile_dot(a, w_ptrs, w_mask, s_ptr, s_base, k0, offs_k, n_in, acc, SCALED: tl.constexpr,
+              TILE_SCALES: tl.constexpr, SCALE_COLS: tl.constexpr, BI: tl.constexpr, DOT_F32: tl.constexpr):
+    """``acc + a @ w`` over the ``BLOCK_K x BLOCK_N`` weight tile at rows ``k0 + offs_k`` (columns
+    ``n_in`` inside N), FP8 weights times their scales."""
+    b = tl.load(w_ptrs, mask=w_mask, other=0.0)
+    if SCALED and not TILE_SCALES:
+        b = b.to(tl.float32) * tl.load(s_ptr + s_base[None, :] + ((k0 + offs_k) // BI)[:, None] * SCALE_COLS,
+                                       mask=w_mask, other=0.0)
+    b = b.to(a.dtype)
+    if DOT_F32:       # Triton's interpreter (CPU tests) multiplies float32 only
+        a = a.to(tl.float32)
+        b = b.to(tl.float32)
+    if SCALED and TILE_SCALES:
+        return acc + tl.dot(a, b) * tl.load(s_ptr + s_base + (k0 // BI) * SCALE_COLS, mask=n_in, other=0.0)[None, :]
+    return tl.dot(a, b, acc)
+
+
 def grouped_gemm(rows: jax.Array, block_expert: jax.Array, weights: jax.Array, up: jax.Array | None = None, *,
                  block_m: int, scale: jax.Array | None = None, up_scale: jax.Array | None = None,
-                 scale_block: tuple[int, int] = (1, 1)) -> jax.Array:
+                 scale_block: tuple[int, int] = (1, 1), tiles: Tiles | None = None) -> jax.Array:
     """``[R, N]``: each ``block_m``-row block of ``rows [R, K]`` times its expert's ``weights
     [E, K, N]`` (with ``up``: ``silu(rows @ weights) * (rows @ up)``, SwiGLU's gate and up), the
     experts given by ``block_expert int32[R / block_m]`` (-1: a block no group uses, its output
     rows unwritten). ``R`` must be a multiple of ``block_m`` (>= 16, a power of two). FP8 weights
     come with float32 ``scale`` (and ``up_scale``) ``[E, ceil(K / bi), ceil(N / bo)]``,
-    ``scale_block = (bi, bo)``: dequantized in the kernel, so the weights are read as FP8."""
+    ``scale_block = (bi, bo)``: dequantized in the kernel, so the weights are read as FP8.
+    ``tiles``: the launch configuration (default: ``default_tiles``)."""
     from jaxattn.kernels.triton_call import triton_call
 
     num_rows, k = rows.shape
@@ -97,10 +133,14 @@ def grouped_gemm(rows: jax.Array, block_expert: jax.Array, weights: jax.Array, u
     # unscaled: the weights stand in for the scale pointers, which the kernel then never reads
     scales = (weights, weights) if scale is None else (scale, scale if up_scale is None else up_scale)
     scale_rows, scale_cols = (1, 1) if scale is None else scale.shape[1:]
+    if tiles is None:
+        tiles = default_tiles(block_m, up is not None, scale is not None, bi if scale_rows > 1 else None)
+    tile_scales = scale_rows == 1 or bi % tiles.block_k == 0
     (out,) = triton_call(
         rows, block_expert.astype(jnp.int32), weights, weights if up is None else up, *scales,
         kernel=grouped_gemm_kernel, out_shape=[jax.ShapeDtypeStruct((num_rows, n), rows.dtype)],
-        grid=(num_rows // block_m, triton.cdiv(n, BLOCK_N)), num_warps=4, num_stages=3,
-        N=n, K=k, SWIGLU=up is not None, SCALED=scale is not None, SCALE_ROWS=scale_rows, SCALE_COLS=scale_cols,
-        BI=bi, BO=bo, DOT_F32=jax.default_backend() == "cpu", BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K)
+        grid=(num_rows // block_m, triton.cdiv(n, tiles.block_n)), num_warps=tiles.num_warps,
+        num_stages=tiles.num_stages, N=n, K=k, SWIGLU=up is not None, SCALED=scale is not None,
+        TILE_SCALES=tile_scales, SCALE_ROWS=scale_rows, SCALE_COLS=scale_cols, BI=bi, BO=bo,
+        DOT_F32=jax.default_backend() == "cpu", BLOCK_M=block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k)
     return out

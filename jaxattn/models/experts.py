@@ -8,10 +8,14 @@ computed by one of three GEMM strategies, chosen per step shape (``choose_gemm``
   * ``"triton"``: ``jaxattn.kernels.grouped_gemm``, the copies grouped by expert in blocks, each
     block multiplied by its own expert: reads only the experts the tokens touch, routed FLOPs only.
 
-Measured (benchmarks/RESULTS.md, "moe_grouped_gemm", H200, 2026-11-27): dense beat ragged_dot at
-every size from 1 to 2,048 tokens on the four MoE shapes (1.02x to 6.34x), so the GPU takes dense;
-the Triton kernel is not yet measured there and is taken only when asked for. Off the GPU
-(tests, CPU serving) ragged_dot does the exact work.
+Measured (benchmarks/RESULTS.md, "moe_grouped_gemm", H100, 2026-11-27; four MoE shapes, 1 to
+2,048 tokens): dense beat ragged_dot at every size (1.03x to 6.2x); the Triton kernel beat dense
+at 1 token (3.0x to 4.8x), at 8 tokens of the shapes with 60-128 experts (1.4x to 1.7x) and at
+512-2,048 tokens of those (1.2x to 3.5x), and lost at 32-128 tokens (0.84x to 0.97x; 1.02x once)
+and at Mixtral's 8-512 (down to 0.34x). The GPU still takes dense: a served DeepSeek-V2-Lite trace
+with the Triton experts did not finish inside a 250 s limit where the whole dense run took under
+195 s (98 s of it serving), which is not yet understood. Off the GPU (tests, CPU serving)
+ragged_dot does the exact work.
 """
 
 from __future__ import annotations
@@ -67,7 +71,7 @@ Stack = Union[jax.Array, Fp8Stack]      # an expert weight stack: in the model's
 def choose_gemm(tokens: int, experts: int, k: int) -> str:
     """The strategy ``routed_experts`` takes for ``gemm="auto"`` at ``tokens`` tokens, ``experts``
     local experts and ``k`` experts per token (static: a compiled step shape)."""
-    del tokens, experts, k       # one measured winner at every size so far (module docstring)
+    del tokens, experts, k       # dense until a served trace with "triton" is measured (module docstring)
     return "dense" if jax.default_backend() == "gpu" else "ragged_dot"
 
 

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxattn.kernels.grouped_gemm import grouped_gemm
+from jaxattn.kernels.grouped_gemm import Tiles, grouped_gemm
 from tests.paged_inputs import rel_error
 
 
@@ -36,6 +36,34 @@ def test_blocks_take_their_experts(on_platform, swiglu, block_m, k, n):
     if on_platform == "cpu":            # the interpreter starts outputs as NaN: unused blocks stay so
         assert np.isnan(np.asarray(out[used:])).all()
 
+
+
+@pytest.mark.parametrize("scale_block, tiles", [
+    ((100, 1), Tiles()),                        # per output channel: one scale row, scaled per tile
+    ((32, 16), Tiles(block_n=32, block_k=32)),  # blocks a whole number of tiles deep: scaled per tile
+    ((8, 8), Tiles()),                          # blocks finer than a tile: every weight scaled
+])
+def test_fp8_weights_are_scaled_in_the_kernel(on_platform, scale_block, tiles):
+    rng = np.random.default_rng()
+    dtype = jnp.float32 if on_platform == "cpu" else jnp.bfloat16
+    block_m, k, n = 16, 100, 72
+    block_expert = np.array([1, 0, 1, -1], np.int32)
+    rows = rng.normal(size=(block_expert.size * block_m, k)).astype(np.float32)
+    gate, up = (jnp.asarray(rng.normal(size=(2, k, n)) * 8, jnp.float8_e4m3fn) for _ in range(2))
+    scale_shape = (2, -(-k // scale_block[0]), -(-n // scale_block[1]))
+    scale, up_scale = (rng.uniform(0.5, 2.0, size=scale_shape).astype(np.float32) / 8 for _ in range(2))
+    run = jax.jit(functools.partial(grouped_gemm, block_m=block_m, scale_block=scale_block, tiles=tiles))
+    out = run(jnp.asarray(rows, dtype), jnp.asarray(block_expert), gate, up, scale=jnp.asarray(scale),
+              up_scale=jnp.asarray(up_scale))
+
+    def dequantized(w, s):
+        s = np.repeat(np.repeat(s, scale_block[0], axis=1)[:, :k], scale_block[1], axis=2)[:, :, :n]
+        return np.asarray(w, np.float32) * s
+
+    used = 3 * block_m
+    expert = np.repeat(block_expert[:3], block_m)
+    g, u = (np.einsum("rk,rkn->rn", rows[:used], dequantized(w, s)[expert]) for w, s in ((gate, scale), (up, up_scale)))
+    assert rel_error(out[:used], g / (1 + np.exp(-g)) * u) < (1e-5 if dtype == jnp.float32 else 2e-2)
 
 def test_misshapen_blocks_are_named():
     with pytest.raises(ValueError, match="blocks of 16 rows"):

@@ -1,0 +1,101 @@
+"""Launch-configuration sweep for the Triton grouped GEMM of a mixture of experts (one device run).
+
+    python -m benchmarks.tune_grouped_gemm [--model deepseek-v2-lite] [--tokens 1,512] [--trials 10] [--smoke]
+
+``jaxattn.kernels.grouped_gemm`` alone (no routing, no gather or combine), at one model's expert
+shapes (``benchmarks.bench_moe.SHAPES``): SwiGLU's gate and up (``dim x F``, two weight stacks)
+and down (``F x dim``), bf16 and FP8 weights (per-channel scales), the token copies spread evenly
+over the experts they touch (``min(E, tokens k)``) in the blocks ``routed_experts`` would make.
+Every configuration of ``CONFIGS`` is timed (GPU time per call from the profiler, median of
+``--trials``); one that needs more shared memory than the GPU has is reported as such. The same
+weights are read at every trial: at 1 token the touched experts' weights (35-69 MB at
+DeepSeek-V2-Lite's shapes) partly stay in the H100's 50 MB L2, so the times there are a lower
+bound. The fastest per case is what ``grouped_gemm.default_tiles`` takes. Writes the
+grouped-gemm-tiles section of benchmarks/TUNING.md (``--smoke``: tiny shapes on the CPU, only
+``$OUT``).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from benchmarks.bench_moe import SHAPES, SMOKE
+from benchmarks.common import TUNING, command_line, device_name, device_seconds, utc_now, write_section
+from jaxattn.kernels.grouped_gemm import Tiles, default_tiles, grouped_gemm
+from jaxattn.models.experts import block_rows
+
+CONFIGS = (Tiles(64, 64, 4, 3), Tiles(32, 128, 4, 4), Tiles(32, 256, 4, 3), Tiles(64, 128, 4, 4),
+           Tiles(128, 64, 4, 4), Tiles(64, 256, 8, 3), Tiles(16, 256, 4, 4), Tiles(128, 128, 8, 3))
+
+
+def block_experts(tokens: int, experts: int, k: int, block_m: int) -> np.ndarray:
+    """``int32[blocks]``: the expert of each block when ``tokens k`` copies spread evenly over
+    ``min(E, tokens k)`` experts, -1 past the last group (``routed_experts``' block count)."""
+    copies = tokens * k
+    touched = min(experts, copies)
+    blocks = -(-(copies + touched * (block_m - 1)) // block_m)
+    per_expert = [copies // touched + (e < copies % touched) for e in range(touched)]
+    used = np.concatenate([np.full(-(-c // block_m), e, np.int32) for e, c in enumerate(per_expert)])
+    return np.concatenate([used, np.full(blocks - used.size, -1, np.int32)])
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.tune_grouped_gemm",
+                                     description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="deepseek-v2-lite", choices=list(SHAPES))
+    parser.add_argument("--tokens", default="1,512", help="tokens per call, comma-separated")
+    parser.add_argument("--trials", type=int, default=10)
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes and configurations (CPU, seconds)")
+    args = parser.parse_args(argv)
+    shape = next(iter(SMOKE.values())) if args.smoke else SHAPES[args.model]
+    configs = (Tiles(32, 32, 4, 1), Tiles(64, 32, 4, 1)) if args.smoke else CONFIGS
+    rng = np.random.default_rng(0)
+    rows_out = []
+    for tokens in [int(t) for t in args.tokens.split(",")]:
+        block_m = block_rows(tokens, shape.experts, shape.k)
+        block_expert = jnp.asarray(block_experts(tokens, shape.experts, shape.k, block_m))
+        for fp8 in (False, True):
+            for k, n, swiglu in ((shape.dim, shape.hidden, True), (shape.hidden, shape.dim, False)):
+                rows = jnp.asarray(rng.normal(size=(block_expert.size * block_m, k)), jnp.bfloat16)
+                dtype, magnitude = (jnp.float8_e4m3fn, 8.0) if fp8 else (jnp.bfloat16, k ** -0.5)
+                stacks = [jnp.asarray(rng.normal(size=(shape.experts, k, n)) * magnitude, dtype)
+                          for _ in range(2 if swiglu else 1)]
+                scales = {}
+                if fp8:
+                    scale = jnp.full((shape.experts, 1, n), k ** -0.5 / magnitude, jnp.float32)
+                    scales = dict(scale=scale, scale_block=(k, 1), **({"up_scale": scale} if swiglu else {}))
+                times = {}
+                for tiles in configs:
+                    run = jax.jit(lambda r, b, *w, tiles=tiles: grouped_gemm(r, b, *w, block_m=block_m, tiles=tiles,
+                                                                               **scales))
+                    try:
+                        run(rows, block_expert, *stacks).block_until_ready()
+                    except jax.errors.JaxRuntimeError as error:     # the tiles need more shared memory
+                        print(f"{tuple(tiles)}: {str(error).splitlines()[0][:160]}", flush=True)
+                        continue
+                    times[tiles] = device_seconds(lambda: run(rows, block_expert, *stacks), args.trials)
+                fastest = min(times, key=times.get)
+                chosen = default_tiles(block_m, swiglu, fp8)
+                cells = [str(tokens), "bf16" if not fp8 else "FP8", f"{k} x {n}" + (" SwiGLU" if swiglu else ""),
+                         str(block_m), str(block_expert.size),
+                         *[f"{1e6 * times[t]:.1f}" if t in times else "smem" for t in configs],
+                         str(tuple(fastest)), f"{times[chosen] / times[fastest]:.2f}" if chosen in times else "-"]
+                rows_out.append("| " + " | ".join(cells) + " |")
+                print(rows_out[-1], flush=True)
+    columns = ["tokens", "weights", "K x N", "block rows", "blocks",
+               *[f"{t.block_n}x{t.block_k} w{t.num_warps} s{t.num_stages} us" for t in configs],
+               "fastest (block_n, block_k, warps, stages)", "default_tiles / fastest"]
+    lines = [f"Device: {device_name()}; {utc_now()}; jax {jax.__version__}; model shapes {args.model}; GPU time per "
+             "call (profiler), median of the trials; smem: needs more shared memory than the GPU has.",
+             f"Command: `{command_line()}`", "",
+             "| " + " | ".join(columns) + " |", "|" + "---|" * len(columns), *rows_out]
+    print(write_section("grouped-gemm-tiles", "\n".join(lines), path=TUNING, update=not args.smoke,
+                        heading="Triton grouped GEMM launch configurations (benchmarks/tune_grouped_gemm.py)"))
+
+
+if __name__ == "__main__":
+    main()
