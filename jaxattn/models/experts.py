@@ -84,17 +84,17 @@ def routed_experts(x: jax.Array, weights: jax.Array, chosen: jax.Array, gate_pro
     experts). ``x [T, dim]``, ``weights [T, k]`` in x's dtype, ``chosen int32[T, k]``; ``gemm``:
     one of ``GEMMS`` or "auto" (``choose_gemm``); ``ragged_dot(lhs, rhs, group_sizes)``: the
     grouped GEMM of "ragged_dot" (``benchmarks/bench_moe.py`` compares tokamax's). A stack may be an
-    ``Fp8Stack``: "triton" reads its FP8 values and scales in the kernel, the others dequantize it
-    first (XLA may fuse that into the GEMM's operand)."""
+    ``Fp8Stack``: "triton" reads its FP8 values and scales in the kernel, "dense" converts them
+    and scales its products (``_expert_einsum``), "ragged_dot" dequantizes the stack first."""
     if gemm == "auto":
         gemm = choose_gemm(x.shape[0], gate_proj.shape[0], chosen.shape[1])
     if gemm == "triton":
         return _triton(x, weights, chosen, gate_proj, up_proj, down_proj, first)
-    gate_proj, up_proj, down_proj = (w.dequantize(x.dtype) if isinstance(w, Fp8Stack) else w
-                                     for w in (gate_proj, up_proj, down_proj))
     if gemm == "dense":
         return _dense(x, weights, chosen, gate_proj, up_proj, down_proj, first)
     if gemm == "ragged_dot":
+        gate_proj, up_proj, down_proj = (w.dequantize(x.dtype) if isinstance(w, Fp8Stack) else w
+                                         for w in (gate_proj, up_proj, down_proj))
         return _ragged(x, weights, chosen, gate_proj, up_proj, down_proj, first, ragged_dot)
     raise ValueError(f"routed_experts: gemm must be 'auto' or one of {GEMMS}, got {gemm!r}")
 
@@ -136,11 +136,24 @@ def _ragged(x, weights, chosen, gate_proj, up_proj, down_proj, first, ragged_dot
 
 def _dense(x, weights, chosen, gate_proj, up_proj, down_proj, first):
     experts = gate_proj.shape[0]
-    hidden = jax.nn.silu(jnp.einsum("td,edf->etf", x, gate_proj)) * jnp.einsum("td,edf->etf", x, up_proj)
-    out = jnp.einsum("etf,efd->etd", hidden.astype(x.dtype), down_proj)
+    hidden = jax.nn.silu(_expert_einsum("td,edf->etf", x, gate_proj)) * _expert_einsum("td,edf->etf", x, up_proj)
+    out = _expert_einsum("etf,efd->etd", hidden.astype(x.dtype), down_proj)
     # one_hot of another device's expert (out of 0..E-1) is a zero row: that copy adds nothing
     routing = jnp.sum(jax.nn.one_hot(chosen - first, experts, dtype=x.dtype) * weights[:, :, None], axis=1)
     return jnp.einsum("etd,te->td", out, routing).astype(x.dtype)
+
+
+def _expert_einsum(spec: str, lhs: jax.Array, stack: Stack) -> jax.Array:
+    """``einsum(spec, lhs, W)`` ``[E, T, out]`` in lhs's dtype. FP8 values with per-expert or
+    per-column scales are only converted to lhs's dtype, which XLA can fuse into the GEMM's operand
+    (the weights then read as FP8), and their scales multiply the product; block scales vary along
+    the contraction, so such a stack is dequantized first."""
+    if not isinstance(stack, Fp8Stack):
+        return jnp.einsum(spec, lhs, stack)
+    if stack.block is not None:
+        return jnp.einsum(spec, lhs, stack.dequantize(lhs.dtype))
+    product = jnp.einsum(spec, lhs, stack.values.astype(lhs.dtype))
+    return (product * stack.scale.reshape(stack.shape[0], 1, -1)).astype(lhs.dtype)
 
 
 def block_rows(tokens: int, experts: int, k: int) -> int:

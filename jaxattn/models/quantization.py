@@ -147,7 +147,8 @@ class Fp8Experts(nnx.Module):
     / bi), ceil(out / bo)]`` with ``block_size=(bi, bo)``): the drop-in for a ``layers.MoE``'s
     stacked ``nnx.Param``, on the same logical ``axes`` (scales split like the dimensions they
     cover). ``stack()`` gives the ``experts.Fp8Stack`` that ``routed_experts`` computes with: the
-    Triton grouped GEMM reads the FP8 values and scales, the other strategies dequantize first."""
+    Triton grouped GEMM reads the FP8 values and scales, "dense" converts the values and scales
+    its products (per-expert and per-channel scales), the rest dequantize first."""
 
     def __init__(self, kernel: jax.Array, scale: jax.Array, *, block_size: tuple[int, int] | None = None,
                  axes: layers.Axes = (None, None, None)):
