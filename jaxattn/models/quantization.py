@@ -102,11 +102,12 @@ class Fp8Linear(nnx.Module):
     like both dimensions (a shard then holds whole blocks when its rows and columns are multiples
     of the block).
 
-    The call dequantizes the kernel (the FP8 values times their broadcast scales, in float32,
-    rounded once to ``dtype``) and runs one dot in ``dtype``: on a GPU, XLA fuses the dequantization
-    into the producer of the GEMM's operand, so weights are read from memory as FP8, but the GEMM
-    itself runs in ``dtype``. A native scaled FP8 GEMM (FP8 activations, tensor-core FP8) is later
-    work."""
+    The call runs one dot in ``dtype``. Per-tensor and per-channel scales are constant along the
+    contraction, so the FP8 values are only converted to ``dtype`` (exactly: e4m3 fits bf16),
+    a convert XLA can fuse into the GEMM's operand so that the weights are read as FP8, and the
+    scales multiply the product; block scales vary along the contraction, so such a kernel is
+    dequantized first (the values times their broadcast scales in float32, rounded once to
+    ``dtype``). A native scaled FP8 GEMM (FP8 activations, tensor-core FP8) is later work."""
 
     def __init__(self, kernel: jax.Array, scale: jax.Array, bias: jax.Array | None = None, *,
                  block_size: tuple[int, int] | None = None, dtype: str | jnp.dtype = "bfloat16",
@@ -137,7 +138,12 @@ class Fp8Linear(nnx.Module):
 
     def __call__(self, x: jax.Array) -> jax.Array:
         """``x [..., in]`` -> ``[..., out]`` in the layer's dtype."""
-        y = jax.lax.dot_general(x.astype(self.dtype), self.weight(), (((x.ndim - 1,), (0,)), ((), ())))
+        dims = (((x.ndim - 1,), (0,)), ((), ()))
+        if isinstance(self.granularity, str):      # one scale per column: it scales the product
+            y = jax.lax.dot_general(x.astype(self.dtype), self.kernel[...].astype(self.dtype), dims)
+            y = (y * self.scale[...]).astype(self.dtype)
+        else:
+            y = jax.lax.dot_general(x.astype(self.dtype), self.weight(), dims)
         return y if self.bias is None else y + self.bias[...]
 
 
