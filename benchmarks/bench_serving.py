@@ -79,7 +79,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from benchmarks.common import copy_bandwidth, device_name, gemm_rate, trace_events, write_section
+from benchmarks.common import (copy_bandwidth, device_name, gemm_rate, kernel_profile_options, trace_events,
+                               write_section)
 from benchmarks.profile_step import by_kind, kind_of
 from jaxattn.cli_args import tp_mesh
 from jaxattn.engine import Engine
@@ -387,7 +388,7 @@ class StepWindow:
         """Starts or stops the profile once ``done`` steps of the trace have run."""
         if self._dir is None and self.events is None and done >= self.at and not finished:
             self._dir, self.first = tempfile.TemporaryDirectory(), done
-            jax.profiler.start_trace(self._dir.name)
+            jax.profiler.start_trace(self._dir.name, profiler_options=kernel_profile_options())
         elif self._dir is not None and (done >= self.first + self.steps or finished):
             jax.profiler.stop_trace()
             self.last = done

@@ -390,11 +390,21 @@ def device_events(fn: Callable[[], object], calls: int) -> dict[str, tuple[float
     streams (from ``jax.profiler``), over ``calls`` calls, divided by ``calls``. XLA traces the
     kernels of a command buffer one by one while profiling."""
     with tempfile.TemporaryDirectory() as trace_dir:
-        with jax.profiler.trace(trace_dir):
+        with jax.profiler.trace(trace_dir, profiler_options=kernel_profile_options()):
             for _ in range(calls):
                 out = fn()
             jax.block_until_ready(out)
         return trace_events(trace_dir, calls)
+
+
+def kernel_profile_options() -> jax.profiler.ProfileOptions:
+    """``jax.profiler`` options for a profile read only for its GPU kernels: no Python tracer
+    (which records every Python call of a serving loop's host work) and no HLO protos (every
+    compiled executable's, a 27-layer model's step buckets included, written out at the end)."""
+    options = jax.profiler.ProfileOptions()
+    options.python_tracer_level = 0
+    options.enable_hlo_proto = False
+    return options
 
 
 def trace_events(trace_dir: str, calls: float) -> dict[str, tuple[float, float]]:
