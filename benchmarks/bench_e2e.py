@@ -35,7 +35,7 @@ import jaxattn
 from benchmarks.common import (PAGE, Budget, copy_bandwidth, device_free_bytes, profiled, time_steps, write_json,
                                write_section)
 from benchmarks.engine_step import decode_step, fits, step_bytes
-from jaxattn.models.llama import PRESETS, Llama
+from jaxattn.serve.models.llama import PRESETS, Llama
 
 
 @functools.partial(jax.jit, donate_argnames=("caches", "table"))

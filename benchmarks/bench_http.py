@@ -49,7 +49,7 @@ import numpy as np
 
 from benchmarks.bench_serving import lognormal_lengths, percentiles
 from benchmarks.common import write_section
-from jaxattn.serve.process import free_port, wait_healthy
+from jaxattn.serve.http.process import free_port, wait_healthy
 
 SECTION, HEADING = "http", "HTTP serving vs the in-process engine (benchmarks/bench_http.py)"
 # What the structured-output requests ask for: an object with free strings and numbers, as tool
@@ -142,10 +142,10 @@ def run_engine(args: argparse.Namespace, trace: list[TraceRequest]) -> dict:
     from flax import nnx
 
     from benchmarks.common import device_name
-    from jaxattn.engine import Engine
-    from jaxattn.models.llama import PRESETS, Llama
-    from jaxattn.sampling import SamplingParams
-    from jaxattn.structured_output import GrammarCompiler, StructuredOutputs
+    from jaxattn.serve.engine import Engine
+    from jaxattn.serve.models.llama import PRESETS, Llama
+    from jaxattn.serve.sampling import SamplingParams
+    from jaxattn.serve.structured_output import GrammarCompiler, StructuredOutputs
 
     cfg = PRESETS[args.preset] if args.layers is None else PRESETS[args.preset].replace(num_layers=args.layers)
     compiler = None
@@ -336,7 +336,7 @@ def report(args: argparse.Namespace, trace: list[TraceRequest], engine: dict, ht
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from jaxattn.models.llama import PRESETS
+    from jaxattn.serve.models.llama import PRESETS
 
     parser = argparse.ArgumentParser(prog="python -m benchmarks.bench_http", description=__doc__.split("\n\n")[0])
     parser.add_argument("--preset", default="llama3-8b", choices=sorted(PRESETS), help="model shapes (random weights)")
@@ -365,7 +365,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from jaxattn.models.llama import PRESETS
+    from jaxattn.serve.models.llama import PRESETS
 
     args = build_parser().parse_args(argv)
     if args.smoke:

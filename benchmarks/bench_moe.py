@@ -5,7 +5,7 @@ against the copy and matmul rates measured in the same run.
         [--tokens 1,8,32,128,512,2048] [--trials 20] [--fp8] [--smoke]
 
 One MoE layer's routed experts (no router, no shared expert), random bf16 weights, each token
-routed to k distinct experts drawn uniformly (seed 0), by each of ``jaxattn.models.experts``'
+routed to k distinct experts drawn uniformly (seed 0), by each of ``jaxattn.serve.models.experts``'
 strategies (``GEMMS``: "ragged_dot", three ``jax.lax.ragged_dot`` over the token copies grouped
 by expert; "dense", every expert on every token, E / k times the FLOPs; "triton", the Triton
 grouped GEMM over expert-aligned blocks), and "tokamax" (``tokamax.ragged_dot`` in place of
@@ -33,8 +33,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.common import copy_bandwidth, device_name, device_seconds, gemm_rate, rel_error, write_section
-from jaxattn.models.experts import GEMMS, Fp8Stack, choose_gemm, routed_experts
-from jaxattn.models.quantization import quantize_stack
+from jaxattn.serve.models.experts import GEMMS, Fp8Stack, choose_gemm, routed_experts
+from jaxattn.serve.models.quantization import quantize_stack
 
 
 @dataclasses.dataclass(frozen=True)

@@ -19,11 +19,11 @@ One trace per call (random weights; every length drawn with seed 0, and written 
   * throughput: 300 requests of 1000 prompt and 1000 generated tokens, all at once (vLLM's
     ``benchmark_throughput --input-len 1000 --output-len 1000 --num-prompts 300``, the workload of
     the DeepSeek-Coder-V2-Lite figures this project started from).
-Presets: the Llama family's (``jaxattn.models.llama.PRESETS``, mixtures of experts included:
+Presets: the Llama family's (``jaxattn.serve.models.llama.PRESETS``, mixtures of experts included:
 qwen1.5-moe-a2.7b, qwen3-30b-a3b, mixtral-8x7b) and deepseek-v2-lite (MLA + 64 experts, 6 per
 token). ``--tp N`` serves on N devices (tensor parallelism; with ``--enable-expert-parallel``
 the experts whole per device); ``--quantization fp8`` serves FP8 linears and experts; ``--moe-gemm`` fixes how
-the experts are computed (``jaxattn.models.experts``; default: per step shape). A preset, mesh,
+the experts are computed (``jaxattn.serve.models.experts``; default: per step shape). A preset, mesh,
 quantization or expert GEMM other than the defaults writes a section of its own. ``--profile-at``
 adds the GPU kernels of a few steps from those steps of the trace, by kind (``StepWindow``):
 where a mixed or a decode step's time goes inside the engine's own buckets.
@@ -82,15 +82,15 @@ from flax import nnx
 from benchmarks.common import (copy_bandwidth, device_name, gemm_rate, kernel_profile_options, trace_events,
                                write_section)
 from benchmarks.profile_step import by_kind, kind_of
-from jaxattn.cli_args import tp_mesh
-from jaxattn.engine import Engine
-from jaxattn.models.base import page_bytes
-from jaxattn.models.deepseek import PRESETS as DEEPSEEK_PRESETS
-from jaxattn.models.deepseek import DeepSeek
-from jaxattn.models.experts import GEMMS
-from jaxattn.models.layers import EXPERT_AXES, MoE, set_expert_gemm
-from jaxattn.models.llama import PRESETS, Llama, shard_model
-from jaxattn.models.quantization import METHODS, quantize
+from jaxattn.serve.cli_args import tp_mesh
+from jaxattn.serve.engine import Engine
+from jaxattn.serve.models.base import page_bytes
+from jaxattn.serve.models.deepseek import PRESETS as DEEPSEEK_PRESETS
+from jaxattn.serve.models.deepseek import DeepSeek
+from jaxattn.serve.models.experts import GEMMS
+from jaxattn.serve.models.layers import EXPERT_AXES, MoE, set_expert_gemm
+from jaxattn.serve.models.llama import PRESETS, Llama, shard_model
+from jaxattn.serve.models.quantization import METHODS, quantize
 
 TRACES = ("decode-heavy", "chat", "shared-prefix", "poisson", "throughput")
 SECTIONS = {"decode-heavy": "serving_decode-heavy", "chat": "serving_chat", "shared-prefix": "serving",
@@ -516,9 +516,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--enable-expert-parallel", action="store_true",
                         help="with --tp: each device holds whole experts (a mixture-of-experts preset)")
     parser.add_argument("--quantization", choices=METHODS, default=None,
-                        help="FP8 weights (jaxattn.models.quantization.quantize: the blocks' linears)")
+                        help="FP8 weights (jaxattn.serve.models.quantization.quantize: the blocks' linears)")
     parser.add_argument("--moe-gemm", choices=["auto", *GEMMS], default="auto",
-                        help="how a mixture of experts computes its experts (jaxattn.models.experts)")
+                        help="how a mixture of experts computes its experts (jaxattn.serve.models.experts)")
     parser.add_argument("--requests", type=int, default=None, help="requests in the trace (default: the trace's)")
     parser.add_argument("--max-seqs", type=int, default=None, help="sequences in flight (default: the Engine's)")
     parser.add_argument("--num-pages", type=int, default=None,

@@ -7,7 +7,7 @@
 Random weights make acceptance meaningless, so the table reports bounds (greedy requests, all at
 once, ``--context`` prompt tokens and ``--output`` generated tokens each):
   * per batch B, the engine without speculation (its ms per step is a decode step's);
-  * per K, an "oracle" drafter (``jaxattn.speculative``) given each request's greedy continuation
+  * per K, an "oracle" drafter (``jaxattn.serve.speculative``) given each request's greedy continuation
     as the engine without speculation produced it: every draft is kept, the upper bound;
   * per K, the oracle given tokens the model never picks (each token of that continuation + 1):
     no draft is kept, so its ms per step is a verify step's and its tokens/s the overhead bound;
@@ -37,8 +37,8 @@ from flax import nnx
 
 from benchmarks.bench_serving import TraceRequest, serve
 from benchmarks.common import device_name, write_section
-from jaxattn.engine import Engine
-from jaxattn.models.llama import PRESETS, Llama
+from jaxattn.serve.engine import Engine
+from jaxattn.serve.models.llama import PRESETS, Llama
 
 PHRASE = 16
 COLUMNS = ("B", "speculation", "K", "tokens / row-step", "ms / step", "vs no speculation", "TPOT ms p50", "tokens/s",

@@ -4,7 +4,7 @@ masks, with logprobs (Llama-3-8B shapes, random weights, the decode shape of 128
     python -m benchmarks.bench_step_variants [--preset llama3-8b] [--layers 8] [--max-seqs 128] [--backend triton]
         [--steps 20] [--smoke]
 
-Each variant (``engine_step.StepRunner.padding_inputs``; with token masks, the step and its pick
+Each variant (``jaxattn.serve.step.StepRunner.padding_inputs``; with token masks, the step and its pick
 launched apart, as structured output's are; every row a padding row, so attention
 reads nothing and the rest of the step, the LM head over every row included, runs in full) is
 timed as GPU busy time per step under the profiler (``steps`` steps after warm-up; on a CPU, none),
@@ -28,9 +28,9 @@ from flax import nnx
 
 from benchmarks.bench_http import JSON_SCHEMA, synthetic_tokenizer
 from benchmarks.common import device_busy_seconds, device_name
-from jaxattn.engine import Engine
-from jaxattn.models.llama import PRESETS, Llama
-from jaxattn.structured_output import GrammarCompiler, StructuredOutputs, fill_masks, mask_words
+from jaxattn.serve.engine import Engine
+from jaxattn.serve.models.llama import PRESETS, Llama
+from jaxattn.serve.structured_output import GrammarCompiler, StructuredOutputs, fill_masks, mask_words
 
 VARIANTS = {
     "greedy": {}, "greedy + logprobs": dict(logprobs=True), "greedy + token masks": dict(masked=True),

@@ -42,7 +42,7 @@ from benchmarks.common import (Case, copy_bandwidth, device_event_seconds, devic
                                time_steps, write_json, write_section)
 from benchmarks.engine_step import decode_step, fits, step_bytes
 from jaxattn.kv_cache import pool_sharding
-from jaxattn.models.llama import PRESETS, Llama, LlamaConfig, shard_model
+from jaxattn.serve.models.llama import PRESETS, Llama, LlamaConfig, shard_model
 
 # The targets: N-GPU / 1-GPU tokens/s by context at batch 64 (8B shapes), share of the roofline.
 SPEEDUP_TARGETS = {4096: 1.7, 16384: 1.85}

@@ -13,9 +13,9 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 import jaxattn
 from benchmarks.common import PAGE
 from jaxattn.attention import backend_for
-from jaxattn.engine_step import DraftState, SpecRows, make_engine_step
-from jaxattn.models.llama import Llama
-from jaxattn.speculative import SpeculativeConfig
+from jaxattn.serve.models.llama import Llama
+from jaxattn.serve.speculative import SpeculativeConfig
+from jaxattn.serve.step import DraftState, SpecRows, make_engine_step
 
 
 def fill(model: Llama, batch: int, context: int, steps: int, seed: int, mesh: Mesh | None = None,

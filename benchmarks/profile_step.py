@@ -31,7 +31,7 @@ from benchmarks.common import (
     write_section,
 )
 from benchmarks.engine_step import decode_step, step_bytes
-from jaxattn.models.llama import PRESETS, Llama
+from jaxattn.serve.models.llama import PRESETS, Llama
 
 # (kind, pattern of kernel names), first match wins
 KINDS = [

@@ -23,7 +23,7 @@ from flax import nnx
 
 from benchmarks.common import device_name, device_seconds, profiled, write_section
 from benchmarks.engine_step import decode_step
-from jaxattn.models.llama import PRESETS, Llama
+from jaxattn.serve.models.llama import PRESETS, Llama
 
 
 def step_seconds(model: Llama, backend: str, batch: int, context: int, draft_tokens: int,

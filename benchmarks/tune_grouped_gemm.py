@@ -26,7 +26,7 @@ import numpy as np
 from benchmarks.bench_moe import SHAPES, SMOKE
 from benchmarks.common import TUNING, command_line, device_name, device_seconds, utc_now, write_section
 from jaxattn.kernels.grouped_gemm import Tiles, default_tiles, grouped_gemm
-from jaxattn.models.experts import block_rows
+from jaxattn.serve.models.experts import block_rows
 
 CONFIGS = (Tiles(64, 64, 4, 3), Tiles(32, 128, 4, 4), Tiles(32, 256, 4, 3), Tiles(64, 128, 4, 4),
            Tiles(128, 64, 4, 4), Tiles(64, 256, 8, 3), Tiles(16, 256, 4, 4), Tiles(128, 128, 8, 3))

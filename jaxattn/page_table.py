@@ -5,7 +5,7 @@ same jitted step as attention. Costs are O(N * max_pages_per_seq) for N requests
 comparison of the request ids): nothing searches the pool.
 
 Prefix caching splits between the host and this table. The host page pool
-(``jaxattn.scheduler.PagePool``, owned by the Engine's scheduler) keeps the hash map from a chain
+(``jaxattn.serve.scheduler.PagePool``, owned by the Engine's scheduler) keeps the hash map from a chain
 of prompt tokens (page i's key hashes its tokens with page i-1's key) to the page holding their
 K/V, and an LRU order of the cached pages no sequence holds. The table keeps
 a ``cached`` flag per page and three operations: ``mark_cached`` flags full pages once their K/V

@@ -26,7 +26,7 @@ def _drop_compiled_functions():
     process (about 900 tests, thousands of compilations) passed Linux's vm.max_map_count (65530),
     and the next compilation segfaulted."""
     yield
-    from jaxattn.engine_step import _jitted_step
+    from jaxattn.serve.step import _jitted_step
 
     _jitted_step.cache_clear()
     jax.clear_caches()

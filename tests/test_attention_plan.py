@@ -14,13 +14,13 @@ from flax import nnx
 
 import jaxattn
 from jaxattn import attention_plan
-from jaxattn.engine import Engine
-from jaxattn.models.deepseek import PRESETS as DEEPSEEK_PRESETS
-from jaxattn.models.deepseek import DeepSeek
-from jaxattn.models.llama import PRESETS, Llama
+from jaxattn.serve.engine import Engine
+from jaxattn.serve.models.deepseek import PRESETS as DEEPSEEK_PRESETS
+from jaxattn.serve.models.deepseek import DeepSeek
+from jaxattn.serve.models.llama import PRESETS, Llama
 from tests.mla_inputs import make_mla_problem
 from tests.paged_inputs import make_problem, reference, rel_error
-from tests.test_engine_step import trace_step
+from tests.serve.test_step import trace_step
 from tests.test_sharding import run_on_cpu_devices
 
 FP8 = "float8_e4m3fn"

@@ -206,8 +206,8 @@ def test_serving_roofline_counts_the_experts_a_step_touches():
     from flax import nnx
 
     from benchmarks.bench_serving import model_costs, step_bound
-    from jaxattn.engine_step import StepRecord
-    from jaxattn.models.llama import PRESETS, Llama
+    from jaxattn.serve.models.llama import PRESETS, Llama
+    from jaxattn.serve.step import StepRecord
 
     cfg = PRESETS["qwen1.5-moe-a2.7b"]
     costs = model_costs(nnx.eval_shape(lambda: Llama(cfg, nnx.Rngs(0))), page_size=64)
@@ -228,8 +228,8 @@ def test_serving_roofline():
     from flax import nnx
 
     from benchmarks.bench_serving import busy_share, model_costs, step_bound
-    from jaxattn.engine_step import StepRecord
-    from jaxattn.models.llama import PRESETS, Llama
+    from jaxattn.serve.models.llama import PRESETS, Llama
+    from jaxattn.serve.step import StepRecord
 
     model = nnx.eval_shape(lambda: Llama(PRESETS["llama3-8b"], nnx.Rngs(0)))
     costs = model_costs(model, page_size=64)
@@ -333,8 +333,8 @@ def test_serving_breakdown_by_step_kind():
     from flax import nnx
 
     from benchmarks.bench_serving import breakdown, model_costs
-    from jaxattn.engine_step import StepRecord
-    from jaxattn.models.llama import PRESETS, Llama
+    from jaxattn.serve.models.llama import PRESETS, Llama
+    from jaxattn.serve.step import StepRecord
 
     costs = model_costs(nnx.eval_shape(lambda: Llama(PRESETS["tiny"], nnx.Rngs(0))), page_size=8)
 

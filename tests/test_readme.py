@@ -42,7 +42,7 @@ NOT_RUN = {
     '"/path/to/': "reads a local Hugging Face checkpoint at a placeholder path (and would download nothing); "
                   "test_hugging_face_block_on_a_tiny_checkpoint runs it with the path replaced",
     'base_url="http://127.0.0.1:8000/v1"': "talks to the server the bash block before it starts: "
-                                           "tests/test_serve.py::test_readme_http_serving_section runs both",
+                                           "tests/serve/http/test_app.py::test_readme_http_serving_section runs both",
 }
 
 
@@ -255,7 +255,7 @@ def test_hugging_face_block_on_a_tiny_checkpoint(tmp_path, capsys):
     from tests.conftest import require_parity
 
     require_parity()
-    from tests.models.hf_checkpoints import save_checkpoint, save_tokenizer
+    from tests.serve.models.hf_checkpoints import save_checkpoint, save_tokenizer
 
     save_checkpoint("llama", tmp_path)
     save_tokenizer(tmp_path)

@@ -1,11 +1,11 @@
 """``python -m jaxattn.serve``: the OpenAI-compatible HTTP server over one Engine.
 
 Serves a local Hugging Face checkpoint directory (``--model DIR``:
-``jaxattn.models.from_pretrained``, its ``tokenizer.json`` and chat template) or a random-weight
+``jaxattn.serve.models.from_pretrained``, its ``tokenizer.json`` and chat template) or a random-weight
 preset (``--preset NAME``, for benchmarks: prompts as token ids only, unless ``--tokenizer DIR``
 gives it a tokenizer). With a tokenizer and llguidance installed, requests may ask for
 structured output. One process serves one engine on ``--tp`` devices of this process, as
-``python -m jaxattn.demo --tp`` does. SIGTERM (or Ctrl-C) stops accepting connections, lets
+``python -m jaxattn.serve.demo --tp`` does. SIGTERM (or Ctrl-C) stops accepting connections, lets
 requests in flight finish for up to ``--shutdown-timeout`` seconds, then aborts the rest (their
 clients get a 503 error) and exits with status 0.
 """
@@ -22,16 +22,16 @@ import jax
 import uvicorn
 
 import jaxattn
-from jaxattn.cli_args import DTYPES, positive_int, tp_mesh
-from jaxattn.engine import Engine
-from jaxattn.models import from_pretrained
-from jaxattn.models.llama import PRESETS, random_model
-from jaxattn.models.quantization import METHODS
-from jaxattn.sampling import MAX_LOGPROBS
-from jaxattn.serve.app import MAX_REQUEST_BYTES, build_app
-from jaxattn.serve.loop import EngineLoop
-from jaxattn.serve.text import TextTokenizer
-from jaxattn.structured_output import GrammarCompiler
+from jaxattn.serve.cli_args import DTYPES, positive_int, tp_mesh
+from jaxattn.serve.engine import Engine
+from jaxattn.serve.http.app import MAX_REQUEST_BYTES, build_app
+from jaxattn.serve.http.loop import EngineLoop
+from jaxattn.serve.http.text import TextTokenizer
+from jaxattn.serve.models import from_pretrained
+from jaxattn.serve.models.llama import PRESETS, random_model
+from jaxattn.serve.models.quantization import METHODS
+from jaxattn.serve.sampling import MAX_LOGPROBS
+from jaxattn.serve.structured_output import GrammarCompiler
 
 __all__ = ["GracefulServer", "build_parser", "main"]
 

@@ -1,0 +1,145 @@
+"""experts.routed_experts: every GEMM strategy against a float64 reference (a device's share of
+the experts included: expert parallelism's ``first``), in bfloat16 against each other, through
+layers.MoE and set_expert_gemm, and the names of bad strategies."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from jaxattn.serve.models import experts, layers
+from tests.paged_inputs import rel_error
+
+
+def routing(rng: np.random.Generator, tokens: int, num_experts: int, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """``(weights float32[T, k], chosen int32[T, k])``: k distinct experts per token."""
+    chosen = np.argsort(rng.random((tokens, num_experts)), axis=1)[:, :k].astype(np.int32)
+    return rng.dirichlet(np.ones(k), size=tokens).astype(np.float32), chosen
+
+
+def expert_weights(rng: np.random.Generator, num_experts: int, dim: int, hidden: int) -> list[np.ndarray]:
+    return [(rng.normal(size=shape) / np.sqrt(shape[1])).astype(np.float32)
+            for shape in ((num_experts, dim, hidden), (num_experts, dim, hidden), (num_experts, hidden, dim))]
+
+
+def reference(x, weights, chosen, gate, up, down, first=0) -> np.ndarray:
+    """float64, one token copy at a time; copies for experts outside ``first .. first + E`` add nothing."""
+    x, gate, up, down = (np.asarray(a, np.float64) for a in (x, gate, up, down))
+    out = np.zeros_like(x)
+    for t, j in np.ndindex(chosen.shape):
+        e = chosen[t, j] - first
+        if 0 <= e < gate.shape[0]:
+            g = x[t] @ gate[e]
+            out[t] += weights[t, j] * ((g / (1 + np.exp(-g)) * (x[t] @ up[e])) @ down[e])
+    return out
+
+
+# (tokens, experts in the model, k, first local expert, local experts, dim, hidden)
+CASES = [(1, 8, 2, 0, 8, 64, 48), (5, 8, 2, 0, 8, 64, 48), (37, 8, 3, 4, 4, 100, 72), (64, 4, 2, 0, 4, 32, 16),
+         (130, 16, 4, 0, 16, 64, 80), (9, 16, 4, 12, 4, 64, 48)]
+
+
+@pytest.mark.parametrize("gemm", experts.GEMMS)
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "T{}-E{}-k{}-first{}-{}x{}".format(*c[:4], *c[5:]))
+def test_each_gemm_gives_the_routed_sum(gemm, case):
+    tokens, num_experts, k, first, local, dim, hidden = case
+    rng = np.random.default_rng()
+    weights, chosen = routing(rng, tokens, num_experts, k)
+    x = rng.normal(size=(tokens, dim)).astype(np.float32)
+    stacks = [w[first:first + local] for w in expert_weights(rng, num_experts, dim, hidden)]
+    run = jax.jit(functools.partial(experts.routed_experts, first=first, gemm=gemm))
+    out = run(jnp.asarray(x), jnp.asarray(weights), jnp.asarray(chosen), *map(jnp.asarray, stacks))
+    assert out.shape == (tokens, dim) and out.dtype == jnp.float32
+    assert rel_error(out, reference(x, weights, chosen, *stacks, first=first)) < 1e-5
+
+
+@pytest.mark.parametrize("gemm", experts.GEMMS)
+@pytest.mark.parametrize("block", [None, "tensor", (16, 32), (8, 8)])
+def test_fp8_stacks_compute_their_dequantized_experts(gemm, block):
+    """An ``Fp8Stack`` (per channel, per expert, or blocks of rows x columns) gives what its
+    dequantized float32 stack gives: the Triton kernel scales in the kernel, the others before."""
+    rng = np.random.default_rng()
+    weights, chosen = routing(rng, 21, 8, 2)
+    x = rng.normal(size=(21, 64)).astype(np.float32)
+    stacks = []
+    for w in expert_weights(rng, 8, 64, 48):
+        values = jnp.asarray(w * 16, jnp.float8_e4m3fn)
+        if block is None:
+            scale = rng.uniform(0.5, 2.0, size=(8, w.shape[2])) / 16
+        elif block == "tensor":
+            scale = rng.uniform(0.5, 2.0, size=(8,)) / 16
+        else:
+            scale = rng.uniform(0.5, 2.0, size=(8, -(-w.shape[1] // block[0]), -(-w.shape[2] // block[1]))) / 16
+        stacks.append(experts.Fp8Stack(values, jnp.asarray(scale, jnp.float32), None if block in (None, "tensor")
+                                       else block))
+    args = (jnp.asarray(x), jnp.asarray(weights), jnp.asarray(chosen))
+    out = jax.jit(functools.partial(experts.routed_experts, gemm=gemm))(*args, *stacks)
+    dequantized = [s.dequantize(jnp.float32) for s in stacks]
+    assert rel_error(out, reference(x, weights, chosen, *dequantized)) < 1e-5
+
+
+@pytest.mark.parametrize("gemm", ["dense", "triton"])
+def test_bfloat16_gemms_agree_with_ragged_dot(gemm):
+    rng = np.random.default_rng()
+    weights, chosen = routing(rng, 48, 16, 4)
+    args = [jnp.asarray(a, jnp.bfloat16) for a in (rng.normal(size=(48, 128)), weights)] + [jnp.asarray(chosen)]
+    stacks = [jnp.asarray(w, jnp.bfloat16) for w in expert_weights(rng, 16, 128, 96)]
+    out = jax.jit(functools.partial(experts.routed_experts, gemm=gemm))(*args, *stacks)
+    ragged = jax.jit(functools.partial(experts.routed_experts, gemm="ragged_dot"))(*args, *stacks)
+    assert out.dtype == jnp.bfloat16
+    assert rel_error(out, np.asarray(ragged.astype(jnp.float32))) < 2e-2
+
+
+def test_auto_takes_ragged_dot_off_the_gpu():
+    if jax.default_backend() != "gpu":
+        assert experts.choose_gemm(4, 64, 6) == "ragged_dot"
+    assert experts.choose_gemm(2048, 64, 6) in experts.GEMMS
+
+
+@pytest.mark.parametrize("tokens, num_experts, k, rows", [(1, 64, 6, 16), (64, 64, 6, 16), (256, 64, 6, 32),
+                                                           (2048, 8, 2, 64)])
+def test_block_rows_follow_the_copies_per_expert(tokens, num_experts, k, rows):
+    assert experts.block_rows(tokens, num_experts, k) == rows
+
+
+def moe(dtype: str = "float32") -> layers.MoE:
+    from tests.serve.models.test_moe import _Config
+
+    return layers.MoE(_Config(dtype=dtype), nnx.Rngs(0))
+
+
+def test_set_expert_gemm_reaches_every_moe():
+    from tests.serve.models.test_moe import moe_llama
+
+    model = moe_llama()
+    layers.set_expert_gemm(model, "triton")
+    assert {block.mlp.gemm for block in model.layers} == {"triton"}
+    x = jnp.asarray(np.random.default_rng().normal(size=(7, 32)), jnp.float32)
+    module = moe()
+    outs = {}
+    for gemm in experts.GEMMS:
+        layers.set_expert_gemm(module, gemm)
+        outs[gemm] = np.asarray(nnx.jit(lambda m, x: m(x))(module, x))
+    assert rel_error(outs["dense"], outs["ragged_dot"]) < 1e-5
+    assert rel_error(outs["triton"], outs["ragged_dot"]) < 1e-5
+
+
+def test_bad_gemms_are_named():
+    with pytest.raises(ValueError, match="gemm must be 'auto' or one of"):
+        layers.set_expert_gemm(moe(), "cublas")
+    with pytest.raises(ValueError, match="no mixture of experts"):
+        layers.set_expert_gemm(nnx.Linear(2, 2, rngs=nnx.Rngs(0)), "dense")
+    x, weights, chosen = jnp.zeros((2, 4)), jnp.ones((2, 1)), jnp.zeros((2, 1), jnp.int32)
+    stack = experts.Fp8Stack(jnp.zeros((2, 4, 3), jnp.float8_e4m3fn), jnp.ones((2, 3)))
+    blocked = experts.Fp8Stack(jnp.zeros((2, 4, 3), jnp.float8_e4m3fn), jnp.ones((2, 2, 2)), (2, 2))
+    with pytest.raises(ValueError, match="gate_proj and up_proj must be scaled alike"):
+        jax.jit(functools.partial(experts.routed_experts, gemm="triton"))(x, weights, chosen, stack, blocked,
+                                                                          jnp.zeros((2, 3, 4)))
+    with pytest.raises(ValueError, match="routed_experts: gemm must be"):
+        experts.routed_experts(x, weights, chosen, jnp.zeros((2, 4, 3)), jnp.zeros((2, 4, 3)), jnp.zeros((2, 3, 4)),
+                               gemm="cublas")
