@@ -14,7 +14,8 @@ at 1 token (3.0x to 4.8x), at 8 tokens of the shapes with 60-128 experts (1.4x t
 512-2,048 tokens of those (1.2x to 3.5x), and lost at 32-128 tokens (0.84x to 0.97x; 1.02x once)
 and at Mixtral's 8-512 (down to 0.34x). The GPU still takes dense: a served DeepSeek-V2-Lite trace
 with the Triton experts did not finish inside a 250 s limit where the whole dense run took under
-195 s (98 s of it serving), which is not yet understood. Off the GPU (tests, CPU serving)
+195 s (98 s of it serving); that path then searched its blocks with a while loop in every layer
+(fixed since: unrolled), not yet rerun. Off the GPU (tests, CPU serving)
 ragged_dot does the exact work.
 """
 
@@ -175,7 +176,7 @@ def _triton(x, weights, chosen, gate_proj, up_proj, down_proj, first):
     ends = jnp.cumsum(padded)
     place = jnp.where(here, (ends - padded)[jnp.minimum(group, experts - 1)] + rank, num_blocks * block_m)
     rows = jnp.zeros((num_blocks * block_m, x.shape[1]), x.dtype).at[place].set(jnp.repeat(x, k, axis=0), mode="drop")
-    block_expert = jnp.searchsorted(ends, jnp.arange(num_blocks) * block_m, side="right")
+    block_expert = jnp.searchsorted(ends, jnp.arange(num_blocks) * block_m, side="right", method="scan_unrolled")
     block_expert = jnp.where(block_expert < experts, block_expert, -1).astype(jnp.int32)
     stacks, scales = _operands(gate_proj, up_proj)
     hidden = grouped_gemm(rows, block_expert, *stacks, block_m=block_m, **scales)

@@ -143,3 +143,15 @@ def test_bad_gemms_are_named():
     with pytest.raises(ValueError, match="routed_experts: gemm must be"):
         experts.routed_experts(x, weights, chosen, jnp.zeros((2, 4, 3)), jnp.zeros((2, 4, 3)), jnp.zeros((2, 3, 4)),
                                gemm="cublas")
+
+
+@pytest.mark.parametrize("gemm", experts.GEMMS)
+def test_strategies_lower_to_straight_line_code(gemm):
+    """No strategy puts a loop in the step: a while loop on a GPU leaves command buffers and
+    syncs with the host at every trip (the Triton path's block search is unrolled)."""
+    rng = np.random.default_rng()
+    weights, chosen = routing(rng, 300, 64, 6)
+    stacks = [jnp.asarray(w) for w in expert_weights(rng, 64, 16, 8)]
+    run = jax.jit(functools.partial(experts.routed_experts, gemm=gemm))
+    hlo = run.lower(jnp.zeros((300, 16)), jnp.asarray(weights), jnp.asarray(chosen), *stacks).as_text()
+    assert "stablehlo.while" not in hlo
