@@ -4,19 +4,21 @@ against the copy and matmul rates measured in the same run.
     python -m benchmarks.bench_moe [--models deepseek-v2-lite,qwen1.5-moe-a2.7b,qwen3-30b-a3b,mixtral-8x7b]
         [--tokens 1,8,32,128,512,2048] [--trials 20] [--fp8] [--smoke]
 
-One MoE layer's routed experts (no router, no shared expert), random bf16 weights, each token
-routed to k distinct experts drawn uniformly (seed 0), by each of ``jaxattn.serve.models.experts``'
-strategies (``GEMMS``: "ragged_dot", three ``jax.lax.ragged_dot`` over the token copies grouped
-by expert; "dense", every expert on every token, E / k times the FLOPs; "triton", the Triton
-grouped GEMM over expert-aligned blocks), and "tokamax" (``tokamax.ragged_dot`` in place of
-``jax.lax.ragged_dot``) where tokamax is installed. Per row: GPU time per call (the profiler;
-median wall time on a CPU), the experts the tokens touch, the fastest variant and the one
-``choose_gemm`` takes for the models ("auto"), the fastest's touched experts' weight bytes over
-its time as a share of the copy rate and its routed FLOPs (2 x 3 x dim x F x k per token) over
-its time as a share of the matmul rate, and the fastest against ragged_dot. ``--fp8`` runs the same
-on FP8 expert stacks (per-channel scales; the Triton kernel reads FP8, the others dequantize
-first). Writes the "moe_grouped_gemm" (``--fp8``: "moe_grouped_gemm_fp8") section of
-benchmarks/RESULTS.md; ``--smoke`` runs tiny shapes (CPU, seconds) and writes only ``$OUT``.
+One MoE layer's routed experts (no router, no shared expert), random bf16 weights, each token routed
+to k distinct experts drawn uniformly (seed 0; the timed calls cycle through ``ROUTINGS`` routings,
+so that a call does not find its experts in L2 from the call before), by each of
+``jaxattn.serve.models.experts``' strategies (``GEMMS``: "ragged_dot", three ``jax.lax.ragged_dot``
+over the token copies grouped by expert; "dense", every expert on every token, E / k times the
+FLOPs; "triton", the Triton grouped GEMM over expert-aligned blocks), and "tokamax"
+(``tokamax.ragged_dot`` in place of ``jax.lax.ragged_dot``) where tokamax is installed. Per row: GPU
+time per call (the profiler; median wall time on a CPU), the experts the tokens touch, the fastest
+variant and the one ``choose_gemm`` takes for the models ("auto"), the fastest's touched experts'
+weight bytes over its time as a share of the copy rate and its routed FLOPs (2 x 3 x dim x F x k per
+token) over its time as a share of the matmul rate, and the fastest against ragged_dot. ``--fp8``
+runs the same on FP8 expert stacks (per-channel scales; the Triton kernel reads FP8, dense converts
+them and scales its products, ragged_dot dequantizes first). Writes the "moe_grouped_gemm"
+(``--fp8``: "moe_grouped_gemm_fp8") section of benchmarks/RESULTS.md; ``--smoke`` runs tiny shapes
+(CPU, seconds) and writes only ``$OUT``.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import dataclasses
 import datetime
 import functools
 import importlib.util
+import itertools
 from typing import Callable
 
 import jax
@@ -49,6 +52,7 @@ class Shape:
 SHAPES = {"deepseek-v2-lite": Shape(2048, 1408, 64, 6), "qwen1.5-moe-a2.7b": Shape(2048, 1408, 60, 4),
           "qwen3-30b-a3b": Shape(2048, 768, 128, 8), "mixtral-8x7b": Shape(4096, 14336, 8, 2)}
 SMOKE = {"tiny": Shape(64, 32, 8, 2)}
+ROUTINGS = 8                # routings the timed calls cycle through (seeds 0 .. ROUTINGS - 1)
 
 
 def tokamax_experts() -> Callable | None:
@@ -60,11 +64,16 @@ def tokamax_experts() -> Callable | None:
     return functools.partial(routed_experts, ragged_dot=tokamax.ragged_dot)
 
 
-def inputs(shape: Shape, tokens: int, seed: int = 0) -> tuple[jax.Array, ...]:
-    """``(x, weights, chosen, gate_proj, up_proj, down_proj)`` in bf16, uniform routing."""
+def routing(shape: Shape, tokens: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """``(weights float64[T, k], chosen int32[T, k])``: k distinct experts per token, uniform."""
     rng = np.random.default_rng(seed)
     chosen = np.argsort(rng.random((tokens, shape.experts)), axis=1)[:, :shape.k].astype(np.int32)
-    weights = rng.dirichlet(np.ones(shape.k), size=tokens)
+    return rng.dirichlet(np.ones(shape.k), size=tokens), chosen
+
+
+def inputs(shape: Shape, tokens: int, seed: int = 0) -> tuple[jax.Array, ...]:
+    """``(x, weights, chosen, gate_proj, up_proj, down_proj)`` in bf16, uniform routing."""
+    weights, chosen = routing(shape, tokens, seed)
     keys = jax.random.split(jax.random.key(seed), 4)
     x = jax.random.normal(keys[0], (tokens, shape.dim), jnp.bfloat16)
     scale = shape.dim ** -0.5
@@ -101,6 +110,9 @@ def main(argv: list[str] | None = None) -> None:
         expert_bytes = 3 * shape.dim * shape.hidden * (1 if args.fp8 else 2)
         for count in tokens:
             operands = inputs(shape, count)
+            # the calls cycle through ROUTINGS routings: a call's experts are not in L2 from the one before
+            routings = itertools.cycle([operands[2], *(jnp.asarray(routing(shape, count, seed)[1])
+                                                       for seed in range(1, ROUTINGS))])
             if args.fp8:
                 operands = (*operands[:3], *(Fp8Stack(*quantize_stack(w)) for w in operands[3:]))
             touched = len(np.unique(np.asarray(operands[2])))
@@ -108,7 +120,7 @@ def main(argv: list[str] | None = None) -> None:
             seconds = {}
             for name, fn in compiled.items():
                 errors.append(rel_error(fn(*operands), reference))
-                seconds[name] = device_seconds(lambda: fn(*operands), args.trials)
+                seconds[name] = device_seconds(lambda: fn(*operands[:2], next(routings), *operands[3:]), args.trials)
             fastest = min(seconds, key=seconds.get)
             flops = 2 * 3 * shape.dim * shape.hidden * shape.k * count
             cells = [model, str(count), f"{touched} / {shape.experts}", *[f"{1e6 * s:.1f}" for s in seconds.values()],
@@ -123,7 +135,8 @@ def main(argv: list[str] | None = None) -> None:
     lines = [
         f"Device: {device_name()}; date {datetime.date.today()}; jax {jax.__version__}; "
         f"{'FP8 experts (per-channel scales), bf16 activations' if args.fp8 else 'bf16'}; one MoE layer's routed "
-        f"experts, uniform random routing (seed 0); copy rate {copy_rate / 1e9:,.0f} GB/s (read + write), matmul "
+        f"experts, uniform random routing (seed 0; timed over {ROUTINGS} routings in turn); copy rate "
+        f"{copy_rate / 1e9:,.0f} GB/s (read + write), matmul "
         f"rate {matmul_rate / 1e12:.3g} TFLOP/s, measured in the same run. tokamax "
         f"{'measured' if 'tokamax' in variants else 'not installed: not measured'}.",
         f"Command: `{command}`",

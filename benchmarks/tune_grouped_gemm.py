@@ -7,10 +7,10 @@ shapes (``benchmarks.bench_moe.SHAPES``): SwiGLU's gate and up (``dim x F``, two
 and down (``F x dim``), bf16 and FP8 weights (per-channel scales), the token copies spread evenly
 over the experts they touch (``min(E, tokens k)``) in the blocks ``routed_experts`` would make.
 Every configuration of ``CONFIGS`` is timed (GPU time per call from the profiler, median of
-``--trials``); one that needs more shared memory than the GPU has is reported as such. The same
-weights are read at every trial: at 1 token the touched experts' weights (35-69 MB at
-DeepSeek-V2-Lite's shapes) partly stay in the H100's 50 MB L2, so the times there are a lower
-bound. The fastest per case is what ``grouped_gemm.default_tiles`` takes. Writes the
+``--trials``); one that needs more shared memory than the GPU has is reported as such. The calls
+cycle through ``ROTATIONS`` placements of the blocks over the experts, so that a call does not find
+its weights in L2 from the call before (the 2026-11-27 table predates this: at 1 token its weights
+partly stayed in the H100's 50 MB L2). The fastest per case is what ``grouped_gemm.default_tiles`` takes. Writes the
 grouped-gemm-tiles section of benchmarks/TUNING.md (``--smoke``: tiny shapes on the CPU, only
 ``$OUT``).
 """
@@ -18,6 +18,7 @@ grouped-gemm-tiles section of benchmarks/TUNING.md (``--smoke``: tiny shapes on 
 from __future__ import annotations
 
 import argparse
+import itertools
 
 import jax
 import jax.numpy as jnp
@@ -30,6 +31,7 @@ from jaxattn.serve.models.experts import block_rows
 
 CONFIGS = (Tiles(64, 64, 4, 3), Tiles(32, 128, 4, 4), Tiles(32, 256, 4, 3), Tiles(64, 128, 4, 4),
            Tiles(128, 64, 4, 4), Tiles(64, 256, 8, 3), Tiles(16, 256, 4, 4), Tiles(128, 128, 8, 3))
+ROTATIONS = 8               # placements of the blocks over the experts the timed calls cycle through
 
 
 def block_experts(tokens: int, experts: int, k: int, block_m: int) -> np.ndarray:
@@ -57,7 +59,11 @@ def main(argv: list[str] | None = None) -> None:
     rows_out = []
     for tokens in [int(t) for t in args.tokens.split(",")]:
         block_m = block_rows(tokens, shape.experts, shape.k)
-        block_expert = jnp.asarray(block_experts(tokens, shape.experts, shape.k, block_m))
+        blocks = block_experts(tokens, shape.experts, shape.k, block_m)
+        touched = min(shape.experts, tokens * shape.k)
+        placements = [jnp.asarray(np.where(blocks >= 0, (blocks + i * touched) % shape.experts, -1).astype(np.int32))
+                      for i in range(ROTATIONS)]
+        block_expert = placements[0]
         for fp8 in (False, True):
             for k, n, swiglu in ((shape.dim, shape.hidden, True), (shape.hidden, shape.dim, False)):
                 rows = jnp.asarray(rng.normal(size=(block_expert.size * block_m, k)), jnp.bfloat16)
@@ -77,7 +83,8 @@ def main(argv: list[str] | None = None) -> None:
                     except jax.errors.JaxRuntimeError as error:     # the tiles need more shared memory
                         print(f"{tuple(tiles)}: {str(error).splitlines()[0][:160]}", flush=True)
                         continue
-                    times[tiles] = device_seconds(lambda: run(rows, block_expert, *stacks), args.trials)
+                    turns = itertools.cycle(placements)
+                    times[tiles] = device_seconds(lambda: run(rows, next(turns), *stacks), args.trials)
                 fastest = min(times, key=times.get)
                 chosen = default_tiles(block_m, swiglu, fp8)
                 cells = [str(tokens), "bf16" if not fp8 else "FP8", f"{k} x {n}" + (" SwiGLU" if swiglu else ""),
