@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxattn.kernels.grouped_gemm import Tiles, grouped_gemm
+from jaxattn.kernels.grouped_gemm import Tiles, default_tiles, grouped_gemm
 from tests.paged_inputs import rel_error
 
 
@@ -77,3 +77,13 @@ def test_misshapen_blocks_are_named():
         grouped_gemm(rows, blocks, fp8, block_m=16, scale=jnp.ones((2, 1, 1)), scale_block=(4, 4))
     with pytest.raises(ValueError, match=r"scale \(and up_scale\) must be"):
         grouped_gemm(rows, blocks, fp8, fp8, block_m=16, scale=jnp.ones((2, 2, 1)), scale_block=(4, 4))
+
+
+def test_default_tiles_keep_a_tile_inside_a_scale_block():
+    """Block scales cap the tile's depth at the largest power of two dividing a block's rows, so
+    each tile's rows share one row of scales; blocks shallower than 16 rows leave it alone."""
+    assert default_tiles(16, True, True).block_k == 256
+    assert default_tiles(16, True, True, scale_depth=128).block_k == 128
+    assert default_tiles(16, True, True, scale_depth=96).block_k == 32
+    assert default_tiles(16, True, True, scale_depth=8).block_k == 256
+    assert default_tiles(64, True, False) == Tiles(128, 64, 4, 4)
