@@ -7,8 +7,10 @@ unwritten). A program computes one ``BLOCK_M x BLOCK_N`` tile of one block, so o
 that some row uses have their weights read (a decode batch that touches 6 of 64 experts reads 6),
 and at large batches each expert's tile is reused across its blocks from L2. With ``swiglu`` the
 kernel takes two weight stacks (gate, up) and writes ``silu(rows @ gate) * (rows @ up)``: the
-rows are read once for both. FP8 weights are read as FP8 and multiplied by their scales (per
-expert, output channel or block) in the kernel before a dot in the rows' dtype (weight-only FP8).
+rows are read once for both. FP8 weights are read as FP8 and converted to the rows' dtype for the
+dot (weight-only FP8); their scales (per expert, output channel or block) multiply each tile's
+product per column where a scale block is at least a tile deep, else every weight before the dot.
+The launch configuration is ``default_tiles``.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import jax
 import jax.numpy as jnp
 import triton
 import triton.language as tl
+
 
 class Tiles(NamedTuple):
     """A launch configuration: ``block_n x block_k`` weight tiles, ``num_warps``, ``num_stages``."""
@@ -31,10 +34,10 @@ class Tiles(NamedTuple):
 def default_tiles(block_m: int, swiglu: bool, fp8: bool, scale_depth: int | None = None) -> Tiles:
     """The launch configuration measured fastest on an H100 at DeepSeek-V2-Lite's expert shapes
     (``K x N`` 2048 x 1408 with SwiGLU, 1408 x 2048 without; 1 and 512 tokens, 8 configurations;
-    benchmarks/RESULTS.md, "Grouped GEMM launch configurations"): bf16 weights take 128 x 64 tiles;
-    FP8 weights at decode blocks (16 rows) take deep tiles, which hide the FP8 conversion behind
-    the loads. With block scales ``scale_depth`` weight rows deep, the tile is made no deeper than
-    a block, so that each tile's rows share their scales (scaled once per tile, not per weight)."""
+    benchmarks/TUNING.md, "grouped-gemm-tiles", from ``benchmarks.tune_grouped_gemm``): bf16 weights
+    take 128 x 64 tiles, FP8 weights at decode blocks (16 rows) deeper tiles. With block scales
+    ``scale_depth`` weight rows deep, the tile is made no deeper than a block, so that each tile's
+    rows share their scales (scaled once per tile, not per weight)."""
     if not fp8:
         return Tiles(128, 64, 4, 4)
     if block_m <= 16:
