@@ -27,7 +27,7 @@ import numpy as np
 from benchmarks.bench_moe import SHAPES, SMOKE
 from benchmarks.common import TUNING, command_line, device_name, device_seconds, utc_now, write_section
 from jaxattn.kernels.grouped_gemm import Tiles, default_tiles, grouped_gemm
-from jaxattn.serve.models.experts import block_rows
+from jaxattn.serve.models.experts import block_rows, num_blocks
 
 CONFIGS = (Tiles(64, 64, 4, 3), Tiles(32, 128, 4, 4), Tiles(32, 256, 4, 3), Tiles(64, 128, 4, 4),
            Tiles(128, 64, 4, 4), Tiles(64, 256, 8, 3), Tiles(16, 256, 4, 4), Tiles(128, 128, 8, 3))
@@ -39,7 +39,7 @@ def block_experts(tokens: int, experts: int, k: int, block_m: int) -> np.ndarray
     ``min(E, tokens k)`` experts, -1 past the last group (``routed_experts``' block count)."""
     copies = tokens * k
     touched = min(experts, copies)
-    blocks = -(-(copies + touched * (block_m - 1)) // block_m)
+    blocks = num_blocks(tokens, experts, k, block_m)
     per_expert = [copies // touched + (e < copies % touched) for e in range(touched)]
     used = np.concatenate([np.full(-(-c // block_m), e, np.int32) for e, c in enumerate(per_expert)])
     return np.concatenate([used, np.full(blocks - used.size, -1, np.int32)])

@@ -72,21 +72,22 @@ def grouped_gemm_kernel(rows_ptr, block_expert_ptr, w_ptr, w2_ptr, s_ptr, s2_ptr
         s_base = expert.to(tl.int64) * SCALE_ROWS * SCALE_COLS + offs_n // BO
         acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
         acc2 = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+        n_in = offs_n < N
         for k0 in range(0, K, BLOCK_K):
             k_in = (k0 + offs_k) < K
-            w_mask = k_in[:, None] & (offs_n[None, :] < N)
+            w_mask = k_in[:, None] & n_in[None, :]
             a = tl.load(a_ptrs, mask=k_in[None, :], other=0.0)
-            acc = _tile_dot(a, w_ptr + w_offsets, w_mask, s_ptr, s_base, k0, offs_k, offs_n < N, acc, SCALED,
-                            TILE_SCALES, SCALE_COLS, BI, DOT_F32)
+            acc = _tile_dot(a, w_ptr + w_offsets, w_mask, s_ptr, s_base, k0, offs_k, n_in, acc, SCALED, TILE_SCALES,
+                            SCALE_COLS, BI, DOT_F32)
             if SWIGLU:
-                acc2 = _tile_dot(a, w2_ptr + w_offsets, w_mask, s2_ptr, s_base, k0, offs_k, offs_n < N, acc2, SCALED,
+                acc2 = _tile_dot(a, w2_ptr + w_offsets, w_mask, s2_ptr, s_base, k0, offs_k, n_in, acc2, SCALED,
                                  TILE_SCALES, SCALE_COLS, BI, DOT_F32)
             a_ptrs += BLOCK_K
             w_offsets += BLOCK_K * N
         if SWIGLU:
             acc = acc * tl.sigmoid(acc) * acc2
         tl.store(out_ptr + offs_m[:, None] * N + offs_n[None, :], acc.to(out_ptr.dtype.element_ty),
-                 mask=offs_n[None, :] < N)
+                 mask=n_in[None, :])
 
 
 @triton.jit

@@ -15,8 +15,8 @@ at 1 token (3.0x to 4.8x), at 8 tokens of the shapes with 60-128 experts (1.4x t
 and at Mixtral's 8-512 (down to 0.34x). The GPU still takes dense: a served DeepSeek-V2-Lite trace
 with the Triton experts did not finish inside a 250 s limit where the whole dense run took under
 195 s (98 s of it serving); that path then searched its blocks with a while loop in every layer
-(fixed since: unrolled), not yet rerun. Off the GPU (tests, CPU serving)
-ragged_dot does the exact work.
+(fixed since: unrolled), not yet rerun. Off the GPU (tests, CPU serving) ragged_dot does the
+exact work.
 """
 
 from __future__ import annotations
@@ -163,20 +163,25 @@ def block_rows(tokens: int, experts: int, k: int) -> int:
     return min(64, max(16, 1 << (per_expert - 1).bit_length()))
 
 
+def num_blocks(tokens: int, experts: int, k: int, block_m: int) -> int:
+    """The Triton path's blocks at a step shape: at most ``min(E, T k)`` groups are used, each
+    padded by fewer than ``block_m`` rows."""
+    return -(-(tokens * k + min(experts, tokens * k) * (block_m - 1)) // block_m)
+
+
 def _triton(x, weights, chosen, gate_proj, up_proj, down_proj, first):
     from jaxattn.kernels.grouped_gemm import grouped_gemm
 
     tokens, k = chosen.shape
     experts = gate_proj.shape[0]
     block_m = block_rows(tokens, experts, k)
-    # at most min(E, T k) groups are used, each padded by fewer than block_m rows
-    num_blocks = -(-(tokens * k + min(experts, tokens * k) * (block_m - 1)) // block_m)
+    blocks = num_blocks(tokens, experts, k, block_m)
     here, group, counts, rank = _group(chosen, first, experts)
     padded = -(-counts[:experts] // block_m) * block_m
     ends = jnp.cumsum(padded)
-    place = jnp.where(here, (ends - padded)[jnp.minimum(group, experts - 1)] + rank, num_blocks * block_m)
-    rows = jnp.zeros((num_blocks * block_m, x.shape[1]), x.dtype).at[place].set(jnp.repeat(x, k, axis=0), mode="drop")
-    block_expert = jnp.searchsorted(ends, jnp.arange(num_blocks) * block_m, side="right", method="scan_unrolled")
+    place = jnp.where(here, (ends - padded)[jnp.minimum(group, experts - 1)] + rank, blocks * block_m)
+    rows = jnp.zeros((blocks * block_m, x.shape[1]), x.dtype).at[place].set(jnp.repeat(x, k, axis=0), mode="drop")
+    block_expert = jnp.searchsorted(ends, jnp.arange(blocks) * block_m, side="right", method="scan_unrolled")
     block_expert = jnp.where(block_expert < experts, block_expert, -1).astype(jnp.int32)
     stacks, scales = _operands(gate_proj, up_proj)
     hidden = grouped_gemm(rows, block_expert, *stacks, block_m=block_m, **scales)
