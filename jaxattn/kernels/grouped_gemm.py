@@ -139,6 +139,10 @@ def grouped_gemm(rows: jax.Array, block_expert: jax.Array, weights: jax.Array, u
     scale_rows, scale_cols = (1, 1) if scale is None else scale.shape[1:]
     if tiles is None:
         tiles = default_tiles(block_m, up is not None, scale is not None, bi if scale_rows > 1 else None)
+    elif not all(size >= 16 and size & (size - 1) == 0 for size in (tiles.block_n, tiles.block_k)) or \
+            tiles.num_warps < 1 or tiles.num_stages < 1:
+        raise ValueError(f"grouped_gemm: tiles need block_n and block_k powers of two >= 16 and positive warps and "
+                         f"stages, got {tiles}")
     tile_scales = scale_rows == 1 or bi % tiles.block_k == 0
     (out,) = triton_call(
         rows, block_expert.astype(jnp.int32), weights, weights if up is None else up, *scales,

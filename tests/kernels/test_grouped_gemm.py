@@ -77,6 +77,9 @@ def test_misshapen_blocks_are_named():
         grouped_gemm(rows, blocks, fp8, block_m=16, scale=jnp.ones((2, 1, 1)), scale_block=(4, 4))
     with pytest.raises(ValueError, match=r"scale \(and up_scale\) must be"):
         grouped_gemm(rows, blocks, fp8, fp8, block_m=16, scale=jnp.ones((2, 2, 1)), scale_block=(4, 4))
+    for tiles in (Tiles(block_n=24), Tiles(block_k=8), Tiles(num_warps=0)):
+        with pytest.raises(ValueError, match="grouped_gemm: tiles need block_n and block_k powers of two >= 16"):
+            grouped_gemm(rows, blocks, jnp.zeros((2, 8, 4)), block_m=16, tiles=tiles)
 
 
 def test_default_tiles_keep_a_tile_inside_a_scale_block():
