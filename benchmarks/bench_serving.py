@@ -504,7 +504,8 @@ def command(args: argparse.Namespace, layers: int) -> str:
               for name in ("max_seqs", "num_pages", "max_step_tokens") if getattr(args, name) is not None]
     parts += [f"--rate {args.rate:.4g}"] if args.rate is not None else []
     parts += [f"--profile-at {args.profile_at} --profile-steps {args.profile_steps}"] if args.profile_at else []
-    return " ".join(parts + (["--no-overlap"] if args.no_overlap else []) + (["--smoke"] if args.smoke else []))
+    parts += ["--no-overlap"] if args.no_overlap else []
+    return " ".join(parts + (["--unfused"] if args.unfused else []) + (["--smoke"] if args.smoke else []))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -530,6 +531,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rate", type=float, default=None,
                         help=f"poisson: requests/s (default: {LOAD} x the saturation rate measured first)")
     parser.add_argument("--no-overlap", action="store_true", help="Engine(overlap=False)")
+    parser.add_argument("--unfused", action="store_true", help="Engine(fuse_projections=False)")
     parser.add_argument("--profile-at", default="", metavar="STEP,...",
                         help="profile the GPU's kernels of --profile-steps steps from each of these steps of the "
                              "trace (e.g. 40,1500: a mixed and a decode-only window of the throughput trace)")
@@ -577,7 +579,7 @@ def main(argv: list[str] | None = None) -> None:
         engine = Engine(model, max_seqs=args.max_seqs, max_seq_len=max_seq_len, page_size=args.page_size,
                         num_pages=args.num_pages, max_step_tokens=args.max_step_tokens, backend=args.backend,
                         enable_prefix_caching=prefix_caching, overlap=not args.no_overlap, record_steps=True,
-                        mesh=mesh)
+                        mesh=mesh, fuse_projections=not args.unfused)
         print(f"warm-up: compiling {len(engine.buckets.shapes)} step shapes", file=sys.stderr, flush=True)
         setup.update(max_seqs=engine.max_seqs, num_pages=engine.num_pages, max_step_tokens=engine.max_step_tokens,
                      warmup_s=max(setup.get("warmup_s", 0.0), engine.warmup(sampled=False)))
@@ -607,7 +609,8 @@ def main(argv: list[str] | None = None) -> None:
     rows += [published_row(first_column, p) for p in PUBLISHED.get(args.trace, [])]
 
     engine_text = (f"{setup['max_seqs']} sequences in flight, {setup['max_step_tokens']} tokens per step, "
-                   f"{setup['num_pages']:,} pages of {args.page_size}, overlap {'off' if args.no_overlap else 'on'}")
+                   f"{setup['num_pages']:,} pages of {args.page_size}, overlap {'off' if args.no_overlap else 'on'}, "
+                   f"q/k/v and gate/up projections {'apart' if args.unfused else 'fused'}")
     gemm = "float32 256^3" if args.smoke else "bf16 8192^3"
     trace_text = {
         "chat": "lognormal lengths in the shape of ShareGPT (which cannot be downloaded here), not ShareGPT",

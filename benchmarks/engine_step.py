@@ -13,9 +13,11 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 import jaxattn
 from benchmarks.common import PAGE
 from jaxattn.attention import backend_for
-from jaxattn.serve.models.llama import Llama
+from jaxattn.serve.models import fusion
+from jaxattn.serve.models.llama import Llama, shard_model
 from jaxattn.serve.speculative import SpeculativeConfig
 from jaxattn.serve.step import DraftState, SpecRows, make_engine_step
+from jaxattn.sharding import num_head_shards, tensor_parallel_mesh
 
 
 def fill(model: Llama, batch: int, context: int, steps: int, seed: int, mesh: Mesh | None = None,
@@ -43,7 +45,7 @@ def fill(model: Llama, batch: int, context: int, steps: int, seed: int, mesh: Me
 
 
 def decode_step(model: Llama, backend: str, batch: int, context: int, steps: int, mesh: Mesh | None = None,
-                kv_dtype=None, draft_tokens: int = 0):
+                kv_dtype=None, draft_tokens: int = 0, fuse_projections: bool = True):
     """``(model_step, state, weights, plan)``: one greedy decode step of the engine as a function
     of its state (next tokens, caches, table, drafting), chained calls of which decode ``batch``
     sequences from ``context - 1`` tokens on (room for ``7 * steps + 8`` steps); the first state;
@@ -51,8 +53,14 @@ def decode_step(model: Llama, backend: str, batch: int, context: int, steps: int
     ``shard_model``), the caches and table are placed as ``Engine(mesh=)`` places them;
     ``kv_dtype``: the caches' (default the model's). With ``draft_tokens`` K > 0 it is the
     speculating engine's step instead (n-gram drafts, vLLM's default lookup): every row verifies
-    its K drafts in K + 1 query tokens and keeps what it accepts (random weights: about none)."""
+    its K drafts in K + 1 query tokens and keeps what it accepts (random weights: about none).
+    ``fuse_projections``: the model's q/k/v and gate/up projections fused first, in place, as the
+    ``Engine`` fuses them (``jaxattn.serve.models.fusion``; placed again over the ``mesh``)."""
     cfg = model.cfg
+    if fuse_projections:
+        fusion.fuse_projections(model, num_head_shards(*tensor_parallel_mesh(mesh)) if mesh is not None else 1)
+        if mesh is not None:
+            shard_model(model, mesh)
     step, weights = make_engine_step(model)
     row_tokens = draft_tokens + 1
     caches, table = fill(model, batch, context, row_tokens * (7 * steps + 8), seed=batch + context, mesh=mesh,

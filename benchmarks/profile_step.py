@@ -60,10 +60,11 @@ def by_kind(events: dict[str, tuple[float, float]]) -> dict[str, tuple[float, fl
     return {kind: tuple(entry) for kind, entry in sorted(kinds.items(), key=lambda item: -item[1][0])}
 
 
-def profile(model: Llama, backend: str, batch: int, context: int, steps: int,
-            kv_dtype=None) -> tuple[dict[str, tuple[float, float]], list]:
+def profile(model: Llama, backend: str, batch: int, context: int, steps: int, kv_dtype=None,
+            fuse_projections: bool = True) -> tuple[dict[str, tuple[float, float]], list]:
     """((GPU seconds, launches) per step by kernel name, the step's weights)."""
-    model_step, state, weights, _ = decode_step(model, backend, batch, context, steps, kv_dtype=kv_dtype)
+    model_step, state, weights, _ = decode_step(model, backend, batch, context, steps, kv_dtype=kv_dtype,
+                                                fuse_projections=fuse_projections)
     for _ in range(3):
         state = jax.block_until_ready(model_step(state))
     box = [state]
@@ -85,6 +86,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--top", type=int, default=12, help="kernels listed one by one")
     parser.add_argument("--kv-dtype", default=None, help="the caches' dtype (default the model's), e.g. float8_e4m3fn")
+    parser.add_argument("--unfused", action="store_true",
+                        help="q/k/v and gate/up projections apart (default: fused, as the Engine runs them)")
     parser.add_argument("--section", default="step_profile", help="the section of RESULTS.md it writes")
     args = parser.parse_args(argv)
     cfg = PRESETS[args.preset].replace(num_layers=args.layers)
@@ -92,12 +95,14 @@ def main(argv: list[str] | None = None) -> None:
     bandwidth = copy_bandwidth()
     lines = [f"Device: {device_name()}; date {datetime.date.today()}; jax {jax.__version__}; {args.preset} shapes, "
              f"{cfg.num_layers} layers, batch {args.batch}, backend {args.backend}, "
-             f"{args.kv_dtype or cfg.dtype} caches; copy rate {bandwidth / 1e12:.2f} TB/s (same run).",
+             f"{args.kv_dtype or cfg.dtype} caches, q/k/v and gate/up projections "
+             f"{'apart' if args.unfused else 'fused'}; copy rate {bandwidth / 1e12:.2f} TB/s (same run).",
              f"Command: `python -m benchmarks.profile_step --layers {args.layers} --batch {args.batch} "
              f"--contexts {args.contexts} --backend {args.backend}"
-             f"{f' --kv-dtype {args.kv_dtype}' if args.kv_dtype else ''}`", ""]
+             f"{f' --kv-dtype {args.kv_dtype}' if args.kv_dtype else ''}{' --unfused' if args.unfused else ''}`", ""]
     for context in (int(c) for c in args.contexts.split(",")):
-        events, weights = profile(model, args.backend, args.batch, context, args.steps, args.kv_dtype)
+        events, weights = profile(model, args.backend, args.batch, context, args.steps, args.kv_dtype,
+                                  not args.unfused)
         seconds = {name: s for name, (s, _) in events.items()}
         launches = {name: n for name, (_, n) in events.items()}
         weight_bytes, kv_bytes = step_bytes(cfg, weights, args.batch, context)

@@ -34,12 +34,15 @@ from jax.sharding import Mesh
 from jaxattn.backends import OPS, check_serves
 from jaxattn.checks import is_int, is_positive_int
 from jaxattn.kv_cache import LAYOUTS
+from jaxattn.serve.models import fusion
 from jaxattn.serve.models.base import ModelConfig, PagedModel, page_bytes
+from jaxattn.serve.models.layers import Decoder
 from jaxattn.serve.sampling import MAX_LOGPROBS, SamplingParams
 from jaxattn.serve.scheduler import PageUsage, Request, Schedule, Scheduler
 from jaxattn.serve.speculative import SpeculativeConfig
 from jaxattn.serve.step import StepBuckets, StepLaunch, StepRecord, StepRunner
 from jaxattn.serve.structured_output import GrammarCompiler
+from jaxattn.sharding import num_head_shards, tensor_parallel_mesh
 
 __all__ = ["Engine", "Request"]
 
@@ -122,6 +125,9 @@ class Engine:
         the model's ``vocab_size`` (None: loaded from ``speculative.model``, a checkpoint
         directory or a ``jaxattn.serve.models.llama`` preset, in the model's dtype). Its caches share
         the page table (same pages, own pools: ``num_pages`` counts both); not with ``mesh``.
+      fuse_projections: fuse the model's (and draft model's) q/k/v and gate/up projections in place,
+        for ``mesh``'s shard count (``jaxattn.serve.models.fusion``; models of
+        ``jaxattn.serve.models``: others are served as they are): one GEMM each, the same tokens.
 
     Raises ValueError naming the argument that does not fit. ``stats`` counts prompt tokens,
     cached tokens, computed tokens, evicted pages and preemptions (``jaxattn.serve.scheduler.Scheduler``).
@@ -133,7 +139,8 @@ class Engine:
                  prefill_chunk: int | None = DEFAULT_PREFILL_CHUNK, overlap: bool = True,
                  kv_memory_fraction: float = 0.9, record_steps: bool = False, max_logprobs: int = MAX_LOGPROBS,
                  grammar_compiler: GrammarCompiler | None = None,
-                 speculative: SpeculativeConfig | dict | str | None = None, draft_model: PagedModel | None = None):
+                 speculative: SpeculativeConfig | dict | str | None = None, draft_model: PagedModel | None = None,
+                 fuse_projections: bool = True):
         _check_model(model)
         check_serves(backend, model.attention_ops, where="Engine")
         for name, value in (("max_seq_len", max_seq_len), ("page_size", page_size)):
@@ -148,7 +155,7 @@ class Engine:
         if kv_dtype is not None and not _is_dtype(kv_dtype):
             raise ValueError(f"Engine: kv_dtype must be None (the model's dtype) or a dtype, got {kv_dtype!r}")
         for name, value in (("enable_prefix_caching", enable_prefix_caching), ("overlap", overlap),
-                            ("record_steps", record_steps)):
+                            ("record_steps", record_steps), ("fuse_projections", fuse_projections)):
             if not isinstance(value, bool):
                 raise ValueError(f"Engine: {name} must be a bool, got {value!r}")
         if not (is_int(max_logprobs) and 0 <= max_logprobs <= MAX_LOGPROBS):
@@ -174,6 +181,11 @@ class Engine:
                              f"(a mixed step's rows hold a token and its drafts), got {prefill_chunk}")
         draft_model = _draft_model(model, speculative, draft_model, backend, mesh)
         draft_scratch = draft_tokens if draft_model is not None else 0
+        if fuse_projections:
+            shards = num_head_shards(*tensor_parallel_mesh(mesh)) if mesh is not None else 1
+            for fusable in (model, draft_model):
+                if isinstance(fusable, Decoder):
+                    fusion.fuse_projections(fusable, shards)
         # a speculating row may start up to K tokens past the host's count, and writes K + 1 tokens
         # (and a draft model K more, past the kept ones)
         pages_per_seq = -(-(max_seq_len + 2 * draft_tokens + draft_scratch) // page_size)

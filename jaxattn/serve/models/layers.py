@@ -158,7 +158,11 @@ def lm_head(cfg: DecoderConfig, rngs: nnx.Rngs) -> nnx.Linear:
 
 class MLP(nnx.Module):
     """SwiGLU: ``down(silu(gate(x)) * up(x))``, hidden columns (``hidden_dim``, default the
-    config's) split on the logical axis "mlp"."""
+    config's) split on the logical axis "mlp". ``jaxattn.serve.models.fusion`` replaces
+    ``gate_proj`` and ``up_proj`` by one ``gate_up_proj [dim, 2 * hidden]`` of ``fused_shards``
+    groups (each: the gate columns, then the up columns, of ``hidden / fused_shards`` units)."""
+
+    fused_shards: int = 0     # 0: gate_proj and up_proj apart
 
     def __init__(self, cfg: DecoderConfig, rngs: nnx.Rngs, hidden_dim: int | None = None):
         hidden_dim = hidden_dim or cfg.hidden_dim
@@ -167,7 +171,11 @@ class MLP(nnx.Module):
         self.down_proj = linear(cfg, hidden_dim, cfg.dim, rngs, ("mlp", None))
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+        if not self.fused_shards:
+            return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate_up = self.gate_up_proj(x).reshape(*x.shape[:-1], self.fused_shards, 2, -1)
+        hidden = jax.nn.silu(gate_up[..., 0, :]) * gate_up[..., 1, :]
+        return self.down_proj(hidden.reshape(*x.shape[:-1], -1))
 
 
 class MoEConfig(Protocol):

@@ -12,7 +12,9 @@ columns), "mlp" (gate/up columns, down rows) and "vocab" (embedding rows, LM hea
 (XLA adds one all-reduce after each), vocab-parallel embedding and LM head. Each device then
 holds ``Hq / tp`` query heads and ``Hkv / tp`` KV heads. With more shards than KV heads, the k/v
 projections stay replicated and the caches hold ``tp`` KV heads, each original head repeated
-``tp / Hkv`` times (``jaxattn.sharding.replicate_kv_heads``, as vLLM does). A mixture of experts
+``tp / Hkv`` times (``jaxattn.sharding.replicate_kv_heads``, as vLLM does). The ``Engine`` serves
+the model with its q/k/v and gate/up projections fused (``jaxattn.serve.models.fusion``, laid out
+so that the same split holds). A mixture of experts
 splits every expert's hidden columns the same way ("expert_mlp"), or, after
 ``enable_expert_parallel`` (vLLM's ``--enable-expert-parallel``), gives each device
 ``num_experts / tp`` whole experts ("experts"; ``layers.ExpertParallel``), its shared expert
@@ -103,6 +105,13 @@ AttendFn = Callable[[int, jax.Array, jax.Array, jax.Array], jax.Array]
 
 
 class Attention(nnx.Module):
+    """GQA attention around the caller's ``attend``: q/k/v projections (with ``qkv_bias``), Qwen3's
+    q/k norms, RoPE, the o projection. ``jaxattn.serve.models.fusion`` replaces ``q_proj``,
+    ``k_proj`` and ``v_proj`` by one ``qkv_proj`` (``fused``) whose columns hold, per KV head,
+    its G = Hq / Hkv query heads, its key head and its value head."""
+
+    fused: bool = False
+
     def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs):
         self.cfg = cfg
         self.q_proj = layers.linear(cfg, cfg.dim, cfg.num_q_heads * cfg.head_dim, rngs, (None, "heads"),
@@ -119,14 +128,23 @@ class Attention(nnx.Module):
     def __call__(self, x: jax.Array, positions: jax.Array, attend: Callable) -> jax.Array:
         """x: [T, dim], positions: int32[T] -> [T, dim]."""
         cfg = self.cfg
-        q = self.q_proj(x).reshape(x.shape[0], cfg.num_q_heads, cfg.head_dim)
-        k = self.k_proj(x).reshape(x.shape[0], cfg.num_kv_heads, cfg.head_dim)
-        v = self.v_proj(x).reshape(x.shape[0], cfg.num_kv_heads, cfg.head_dim)
+        q, k, v = self.project(x)
         if cfg.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         inv_freq = rope_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
         q, k = rope(q, positions, inv_freq), rope(k, positions, inv_freq)
         return self.o_proj(attend(q, k, v).reshape(x.shape[0], -1))
+
+    def project(self, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """x: [T, dim] -> q [T, Hq, D], k and v [T, Hkv, D] (before norms and RoPE)."""
+        cfg, tokens = self.cfg, x.shape[0]
+        if not self.fused:
+            return (self.q_proj(x).reshape(tokens, cfg.num_q_heads, cfg.head_dim),
+                    self.k_proj(x).reshape(tokens, cfg.num_kv_heads, cfg.head_dim),
+                    self.v_proj(x).reshape(tokens, cfg.num_kv_heads, cfg.head_dim))
+        group = cfg.num_q_heads // cfg.num_kv_heads
+        qkv = self.qkv_proj(x).reshape(tokens, cfg.num_kv_heads, group + 2, cfg.head_dim)
+        return qkv[:, :, :group].reshape(tokens, cfg.num_q_heads, cfg.head_dim), qkv[:, :, group], qkv[:, :, group + 1]
 
 
 class Llama(layers.Decoder):

@@ -22,7 +22,7 @@ import jax
 from flax import nnx
 from jax.sharding import Mesh
 
-from jaxattn.serve.models.layers import Decoder, ExpertParallel, MoE
+from jaxattn.serve.models.layers import MLP, Decoder, ExpertParallel, MoE
 from jaxattn.sharding import MeshAxes, num_head_shards, tensor_parallel_mesh
 
 __all__ = ["enable_expert_parallel", "expert_parallel_axes", "param_shardings", "shard_model", "tensor_parallel_rules"]
@@ -89,13 +89,21 @@ def enable_expert_parallel(model: Decoder, mesh: Mesh, axes: MeshAxes = None) ->
 def param_shardings(model: Decoder, mesh: Mesh, axes: MeshAxes = None) -> nnx.State:
     """The ``NamedSharding`` of each of ``nnx.state(model)``'s weights for tensor parallelism over
     mesh ``axes`` (default: all the mesh's; on the mesh with Auto axis types), experts split whole
-    after ``enable_expert_parallel`` over the same mesh and axes (ValueError otherwise)."""
+    after ``enable_expert_parallel`` over the same mesh and axes (ValueError otherwise), fused
+    projections split by whole groups (``jaxattn.serve.models.fusion``; ValueError for MLPs fused
+    for a shard count the mesh's does not divide)."""
     mesh, axes = tensor_parallel_mesh(mesh, axes)
     placement = expert_parallel_axes(model)
     if placement is not None and placement != ExpertParallel(mesh, axes):
         raise ValueError(f"param_shardings: the model's experts are split over mesh axes {placement.axes!r} of "
                          f"another mesh (enable_expert_parallel); place it over that mesh, or enable expert "
                          f"parallelism again over this one")
+    num_shards = num_head_shards(mesh, axes)
+    grouped = {mlp.fused_shards for _, mlp in nnx.iter_graph(model) if isinstance(mlp, MLP) and mlp.fused_shards}
+    if any(groups % num_shards for groups in grouped):
+        raise ValueError(f"param_shardings: the model's MLPs are fused for {sorted(grouped)} shards, which "
+                         f"{num_shards} shards do not split into whole groups; fuse them for this mesh first: "
+                         f"jaxattn.serve.models.fusion.fuse_projections(model, {num_shards})")
     with nnx.logical_axis_rules(tensor_parallel_rules(model.cfg, mesh, axes, placement is not None)):
         return nnx.get_named_sharding(nnx.state(model), mesh)
 

@@ -1,0 +1,159 @@
+"""Fused projections: one GEMM where a checkpoint keeps several weights over the same input
+(vLLM's ``QKVParallelLinear`` and ``MergedColumnParallelLinear``, made after loading).
+
+``fuse_projections(model, shards)`` replaces, in place, each Llama attention's ``q_proj``,
+``k_proj`` and ``v_proj`` by one ``qkv_proj``, and each SwiGLU ``MLP``'s (dense, or a mixture's
+shared expert) ``gate_proj`` and ``up_proj`` by one ``gate_up_proj``. At decode sizes these
+GEMMs read their weights once per step, and three small GEMMs run further below the copy rate
+than one of their size (XLA otherwise concatenates the weights itself, every step, before a
+cuBLAS GEMM). The ``Engine`` fuses its model (``Engine(fuse_projections=True)``).
+
+The fused columns are laid out so that tensor parallelism stays a plain split of the columns:
+
+- ``qkv_proj [dim, Hkv * (G + 2) * D]`` (G = Hq / Hkv): per KV head, its G query heads, then its
+  key head and its value head, on the logical axis "kv_heads": any shard count that divides Hkv
+  holds whole groups. With more shards than KV heads the projections stay apart (k and v are
+  replicated there, q is split; an attention fused earlier is split again).
+- ``gate_up_proj [dim, 2F]``: ``shards`` groups, each the gate columns then the up columns of
+  F / shards hidden units, on the logical axis "mlp" (``MLP.fused_shards``): a mesh of tp shards,
+  tp dividing ``shards``, holds whole groups; fusing again for another count regroups them.
+
+FP8 parts (``Fp8Linear``) are fused in FP8: per-tensor scales become per-channel ones (exact),
+per-channel scales are laid out as the columns, block scales as the column blocks when every
+group of every part is a whole number of blocks. Parts that cannot be fused that way (block
+scales across a group, an FP8 part beside an unquantized one) stay apart, computed as before."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxattn.serve.models import layers
+from jaxattn.serve.models.llama import Attention
+from jaxattn.serve.models.quantization import Fp8Linear
+
+Linear = nnx.Linear | Fp8Linear
+
+
+def fuse_projections(model: layers.Decoder, shards: int = 1) -> layers.Decoder:
+    """Fuses ``model``'s projections in place for tensor parallelism over ``shards`` devices (1:
+    none) and returns it (module docstring). Idempotent; a model fused for another shard count
+    has its MLP groups regrouped (or split apart where ``shards`` cannot group them). ValueError
+    for a model that is not a decoder of ``jaxattn.serve.models``."""
+    if not isinstance(model, layers.Decoder):
+        raise ValueError(f"fuse_projections: model must be a jaxattn.serve.models decoder (Llama, DeepSeek: a "
+                         f"layers.Decoder), got {type(model).__name__}")
+    if not (isinstance(shards, int) and shards >= 1):
+        raise ValueError(f"fuse_projections: shards must be a positive int, got {shards!r}")
+    for block in model.layers:
+        if isinstance(block.attn, Attention):
+            _fuse_attention(block.attn, shards)
+        for mlp in (block.mlp, getattr(block.mlp, "shared_expert", None)):
+            if isinstance(mlp, layers.MLP):
+                _fuse_mlp(mlp, shards)
+    return model
+
+
+def _fuse_attention(attn: Attention, shards: int) -> None:
+    cfg = attn.cfg
+    if shards > cfg.num_kv_heads:     # k and v replicated, q split: apart again if fused before
+        if attn.fused:
+            sizes = [cfg.num_q_heads * cfg.head_dim] + [cfg.num_kv_heads * cfg.head_dim] * 2
+            axes = [(None, "heads"), (None, "kv_heads"), (None, "kv_heads")]
+            attn.q_proj, attn.k_proj, attn.v_proj = _split(attn.qkv_proj, sizes, cfg.num_kv_heads, axes)
+            del attn.qkv_proj
+            attn.fused = False
+        return
+    if not attn.fused:
+        fused = _concatenate((attn.q_proj, attn.k_proj, attn.v_proj), cfg.num_kv_heads, (None, "kv_heads"))
+        if fused is not None:
+            del attn.q_proj, attn.k_proj, attn.v_proj
+            attn.qkv_proj, attn.fused = fused, True
+
+
+def _fuse_mlp(mlp: layers.MLP, shards: int) -> None:
+    if mlp.fused_shards == shards:
+        return
+    if mlp.fused_shards:              # fused for another shard count: back to the two parts first
+        hidden = mlp.down_proj.kernel.shape[0]
+        parts = _split(mlp.gate_up_proj, [hidden, hidden], mlp.fused_shards, [(None, "mlp")] * 2)
+        del mlp.gate_up_proj
+        mlp.gate_proj, mlp.up_proj, mlp.fused_shards = *parts, 0
+    fused = _concatenate((mlp.gate_proj, mlp.up_proj), shards, (None, "mlp"))
+    if fused is not None:
+        del mlp.gate_proj, mlp.up_proj
+        mlp.gate_up_proj, mlp.fused_shards = fused, shards
+
+
+def _columns(linear: Linear) -> dict[str, jnp.ndarray]:
+    """The arrays of ``linear`` whose last axis runs over its output columns (a block scale's, over
+    column blocks): kernel, bias, and an FP8 layer's scale (a per-tensor scale as per-channel)."""
+    arrays = {"kernel": linear.kernel[...]}
+    if linear.bias is not None:
+        arrays["bias"] = linear.bias[...]
+    if isinstance(linear, Fp8Linear):
+        scale = linear.scale[...]
+        arrays["scale"] = jnp.broadcast_to(scale, (linear.out_features,)) if linear.granularity == "tensor" else scale
+    return arrays
+
+
+def _interleave(arrays: Sequence[jnp.ndarray], groups: int) -> jnp.ndarray:
+    """Group 0 of every array's last axis (``groups`` equal groups each), then group 1, ..."""
+    split = [a.reshape(*a.shape[:-1], groups, a.shape[-1] // groups) for a in arrays]
+    fused = jnp.concatenate(split, axis=-1)
+    return fused.reshape(*fused.shape[:-2], -1)
+
+
+def _concatenate(parts: Sequence[Linear], groups: int, axes: layers.Axes) -> Linear | None:
+    """One linear whose columns are ``parts``' in ``groups`` interleaved groups (``_interleave``),
+    its kernel on the logical ``axes``; None when the parts cannot be fused (module docstring)."""
+    kinds = {type(part) for part in parts}
+    if len(kinds) != 1 or len({part.bias is None for part in parts}) != 1 \
+            or any(part.kernel.shape[1] % groups for part in parts):
+        return None
+    first, block_size = parts[0], None
+    if isinstance(first, Fp8Linear):
+        granularities = {part.granularity for part in parts}
+        if not granularities <= {"tensor", "channel"}:
+            if len(granularities) != 1:
+                return None
+            block_size = granularities.pop()
+            if any(part.kernel.shape[1] // groups % block_size[1] for part in parts):
+                return None
+    columns = [_columns(part) for part in parts]
+    fused = {name: _interleave([c[name] for c in columns], groups) for name in columns[0]}
+    return _linear_like(first, fused, block_size, axes)
+
+
+def _split(fused: Linear, sizes: Sequence[int], groups: int, axes: Sequence[layers.Axes]) -> list[Linear]:
+    """The linears of ``sizes`` columns each, on the logical ``axes``, that ``fused`` was made of
+    (``_concatenate`` over ``groups``)."""
+    columns = {}
+    for name, array in _columns(fused).items():
+        widths = [size * array.shape[-1] // sum(sizes) // groups for size in sizes]   # block scales: in blocks
+        grouped = array.reshape(*array.shape[:-1], groups, -1)
+        columns[name] = [part.reshape(*array.shape[:-1], -1)
+                         for part in jnp.split(grouped, np.cumsum(widths)[:-1], axis=-1)]
+    block_size = None if not isinstance(fused, Fp8Linear) or isinstance(fused.granularity, str) else fused.granularity
+    return [_linear_like(fused, {name: split[i] for name, split in columns.items()}, block_size, axes[i])
+            for i in range(len(sizes))]
+
+
+def _kernel_axes(linear: Linear) -> layers.Axes:
+    spec = tuple(nnx.get_partition_spec(nnx.state(linear))["kernel"].get_value())
+    return spec if len(spec) == 2 else (None, None)
+
+
+def _linear_like(like: Linear, arrays: dict[str, jnp.ndarray], block_size: tuple[int, int] | None,
+                 axes: layers.Axes) -> Linear:
+    """A linear of ``like``'s kind and dtype holding ``arrays`` (``_columns``' names)."""
+    kernel, bias = arrays["kernel"], arrays.get("bias")
+    if isinstance(like, Fp8Linear):
+        return Fp8Linear(kernel, arrays["scale"], bias, block_size=block_size, dtype=like.dtype, axes=axes)
+    return nnx.Linear(*kernel.shape, use_bias=bias is not None, dtype=like.dtype, param_dtype=like.param_dtype,
+                      kernel_init=layers.partitioned(lambda *_: kernel, axes),
+                      bias_init=layers.partitioned(lambda *_: bias, axes[1:]), rngs=nnx.Rngs(0))
+

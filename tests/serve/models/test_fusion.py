@@ -1,0 +1,177 @@
+"""Fused projections (jaxattn.serve.models.fusion): a fused model's hidden states and logits equal
+the unfused model's (float32 tiny models, FP8 kernels of every scale granularity), the
+layouts regroup for other shard counts, tensor parallelism splits whole groups, and the Engine
+fuses by default with the same greedy tokens."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from jaxattn.serve.engine import Engine
+from jaxattn.serve.models import fusion
+from jaxattn.serve.models.deepseek import PRESETS as DEEPSEEK_PRESETS
+from jaxattn.serve.models.deepseek import DeepSeek
+from jaxattn.serve.models.llama import PRESETS, Llama, param_shardings, shard_model
+from jaxattn.serve.models.quantization import Fp8Linear, quantize, quantize_kernel
+from tests.serve.models.test_deepseek import _dense_hidden as deepseek_dense_hidden
+from tests.serve.models.test_llama import dense_hidden
+from tests.test_sharding import run_on_cpu_devices
+
+TOKENS = jnp.asarray(np.random.default_rng(0).integers(0, 512, size=11), jnp.int32)
+
+MODELS = {
+    "llama": lambda: Llama(PRESETS["tiny"], nnx.Rngs(1)),
+    "qwen2 (q/k/v biases)": lambda: Llama(PRESETS["tiny"].replace(qkv_bias=True), nnx.Rngs(2)),
+    "qwen3 (q/k norms, MHA)": lambda: Llama(PRESETS["tiny"].replace(qk_norm=True, num_kv_heads=4), nnx.Rngs(3)),
+    "qwen2-moe (gated shared expert)": lambda: Llama(PRESETS["tiny"].replace(
+        num_experts=4, num_experts_per_tok=2, moe_hidden_dim=48, shared_expert_dim=64), nnx.Rngs(4)),
+    "deepseek (dense first layer, shared experts)": lambda: DeepSeek(DEEPSEEK_PRESETS["tiny"].replace(
+        num_experts=4, num_experts_per_tok=2, moe_hidden_dim=48, shared_expert_dim=64, first_k_dense_replace=1),
+        nnx.Rngs(5)),
+}
+
+
+def _logits(model) -> np.ndarray:
+    hidden = (deepseek_dense_hidden if isinstance(model, DeepSeek) else dense_hidden)(*nnx.split(model), TOKENS)
+    return np.asarray(model.logits(hidden))
+
+
+def _fused_linears(model) -> dict[str, int]:
+    """How many fused q/k/v and gate/up projections ``model`` has, and how many left apart."""
+    counts = {"qkv": 0, "gate_up": 0, "q_proj": 0, "gate_proj": 0}
+    for _, module in nnx.iter_graph(model):
+        for name in counts:
+            counts[name] += hasattr(module, f"{name}_proj" if name in ("qkv", "gate_up") else name) \
+                and type(module).__name__ in ("Attention", "MLP")
+    return counts
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_fused_model_matches_unfused(name):
+    model = MODELS[name]()
+    expected = _logits(model)
+    fusion.fuse_projections(model)
+    counts = _fused_linears(model)
+    llama = isinstance(model, Llama)
+    assert counts["qkv"] == (model.cfg.num_layers if llama else 0) and counts["gate_proj"] == 0, counts
+    assert counts["gate_up"] > 0 and (counts["q_proj"] == 0 or not llama), counts
+    np.testing.assert_allclose(_logits(model), expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("scales", ["tensor", "channel", 8, 32, (16, 64)])
+def test_fp8_projections_fuse_in_fp8(scales):
+    """FP8 parts stay FP8 and give the unfused model's logits; per-tensor scales become
+    per-channel; block scales that straddle a group (64-column blocks over 32-column heads) leave
+    the attention apart and fuse the MLP."""
+    model = Llama(PRESETS["tiny"].replace(qkv_bias=True), nnx.Rngs(6))
+    if scales == "tensor":
+        for block in model.layers:
+            for owner, name in ((block.attn, "q_proj"), (block.attn, "k_proj"), (block.attn, "v_proj"),
+                                (block.mlp, "gate_proj"), (block.mlp, "up_proj")):
+                linear = getattr(owner, name)
+                kernel, scale = quantize_kernel(linear.kernel[...], "tensor")
+                bias = None if linear.bias is None else linear.bias[...]
+                setattr(owner, name, Fp8Linear(kernel, scale, bias, dtype=linear.dtype,
+                                               axes=fusion._kernel_axes(linear)))
+    else:
+        quantize(model, block_size=None if scales == "channel" else scales)
+    expected = _logits(model)
+    fusion.fuse_projections(model)
+    attn, mlp = model.layers[0].attn, model.layers[0].mlp
+    assert isinstance(mlp.gate_up_proj, Fp8Linear) and mlp.gate_up_proj.kernel.dtype == jnp.float8_e4m3fn
+    if scales == (16, 64):
+        assert not attn.fused and isinstance(attn.q_proj, Fp8Linear)
+    else:
+        assert attn.fused and isinstance(attn.qkv_proj, Fp8Linear)
+        assert attn.qkv_proj.granularity == ("channel" if scales == "tensor" else
+                                             "channel" if isinstance(scales, str) else (scales, scales))
+    np.testing.assert_allclose(_logits(model), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_regrouping_for_other_shard_counts():
+    """Fused for 1, then 2, then 4 shards (more than the 2 KV heads: q/k/v apart again), then 1:
+    the same logits throughout, and the MLP's groups follow."""
+    model = Llama(PRESETS["tiny"], nnx.Rngs(7))
+    expected = _logits(model)
+    for shards, attention_fused in ((1, True), (2, True), (4, False), (1, True)):
+        fusion.fuse_projections(model, shards)
+        assert model.layers[0].mlp.fused_shards == shards and model.layers[0].attn.fused == attention_fused
+        np.testing.assert_allclose(_logits(model), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_fused_layouts():
+    """qkv_proj's columns: per KV head, its query heads, its key head, its value head; gate_up_proj's
+    for 2 shards: gate then up of each half of the hidden units."""
+    cfg = PRESETS["tiny"]
+    model = Llama(cfg, nnx.Rngs(8))
+    attn, mlp = model.layers[0].attn, model.layers[0].mlp
+    q, k, v = (np.asarray(p.kernel[...]) for p in (attn.q_proj, attn.k_proj, attn.v_proj))
+    gate, up = np.asarray(mlp.gate_proj.kernel[...]), np.asarray(mlp.up_proj.kernel[...])
+    fusion.fuse_projections(model, 2)
+    d, group, half = cfg.head_dim, cfg.num_q_heads // cfg.num_kv_heads, cfg.hidden_dim // 2
+    qkv = np.asarray(attn.qkv_proj.kernel[...]).reshape(cfg.dim, cfg.num_kv_heads, group + 2, d)
+    for j in range(cfg.num_kv_heads):
+        np.testing.assert_array_equal(qkv[:, j, :group].reshape(cfg.dim, -1), q[:, j * group * d:(j + 1) * group * d])
+        np.testing.assert_array_equal(qkv[:, j, group], k[:, j * d:(j + 1) * d])
+        np.testing.assert_array_equal(qkv[:, j, group + 1], v[:, j * d:(j + 1) * d])
+    expected = np.concatenate([gate[:, :half], up[:, :half], gate[:, half:], up[:, half:]], axis=1)
+    np.testing.assert_array_equal(np.asarray(mlp.gate_up_proj.kernel[...]), expected)
+
+
+def test_engine_fuses_by_default_with_the_same_tokens():
+    prompts = [[5, 9, 2, 7, 1], [3] * 12, [8, 4]]
+
+    def generate(fuse: bool) -> tuple[list[list[int]], Llama]:
+        model = Llama(PRESETS["tiny"].replace(qkv_bias=True), nnx.Rngs(9))
+        engine = Engine(model, max_seqs=3, max_seq_len=40, page_size=8, max_step_tokens=16, backend="xla",
+                        fuse_projections=fuse)
+        requests = [engine.add_request(p, max_new_tokens=12) for p in prompts]
+        engine.run()
+        return [list(r.output) for r in requests], model
+
+    fused, model = generate(True)
+    assert model.layers[0].attn.fused and model.layers[0].mlp.fused_shards == 1
+    unfused, model = generate(False)
+    assert not model.layers[0].attn.fused and not model.layers[0].mlp.fused_shards
+    assert fused == unfused
+
+
+def test_bad_arguments_are_named():
+    with pytest.raises(ValueError, match="fuse_projections: model must be a jaxattn.serve.models decoder"):
+        fusion.fuse_projections(nnx.Linear(2, 2, rngs=nnx.Rngs(0)))
+    with pytest.raises(ValueError, match="fuse_projections: shards must be a positive int, got 0"):
+        fusion.fuse_projections(Llama(PRESETS["tiny"], nnx.Rngs(0)), 0)
+
+
+def check_fused_model_on_mesh() -> None:
+    """(On several CPU devices.) A model fused for the mesh's shard count is placed in whole groups
+    (each device's gate_up_proj shard: its gate columns, then its up columns), gives the
+    one-device logits; one fused for a count the mesh does not divide is refused by name."""
+    num_devices = jax.device_count()
+    model = Llama(PRESETS["tiny"].replace(qkv_bias=True), nnx.Rngs(10))
+    expected = _logits(model)
+    mlp = model.layers[0].mlp
+    gate, up = np.asarray(mlp.gate_proj.kernel[...]), np.asarray(mlp.up_proj.kernel[...])
+    mesh = jax.make_mesh((num_devices,), ("tp",))
+    fusion.fuse_projections(model, 1)
+    with pytest.raises(ValueError, match=rf"MLPs are fused for \[1\] shards.*fuse_projections\(model, {num_devices}\)"):
+        param_shardings(model, mesh)
+    fusion.fuse_projections(model, num_devices)
+    shard_model(model, mesh)
+    hidden = model.cfg.hidden_dim // num_devices
+    for shard in mlp.gate_up_proj.kernel[...].addressable_shards:
+        i = shard.index[1].start // (2 * hidden)
+        np.testing.assert_array_equal(np.asarray(shard.data), np.concatenate(
+            [gate[:, i * hidden:(i + 1) * hidden], up[:, i * hidden:(i + 1) * hidden]], axis=1))
+    assert model.layers[0].attn.fused == (num_devices <= model.cfg.num_kv_heads)
+    np.testing.assert_allclose(_logits(model), expected, rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("num_devices", [2, 4])
+def test_fused_model_on_cpu_devices(num_devices):
+    run_on_cpu_devices(num_devices, "from tests.serve.models.test_fusion import check_fused_model_on_mesh; "
+                                    "check_fused_model_on_mesh()")
