@@ -33,8 +33,12 @@ def fill(model: Llama, batch: int, context: int, steps: int, seed: int, mesh: Me
     def random_pages(k, pages):
         return jax.device_put(jax.random.normal(k, pages.shape, jnp.bfloat16).astype(pages.dtype), pages.sharding)
 
-    caches = [dataclasses.replace(c, k_pages=random_pages(k_key, c.k_pages), v_pages=random_pages(v_key, c.v_pages))
-              for c, (k_key, v_key) in zip(caches, jax.random.split(key, (len(caches), 2)))]
+    # one layer at a time, each zero pool dropped as its random one is made: at context 4096 the
+    # zero and random pools of all 32 layers together (2 x 35 GB) did not fit an 80 GB GPU
+    for layer, (k_key, v_key) in enumerate(jax.random.split(key, (len(caches), 2))):
+        cache = caches[layer]
+        caches[layer] = dataclasses.replace(cache, k_pages=random_pages(k_key, cache.k_pages),
+                                            v_pages=random_pages(v_key, cache.v_pages))
     table = jaxattn.PageTable.create(num_pages, batch, pages_per_seq, PAGE)
     if mesh is not None:
         table = jax.device_put(table, NamedSharding(caches[0].k_pages.sharding.mesh, PartitionSpec()))

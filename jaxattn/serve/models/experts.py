@@ -8,15 +8,15 @@ computed by one of three GEMM strategies, chosen per step shape (``choose_gemm``
   * ``"triton"``: ``jaxattn.kernels.grouped_gemm``, the copies grouped by expert in blocks, each
     block multiplied by its own expert: reads only the experts the tokens touch, routed FLOPs only.
 
-Measured (benchmarks/RESULTS.md, "moe_grouped_gemm", H100, 2026-11-27; four MoE shapes, 1 to
-2,048 tokens): dense beat ragged_dot at every size (1.03x to 6.2x); the Triton kernel beat dense
-at 1 token (3.0x to 4.8x), at 8 tokens of the shapes with 60-128 experts (1.4x to 1.7x) and at
-512-2,048 tokens of those (1.2x to 3.5x), and lost at 32-128 tokens (0.84x to 0.97x; 1.02x once)
-and at Mixtral's 8-512 (down to 0.34x). The GPU still takes dense: a served DeepSeek-V2-Lite trace
-with the Triton experts did not finish inside a 250 s limit where the whole dense run took under
-195 s (98 s of it serving); that path then searched its blocks with a while loop in every layer
-(fixed since: unrolled), not yet rerun. Off the GPU (tests, CPU serving) ragged_dot does the
-exact work.
+Measured (benchmarks/RESULTS.md, "moe_grouped_gemm", H100, 2026-11-27, each timed call on another
+of 8 routings; four MoE shapes, 1 to 2,048 tokens): dense beat ragged_dot at every size (1.03x to
+6.3x); the Triton kernel beat dense at 1 token (3.5x to 8.5x), at 8 tokens (1.07x to 2.0x), at
+128-2,048 tokens of the shapes with 60-128 experts (1.06x to 3.7x) and at Mixtral's 2,048 (2.0x),
+was level at 32 tokens (0.96x to 1.07x) and lost at Mixtral's 32-512 (0.94x down to 0.35x: 8
+experts of 14336 columns). The GPU still takes dense: a served DeepSeek-V2-Lite trace with the
+Triton experts compiled its 5 step shapes in 355 s (dense: 329 s) and was then cut by the device's
+time limit; no served trace with them is measured yet. Off the GPU (tests, CPU serving)
+ragged_dot does the exact work.
 """
 
 from __future__ import annotations
