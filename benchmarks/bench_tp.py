@@ -42,6 +42,7 @@ from benchmarks.common import (Case, copy_bandwidth, device_event_seconds, devic
                                time_steps, write_json, write_section)
 from benchmarks.engine_step import decode_step, fits, step_bytes
 from jaxattn.kv_cache import pool_sharding
+from jaxattn.serve.models import fusion
 from jaxattn.serve.models.llama import PRESETS, Llama, LlamaConfig, shard_model
 
 # The targets: N-GPU / 1-GPU tokens/s by context at batch 64 (8B shapes), share of the roofline.
@@ -85,8 +86,8 @@ def run_model(name: str, cfg: LlamaConfig, contexts: list[int], mesh: jax.shardi
     model = Llama(cfg, nnx.Rngs(0))
     rows = []
     for placement in (None, mesh):
-        if placement is not None:
-            shard_model(model, placement)
+        if placement is not None:         # projections fused for one device: regrouped for the mesh
+            shard_model(fusion.fuse_projections(model, placement.size), placement)
         for context in contexts:
             num_devices = 1 if placement is None else placement.size
             if not fits(cfg, args.batch, context, num_devices * free_bytes):

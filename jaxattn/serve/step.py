@@ -311,6 +311,18 @@ def buckets(smallest: int, largest: int) -> tuple[int, ...]:
 
 
 ROWS_BUCKET_FROM = 256
+MIXED_TOKENS_STEP = 128       # the prompt tokens a mixed step's second bucket adds to a batch of decodes
+
+
+def mixed_buckets(decodes: int, largest: int, step: int = MIXED_TOKENS_STEP) -> tuple[int, ...]:
+    """``decodes``, then ``decodes`` + ``step``, + 2 ``step``, + 4 ``step``, ... while below
+    ``largest``, then ``largest``: a mixed step holds a batch of decodes and prompt chunks, so its
+    prompt part grows by doubling."""
+    sizes, grow = [], step
+    while decodes < largest:
+        sizes.append(decodes)
+        decodes, grow = sizes[0] + grow, grow * 2
+    return (*sizes, largest)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -339,13 +351,17 @@ class StepBuckets:
     @classmethod
     def default(cls, max_seqs: int, max_step_tokens: int, prefill_chunk: int | None = None,
                 draft_tokens: int = 0) -> "StepBuckets":
-        """Rows ``ROWS_BUCKET_FROM`` (256), doubling, up to ``max_seqs``; tokens ``max(max_seqs,
-        64)``, doubling, up to ``max_step_tokens``. Up to about 256 rows a decode step's GEMMs read
-        the weights in the same time whatever the rows, and padding rows cost attention nothing,
-        so smaller decode buckets would only add compiles (10-20 s each for Llama-3-8B on an H100).
+        """Rows ``ROWS_BUCKET_FROM`` (256), doubling, up to ``max_seqs``; tokens ``mixed_buckets``
+        from ``max(max_seqs, 64)`` up to ``max_step_tokens``. Up to about 256 rows a decode step's
+        GEMMs read the weights in the same time whatever the rows, and padding rows cost attention
+        nothing, so smaller decode buckets would only add compiles (10-40 s each for Llama-3-8B on
+        an H100). A mixed step is mostly a full batch of decodes plus a few hundred prompt tokens
+        (and compute-bound there): on the chat trace (benchmarks/step_padding.py, the scheduler
+        replayed as the H100 run of 2026-11-27 served it) tokens doubling from ``max_seqs`` left
+        29.9% of the mixed steps' tokens as padding, ``mixed_buckets`` 19.6% with one shape more.
         With ``draft_tokens`` K, a decode step of b rows has room for b (K + 1) tokens."""
         return cls(buckets(ROWS_BUCKET_FROM, max_seqs) if max_seqs > ROWS_BUCKET_FROM else (max_seqs,),
-                   buckets(max(max_seqs, 64), max_step_tokens), prefill_chunk, draft_tokens)
+                   mixed_buckets(max(max_seqs, 64), max_step_tokens), prefill_chunk, draft_tokens)
 
     def _shape(self, rows: int, tokens: int, max_q_len: int) -> StepShape:
         if max_q_len > 1 and self.prefill_chunk:
