@@ -90,6 +90,14 @@ AttendFn = Callable[[int, jax.Array, jax.Array, jax.Array, jax.Array, jax.Array]
 
 
 class Attention(nnx.Module):
+    """Multi-head latent attention around the caller's ``attend``: the queries' projection (through
+    ``q_lora_rank`` or not) and ``kv_a_proj``'s latent + RoPE key, RoPE, the latent's norm, the up
+    projections absorbed by ``attend``, the o projection. ``jaxattn.serve.models.fusion`` replaces
+    the two projections of ``x`` (``q_a_proj`` or ``q_proj``, and ``kv_a_proj``) by one
+    ``qkv_a_proj`` (``fused``)."""
+
+    fused: bool = False
+
     def __init__(self, cfg: DeepSeekConfig, rngs: nnx.Rngs):
         self.cfg = cfg
         heads = cfg.num_q_heads
@@ -107,6 +115,15 @@ class Attention(nnx.Module):
                                        (None, "heads"))
         self.o_proj = layers.linear(cfg, heads * cfg.v_head_dim, cfg.dim, rngs, ("heads", None))
 
+    def project(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """x: [T, dim] -> (``q_a_proj``'s [T, q_lora_rank] or ``q_proj``'s [T, Hq (Dn + Dr)],
+        ``kv_a_proj``'s [T, R + Dr])."""
+        cfg = self.cfg
+        if self.fused:
+            qkv = self.qkv_a_proj(x)
+            return qkv[:, :-(cfg.kv_lora_rank + cfg.qk_rope_dim)], qkv[:, -(cfg.kv_lora_rank + cfg.qk_rope_dim):]
+        return (self.q_a_proj if cfg.q_lora_rank else self.q_proj)(x), self.kv_a_proj(x)
+
     def up_projections(self) -> tuple[jax.Array, jax.Array]:
         """``w_uk: [R, Hq, Dn]`` and ``w_uv: [R, Hq, Dv]``, the halves of ``kv_b_proj``."""
         cfg = self.cfg
@@ -116,9 +133,9 @@ class Attention(nnx.Module):
     def __call__(self, x: jax.Array, positions: jax.Array, attend: Callable) -> jax.Array:
         """x: [T, dim], positions: int32[T] -> [T, dim]."""
         cfg = self.cfg
-        q = self.q_b_proj(self.q_a_norm(self.q_a_proj(x))) if cfg.q_lora_rank else self.q_proj(x)
+        q, kv = self.project(x)
+        q = self.q_b_proj(self.q_a_norm(q)) if cfg.q_lora_rank else q
         q = q.reshape(x.shape[0], cfg.num_q_heads, -1)
-        kv = self.kv_a_proj(x)
         inv_freq = rope_frequencies(cfg.qk_rope_dim, cfg.rope_theta, cfg.rope_scaling)
         q_rope = rope(q[..., cfg.qk_nope_dim:], positions, inv_freq)
         k_rope = rope(kv[:, None, cfg.kv_lora_rank:], positions, inv_freq)[:, 0]

@@ -2,8 +2,10 @@
 (vLLM's ``QKVParallelLinear`` and ``MergedColumnParallelLinear``, made after loading).
 
 ``fuse_projections(model, shards)`` replaces, in place, each Llama attention's ``q_proj``,
-``k_proj`` and ``v_proj`` by one ``qkv_proj``, and each SwiGLU ``MLP``'s (dense, or a mixture's
-shared expert) ``gate_proj`` and ``up_proj`` by one ``gate_up_proj``. At decode sizes these
+``k_proj`` and ``v_proj`` by one ``qkv_proj``, each DeepSeek attention's projections of its
+input (``q_a_proj`` or ``q_proj``, and ``kv_a_proj``) by one ``qkv_a_proj``, and each SwiGLU
+``MLP``'s (dense, or a mixture's shared expert) ``gate_proj`` and ``up_proj`` by one
+``gate_up_proj``. At decode sizes these
 GEMMs read their weights once per step, and three small GEMMs run further below the copy rate
 than one of their size (XLA otherwise concatenates the weights itself, every step, before a
 cuBLAS GEMM). The ``Engine`` fuses its model (``Engine(fuse_projections=True)``).
@@ -14,6 +16,8 @@ The fused columns are laid out so that tensor parallelism stays a plain split of
   key head and its value head, on the logical axis "kv_heads": any shard count that divides Hkv
   holds whole groups. With more shards than KV heads the projections stay apart (k and v are
   replicated there, q is split; an attention fused earlier is split again).
+- ``qkv_a_proj [dim, q + R + Dr]``: the query part, then the latent and RoPE key (MLA is replicated
+  over a mesh, so any shard count takes it whole).
 - ``gate_up_proj [dim, 2F]``: ``shards`` groups, each the gate columns then the up columns of
   F / shards hidden units, on the logical axis "mlp" (``MLP.fused_shards``): a mesh of tp shards,
   tp dividing ``shards``, holds whole groups; fusing again for another count regroups them.
@@ -31,7 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxattn.serve.models import layers
+from jaxattn.serve.models import deepseek, layers
 from jaxattn.serve.models.llama import Attention
 from jaxattn.serve.models.quantization import Fp8Linear
 
@@ -51,6 +55,8 @@ def fuse_projections(model: layers.Decoder, shards: int = 1) -> layers.Decoder:
     for block in model.layers:
         if isinstance(block.attn, Attention):
             _fuse_attention(block.attn, shards)
+        elif isinstance(block.attn, deepseek.Attention) and not block.attn.fused:
+            _fuse_latent_attention(block.attn)
         for mlp in (block.mlp, getattr(block.mlp, "shared_expert", None)):
             if isinstance(mlp, layers.MLP):
                 _fuse_mlp(mlp, shards)
@@ -72,6 +78,15 @@ def _fuse_attention(attn: Attention, shards: int) -> None:
         if fused is not None:
             del attn.q_proj, attn.k_proj, attn.v_proj
             attn.qkv_proj, attn.fused = fused, True
+
+
+def _fuse_latent_attention(attn: deepseek.Attention) -> None:
+    name = "q_a_proj" if attn.cfg.q_lora_rank else "q_proj"
+    fused = _concatenate((getattr(attn, name), attn.kv_a_proj), 1, (None, None))
+    if fused is not None:
+        delattr(attn, name)
+        del attn.kv_a_proj
+        attn.qkv_a_proj, attn.fused = fused, True
 
 
 def _fuse_mlp(mlp: layers.MLP, shards: int) -> None:
@@ -121,7 +136,9 @@ def _concatenate(parts: Sequence[Linear], groups: int, axes: layers.Axes) -> Lin
             if len(granularities) != 1:
                 return None
             block_size = granularities.pop()
-            if any(part.kernel.shape[1] // groups % block_size[1] for part in parts):
+            # whole blocks per group; in one group, the last part may end in a partial block
+            whole = parts if groups > 1 else parts[:-1]
+            if any(part.kernel.shape[1] // groups % block_size[1] for part in whole):
                 return None
     columns = [_columns(part) for part in parts]
     fused = {name: _interleave([c[name] for c in columns], groups) for name in columns[0]}

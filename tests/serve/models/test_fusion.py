@@ -14,8 +14,10 @@ from flax import nnx
 from jaxattn.serve.engine import Engine
 from jaxattn.serve.models import fusion
 from jaxattn.serve.models.deepseek import PRESETS as DEEPSEEK_PRESETS
+from jaxattn.serve.models.deepseek import Attention as DeepSeekAttention
 from jaxattn.serve.models.deepseek import DeepSeek
-from jaxattn.serve.models.llama import PRESETS, Llama, param_shardings, shard_model
+from jaxattn.serve.models.layers import MLP
+from jaxattn.serve.models.llama import PRESETS, Attention, Llama, param_shardings, shard_model
 from jaxattn.serve.models.quantization import Fp8Linear, quantize, quantize_kernel
 from tests.serve.models.test_deepseek import _dense_hidden as deepseek_dense_hidden
 from tests.serve.models.test_llama import dense_hidden
@@ -32,6 +34,7 @@ MODELS = {
     "deepseek (dense first layer, shared experts)": lambda: DeepSeek(DEEPSEEK_PRESETS["tiny"].replace(
         num_experts=4, num_experts_per_tok=2, moe_hidden_dim=48, shared_expert_dim=64, first_k_dense_replace=1),
         nnx.Rngs(5)),
+    "deepseek (q_lora_rank)": lambda: DeepSeek(DEEPSEEK_PRESETS["tiny"].replace(q_lora_rank=48), nnx.Rngs(11)),
 }
 
 
@@ -40,14 +43,11 @@ def _logits(model) -> np.ndarray:
     return np.asarray(model.logits(hidden))
 
 
-def _fused_linears(model) -> dict[str, int]:
-    """How many fused q/k/v and gate/up projections ``model`` has, and how many left apart."""
-    counts = {"qkv": 0, "gate_up": 0, "q_proj": 0, "gate_proj": 0}
-    for _, module in nnx.iter_graph(model):
-        for name in counts:
-            counts[name] += hasattr(module, f"{name}_proj" if name in ("qkv", "gate_up") else name) \
-                and type(module).__name__ in ("Attention", "MLP")
-    return counts
+def _apart(model) -> list[str]:
+    """The projections ``fuse_projections`` fuses that ``model`` still has apart."""
+    apart = ("q_proj", "k_proj", "v_proj", "q_a_proj", "kv_a_proj", "gate_proj", "up_proj")
+    return [f"{type(module).__name__}.{name}" for _, module in nnx.iter_graph(model)
+            if isinstance(module, (Attention, DeepSeekAttention, MLP)) for name in apart if hasattr(module, name)]
 
 
 @pytest.mark.parametrize("name", MODELS)
@@ -55,10 +55,20 @@ def test_fused_model_matches_unfused(name):
     model = MODELS[name]()
     expected = _logits(model)
     fusion.fuse_projections(model)
-    counts = _fused_linears(model)
-    llama = isinstance(model, Llama)
-    assert counts["qkv"] == (model.cfg.num_layers if llama else 0) and counts["gate_proj"] == 0, counts
-    assert counts["gate_up"] > 0 and (counts["q_proj"] == 0 or not llama), counts
+    assert not _apart(model), _apart(model)
+    assert all(block.attn.fused for block in model.layers)
+    np.testing.assert_allclose(_logits(model), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_latent_attention_fuses_fp8_blocks_ending_in_a_partial_one():
+    """MLA's query and latent projections in 16 x 32 blocks: the query part (128 columns) is whole
+    blocks, the latent + RoPE part (48) ends in half a block, which the fused layer keeps."""
+    model = DeepSeek(DEEPSEEK_PRESETS["tiny"], nnx.Rngs(12))
+    quantize(model, block_size=(16, 32))
+    expected = _logits(model)
+    fusion.fuse_projections(model)
+    fused = model.layers[0].attn.qkv_a_proj
+    assert isinstance(fused, Fp8Linear) and fused.granularity == (16, 32) and fused.scale.shape == (8, 6)
     np.testing.assert_allclose(_logits(model), expected, rtol=1e-5, atol=1e-5)
 
 
