@@ -22,7 +22,8 @@ import jax
 import uvicorn
 
 import jaxattn
-from jaxattn.serve.cli_args import DTYPES, positive_int, tp_mesh
+from jaxattn.serve.cli_args import (DTYPES, add_compilation_cache_argument, positive_int, tp_mesh,
+                                   use_compilation_cache)
 from jaxattn.serve.engine import Engine
 from jaxattn.serve.http.app import MAX_REQUEST_BYTES, build_app
 from jaxattn.serve.http.loop import EngineLoop
@@ -88,6 +89,7 @@ def build_parser(on_gpu: bool) -> argparse.ArgumentParser:
     engine.add_argument("--enable-expert-parallel", action="store_true",
                         help="with --tp: each device holds whole experts of a mixture of experts instead of a slice "
                              "of every expert")
+    add_compilation_cache_argument(engine)
     server = parser.add_argument_group("server")
     server.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
     server.add_argument("--port", type=int, default=8000, help="port to listen on (default: %(default)s)")
@@ -168,6 +170,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.tp > jax.local_device_count():
         parser.error(f"--tp {args.tp}: there are only {jax.local_device_count()} devices")
+    use_compilation_cache(args.compilation_cache_dir)
     mesh = tp_mesh(jax.local_devices()[:args.tp])
     model, name, tokenizer = load_model(args, parser, mesh)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -54,13 +54,27 @@ def checkpoint(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def server(checkpoint, tmp_path_factory):
+def compilation_cache(tmp_path_factory):
+    """The module server's compilation cache directory."""
+    return tmp_path_factory.mktemp("xla")
+
+
+@pytest.fixture(scope="module")
+def server(checkpoint, compilation_cache, tmp_path_factory):
     """The base URL of a server on the checkpoint (named "tiny-llama"), for the module's tests."""
     path = checkpoint[0]
     port = free_port()
     log = tmp_path_factory.mktemp("logs") / "server.log"
-    with running_server(["--model", str(path), "--served-model-name", "tiny-llama", *SERVER_ARGS], port, log=log):
+    args = ["--model", str(path), "--served-model-name", "tiny-llama", *SERVER_ARGS,
+            "--compilation-cache-dir", str(compilation_cache)]
+    with running_server(args, port, log=log):
         yield f"http://127.0.0.1:{port}"
+
+
+def test_compiled_steps_are_kept_for_the_next_start(server, compilation_cache):
+    """--compilation-cache-dir holds the engine's compiled steps once the server is up."""
+    assert any(entry.name.startswith("jit_step") for entry in compilation_cache.iterdir()), \
+        sorted(entry.name for entry in compilation_cache.iterdir())
 
 
 def expected_tokens(model, prompt: list[int], new_tokens: int) -> list[int]:
