@@ -80,13 +80,13 @@ def test_fp8_projections_fuse_in_fp8(scales):
     model = Llama(PRESETS["tiny"].replace(qkv_bias=True), nnx.Rngs(6))
     if scales == "tensor":
         for block in model.layers:
-            for owner, name in ((block.attn, "q_proj"), (block.attn, "k_proj"), (block.attn, "v_proj"),
-                                (block.mlp, "gate_proj"), (block.mlp, "up_proj")):
+            for owner, name, axis in ((block.attn, "q_proj", "heads"), (block.attn, "k_proj", "kv_heads"),
+                                      (block.attn, "v_proj", "kv_heads"), (block.mlp, "gate_proj", "mlp"),
+                                      (block.mlp, "up_proj", "mlp")):
                 linear = getattr(owner, name)
                 kernel, scale = quantize_kernel(linear.kernel[...], "tensor")
                 bias = None if linear.bias is None else linear.bias[...]
-                setattr(owner, name, Fp8Linear(kernel, scale, bias, dtype=linear.dtype,
-                                               axes=fusion._kernel_axes(linear)))
+                setattr(owner, name, Fp8Linear(kernel, scale, bias, dtype=linear.dtype, axes=(None, axis)))
     else:
         quantize(model, block_size=None if scales == "channel" else scales)
     expected = _logits(model)
