@@ -1,4 +1,4 @@
-"""Fused projections (jaxattn.serve.models.fusion): a fused model's hidden states and logits equal
+"""Fused projections (jaxattn.serve.models.fusion): a fused model's logits equal
 the unfused model's (float32 tiny models, FP8 kernels of every scale granularity), the
 layouts regroup for other shard counts, tensor parallelism splits whole groups, and the Engine
 fuses by default with the same greedy tokens."""
