@@ -505,7 +505,8 @@ def command(args: argparse.Namespace, layers: int) -> str:
     parts += [f"--rate {args.rate:.4g}"] if args.rate is not None else []
     parts += [f"--profile-at {args.profile_at} --profile-steps {args.profile_steps}"] if args.profile_at else []
     parts += ["--no-overlap"] if args.no_overlap else []
-    return " ".join(parts + (["--unfused"] if args.unfused else []) + (["--smoke"] if args.smoke else []))
+    parts += ["--unfused"] if args.unfused else []
+    return " ".join(parts + (["--smoke"] if args.smoke else []))
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -42,8 +42,7 @@ from benchmarks.common import (Case, copy_bandwidth, device_event_seconds, devic
                                time_steps, write_json, write_section)
 from benchmarks.engine_step import decode_step, fits, step_bytes
 from jaxattn.kv_cache import pool_sharding
-from jaxattn.serve.models import fusion
-from jaxattn.serve.models.llama import PRESETS, Llama, LlamaConfig, shard_model
+from jaxattn.serve.models.llama import PRESETS, Llama, LlamaConfig
 
 # The issue's targets: N-GPU / 1-GPU tokens/s by context at batch 64 (8B shapes), share of the roofline.
 SPEEDUP_TARGETS = {4096: 1.7, 16384: 1.85}
@@ -85,9 +84,7 @@ def run_model(name: str, cfg: LlamaConfig, contexts: list[int], mesh: jax.shardi
     """Every context on one device (where the KV fits), then on ``mesh`` (the same weights split)."""
     model = Llama(cfg, nnx.Rngs(0))
     rows = []
-    for placement in (None, mesh):
-        if placement is not None:         # projections fused for one device: regrouped for the mesh
-            shard_model(fusion.fuse_projections(model, placement.size), placement)
+    for placement in (None, mesh):        # decode_step fuses the projections for it and places the model
         for context in contexts:
             num_devices = 1 if placement is None else placement.size
             if not fits(cfg, args.batch, context, num_devices * free_bytes):

@@ -53,18 +53,18 @@ def decode_step(model: Llama, backend: str, batch: int, context: int, steps: int
     """``(model_step, state, weights, plan)``: one greedy decode step of the engine as a function
     of its state (next tokens, caches, table, drafting), chained calls of which decode ``batch``
     sequences from ``context - 1`` tokens on (room for ``7 * steps + 8`` steps); the first state;
-    the model's weights; what ``paged_attention`` runs. With a ``mesh`` (a model placed by
-    ``shard_model``), the caches and table are placed as ``Engine(mesh=)`` places them;
+    the model's weights; what ``paged_attention`` runs. With a ``mesh``, the model (``shard_model``),
+    the caches and the table are placed over it as ``Engine(mesh=)`` places them;
     ``kv_dtype``: the caches' (default the model's). With ``draft_tokens`` K > 0 it is the
     speculating engine's step instead (n-gram drafts, vLLM's default lookup): every row verifies
     its K drafts in K + 1 query tokens and keeps what it accepts (random weights: about none).
-    ``fuse_projections``: the model's q/k/v and gate/up projections fused first, in place, as the
-    ``Engine`` fuses them (``jaxattn.serve.models.fusion``; placed again over the ``mesh``)."""
+    ``fuse_projections``: the model's q/k/v and gate/up projections fused first, in place, for the
+    ``mesh``'s shard count, as the ``Engine`` fuses them (``jaxattn.serve.models.fusion``)."""
     cfg = model.cfg
     if fuse_projections:
         fusion.fuse_projections(model, num_head_shards(*tensor_parallel_mesh(mesh)) if mesh is not None else 1)
-        if mesh is not None:
-            shard_model(model, mesh)
+    if mesh is not None:
+        shard_model(model, mesh)
     step, weights = make_engine_step(model)
     row_tokens = draft_tokens + 1
     caches, table = fill(model, batch, context, row_tokens * (7 * steps + 8), seed=batch + context, mesh=mesh,

@@ -161,11 +161,6 @@ def _split(fused: Linear, sizes: Sequence[int], groups: int, axes: Sequence[laye
             for i in range(len(sizes))]
 
 
-def _kernel_axes(linear: Linear) -> layers.Axes:
-    spec = tuple(nnx.get_partition_spec(nnx.state(linear))["kernel"].get_value())
-    return spec if len(spec) == 2 else (None, None)
-
-
 def _linear_like(like: Linear, arrays: dict[str, jnp.ndarray], block_size: tuple[int, int] | None,
                  axes: layers.Axes) -> Linear:
     """A linear of ``like``'s kind and dtype holding ``arrays`` (``_columns``' names)."""
