@@ -539,6 +539,7 @@ def test_add_request_takes_int_sequences_and_numpy_ints():
     ("enable_prefix_caching", "yes", "a bool, got 'yes'"),
     ("overlap", 1, "a bool, got 1"),
     ("record_steps", None, "a bool, got None"),
+    ("fuse_projections", "no", "a bool, got 'no'"),
     ("kv_memory_fraction", 0.0, r"a number in \(0, 1\], got 0.0"),
     ("prefill_chunk", 0, "None or an int >= 1, got 0"),
     ("mesh", ("tp",), "None or a jax.sharding.Mesh, got tuple"),
