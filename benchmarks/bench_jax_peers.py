@@ -30,7 +30,10 @@ decodes (the B=64 kv U[2048,4096] target point first, the low-batch long-context
 against the copy rate), prefill B=8 x 4096 and B=1 x 512, chunked prefill (B=4, 300 new tokens
 over 1200), a mixed batch of 63 decodes and an 8192-token prefill, and speculative decode (4
 tokens per sequence). jaxattn's row names the backends its ``auto`` plan ran
-(``jaxattn.attention.backend_for``: on an H100/H200 from ``jaxattn/tuning/sm_90.json``).
+(``jaxattn.attention.backend_for``: from the GPU's measured table, ``jaxattn/tuning/``). A second
+jaxattn row, "jaxattn auto, run with a step's plan", times the same call given a plan made
+beforehand (``jaxattn.plan``): what each layer of a model pays when its step plans once. "vs auto"
+and the headline compare every peer with the first row, planning included.
 
 Time: GPU busy time per call (the summed durations of the kernels each call launches, from the
 profiler: ``benchmarks.common.device_busy_seconds``), median of ``--rounds`` rounds of 10 calls,
@@ -102,6 +105,7 @@ WORKLOADS = [
 QUICK = WORKLOADS[:3]
 
 Call = Callable[[], jax.Array]
+PLANNED = "jaxattn auto, run with a step's plan"
 
 
 @dataclasses.dataclass
@@ -137,6 +141,14 @@ class Problem:
 def jaxattn_auto(p: Problem) -> Call:
     fn = jax.jit(lambda q, c, m: jaxattn.paged_attention(q, c, m, backend="auto"))
     return lambda: fn(p.q, p.cache, p.meta)
+
+
+def jaxattn_planned(p: Problem) -> Call:
+    """``auto`` run with the step's plan made beforehand (``jaxattn.plan``): what each layer of a
+    model pays, the metadata work being done once per step."""
+    plan = jax.jit(lambda m, c, q: jaxattn.plan(m, c, q))(p.meta, p.cache, p.q)
+    fn = jax.jit(lambda q, c, plan: jaxattn.paged_attention(q, c, plan))
+    return lambda: fn(p.q, p.cache, plan)
 
 
 def fa3(p: Problem, num_splits: int) -> Call:
@@ -239,10 +251,12 @@ def bench_workload(w: Case, rounds: int, copy_rate: float, peers: dict[str, Call
     if w.kv_bytes < 8e9 and sum(w.q_lens) * max(w.kv_lens) <= 64 * 131072:
         xla = jax.jit(lambda q, c, m: jaxattn.paged_attention(q, c, m, backend="xla"))
         check = f"{rel_error(ref, xla(p.q, p.cache, p.meta)):.1e} (vs xla)"
-    faulthandler.cancel_dump_traceback_later()
     ours_name = f"jaxattn auto ({backend_for(p.q, p.cache, p.meta)})"
     rows.append(dict(workload=w.name, peer=ours_name, ms=base, err=check))
     print(f"{w.name} | {ours_name} | {base:.3f} ms | {check}", file=sys.stderr, flush=True)
+    planned = jaxattn_planned(p)
+    rows.append(dict(workload=w.name, peer=PLANNED, ms=busy_ms(planned, rounds), err=f"{rel_error(planned(), ref):.1e}"))
+    faulthandler.cancel_dump_traceback_later()
     for name, make in peers.items():
         print(f"{w.name} | {name} ...", file=sys.stderr, flush=True)
         faulthandler.dump_traceback_later(peer_timeout_s, exit=True)

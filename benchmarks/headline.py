@@ -224,14 +224,16 @@ class Run:
 
 
 def every_peer(tables_: list[Table], ours: Pick) -> tuple[Pick, ...]:
-    """The other implementations on the rows of ``ours``' table that share its cells but the last."""
+    """The other implementations on the rows of ``ours``' table that share its cells but the last
+    (rows of the same library as ``ours``, its first word, are not peers)."""
     *key, (by, name) = ours.cells
+    library = name.split()[0]
     for table in tables_:
         if ours.column in table.header and {k for k, _ in ours.cells} <= set(table.header):
             rows = [r for r in table.rows if all(matches(r.get(k, ""), v) for k, v in key)]
             if any(matches(r.get(by, ""), name) for r in rows):
                 return tuple(Pick("{}", (*key, (by, r[by])), ours.column) for r in rows
-                             if not matches(r.get(by, ""), name))
+                             if not r.get(by, "").startswith(library))
     return ()
 
 
