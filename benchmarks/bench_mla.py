@@ -18,7 +18,8 @@ jaxattn's ``cudnn``, ``fa4`` (where installed) and ``xla`` backends (median wall
 the fa4 kernel alone on K/V expanded outside the timing (``jaxattn fa4 kernel``, as the peers run), against
 flashinfer's ragged prefill on the same expanded K/V: ``BatchPrefillWithRaggedKVCacheWrapper``
 (its fa3 backend) and ``cudnn_batch_prefill_with_kv_cache`` (cuDNN, d_qk 192 and d_vo 128, the
-issue's peer); jaxattn's times include expanding the latents to per-head K/V, the peers' do not;
+issue's peer); every row takes the query whole ([T, Hq, 192], as the model holds it); jaxattn's
+times include expanding the latents to per-head K/V, the peers' do not;
 the notes list each jaxattn GPU backend's kernels from the profiler (``kernel_breakdown``).
 ``--smoke`` runs the jaxattn rows of two small cases on any device (CPU included) and writes only $OUT.
 Writes one section of benchmarks/RESULTS.md per head count (mla-hq128, mla-hq16; with --no-decode,
@@ -110,7 +111,7 @@ def prefill_seconds(heads: int, batch: int, q_len: int, with_torch: bool, peers:
     """mla_prefill on ``batch`` sequences of ``q_len`` new tokens (no cached context), and
     flashinfer's ragged fa3 prefill on the expanded K/V: {name: seconds per call}, with notes."""
     x = mla_prefill_inputs(Case.prefill(batch, q_len), heads)
-    q_nope, q_rope, cache, meta, w_uk, w_uv = args = x.args
+    q, _, cache, meta, w_uk, w_uv = args = x.args
     tokens, pages_per_seq = batch * q_len, meta.max_pages_per_seq
     result, outs = {"seconds": {}, "notes": []}, {}
     for backend in ("cudnn", "fa4", "xla") if with_torch else ("xla",):
@@ -151,7 +152,6 @@ def prefill_seconds(heads: int, batch: int, q_len: int, with_torch: bool, peers:
         k_nope = jnp.einsum("tr,rhd->thd", latents[:, :MLA_RANK], w_uk)
         k = jnp.concatenate([k_nope, jnp.broadcast_to(latents[:, None, MLA_RANK:], (tokens, heads, MLA_ROPE))], axis=-1)
         v = jnp.einsum("tr,rhd->thd", latents[:, :MLA_RANK], w_uv)
-        q = jnp.concatenate([q_nope, q_rope], axis=-1)
         tq, tk, tv = (torch.from_dlpack(a.astype(DTYPE)) for a in (q, k, v))
         indptr = torch.arange(batch + 1, dtype=torch.int32, device=tq.device) * q_len
     except Exception as err:
@@ -198,13 +198,12 @@ def fa4_kernel_seconds(x: MLAPrefillInputs, trials: int) -> float:
     flashinfer peers take them."""
     from jaxattn.backends import fa4
 
-    meta, _ = x.meta.sanitize(x.q_nope.shape[0], x.cache.num_pages, x.cache.page_size)
-    k_pages, v_pages, meta = fa4.mla_pages(x.cache, meta, x.w_uk, x.w_uv, x.q_nope.dtype, causal=True)
-    q = jnp.concatenate([x.q_nope, x.q_rope], axis=-1)
+    meta, _ = x.meta.sanitize(x.q.shape[0], x.cache.num_pages, x.cache.page_size)
+    k_pages, v_pages, meta = fa4.mla_pages(x.cache, meta, x.w_uk, x.w_uv, x.q.dtype, causal=True)
     params = AttentionParams(scale=MLA_SCALE, causal=True, sliding_window=None, softcap=None, has_sinks=False)
     fn = jax.jit(lambda q, k, v, m: fa4.attend_pages(q, k, v, "NHD", m, params, None))
-    jax.block_until_ready(fn(q, k_pages, v_pages, meta))
-    return wall_seconds(lambda: fn(q, k_pages, v_pages, meta), trials)
+    jax.block_until_ready(fn(x.q, k_pages, v_pages, meta))
+    return wall_seconds(lambda: fn(x.q, k_pages, v_pages, meta), trials)
 
 
 DECODE_PEERS = ("jaxattn auto", "jaxattn triton", "flashinfer mla", "jaxattn xla")

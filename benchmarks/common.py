@@ -186,8 +186,7 @@ def mla_inputs(case: MLACase, seed: int = 0) -> MLAInputs:
 
 @dataclasses.dataclass
 class MLAPrefillInputs:
-    q_nope: jax.Array      # [T, Hq, Dn]
-    q_rope: jax.Array      # [T, Hq, Dr]
+    q: jax.Array           # [T, Hq, Dn + Dr], the whole query (no-RoPE part first), as a model holds it
     cache: jaxattn.MLACache
     meta: jaxattn.AttentionMetadata
     w_uk: jax.Array        # [R, Hq, Dn]
@@ -195,8 +194,8 @@ class MLAPrefillInputs:
 
     @property
     def args(self) -> tuple:
-        """``mla_prefill``'s positional arguments."""
-        return self.q_nope, self.q_rope, self.cache, self.meta, self.w_uk, self.w_uv
+        """``mla_prefill``'s positional arguments (the query whole, ``q_rope`` None)."""
+        return self.q, None, self.cache, self.meta, self.w_uk, self.w_uv
 
 
 def mla_prefill_inputs(case: Case, heads: int, seed: int = 1) -> MLAPrefillInputs:
@@ -215,8 +214,8 @@ def mla_prefill_inputs(case: Case, heads: int, seed: int = 1) -> MLAPrefillInput
         num_decodes=jnp.int32(0), max_q_len=case.max_q_len)
     weights = [(jax.random.normal(k, (MLA_RANK, heads, d), jnp.float32) / math.sqrt(MLA_RANK)).astype(DTYPE)
                for k, d in ((key[3], MLA_NOPE), (key[4], MLA_DV))]
-    return MLAPrefillInputs(jax.random.normal(key[1], (tokens, heads, MLA_NOPE), DTYPE),
-                            jax.random.normal(key[2], (tokens, heads, MLA_ROPE), DTYPE), cache, meta, *weights)
+    return MLAPrefillInputs(jax.random.normal(key[1], (tokens, heads, MLA_NOPE + MLA_ROPE), DTYPE), cache, meta,
+                            *weights)
 
 
 def rel_error(x, ref) -> float:

@@ -11,7 +11,7 @@ a mixed batch of 63 decodes at 4096 and an 8192-token prefill), then the decode 
 16, 64, 256} x kv in {512, ..., 65536} (B x kv <= 2**22 tokens), then a few more speculative-decode
 and prefill points, NHD pages and fp8 pages. ``mla_prefill`` at DeepSeek's dims (B=8 x 4096 at 128
 and 16 query heads among the issue's points; B=1 x 512, chunked B=4 x 300 over 1200 and B=1 x 4096
-after), each backend whole.
+after), each backend whole, the query whole (``[T, Hq, Dn + Dr]``, as the model passes it).
 
 Each workload's candidates are the backends that rank its call (``dispatch.rank_order``) and can
 take it here. Each candidate X runs whole (plan label "X") and, where ``auto`` weighs a split for
@@ -189,7 +189,7 @@ def measure(w: Workload, rounds: int, calls_per_round: int) -> Row:
     """Times every plan of ``w``'s candidates (module docstring) in interleaved rounds."""
     x = w.inputs()
     if isinstance(x, MLAPrefillInputs):
-        call = Call("mla_prefill", x.q_nope, x.cache, x.meta, MLA_PARAMS, q_rope=x.q_rope, w_uv=x.w_uv)
+        call = attention_plan.mla_call("mla_prefill", x.q, None, x.cache, x.meta, MLA_PARAMS, x.w_uv)
     else:
         call = Call("paged_attention", x.q, x.cache, x.meta, PARAMS)
     by_rank = dispatch.rank_order(call)

@@ -107,13 +107,15 @@ def plan(meta: AttentionMetadata, cache: KVCache | MLACache, q, *, op: str = "pa
         cache must share them; FP8 scales may differ).
       q: the op's first query, an array or a ``jax.ShapeDtypeStruct`` (only its shape and dtype are
         read): ``q`` ``[T, Hq, D]`` (paged_attention), ``q_latent`` ``[T, Hq, R]``
-        (mla_paged_attention) or ``q_nope`` ``[T, Hq, Dn]`` (mla_prefill).
+        (mla_paged_attention), or mla_prefill's whole query ``[T, Hq, Dn + Dr]`` (``q_rope`` None)
+        or its no-RoPE part ``q_nope`` ``[T, Hq, Dn]``: a plan of either form serves calls of both.
       op: "paged_attention", "mla_paged_attention" or "mla_prefill".
       backend, scale, causal: as the op takes them (MLA ops: ``scale`` required).
       sliding_window, softcap: paged_attention's options.
       sinks: paged_attention's sinks (an array or a ``ShapeDtypeStruct`` of float32 ``[Hq]``) when the
         calls pass sinks; only its shape is read, each call passes its own values.
-      q_rope: the MLA ops' ``[T, Hq, Dr]`` query part (array or ``ShapeDtypeStruct``).
+      q_rope: the MLA ops' ``[T, Hq, Dr]`` query part (array or ``ShapeDtypeStruct``); None for
+        mla_prefill's whole query.
       w_uk, w_uv: mla_prefill's projections (arrays or ``ShapeDtypeStruct``), for their shapes.
 
     Returns:
@@ -133,7 +135,17 @@ def plan(meta: AttentionMetadata, cache: KVCache | MLACache, q, *, op: str = "pa
             raise ValueError(f"jaxattn.plan: {name} is a paged_attention option; op={op!r} takes none")
     params = check_mla_args(op, q, q_rope, cache, meta, scale=scale, causal=causal, backend=backend, w_uk=w_uk,
                             w_uv=w_uv)
-    return build(Call(op, abstract(q), cache, meta, params, q_rope=abstract(q_rope), w_uv=abstract(w_uv)), backend)
+    return build(mla_call(op, q, q_rope, cache, meta, params, w_uv), backend)
+
+
+def mla_call(op: str, q, q_rope, cache: MLACache, meta: AttentionMetadata, params: AttentionParams,
+             w_uv=None) -> Call:
+    """The ``Call`` of a checked MLA op call (``check_mla_args``), its arrays abstract. mla_prefill's
+    query is in its one internal form, whole (``[T, Hq, Dn + Dr]``, ``q_rope`` None), whichever form
+    was given, so that a plan of one form serves calls of the other."""
+    if op == "mla_prefill" and q_rope is not None:
+        q, q_rope = jax.ShapeDtypeStruct((*q.shape[:2], q.shape[2] + q_rope.shape[2]), q.dtype), None
+    return Call(op, abstract(q), cache, meta, params, q_rope=abstract(q_rope), w_uv=abstract(w_uv))
 
 
 def build(call: Call, backend: str, route: dispatch.Route | None = None) -> AttentionPlan:
@@ -346,10 +358,13 @@ def check_attention_args(q, cache, meta, *, scale=None, causal=True, sliding_win
 def check_mla_args(where: str, q, q_rope, cache, meta, *, scale, causal=True, backend="auto", w_uk=None,
                    w_uv=None) -> AttentionParams:
     """The MLA ops' checks (``where``: "mla_paged_attention", whose ``q`` is ``q_latent``, or
-    "mla_prefill", whose ``q`` is ``q_nope`` and which also takes ``w_uk`` and ``w_uv``); their static
-    options as ``AttentionParams``."""
+    "mla_prefill", whose ``q`` is ``q_nope`` with ``q_rope``, or the whole query with ``q_rope`` None,
+    and which also takes ``w_uk`` and ``w_uv``); their static options as ``AttentionParams``."""
+    whole = where == "mla_prefill" and q_rope is None
     if where == "mla_paged_attention":
         queries = (("q_latent", q, "kv_lora_rank"), ("q_rope", q_rope, "rope_dim"))
+    elif whole:
+        queries = (("q", q, None),)
     else:
         queries = (("q_nope", q, None), ("q_rope", q_rope, "rope_dim"))
     if not isinstance(cache, MLACache):
@@ -377,12 +392,18 @@ def check_mla_args(where: str, q, q_rope, cache, meta, *, scale, causal=True, ba
     if not isinstance(causal, bool):
         raise ValueError(f"{where}: causal must be a bool, got {causal!r}")
     if where == "mla_prefill":
-        num_q_heads, nope_dim = first.shape[1:]
-        for name, w, last, last_name in (("w_uk", w_uk, nope_dim, f"Dn={nope_dim}"), ("w_uv", w_uv, None, "Dv")):
+        num_q_heads = first.shape[1]
+        nope_dim = None if whole else first.shape[2]     # the whole query's Dn is w_uk's
+        for name, w, last, last_name in (("w_uk", w_uk, nope_dim, "Dn" if whole else f"Dn={nope_dim}"),
+                                         ("w_uv", w_uv, None, "Dv")):
             shape = tuple(getattr(w, "shape", ()))
             if len(shape) != 3 or shape[:2] != (cache.kv_lora_rank, num_q_heads) or last not in (None, shape[2]):
                 raise ValueError(f"{where}: {name} must be [kv_lora_rank={cache.kv_lora_rank}, Hq={num_q_heads}, "
                                  f"{last_name}], got {list(shape)}")
             if w.dtype != first.dtype:
-                raise ValueError(f"{where}: {name}.dtype must be {first.dtype} (like q_nope), got {w.dtype}")
+                raise ValueError(f"{where}: {name}.dtype must be {first.dtype} (like {first_name}), got {w.dtype}")
+        if whole and first.shape[2] != w_uk.shape[2] + cache.rope_dim:
+            raise ValueError(f"{where}: q must be the whole query [T, Hq, Dn + Dr] (no-RoPE part first), "
+                             f"Dn + Dr = {w_uk.shape[2]} + {cache.rope_dim} (w_uk's Dn, the cache's rope_dim), got "
+                             f"shape {tuple(first.shape)}; or pass q_nope [T, Hq, Dn] with q_rope [T, Hq, Dr]")
     return AttentionParams(scale=float(scale), causal=causal, sliding_window=None, softcap=None, has_sinks=False)

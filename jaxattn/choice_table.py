@@ -65,7 +65,8 @@ class Key:
     Attributes:
       op, phase: ``Call.op`` and ``Call.phase``.
       dtype, kv_dtype: the query's and the pages' dtype names.
-      group, head_dim: query heads per KV head (``Call.group_size``) and the query's last dim.
+      group, head_dim: query heads per KV head (``Call.group_size``) and the query's last dim
+        (mla_prefill: its no-RoPE width Dn, the tables' key since that op took ``q_nope``).
       page_size, layout: the cache's (layout "" for pools that have one layout, MLA's).
       options: the ``OPTIONS`` the call uses.
       seqs, capacity, tokens: B, the block tables' width x page size, and T, each rounded up to a power of 2.
@@ -87,8 +88,10 @@ class Key:
     @classmethod
     def of(cls, call: Call) -> Key:
         meta, cache = call.meta, call.cache
+        # mla_prefill's call holds the whole query; its measured entries are keyed by Dn.
+        head_dim = call.q.shape[2] - (cache.rope_dim if call.op == "mla_prefill" else 0)
         return cls(op=call.op, phase=call.phase, dtype=call.q.dtype.name, kv_dtype=cache.dtype.name,
-                   group=call.group_size, head_dim=call.q.shape[2], page_size=cache.page_size,
+                   group=call.group_size, head_dim=head_dim, page_size=cache.page_size,
                    layout=getattr(cache, "layout", ""), options=call.options(), seqs=pow2_ceil(meta.batch_size),
                    capacity=pow2_ceil(meta.max_pages_per_seq * cache.page_size), tokens=pow2_ceil(call.q.shape[0]))
 

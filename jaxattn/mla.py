@@ -11,7 +11,8 @@ head h's key and value are ``[c_kv W_UK[:, h], k_rope]`` and ``c_kv W_UV[:, h]``
   values per key for all heads.
 * ``mla_prefill`` (long queries): the latents of each sequence's keys are expanded to per-head K
   (``Dn + Dr``, 192) and V (``Dv``, 128) and attended as ordinary multi-head attention, which costs
-  fewer FLOPs per (query, key) pair when queries are many.
+  fewer FLOPs per (query, key) pair when queries are many. Its query is taken whole
+  (``[T, Hq, Dn + Dr]``, as K's columns), or as its two parts, which it concatenates once.
 
 Both follow ``paged_attention``'s contract: packed ragged queries, bottom-right causal masks, the
 step's latents already written to the pool, the same ``AttentionMetadata`` and bad-data rules
@@ -26,7 +27,7 @@ import jax.numpy as jnp
 
 from jaxattn import attention_plan
 from jaxattn.attention_plan import AttentionPlan
-from jaxattn.backends.base import AttentionParams, Call
+from jaxattn.backends.base import AttentionParams
 from jaxattn.kv_cache import MLACache
 from jaxattn.metadata import SPEC_DECODE_MAX_Q_LEN, AttentionMetadata
 
@@ -75,8 +76,8 @@ def mla_paged_attention(
 
 
 def mla_prefill(
-    q_nope: jax.Array,
-    q_rope: jax.Array,
+    q: jax.Array,
+    q_rope: jax.Array | None,
     cache: MLACache,
     meta: AttentionMetadata | AttentionPlan,
     w_uk: jax.Array,
@@ -91,8 +92,11 @@ def mla_prefill(
     of each sequence (all its ``kv_lens[b]`` keys), packed ragged, bottom-right causal.
 
     Args:
-      q_nope: ``[T, Hq, Dn]`` (128 in DeepSeek), the no-RoPE query part (not absorbed).
-      q_rope: ``[T, Hq, Dr]`` (64), the RoPE'd query part.
+      q: the whole query ``[T, Hq, Dn + Dr]`` (no-RoPE part first, RoPE'd part last; 128 + 64 in
+        DeepSeek) with ``q_rope`` None, or its no-RoPE part ``q_nope`` ``[T, Hq, Dn]`` (not absorbed).
+      q_rope: ``[T, Hq, Dr]``, the RoPE'd query part, or None when ``q`` is whole. Parts are
+        concatenated here, once: every backend takes the whole query, so a model that applies RoPE to
+        the last Dr columns of its query in place saves that copy.
       cache, meta, scale, causal, return_status: as ``mla_paged_attention``.
       w_uk: ``[R, Hq, Dn]``, latent -> no-RoPE key of each head.
       w_uv: ``[R, Hq, Dv]`` (Dv 128), latent -> value of each head.
@@ -103,11 +107,13 @@ def mla_prefill(
         benchmarks/RESULTS.md), else cudnn, then fa4, else xla, where each runs and takes the call.
 
     Returns:
-      ``out``: ``[T, Hq, Dv]`` in ``q_nope.dtype``; with ``return_status``, ``(out, valid)``.
+      ``out``: ``[T, Hq, Dv]`` in ``q.dtype``; with ``return_status``, ``(out, valid)``.
     """
     where = "mla_prefill"
-    plan, params = _plan(where, q_nope, q_rope, cache, meta, (w_uk, w_uv), scale, causal, backend, return_status)
-    out = plan.main.run(where, (q_nope, q_rope, cache), (w_uk, w_uv, params))
+    plan, params = _plan(where, q, q_rope, cache, meta, (w_uk, w_uv), scale, causal, backend, return_status)
+    if q_rope is not None:
+        q = jnp.concatenate([q, q_rope], axis=-1)
+    out = plan.main.run(where, (q, cache), (w_uk, w_uv, params))
     out, valid = attention_plan.with_scales_checked(plan, cache, out)
     return (out, valid) if return_status else out
 
@@ -124,7 +130,7 @@ def project_values(out_latent: jax.Array, w_uv: jax.Array) -> jax.Array:
     return jnp.einsum("thr,rhv->thv", out_latent, w_uv, preferred_element_type=jnp.float32).astype(out_latent.dtype)
 
 
-def _plan(where: str, q: jax.Array, q_rope: jax.Array, cache: MLACache, meta: AttentionMetadata | AttentionPlan,
+def _plan(where: str, q: jax.Array, q_rope: jax.Array | None, cache: MLACache, meta: AttentionMetadata | AttentionPlan,
           weights: tuple[jax.Array, jax.Array] | None, scale, causal, backend: str,
           return_status) -> tuple[AttentionPlan, AttentionParams]:
     """The call's checks, and its plan: ``meta`` when it is one (checked against the call), else
@@ -136,7 +142,7 @@ def _plan(where: str, q: jax.Array, q_rope: jax.Array, cache: MLACache, meta: At
     metadata = meta.meta if planned else meta
     params = attention_plan.check_mla_args(where, q, q_rope, cache, metadata, scale=scale, causal=causal,
                                            backend=backend, w_uk=w_uk, w_uv=w_uv)
-    call = Call(where, q, cache, metadata, params, q_rope=q_rope, w_uv=w_uv)
+    call = attention_plan.mla_call(where, q, q_rope, cache, metadata, params, w_uv)
     if not planned:
         return attention_plan.build(call, backend), params
     params = attention_plan.merge_options(where, meta, params, given={"scale"} | ({"causal"} if not causal else set()))

@@ -40,6 +40,11 @@ class MLAProblem:
         return float(1 / np.sqrt(self.q_nope.shape[2] + self.q_rope.shape[2]))
 
     @property
+    def q(self) -> jax.Array:
+        """The whole query ``[T_pad, Hq, Dn + Dr]`` (``mla_prefill``'s one internal form)."""
+        return jnp.concatenate([self.q_nope, self.q_rope], -1)
+
+    @property
     def q_latent(self) -> jax.Array:
         return absorb_query(self.q_nope, self.w_uk)
 
@@ -51,7 +56,7 @@ class MLAProblem:
         k = [np.concatenate([np.einsum("sr,rhn->shn", x[:, :rank], w_uk),
                              np.repeat(x[:, None, rank:], heads, axis=1)], axis=-1) for x in self.latents]
         v = [np.einsum("sr,rhv->shv", x[:, :rank], w_uv) for x in self.latents]
-        return self._reference(jnp.concatenate([self.q_nope, self.q_rope], -1), k, v, causal)
+        return self._reference(self.q, k, v, causal)
 
     def absorbed_reference(self, q_latent: jax.Array, causal: bool = True) -> np.ndarray:
         """Float64 MQA of ``[q_latent, q_rope]`` over the latents (values ``c_kv``): ``[T_pad, Hq, R]``."""
@@ -186,22 +191,24 @@ def check_deepseek_prefill(backend: str, num_q_heads: int, page_size: int = 64, 
                            kv_dtype=None) -> None:
     """GPU: ``mla_prefill`` at DeepSeek dims (Dn 128 + Dr 64 keys, Dv 128 values), bf16 queries,
     chunked prefill over cached context, a decode and padding, through ``backend`` against the
-    xla backend and the float64 reference; padding rows are zero."""
+    xla backend and the float64 reference; padding rows are zero. The query whole and as its two
+    parts give the same output."""
     rng = np.random.default_rng(num_q_heads + page_size)
     problem = make_mla_problem(rng, num_q_heads=num_q_heads, q_lens=[1, 200, 64, 9], kv_lens=[700, 200, 1000, 9],
                                dtype=jnp.bfloat16, kv_dtype=kv_dtype, **{**DEEPSEEK, "page_size": page_size})
-    args = (problem.q_nope, problem.q_rope, problem.cache, problem.meta, problem.w_uk, problem.w_uv)
+    rest = (problem.cache, problem.meta, problem.w_uk, problem.w_uv)
     run = {name: jax.jit(lambda *a, name=name: jaxattn.mla_prefill(*a, scale=problem.scale, causal=causal,
                                                                    backend=name))
            for name in (backend, "xla")}
-    out = run[backend](*args)
-    assert rel_error(out, run["xla"](*args)) < 2e-2
+    out = run[backend](problem.q, None, *rest)
+    np.testing.assert_array_equal(np.asarray(run[backend](problem.q_nope, problem.q_rope, *rest)), np.asarray(out))
+    assert rel_error(out, run["xla"](problem.q, None, *rest)) < 2e-2
     assert rel_error(out, problem.expanded_reference(causal)) < 2e-2
     assert not np.asarray(out[sum(problem.q_lens):].astype(jnp.float32)).any()
 
 
 def check_deepseek_prefill_broken_sequences(backend: str) -> None:
-    """GPU: ``mla_prefill`` through ``backend`` with every fault at DeepSeek dims (16 heads):
+    """GPU: ``mla_prefill`` (the query whole) through ``backend`` with every fault at DeepSeek dims (16 heads):
     broken sequences get zero rows and a False flag, the others match the float64 reference, no
     unowned page reaches an output (fresh seed, in the failure message)."""
     seed = int(np.random.SeedSequence().entropy % 2**32)
@@ -212,7 +219,7 @@ def check_deepseek_prefill_broken_sequences(backend: str) -> None:
                                dtype=jnp.bfloat16, **DEEPSEEK)
     meta, broken = break_metadata(rng, problem, ["page", "none", "short", "none", "long", "none"])
     run = jax.jit(lambda *a: jaxattn.mla_prefill(*a, scale=problem.scale, backend=backend, return_status=True))
-    out, valid = run(problem.q_nope, problem.q_rope, problem.cache, meta, problem.w_uk, problem.w_uv)
+    out, valid = run(problem.q, None, problem.cache, meta, problem.w_uk, problem.w_uv)
     np.testing.assert_array_equal(valid, ~broken, err_msg=f"seed {seed}")
     out = np.asarray(out.astype(jnp.float32), np.float64)
     assert not np.isnan(out).any(), f"a page the sequence does not own reached its output (seed {seed})"

@@ -140,6 +140,33 @@ def test_mla_plans():
         jaxattn.mla_prefill(*args, prefill, problem.w_uk, problem.w_uv, scale=0.3)
 
 
+def test_mla_prefill_plans_serve_either_query_form():
+    """mla_prefill's plan holds the whole query's shape: a plan made from the parts serves a call
+    given the whole query and the reverse (``q_rope=None``, an array or a ShapeDtypeStruct), all with
+    the same rows; a whole query of another width does not match."""
+    problem = make_mla_problem(np.random.default_rng(8), q_lens=[1, 4, 2], kv_lens=[20, 9, 2], num_q_heads=4,
+                               kv_lora_rank=32, rope_dim=16, nope_dim=16, v_dim=16, page_size=8, dtype=jnp.float32)
+    weights = dict(w_uk=problem.w_uk, w_uv=problem.w_uv)
+    from_parts = jaxattn.plan(problem.meta, problem.cache, problem.q_nope, op="mla_prefill", q_rope=problem.q_rope,
+                              scale=0.2, **weights)
+    from_whole = jaxattn.plan(problem.meta, problem.cache, jax.ShapeDtypeStruct(problem.q.shape, problem.q.dtype),
+                              op="mla_prefill", q_rope=None, scale=0.2, **weights)
+    assert from_parts.signature == from_whole.signature
+    rest = (problem.w_uk, problem.w_uv)
+    expected = np.asarray(jaxattn.mla_prefill(problem.q_nope, problem.q_rope, problem.cache, problem.meta, *rest,
+                                              scale=0.2))
+    for plan in (from_parts, from_whole):
+        for q, q_rope in ((problem.q, None), (problem.q_nope, problem.q_rope)):
+            out = jax.jit(lambda q, q_rope, plan: jaxattn.mla_prefill(q, q_rope, problem.cache, plan, *rest, scale=0.2))
+            np.testing.assert_array_equal(np.asarray(out(q, q_rope, plan)), expected)
+    # A pool of wider RoPE parts (Dr 24) takes a wider whole query, which the plan was not made for.
+    wider = dataclasses.replace(problem.cache, pages=jnp.pad(problem.cache.pages, ((0, 0), (0, 0), (0, 8))))
+    tokens = problem.q.shape[0]
+    with pytest.raises(ValueError, match=re.escape(f"the query: planned float32[{tokens}, 4, 32], "
+                                                   f"got float32[{tokens}, 4, 40]")):
+        jaxattn.mla_prefill(jnp.pad(problem.q, ((0, 0), (0, 0), (0, 8))), None, wider, from_whole, *rest, scale=0.2)
+
+
 def test_plan_is_a_pytree():
     problem = _problem()
     plan = jaxattn.plan(problem.meta, problem.cache, jax.ShapeDtypeStruct(problem.q.shape, problem.q.dtype))

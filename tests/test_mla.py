@@ -5,6 +5,7 @@ bad metadata; argument errors."""
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import jax
 import jax.numpy as jnp
@@ -82,6 +83,26 @@ def test_fp8_pool(dtype):
     out = jax.jit(lambda *a: jaxattn.mla_prefill(*a, scale=problem.scale))(
         problem.q_nope, problem.q_rope, problem.cache, problem.meta, problem.w_uk, problem.w_uv)
     assert rel_error(out, problem.expanded_reference()) < tol
+
+
+@pytest.mark.parametrize("kv_dtype", [jnp.bfloat16, jnp.float8_e4m3fn], ids=["bf16", "fp8"])
+def test_prefill_takes_the_query_whole_or_in_parts(kv_dtype):
+    """``mla_prefill(q, None, ...)`` with the whole query ``[T, Hq, Dn + Dr]`` gives the rows of
+    ``mla_prefill(q_nope, q_rope, ...)`` bit for bit (NaN in the stale slots of owned pages)."""
+    problem = make_mla_problem(np.random.default_rng(10), **DIMS, **MIXED, dtype=jnp.bfloat16, kv_dtype=kv_dtype)
+    pages = np.array(problem.cache.pages.astype(jnp.float32))
+    for b, n in enumerate(problem.kv_lens):
+        last, used = divmod(n, problem.cache.page_size)
+        if used:
+            pages[problem.tables[b, last], used:] = np.nan
+    cache = dataclasses.replace(problem.cache, pages=jnp.asarray(pages, problem.cache.dtype))
+    run = jax.jit(lambda q, q_rope, c: jaxattn.mla_prefill(q, q_rope, c, problem.meta, problem.w_uk, problem.w_uv,
+                                                           scale=problem.scale, backend="xla", return_status=True))
+    whole, valid = run(problem.q, None, cache)
+    parts, _ = run(problem.q_nope, problem.q_rope, cache)
+    assert whole.dtype == jnp.bfloat16 and np.asarray(valid[:len(problem.q_lens)]).all()
+    np.testing.assert_array_equal(np.asarray(whole.astype(jnp.float32)), np.asarray(parts.astype(jnp.float32)))
+    assert rel_error(whole, problem.expanded_reference()) < TOLERANCE[jnp.dtype(jnp.bfloat16)]
 
 
 def test_non_finite_fp8_scale_flags_every_sequence():
@@ -166,3 +187,22 @@ def test_prefill_bad_weights_raise(weight, shape, message):
     with pytest.raises(ValueError, match="backend must be one of \\('auto', 'xla', 'cudnn', 'fa4'\\)"):
         jaxattn.mla_prefill(problem.q_nope, problem.q_rope, problem.cache, problem.meta, problem.w_uk, problem.w_uv,
                             scale=problem.scale, backend="triton")
+
+
+def test_whole_query_arguments_raise():
+    """The whole query must be ``w_uk``'s Dn plus the cache's rope_dim wide (its weights checked as
+    the parts' are); the absorbed op has no whole form, so its q_rope is required."""
+    problem = make_mla_problem(np.random.default_rng(11), **DIMS, **MIXED)
+    rest = (problem.cache, problem.meta, problem.w_uk, problem.w_uv)
+    for q in (problem.q_nope, problem.q[..., :-1], jnp.pad(problem.q, ((0, 0), (0, 0), (0, 1)))):
+        with pytest.raises(ValueError, match=re.escape(
+                f"mla_prefill: q must be the whole query [T, Hq, Dn + Dr] (no-RoPE part first), Dn + Dr = 24 + 16 "
+                f"(w_uk's Dn, the cache's rope_dim), got shape {tuple(q.shape)}")):
+            jaxattn.mla_prefill(q, None, *rest, scale=problem.scale)
+    with pytest.raises(ValueError, match=re.escape("mla_prefill: w_uv must be [kv_lora_rank=32, Hq=4, Dv]")):
+        jaxattn.mla_prefill(problem.q, None, *rest[:3], problem.w_uv[:, :3], scale=problem.scale)
+    with pytest.raises(ValueError, match=re.escape("mla_prefill: w_uk.dtype must be float32 (like q)")):
+        jaxattn.mla_prefill(problem.q, None, *rest[:2], problem.w_uk.astype(jnp.bfloat16), problem.w_uv,
+                            scale=problem.scale)
+    with pytest.raises(ValueError, match=re.escape("mla_paged_attention: q_rope must be [T=")):
+        jaxattn.mla_paged_attention(problem.q_latent, None, problem.cache, problem.meta, scale=problem.scale)

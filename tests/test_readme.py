@@ -224,6 +224,7 @@ def check_mla(namespace: dict, printed: str) -> None:
     absorbed = project_values(jaxattn.mla_paged_attention(absorb_query(ns["q_nope"], ns["w_uk"]), ns["q_rope"],
                                                           ns["cache"], ns["meta"], scale=ns["scale"]), ns["w_uv"])
     assert rel_error(out, np.asarray(absorbed, np.float32)) < 2e-2       # bf16
+    np.testing.assert_array_equal(np.asarray(ns["out_whole"], np.float32), np.asarray(out, np.float32))
 
 
 def check_engine(namespace: dict, printed: str) -> None:

@@ -6,12 +6,13 @@ import dataclasses
 import json
 import os
 
+import jax
 import jax.numpy as jnp
 import pytest
 
-from jaxattn import attention, backends, choice_table, dispatch
+from jaxattn import attention, attention_plan, backends, choice_table, dispatch
 from jaxattn.backends.base import AttentionParams, Call
-from jaxattn.kv_cache import KVCache
+from jaxattn.kv_cache import KVCache, MLACache
 from jaxattn.metadata import AttentionMetadata
 
 BACKENDS = ("xla", "cudnn", "trtllm", "triton")
@@ -195,6 +196,21 @@ def test_the_shipped_tables_load():
             table = choice_table.load(os.path.join(choice_table.TABLE_DIR, name))
             kind = table.device.split(",")[0]
             assert name in (f"{table.arch}.json", f"{choice_table.device_table_name(kind)}.json")
+
+
+def test_mla_prefill_buckets_by_its_no_rope_width_in_either_query_form():
+    """mla_prefill's call holds the whole query ``[T, Hq, Dn + Dr]``; its bucket keeps ``Dn`` (128
+    at DeepSeek's dims), as the shipped tables were keyed, so their entries still serve it."""
+    cache = MLACache(jax.ShapeDtypeStruct((1 + 8 * 64, 64, 512 + 64), jnp.bfloat16))
+    meta = AttentionMetadata(cu_q_lens=jnp.arange(9, dtype=jnp.int32) * 4096, kv_lens=jnp.full((8,), 4096, jnp.int32),
+                             block_tables=jnp.ones((8, 64), jnp.int32), num_decodes=jnp.int32(0))
+    whole, nope, rope = (jax.ShapeDtypeStruct((8 * 4096, 128, d), jnp.bfloat16) for d in (192, 128, 64))
+    w_uv = jax.ShapeDtypeStruct((512, 128, 128), jnp.bfloat16)
+    keys = {choice_table.Key.of(attention_plan.mla_call("mla_prefill", q, q_rope, cache, meta, PARAMS, w_uv))
+            for q, q_rope in ((whole, None), (nope, rope))}
+    assert len(keys) == 1 and next(iter(keys)).head_dim == 128
+    table = choice_table.load(os.path.join(choice_table.TABLE_DIR, "sm_90.json"))
+    assert table.nearest(next(iter(keys))) is not None
 
 
 def test_plan_labels_name_the_main_backend_after_the_last_plus():

@@ -12,7 +12,9 @@ alone, made once per step by ``jaxattn.plan`` and passed to every layer's ``run`
 The ops and their ``run`` signatures (all static options in ``AttentionParams``):
   paged_attention:      run(q, cache, meta, params, sinks) -> [T, Hq, D]
   mla_paged_attention:  run(q_latent, q_rope, cache, meta, params) -> [T, Hq, R]
-  mla_prefill:          run(q_nope, q_rope, cache, meta, w_uk, w_uv, params) -> [T, Hq, Dv]
+  mla_prefill:          run(q, cache, meta, w_uk, w_uv, params) -> [T, Hq, Dv]
+(mla_prefill's ``q`` is the whole query ``[T, Hq, Dn + Dr]``, no-RoPE part first: the op takes it
+whole or concatenates its two parts once, so backends see one form.)
 An op with a ``prepare`` also takes ``prepared=``: ``prepare``'s result for this call's metadata,
 or None (the default), in which case ``run`` prepares it itself.
 
@@ -79,9 +81,10 @@ RANK_FIRST, RANK_GENERAL, RANK_REFERENCE = 0, 10, 100
 class Call:
     """One op call as the registry judges it: static facts only (shapes, dtypes, options).
 
-    ``q`` is the op's first query (``q``, ``q_latent`` or ``q_nope``: ``[T, Hq, D]``, an array or a
-    ``jax.ShapeDtypeStruct``: only its shape and dtype are read);
-    ``q_rope`` the MLA ops' RoPE part, ``w_uv`` ``mla_prefill``'s value projection.
+    ``q`` is the op's first query (``q``, ``q_latent``, or ``mla_prefill``'s whole query
+    ``[T, Hq, Dn + Dr]``: ``[T, Hq, D]``, an array or a ``jax.ShapeDtypeStruct``: only its shape and
+    dtype are read); ``q_rope`` ``mla_paged_attention``'s RoPE part (None for the other ops),
+    ``w_uv`` ``mla_prefill``'s value projection.
     """
 
     op: str

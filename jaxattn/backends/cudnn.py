@@ -71,7 +71,7 @@ def attention(q: jax.Array, cache: KVCache, meta: AttentionMetadata, params: Att
 
 def mla_prefill_check(call: Call) -> str | None:
     """The graph's limits on ``mla_prefill`` over the expanded pool (K of Dn + Dr, V padded to it)."""
-    width = max(call.q.shape[2] + call.q_rope.shape[2], call.w_uv.shape[2])
+    width = max(call.q.shape[2], call.w_uv.shape[2])
     return _shape_reason("max(Dn + Dr, Dv)", call.q.shape, width, call.cache.page_size)
 
 
@@ -88,11 +88,11 @@ def _shape_reason(dim_name: str, q_shape: tuple[int, ...], head_dim: int, page_s
     return None
 
 
-def mla_prefill(q_nope: jax.Array, q_rope: jax.Array, cache: MLACache, meta: AttentionMetadata, w_uk: jax.Array,
-                w_uv: jax.Array, params: AttentionParams) -> jax.Array:
+def mla_prefill(q: jax.Array, cache: MLACache, meta: AttentionMetadata, w_uk: jax.Array, w_uv: jax.Array,
+                params: AttentionParams) -> jax.Array:
     """MLA prefill on cuDNN's paged graph over the expanded pool (see the module docstring):
-    ``q_nope: [T, Hq, Dn]``, ``q_rope: [T, Hq, Dr]`` -> ``[T, Hq, Dv]`` in ``q_nope.dtype``."""
-    return attend_expanded(attention, q_nope, q_rope, cache, meta, w_uk, w_uv, params)
+    ``q: [T, Hq, Dn + Dr]`` (whole) -> ``[T, Hq, Dv]`` in ``q.dtype``."""
+    return attend_expanded(attention, q, cache, meta, w_uk, w_uv, params)
 
 
 def attention_with_lse(q: jax.Array, cache: KVCache, meta: AttentionMetadata, params: AttentionParams,

@@ -84,7 +84,7 @@ def check(call: Call) -> str | None:
 
 def mla_check(call: Call) -> str | None:
     """The kernel's limits on ``mla_prefill``'s key (Dn + Dr) and value (Dv) widths."""
-    for name, width in (("Dn + Dr", call.q.shape[2] + call.q_rope.shape[2]), ("Dv", call.w_uv.shape[2])):
+    for name, width in (("Dn + Dr", call.q.shape[2]), ("Dv", call.w_uv.shape[2])):
         if width % HEAD_DIM_MULTIPLE or width > MAX_HEAD_DIM:
             return f"{name}={width} is not supported; supported: multiples of {HEAD_DIM_MULTIPLE} up to {MAX_HEAD_DIM}"
     return None
@@ -109,13 +109,13 @@ def attention(q: jax.Array, cache: KVCache, meta: AttentionMetadata, params: Att
     return attend_pages(q, cache.k_pages, cache.v_pages, cache.layout, meta, params, sinks, prepared)
 
 
-def mla_prefill(q_nope: jax.Array, q_rope: jax.Array, cache: MLACache, meta: AttentionMetadata, w_uk: jax.Array,
-                w_uv: jax.Array, params: AttentionParams) -> jax.Array:
+def mla_prefill(q: jax.Array, cache: MLACache, meta: AttentionMetadata, w_uk: jax.Array, w_uv: jax.Array,
+                params: AttentionParams) -> jax.Array:
     """MLA prefill over the latents expanded to per-head K (Dn + Dr wide) and V (Dv wide) pages
     (``mla_pages``): the kernel takes the two widths, so V is not padded to K's.
-    ``q_nope: [T, Hq, Dn]``, ``q_rope: [T, Hq, Dr]`` -> ``[T, Hq, Dv]`` in ``q_nope.dtype``."""
-    k_pages, v_pages, meta = mla_pages(cache, meta, w_uk, w_uv, q_nope.dtype, params.causal)
-    return attend_pages(jnp.concatenate([q_nope, q_rope], axis=-1), k_pages, v_pages, "NHD", meta, params, None)
+    ``q: [T, Hq, Dn + Dr]`` (whole) -> ``[T, Hq, Dv]`` in ``q.dtype``."""
+    k_pages, v_pages, meta = mla_pages(cache, meta, w_uk, w_uv, q.dtype, params.causal)
+    return attend_pages(q, k_pages, v_pages, "NHD", meta, params, None)
 
 
 def mla_pages(cache: MLACache, meta: AttentionMetadata, w_uk: jax.Array, w_uv: jax.Array, dtype: jnp.dtype,

@@ -20,20 +20,33 @@ def expand_latents(cache: MLACache, meta: AttentionMetadata, w_uk: jax.Array, w_
     """Every sequence's keys ``k = [c_kv W_UK[:, h], k_rope]`` ``[B, P, page, Hq, Dn + Dr]`` and
     values ``v = c_kv W_UV[:, h]`` ``[B, P, page, Hq, Dv]`` from the latents of its table's pages
     (sanitized ``meta``), in ``dtype`` (float32 accumulation), zero past its ``kv_lens`` (stale
-    slots never reach a kernel)."""
+    slots never reach a kernel). K is one GEMM of the whole latent with ``key_weight``, which
+    writes the RoPE part to every head's last Dr columns itself (no concatenation, no broadcast)."""
     pages = cache.pages[meta.block_tables]                                   # [B, P, page, R + Dr]
     if cache.scale is not None:
         pages = pages.astype(jnp.float32) * cache.scale
     _, num_pages, page_size, _ = pages.shape
     slot = jnp.arange(num_pages * page_size, dtype=jnp.int32).reshape(num_pages, page_size)
     pages = jnp.where((slot[None] < meta.kv_lens[:, None, None])[..., None], pages.astype(dtype), 0)
-    c_kv, k_rope = pages[..., :cache.kv_lora_rank], pages[..., cache.kv_lora_rank:]
     # Products straight in ``dtype`` (accumulated in float32 by the GEMM, rounded once): a float32
     # result would be written, read back and converted, several times the bytes of K and V.
-    k_nope = jnp.einsum("bpsr,rhn->bpshn", c_kv, w_uk.astype(dtype), preferred_element_type=dtype)
-    k_rope = jnp.broadcast_to(k_rope[..., None, :], (*k_nope.shape[:4], k_rope.shape[-1]))
-    v = jnp.einsum("bpsr,rhv->bpshv", c_kv, w_uv.astype(dtype), preferred_element_type=dtype)
-    return jnp.concatenate([k_nope, k_rope], axis=-1), v
+    k = jnp.einsum("bpsl,lhd->bpshd", pages, key_weight(w_uk, cache.rope_dim).astype(dtype),
+                   preferred_element_type=dtype)
+    v = jnp.einsum("bpsr,rhv->bpshv", pages[..., :cache.kv_lora_rank], w_uv.astype(dtype),
+                   preferred_element_type=dtype)
+    return k, v
+
+
+def key_weight(w_uk: jax.Array, rope_dim: int) -> jax.Array:
+    """``W_k = [[W_UK, 0], [0, I]]`` ``[R + Dr, Hq, Dn + Dr]`` in ``w_uk``'s dtype: a latent
+    ``[c_kv, k_rope]`` times ``W_k[:, h]`` is head h's key ``[c_kv W_UK[:, h], k_rope]``: the RoPE
+    columns ``k_rope * 1`` plus zeros (exact), the others ``c_kv W_UK[:, h]`` plus zeros (the same
+    float32 sum, so the same bits wherever the GEMM keeps its summation order).
+    It costs ``(R + Dr)(Dn + Dr) / (R Dn)`` the no-RoPE GEMM's FLOPs (1.69x at DeepSeek's dims)."""
+    rank, heads, nope_dim = w_uk.shape
+    eye = jnp.broadcast_to(jnp.eye(rope_dim, dtype=w_uk.dtype)[:, None], (rope_dim, heads, rope_dim))
+    return (jnp.zeros((rank + rope_dim, heads, nope_dim + rope_dim), w_uk.dtype)
+            .at[:rank, :, :nope_dim].set(w_uk).at[rank:, :, nope_dim:].set(eye))
 
 
 def expanded_pages(cache: MLACache, meta: AttentionMetadata, w_uk: jax.Array, w_uv: jax.Array,
@@ -71,12 +84,11 @@ def expanded_pool(cache: MLACache, meta: AttentionMetadata, w_uk: jax.Array, w_u
                                                                           num_pages=1 + meta.num_pages)
 
 
-def attend_expanded(attention: Callable[..., jax.Array], q_nope: jax.Array, q_rope: jax.Array, cache: MLACache,
-                    meta: AttentionMetadata, w_uk: jax.Array, w_uv: jax.Array, params: AttentionParams) -> jax.Array:
+def attend_expanded(attention: Callable[..., jax.Array], q: jax.Array, cache: MLACache, meta: AttentionMetadata,
+                    w_uk: jax.Array, w_uv: jax.Array, params: AttentionParams) -> jax.Array:
     """MLA prefill through a backend's paged ``attention(q, cache, meta, params, sinks)`` that takes
-    one head_dim: over ``expanded_pool``, with ``[q_nope, q_rope]`` zero-padded to the pool's width;
-    the output's first Dv columns. ``q_nope: [T, Hq, Dn]``, ``q_rope: [T, Hq, Dr]`` -> ``[T, Hq, Dv]``."""
-    pool, pool_meta = expanded_pool(cache, meta, w_uk, w_uv, q_nope.dtype)
-    q = jnp.concatenate([q_nope, q_rope], axis=-1)
+    one head_dim: over ``expanded_pool``, with the whole query zero-padded to the pool's width; the
+    output's first Dv columns. ``q: [T, Hq, Dn + Dr]`` -> ``[T, Hq, Dv]``."""
+    pool, pool_meta = expanded_pool(cache, meta, w_uk, w_uv, q.dtype)
     q = jnp.pad(q, ((0, 0), (0, 0), (0, pool.head_dim - q.shape[2])))
     return attention(q, pool, pool_meta, params, None)[..., :w_uv.shape[2]]

@@ -38,15 +38,15 @@ def mla_attention(q_latent: jax.Array, q_rope: jax.Array, cache: MLACache, meta:
     return _attention(q, latents, latents[..., :cache.kv_lora_rank], meta, params, None)
 
 
-def mla_prefill(q_nope: jax.Array, q_rope: jax.Array, cache: MLACache, meta: AttentionMetadata, w_uk: jax.Array,
-                w_uv: jax.Array, params: AttentionParams) -> jax.Array:
+def mla_prefill(q: jax.Array, cache: MLACache, meta: AttentionMetadata, w_uk: jax.Array, w_uv: jax.Array,
+                params: AttentionParams) -> jax.Array:
     """MLA over per-head K/V expanded from the latents: ``k = [c_kv W_UK[:, h], k_rope]``,
-    ``v = c_kv W_UV[:, h]``. ``q_nope: [T, Hq, Dn]``, ``q_rope: [T, Hq, Dr]``, ``w_uk: [R, Hq, Dn]``,
-    ``w_uv: [R, Hq, Dv]`` -> ``[T, Hq, Dv]`` in ``q_nope.dtype``."""
-    k, v = expand_latents(cache, meta, w_uk, w_uv, _compute_dtype(q_nope.dtype))   # [B, P, page, Hq, D]
+    ``v = c_kv W_UV[:, h]``. ``q: [T, Hq, Dn + Dr]`` (whole), ``w_uk: [R, Hq, Dn]``,
+    ``w_uv: [R, Hq, Dv]`` -> ``[T, Hq, Dv]`` in ``q.dtype``."""
+    k, v = expand_latents(cache, meta, w_uk, w_uv, _compute_dtype(q.dtype))   # [B, P, page, Hq, D]
     batch, num_pages, page_size = k.shape[:3]
     k, v = (x.reshape(batch, num_pages * page_size, *x.shape[3:]) for x in (k, v))
-    return _attention(jnp.concatenate([q_nope, q_rope], axis=-1), k, v, meta, params, None)
+    return _attention(q, k, v, meta, params, None)
 
 
 def _attention(q: jax.Array, k: jax.Array, v: jax.Array, meta: AttentionMetadata, params: AttentionParams,

@@ -134,9 +134,8 @@ def test_unsupported_mla_prefill_configurations_raise(case, message):
     shape = dict(dtype=BF16, nope_dim=128, v_dim=128, page_size=64, num_tokens=32, num_q_heads=16) | case
     tokens, heads, dtype = shape["num_tokens"], shape["num_q_heads"], shape["dtype"]
     cache = jaxattn.MLACache(jax.ShapeDtypeStruct((9, shape["page_size"], 512 + 64), BF16))
-    call = Call("mla_prefill", jax.ShapeDtypeStruct((tokens, heads, shape["nope_dim"]), dtype), cache,
-                _abstract_case()[2], _params(), q_rope=jax.ShapeDtypeStruct((tokens, heads, 64), dtype),
-                w_uv=jax.ShapeDtypeStruct((512, heads, shape["v_dim"]), dtype))
+    call = Call("mla_prefill", jax.ShapeDtypeStruct((tokens, heads, shape["nope_dim"] + 64), dtype), cache,
+                _abstract_case()[2], _params(), w_uv=jax.ShapeDtypeStruct((512, heads, shape["v_dim"]), dtype))
     assert re.search(message, backends.takes("cudnn", call))
 
 

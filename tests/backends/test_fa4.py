@@ -67,8 +67,8 @@ def _abstract_mla_call(dtype=BF16, kv_dtype=BF16, nope_dim=128, v_dim=128) -> Ca
     pages = jax.ShapeDtypeStruct((9, 64, 512 + 64), kv_dtype)
     cache = jaxattn.MLACache(pages, jnp.float32(1.0) if kv_dtype == jnp.float8_e4m3fn else None)
     meta = _abstract_call().meta
-    return Call("mla_prefill", jax.ShapeDtypeStruct((32, 16, nope_dim), dtype), cache, meta, _params(),
-                q_rope=jax.ShapeDtypeStruct((32, 16, 64), dtype), w_uv=jax.ShapeDtypeStruct((512, 16, v_dim), dtype))
+    return Call("mla_prefill", jax.ShapeDtypeStruct((32, 16, nope_dim + 64), dtype), cache, meta, _params(),
+                w_uv=jax.ShapeDtypeStruct((512, 16, v_dim), dtype))
 
 
 @pytest.mark.parametrize("case, message", [

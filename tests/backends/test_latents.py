@@ -30,8 +30,7 @@ def _pool_attention(problem, meta: jaxattn.AttentionMetadata) -> jax.Array:
     """MLA prefill as the cuDNN backend runs it (``attend_expanded``), with the xla backend's paged attention."""
     meta, _ = meta.sanitize(problem.q_nope.shape[0], problem.cache.num_pages, problem.cache.page_size)
     params = AttentionParams(scale=problem.scale, causal=True, sliding_window=None, softcap=None, has_sinks=False)
-    return attend_expanded(xla.attention, problem.q_nope, problem.q_rope, problem.cache, meta, problem.w_uk,
-                           problem.w_uv, params)
+    return attend_expanded(xla.attention, problem.q, problem.cache, meta, problem.w_uk, problem.w_uv, params)
 
 
 @pytest.mark.parametrize("kv_dtype", [None, jnp.float8_e4m3fn])
@@ -70,6 +69,40 @@ def test_expand_latents_shapes_and_zero_tail():
     slots = np.arange(pages * 8).reshape(pages, 8)
     for b, n in enumerate(np.asarray(meta.kv_lens)):
         assert not np.asarray(k[b])[slots >= n].any() and not np.asarray(v[b])[slots >= n].any()
+
+
+@pytest.mark.parametrize("dtype, kv_dtype, dims", [
+    (jnp.float32, None, DIMS), (jnp.bfloat16, None, DIMS), (jnp.bfloat16, jnp.float8_e4m3fn, DIMS),
+    (jnp.float32, None, dict(DIMS, kv_lora_rank=512, rope_dim=64, nope_dim=128, v_dim=128)),
+], ids=["f32", "bf16", "bf16-fp8", "f32-deepseek-dims"])
+def test_expanded_keys_equal_the_concatenated_formula_exactly(dtype, kv_dtype, dims):
+    """K from one GEMM of the whole latent with ``[[W_UK, 0], [0, I]]`` is bit for bit
+    ``[c_kv W_UK[:, h], k_rope]`` (the no-RoPE GEMM, the RoPE part broadcast to every head), with
+    NaN in the stale slots of owned pages."""
+    problem = make_mla_problem(np.random.default_rng(8), **dims, **MIXED, dtype=dtype, kv_dtype=kv_dtype)
+    pages = np.array(problem.cache.pages.astype(jnp.float32))
+    for b, n in enumerate(problem.kv_lens):
+        last, used = divmod(n, problem.cache.page_size)
+        if used:
+            pages[problem.tables[b, last], used:] = np.nan
+    cache = dataclasses.replace(problem.cache, pages=jnp.asarray(pages, problem.cache.dtype))
+    meta, _ = problem.meta.sanitize(problem.q.shape[0], cache.num_pages, cache.page_size)
+    k, _ = jax.jit(expand_latents, static_argnums=4)(cache, meta, problem.w_uk, problem.w_uv, jnp.dtype(dtype))
+
+    def concatenated(cache, meta, w_uk):     # the formula before K came from one GEMM
+        latents = cache.pages[meta.block_tables]
+        if cache.scale is not None:
+            latents = latents.astype(jnp.float32) * cache.scale
+        slot = jnp.arange(latents.shape[1] * latents.shape[2]).reshape(latents.shape[1:3])
+        latents = jnp.where((slot[None] < meta.kv_lens[:, None, None])[..., None], latents.astype(dtype), 0)
+        c_kv, k_rope = latents[..., :cache.kv_lora_rank], latents[..., cache.kv_lora_rank:]
+        k_nope = jnp.einsum("bpsr,rhn->bpshn", c_kv, w_uk.astype(dtype), preferred_element_type=dtype)
+        return jnp.concatenate([k_nope, jnp.broadcast_to(k_rope[..., None, :], (*k_nope.shape[:4], k_rope.shape[-1]))],
+                               axis=-1)
+
+    expected = jax.jit(concatenated)(cache, meta, problem.w_uk)
+    assert k.dtype == expected.dtype == dtype and not np.isnan(np.asarray(k.astype(jnp.float32))).any()
+    np.testing.assert_array_equal(np.asarray(k.astype(jnp.float32)), np.asarray(expected.astype(jnp.float32)))
 
 
 def test_expanded_pages_hold_each_sequence_in_its_table_order():

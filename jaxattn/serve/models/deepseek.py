@@ -84,9 +84,9 @@ PRESETS: dict[str, DeepSeekConfig] = {
                                   first_k_dense_replace=1),
 }
 
-# attend(layer, q_nope [T, Hq, Dn], q_rope [T, Hq, Dr], latents [T, R + Dr], w_uk [R, Hq, Dn],
-#        w_uv [R, Hq, Dv]) -> [T, Hq, Dv]
-AttendFn = Callable[[int, jax.Array, jax.Array, jax.Array, jax.Array, jax.Array], jax.Array]
+# attend(layer, q [T, Hq, Dn + Dr] (the whole query: no-RoPE part, then the RoPE'd part), latents [T, R + Dr],
+#        w_uk [R, Hq, Dn], w_uv [R, Hq, Dv]) -> [T, Hq, Dv]
+AttendFn = Callable[[int, jax.Array, jax.Array, jax.Array, jax.Array], jax.Array]
 
 
 class Attention(nnx.Module):
@@ -141,8 +141,10 @@ class Attention(nnx.Module):
         k_rope = rope(kv[:, None, cfg.kv_lora_rank:], positions, inv_freq)[:, 0]
         if cfg.rope_scaling and cfg.rope_scaling.attention_factor != 1.0:
             q_rope, k_rope = (x * jnp.asarray(cfg.rope_scaling.attention_factor, x.dtype) for x in (q_rope, k_rope))
+        # The query stays whole, RoPE written over its last Dr columns (in place in q's buffer).
+        q = q.at[..., cfg.qk_nope_dim:].set(q_rope)
         latents = jnp.concatenate([self.kv_a_norm(kv[:, :cfg.kv_lora_rank]), k_rope], axis=-1)
-        out = attend(q[..., :cfg.qk_nope_dim], q_rope, latents, *self.up_projections())
+        out = attend(q, latents, *self.up_projections())
         return self.o_proj(out.reshape(x.shape[0], -1))
 
 
@@ -196,12 +198,12 @@ def plan_step(model: DeepSeek, num_tokens: int, caches: list[jaxattn.MLACache], 
     def shape(*dims: int) -> jax.ShapeDtypeStruct:
         return jax.ShapeDtypeStruct(dims, dtype)
 
-    q_rope = shape(num_tokens, cfg.num_q_heads, cfg.qk_rope_dim)
     if meta.max_q_len is not None and meta.max_q_len <= MAX_DECODE_Q_LEN:
         return jaxattn.plan(meta, caches[0], shape(num_tokens, cfg.num_q_heads, cfg.kv_lora_rank),
-                            op="mla_paged_attention", q_rope=q_rope, scale=cfg.scale, backend=backend)
-    return jaxattn.plan(meta, caches[0], shape(num_tokens, cfg.num_q_heads, cfg.qk_nope_dim), op="mla_prefill",
-                        q_rope=q_rope, w_uk=shape(cfg.kv_lora_rank, cfg.num_q_heads, cfg.qk_nope_dim),
+                            op="mla_paged_attention", q_rope=shape(num_tokens, cfg.num_q_heads, cfg.qk_rope_dim),
+                            scale=cfg.scale, backend=backend)
+    return jaxattn.plan(meta, caches[0], shape(num_tokens, cfg.num_q_heads, cfg.qk_nope_dim + cfg.qk_rope_dim),
+                        op="mla_prefill", w_uk=shape(cfg.kv_lora_rank, cfg.num_q_heads, cfg.qk_nope_dim),
                         w_uv=shape(cfg.kv_lora_rank, cfg.num_q_heads, cfg.v_head_dim), scale=cfg.scale,
                         backend=backend)
 
@@ -218,12 +220,13 @@ def forward_paged(model: DeepSeek, tokens: jax.Array, caches: list[jaxattn.MLACa
     if plan is None:
         plan = plan_step(model, tokens.shape[0], caches, meta, backend)
 
-    def attend(layer: int, q_nope: jax.Array, q_rope: jax.Array, latents: jax.Array, w_uk: jax.Array,
-               w_uv: jax.Array) -> jax.Array:
+    def attend(layer: int, q: jax.Array, latents: jax.Array, w_uk: jax.Array, w_uv: jax.Array) -> jax.Array:
         cache = new_caches[layer] = new_caches[layer].write(latents, slots)
         if plan.op == "mla_paged_attention":
-            out = jaxattn.mla_paged_attention(absorb_query(q_nope, w_uk), q_rope, cache, plan, scale=scale)
+            nope_dim = w_uk.shape[2]
+            out = jaxattn.mla_paged_attention(absorb_query(q[..., :nope_dim], w_uk), q[..., nope_dim:], cache, plan,
+                                              scale=scale)
             return project_values(out, w_uv)
-        return jaxattn.mla_prefill(q_nope, q_rope, cache, plan, w_uk, w_uv, scale=scale)
+        return jaxattn.mla_prefill(q, None, cache, plan, w_uk, w_uv, scale=scale)
 
     return model.hidden(tokens, meta.positions(tokens.shape[0]), attend), new_caches

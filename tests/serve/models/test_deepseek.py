@@ -20,10 +20,9 @@ from jaxattn.serve.models.deepseek import PRESETS, DeepSeek, forward_paged
 def _dense_attend(scale: float):
     """Causal multi-head attention over one whole sequence, K/V expanded from its latents."""
 
-    def attend(layer, q_nope, q_rope, latents, w_uk, w_uv):
+    def attend(layer, q, latents, w_uk, w_uv):
         rank = w_uk.shape[0]
         c_kv, k_rope = latents[:, :rank], latents[:, rank:]
-        q = jnp.concatenate([q_nope, q_rope], -1)
         k_nope = jnp.einsum("sr,rhn->shn", c_kv, w_uk)
         k = jnp.concatenate([k_nope, jnp.broadcast_to(k_rope[:, None], (*k_nope.shape[:2], k_rope.shape[-1]))], -1)
         v = jnp.einsum("sr,rhv->shv", c_kv, w_uv)
