@@ -14,8 +14,10 @@ Decode (absorbed, ``mla_paged_attention``): B in {1, 16, 64, 128} x kv in {1k, 4
   TB/s: latent bytes read ((512 + 64) x 2 per key and sequence) / time, against the device copy rate;
   TFLOP/s: 2 x B x Hq x kv x (576 + 512) / time, against the bf16 dense peak given by ``--peak-tflops``.
 Prefill (``mla_prefill``, B=8 x 4096 new tokens, no cached context, Hq 16 and 128, d_qk 192, d_v 128):
-jaxattn's ``cudnn``, ``fa4`` (where installed) and ``xla`` backends (median wall time of single jitted calls), and
-the fa4 kernel alone on K/V expanded outside the timing (``jaxattn fa4 kernel``, as the peers run), against
+jaxattn's ``cudnn``, ``fa4`` (where installed) and ``xla`` backends (GPU time per call from the
+profiler, ``device_seconds``: a single call's wall time also counts its dispatch and host sync,
+which at 16 heads was half of it under a busy host), and the fa4 kernel alone on K/V expanded
+outside the timing (``jaxattn fa4 kernel``, as the peers run), against
 flashinfer's ragged prefill on the same expanded K/V: ``BatchPrefillWithRaggedKVCacheWrapper``
 (its fa3 backend) and ``cudnn_batch_prefill_with_kv_cache`` (cuDNN, d_qk 192 and d_vo 128, the
 issue's peer); every row takes the query whole ([T, Hq, 192], as the model holds it); jaxattn's
@@ -40,8 +42,8 @@ from jaxattn import backends
 from jaxattn.backends.base import AttentionParams
 from benchmarks.common import (DTYPE, MLA_DV, MLA_NOPE, MLA_RANK, MLA_ROPE, MLA_SCALE, PAGE, READ_RATE, Budget, Case,
                                MLACase, MLAInputs, MLAPrefillInputs, add_torch_peer, command_line, copy_bandwidth,
-                               device_events, device_name, mla_inputs, mla_prefill_inputs, notes_line, rel_error,
-                               repeats_for, time_chained_calls, utc_now, wall_seconds, write_section)
+                               device_events, device_name, device_seconds, mla_inputs, mla_prefill_inputs, notes_line,
+                               rel_error, repeats_for, time_chained_calls, utc_now, write_section)
 
 
 SWEEP = [MLACase(b, n, h) for h in (128, 16) for b in (1, 16, 64, 128) for n in (1024, 4096, 16384)]
@@ -122,7 +124,7 @@ def prefill_seconds(heads: int, batch: int, q_len: int, with_torch: bool, peers:
         try:
             fn = jax.jit(lambda *a, backend=backend: jaxattn.mla_prefill(*a, scale=MLA_SCALE, backend=backend))
             outs[backend] = fn(*args).block_until_ready()
-            result["seconds"][f"jaxattn {backend}"] = wall_seconds(lambda: fn(*args), trials)
+            result["seconds"][f"jaxattn {backend}"] = device_seconds(lambda: fn(*args), trials)
         except Exception as err:  # e.g. out of memory: the others still count
             result["notes"].append(f"{backend} failed: {err!r}"[:300])
             traceback.print_exc(limit=2)
@@ -203,7 +205,7 @@ def fa4_kernel_seconds(x: MLAPrefillInputs, trials: int) -> float:
     params = AttentionParams(scale=MLA_SCALE, causal=True, sliding_window=None, softcap=None, has_sinks=False)
     fn = jax.jit(lambda q, k, v, m: fa4.attend_pages(q, k, v, "NHD", m, params, None))
     jax.block_until_ready(fn(x.q, k_pages, v_pages, meta))
-    return wall_seconds(lambda: fn(x.q, k_pages, v_pages, meta), trials)
+    return device_seconds(lambda: fn(x.q, k_pages, v_pages, meta), trials)
 
 
 DECODE_PEERS = ("jaxattn auto", "jaxattn triton", "flashinfer mla", "jaxattn xla")
