@@ -1,5 +1,5 @@
-"""The engine's jitted decode step on random caches, and the bytes it must read: shared by the
-whole-step benchmarks (bench_e2e, bench_tp)."""
+"""The engine's jitted decode step (and mixed step) on random caches, and the bytes a decode step
+must read: shared by the whole-step benchmarks (bench_e2e, bench_tp, profile_step)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from jaxattn.attention import backend_for
 from jaxattn.serve.models import fusion
 from jaxattn.serve.models.llama import Llama, shard_model
 from jaxattn.serve.speculative import SpeculativeConfig
-from jaxattn.serve.step import DraftState, SpecRows, make_engine_step
+from jaxattn.serve.step import DraftState, SpecRows, StepRecord, make_engine_step
 from jaxattn.sharding import num_head_shards, tensor_parallel_mesh
 
 
@@ -48,6 +48,16 @@ def fill(model: Llama, batch: int, context: int, steps: int, seed: int, mesh: Me
     return caches, table
 
 
+def _engine_step(model: Llama, mesh: Mesh | None, fuse_projections: bool):
+    """The engine's jitted step and the weights it takes, the model fused and placed first as the
+    ``Engine`` does it."""
+    if fuse_projections:
+        fusion.fuse_projections(model, num_head_shards(*tensor_parallel_mesh(mesh)) if mesh is not None else 1)
+    if mesh is not None:
+        shard_model(model, mesh)
+    return make_engine_step(model)
+
+
 def decode_step(model: Llama, backend: str, batch: int, context: int, steps: int, mesh: Mesh | None = None,
                 kv_dtype=None, draft_tokens: int = 0, fuse_projections: bool = True):
     """``(model_step, state, weights, plan)``: one greedy decode step of the engine as a function
@@ -61,11 +71,7 @@ def decode_step(model: Llama, backend: str, batch: int, context: int, steps: int
     ``fuse_projections``: the model's q/k/v and gate/up projections fused first, in place, for the
     ``mesh``'s shard count, as the ``Engine`` fuses them (``jaxattn.serve.models.fusion``)."""
     cfg = model.cfg
-    if fuse_projections:
-        fusion.fuse_projections(model, num_head_shards(*tensor_parallel_mesh(mesh)) if mesh is not None else 1)
-    if mesh is not None:
-        shard_model(model, mesh)
-    step, weights = make_engine_step(model)
+    step, weights = _engine_step(model, mesh, fuse_projections)
     row_tokens = draft_tokens + 1
     caches, table = fill(model, batch, context, row_tokens * (7 * steps + 8), seed=batch + context, mesh=mesh,
                          kv_dtype=kv_dtype)
@@ -101,6 +107,47 @@ def decode_step(model: Llama, backend: str, batch: int, context: int, steps: int
         return tok, caches, table, drafting
 
     return model_step, (tokens, caches, table, drafting), weights, plan
+
+
+def mixed_step(model: Llama, backend: str, rows: int, tokens: int, decodes: int, chunks: int, chunk: int,
+               context: int, steps: int, kv_dtype=None, fuse_projections: bool = True):
+    """``(model_step, state, weights, record)``: the engine's mixed step at a compiled shape of
+    ``rows`` rows and ``tokens`` tokens (``max_q_len`` = ``chunk``) running ``decodes`` rows of one
+    token and then ``chunks`` rows of ``chunk`` prompt tokens, every sequence from ``context - 1``
+    tokens on, the other rows and tokens padding; chained calls go on with the same rows (decodes
+    their sampled tokens, prompt rows their next ``chunk`` random tokens; room for ``steps + 8``
+    calls). ``record``: the first call's ``StepRecord`` counts (rows, tokens, keys read,
+    attention pairs), for ``bench_serving.step_bound``'s roofline. ``kv_dtype``: the caches' (default the
+    model's)."""
+    used = decodes + chunks * chunk
+    if decodes + chunks > rows or used > tokens or chunk < 2:
+        raise ValueError(f"mixed_step: {decodes} decodes + {chunks} x {chunk} tokens do not fit a step of "
+                         f"{rows} rows and {tokens} tokens (chunk >= 2)")
+    step, weights = _engine_step(model, None, fuse_projections)
+    caches, table = fill(model, rows, context, chunk * (steps + 8), seed=rows + context, kv_dtype=kv_dtype)
+    ids = np.full(rows, -1, np.int32)
+    ids[:decodes + chunks] = np.arange(decodes + chunks)
+    q_lens = np.zeros(rows, np.int32)
+    q_lens[:decodes], q_lens[decodes:decodes + chunks] = 1, chunk
+    token_src = np.full(tokens, -1, np.int32)
+    token_src[:decodes] = np.arange(decodes)            # a decode's input: the token its row sampled last
+    rng = np.random.default_rng(0)
+    new_tokens = jnp.asarray(rng.integers(0, model.cfg.vocab_size, size=tokens), jnp.int32)
+    no_release = jnp.full((rows,), -1, jnp.int32)
+    first = jnp.asarray(rng.integers(0, model.cfg.vocab_size, size=rows), jnp.int32)
+    ids, q_lens, token_src = (jnp.asarray(x) for x in (ids, q_lens, token_src))
+
+    def model_step(state):
+        tok, caches, table = state
+        (tok, *_), ok, pages, caches, table, _ = step(weights, caches, table, tok, no_release, new_tokens, token_src,
+                                                      ids, q_lens, max_q_len=chunk, backend=backend)
+        return tok, caches, table
+
+    record = StepRecord(rows=decodes + chunks, decode_rows=decodes, tokens=used, prefill_tokens=chunks * chunk,
+                        context_tokens=decodes * context + chunks * (context - 1 + chunk),
+                        attention_pairs=decodes * context + chunks * (chunk * (context - 1) + chunk * (chunk + 1) // 2),
+                        padded_rows=rows, padded_tokens=tokens, t_start=0.0)
+    return model_step, (first, caches, table), weights, record
 
 
 def step_bytes(cfg, weights: list[jax.Array], batch: int, context: int) -> tuple[float, float]:

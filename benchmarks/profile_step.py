@@ -3,6 +3,8 @@ step's GPU time goes, by kind of kernel, against what each kind must move.
 
     python -m benchmarks.profile_step [--layers 32] [--batch 64] [--contexts 1024,4096] [--backend auto]
                                       [--kv-dtype float8_e4m3fn] [--section NAME]
+    python -m benchmarks.profile_step --mixed 155+1x512,124+32x16 [--rows 156] [--max-step-tokens 2048]
+                                      [--contexts 512] --section step_profile_mixed
 
 For each context: the GPU time of one step (``steps`` chained steps under the profiler, divided by
 ``steps``) per kernel name, grouped into kinds by name: GEMMs (the weight reads at decode batch
@@ -12,6 +14,14 @@ bound: GEMMs, the weight bytes over the copy rate measured in the same run; atte
 bytes; the rest, 0. Each kind also says how many kernels it launches per step: the attention
 work that is not a kernel of its own (metadata, operand preparation) shows as launches that grow
 with the layer count. Writes the step_profile section of benchmarks/RESULTS.md (``--section``: another).
+
+``--mixed D+CxN,...`` profiles the engine's mixed steps instead (``engine_step.mixed_step``): D
+decodes and C prompt chunks of N tokens each in a step of ``--rows`` rows (the engine's
+``max_seqs``) and the smallest of the engine's mixed-step token buckets that holds them
+(``step.mixed_buckets(rows, --max-step-tokens)``), every sequence at each ``--contexts``. Its
+roofline and bounds count FLOPs too (``bench_serving.step_bound``, with the matmul rate of an
+8192^3 GEMM measured in the same run): GEMMs, the weights or 2 x params x the step's tokens,
+attention, its K/V bytes or its FLOPs, over the tokens the step needed (its padding is overhead).
 """
 
 from __future__ import annotations
@@ -25,13 +35,16 @@ import jax
 from flax import nnx
 
 from benchmarks.common import (
+    PAGE,
     copy_bandwidth,
     device_events,
     device_name,
+    gemm_rate,
     write_section,
 )
-from benchmarks.engine_step import decode_step, step_bytes
+from benchmarks.engine_step import decode_step, mixed_step, step_bytes
 from jaxattn.serve.models.llama import PRESETS, Llama
+from jaxattn.serve.step import mixed_buckets
 
 # (kind, pattern of kernel names), first match wins
 KINDS = [
@@ -65,6 +78,35 @@ def profile(model: Llama, backend: str, batch: int, context: int, steps: int, kv
     """((GPU seconds, launches) per step by kernel name, the step's weights)."""
     model_step, state, weights, _ = decode_step(model, backend, batch, context, steps, kv_dtype=kv_dtype,
                                                 fuse_projections=fuse_projections)
+    return profile_chain(model_step, state, steps), weights
+
+
+def parse_mixed(text: str) -> list[tuple[int, int, int]]:
+    """``--mixed``'s ``D+CxN`` specs as ``(decodes, chunks, chunk)``."""
+    specs = []
+    for spec in text.split(","):
+        match = re.fullmatch(r"(\d+)\+(\d+)x(\d+)", spec.strip())
+        if not match:
+            raise ValueError(f"--mixed: expected D+CxN (decodes + chunks x chunk tokens), got {spec!r}")
+        specs.append(tuple(int(g) for g in match.groups()))
+    return specs
+
+
+def mixed_bounds(model: Llama, record, copy_rate: float, matmul_rate: float,
+                 kv_dtype=None) -> tuple[float, dict[str, float]]:
+    """A mixed step's roofline (``bench_serving.step_bound``) and its GEMM and attention bounds."""
+    from benchmarks.bench_serving import model_costs, step_bound      # bench_serving imports this module
+
+    costs = model_costs(model, PAGE, kv_dtype)
+    gemm_flops = 2 * costs.matmul_params * record.tokens + 2 * costs.head_params * record.rows
+    kv_bytes = (record.context_tokens + record.tokens) * costs.kv_bytes_per_token
+    return step_bound(record, costs, copy_rate, matmul_rate), {
+        "GEMM": max(costs.weight_bytes / copy_rate, gemm_flops / matmul_rate),
+        "attention": max(kv_bytes / copy_rate, costs.flops_per_pair * record.attention_pairs / matmul_rate)}
+
+
+def profile_chain(model_step, state, steps: int) -> dict[str, tuple[float, float]]:
+    """(GPU seconds, launches) per step by kernel name of ``steps`` chained ``model_step`` calls."""
     for _ in range(3):
         state = jax.block_until_ready(model_step(state))
     box = [state]
@@ -73,7 +115,28 @@ def profile(model: Llama, backend: str, batch: int, context: int, steps: int, kv
         box[0] = model_step(box[0])
         return box[0]
 
-    return device_events(call, steps), weights
+    return device_events(call, steps)
+
+
+def report(title: str, events: dict[str, tuple[float, float]], roofline: float, bounds: dict[str, float],
+           top: int) -> list[str]:
+    """One step's profile: its GPU time against ``roofline``, by kind against ``bounds``, and its
+    ``top`` kernels."""
+    seconds = {name: s for name, (s, _) in events.items()}
+    launches = {name: n for name, (_, n) in events.items()}
+    total = sum(seconds.values())
+    kinds = by_kind(events)
+    lines = [f"**{title}**: GPU time {total * 1e3:.2f} ms per step; roofline {roofline * 1e3:.2f} ms "
+             f"({100 * roofline / total:.0f}% of the GPU time); {sum(launches.values()):.0f} launches per step.",
+             "", "| kind | ms per step | share | bound ms | kernels | launches per step |",
+             "|---|---|---|---|---|---|"]
+    for kind, (s, n, kernels) in kinds.items():
+        lines.append(f"| {kind} | {s * 1e3:.3f} | {100 * s / total:.1f}% | {bounds.get(kind, 0.0) * 1e3:.3f} "
+                     f"| {kernels} | {n:.0f} |")
+    lines += ["", "| kernel | kind | us per step | launches per step |", "|---|---|---|---|"]
+    for name, s in sorted(seconds.items(), key=lambda item: -item[1])[:top]:
+        lines.append(f"| `{name[:90]}` | {kind_of(name)} | {s * 1e6:.1f} | {launches[name]:.0f} |")
+    return lines + [""]
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -89,41 +152,57 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--unfused", action="store_true",
                         help="q/k/v and gate/up projections apart (default: fused, as the Engine runs them)")
     parser.add_argument("--section", default="step_profile", help="the section of RESULTS.md it writes")
+    parser.add_argument("--mixed", default="",
+                        help="mixed steps instead of decode steps: comma-separated D+CxN (D decodes, C prompt chunks "
+                             "of N tokens)")
+    parser.add_argument("--rows", type=int, default=156, help="a mixed step's rows (the engine's max_seqs)")
+    parser.add_argument("--max-step-tokens", type=int, default=2048, help="the engine's largest mixed step")
     args = parser.parse_args(argv)
     cfg = PRESETS[args.preset].replace(num_layers=args.layers)
     model = Llama(cfg, nnx.Rngs(0))
     bandwidth = copy_bandwidth()
     lines = [f"Device: {device_name()}; date {datetime.date.today()}; jax {jax.__version__}; {args.preset} shapes, "
-             f"{cfg.num_layers} layers, batch {args.batch}, backend {args.backend}, "
+             f"{cfg.num_layers} layers, {f'mixed steps of {args.rows} rows' if args.mixed else f'batch {args.batch}'}, "
+             f"backend {args.backend}, "
              f"{args.kv_dtype or cfg.dtype} caches, q/k/v and gate/up projections "
              f"{'apart' if args.unfused else 'fused'}; copy rate {bandwidth / 1e12:.2f} TB/s (same run).",
-             f"Command: `python -m benchmarks.profile_step --layers {args.layers} --batch {args.batch} "
-             f"--contexts {args.contexts} --backend {args.backend}"
+             f"Command: `python -m benchmarks.profile_step --preset {args.preset} --layers {args.layers} "
+             + (f"--mixed {args.mixed} --rows {args.rows} --max-step-tokens {args.max_step_tokens} " if args.mixed
+                else f"--batch {args.batch} ")
+             + f"--contexts {args.contexts} --backend {args.backend}"
              f"{f' --kv-dtype {args.kv_dtype}' if args.kv_dtype else ''}{' --unfused' if args.unfused else ''}`", ""]
-    for context in (int(c) for c in args.contexts.split(",")):
+    contexts = [int(c) for c in args.contexts.split(",")]
+    if args.mixed:
+        matmul_rate = gemm_rate()
+        lines[0] += f" Matmul rate {matmul_rate / 1e12:.0f} TFLOP/s (bf16 8192^3 GEMM, same run)."
+        buckets = mixed_buckets(args.rows, args.max_step_tokens)
+        for context in contexts:
+            for decodes, chunks, chunk in parse_mixed(args.mixed):
+                tokens = next((t for t in buckets if t >= decodes + chunks * chunk), None)
+                if tokens is None:
+                    raise ValueError(f"--mixed: {decodes}+{chunks}x{chunk} is more than {args.max_step_tokens} tokens")
+                model_step, state, weights, record = mixed_step(model, args.backend, args.rows, tokens, decodes,
+                                                                chunks, chunk, context, args.steps, args.kv_dtype,
+                                                                not args.unfused)
+                roofline, bounds = mixed_bounds(model, record, bandwidth, matmul_rate, args.kv_dtype)
+                lines += report(f"{decodes} decodes + {chunks} x {chunk} prompt tokens at context {context}, "
+                                f"a step of {args.rows} rows x {tokens} tokens ({record.tokens} needed)",
+                                profile_chain(model_step, state, args.steps), roofline, bounds, args.top)
+                del model_step, state, weights
+                gc.collect()
+                print("\n".join(lines[-(args.top + 16):]), flush=True)
+        heading = "Where a mixed step's GPU time goes"
+        print(write_section(args.section, "\n".join(lines), heading=heading))
+        return
+    for context in contexts:
         events, weights = profile(model, args.backend, args.batch, context, args.steps, args.kv_dtype,
                                   not args.unfused)
-        seconds = {name: s for name, (s, _) in events.items()}
-        launches = {name: n for name, (_, n) in events.items()}
         weight_bytes, kv_bytes = step_bytes(cfg, weights, args.batch, context)
-        bounds = {"GEMM": weight_bytes / bandwidth, "attention": kv_bytes / bandwidth}
-        total = sum(seconds.values())
-        kinds = by_kind(events)
-        roofline = (weight_bytes + kv_bytes) / bandwidth
-        lines += [f"**Context {context}**: GPU time {total * 1e3:.2f} ms per step; roofline {roofline * 1e3:.2f} ms "
-                  f"({100 * roofline / total:.0f}% of the GPU time); {sum(launches.values()):.0f} launches per step.",
-                  "", "| kind | ms per step | share | bound ms | kernels | launches per step |",
-                  "|---|---|---|---|---|---|"]
-        for kind, (s, n, kernels) in kinds.items():
-            lines.append(f"| {kind} | {s * 1e3:.3f} | {100 * s / total:.1f}% | {bounds.get(kind, 0.0) * 1e3:.3f} "
-                         f"| {kernels} | {n:.0f} |")
-        lines += ["", "| kernel | kind | us per step | launches per step |", "|---|---|---|---|"]
-        for name, s in sorted(seconds.items(), key=lambda item: -item[1])[:args.top]:
-            lines.append(f"| `{name[:90]}` | {kind_of(name)} | {s * 1e6:.1f} | {launches[name]:.0f} |")
-        lines.append("")
+        lines += report(f"Context {context}", events, (weight_bytes + kv_bytes) / bandwidth,
+                        {"GEMM": weight_bytes / bandwidth, "attention": kv_bytes / bandwidth}, args.top)
         del weights
         gc.collect()                 # the next context's caches need this one's memory
-        print("\n".join(lines[-(len(kinds) + args.top + 8):]), flush=True)
+        print("\n".join(lines[-(args.top + 16):]), flush=True)
     heading = "Where a decode step's GPU time goes" + (f" ({args.kv_dtype} caches)" if args.kv_dtype else "")
     print(write_section(args.section, "\n".join(lines), heading=heading))
 

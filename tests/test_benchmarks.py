@@ -352,3 +352,34 @@ def test_serving_breakdown_by_step_kind():
     assert [c[:4] for c in cells] == [["decode only", "2", "2.50", "62%"], ["mixed", "1", "0.50", "12%"],
                                       ["prefill only", "1", "1.00", "25%"]]
     assert [c[5:] for c in cells] == [["6", "25%", "25%"], ["32", "50%", "25%"], ["64", "0%", "75%"]]
+
+
+def test_mixed_step_decodes_and_prefills_in_a_padded_step():
+    """engine_step.mixed_step (profile_step --mixed) on a tiny model: decodes and prompt chunks in a
+    step padded to a bucket, chained; its record counts what the step needed and its roofline is
+    bench_serving's; --mixed specs parse and a bad one names the flag."""
+    import jax
+    from flax import nnx
+
+    from benchmarks.engine_step import mixed_step
+    from benchmarks.profile_step import mixed_bounds, parse_mixed
+    from jaxattn.serve.models.llama import PRESETS, Llama
+
+    model = Llama(PRESETS["tiny"].replace(num_layers=2), nnx.Rngs(0))
+    model_step, state, _, record = mixed_step(model, "xla", rows=6, tokens=40, decodes=3, chunks=2, chunk=16,
+                                              context=20, steps=2)
+    assert (record.rows, record.decode_rows, record.tokens, record.prefill_tokens) == (5, 3, 35, 32)
+    assert record.context_tokens == 3 * 20 + 2 * (19 + 16)
+    assert record.attention_pairs == 3 * 20 + 2 * (16 * 19 + 16 * 17 // 2)
+    for _ in range(3):
+        state = model_step(state)
+    tokens, _, table = jax.block_until_ready(state)
+    assert tokens.shape == (6,)
+    assert list(np.asarray(table.seq_lens)[:6]) == [22] * 3 + [19 + 3 * 16] * 2 + [19]   # the padding row untouched
+    roofline, bounds = mixed_bounds(model, record, copy_rate=1e12, matmul_rate=1e14)
+    assert roofline >= max(bounds.values()) > 0
+    assert parse_mixed("155+1x512, 124+32x16") == [(155, 1, 512), (124, 32, 16)]
+    with pytest.raises(ValueError, match="--mixed"):
+        parse_mixed("155x512")
+    with pytest.raises(ValueError, match="mixed_step"):
+        mixed_step(model, "xla", rows=4, tokens=40, decodes=3, chunks=2, chunk=16, context=20, steps=2)
