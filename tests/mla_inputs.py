@@ -68,6 +68,16 @@ class MLAProblem:
         problem = Problem(q, None, self.meta, k, v, self.q_lens, self.kv_lens, None)
         return reference(problem, scale=self.scale, causal=causal)
 
+    def stale_slots_poisoned(self) -> jaxattn.MLACache:
+        """The cache with NaN in every slot past its sequence's ``kv_lens`` on the pages it owns
+        (stale latents, which no kernel may read)."""
+        pages = np.array(self.cache.pages.astype(jnp.float32))
+        for b, n in enumerate(self.kv_lens):
+            last, used = divmod(n, self.cache.page_size)
+            if used:
+                pages[self.tables[b, last], used:] = np.nan
+        return dataclasses.replace(self.cache, pages=jnp.asarray(pages, self.cache.dtype))
+
     def without(self, broken: np.ndarray) -> "MLAProblem":
         """The same problem with the broken sequences' keys removed (their rows are zeros)."""
         return dataclasses.replace(self, kv_lens=[0 if bad else n for bad, n in zip(broken, self.kv_lens)],

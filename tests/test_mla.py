@@ -90,12 +90,7 @@ def test_prefill_takes_the_query_whole_or_in_parts(kv_dtype):
     """``mla_prefill(q, None, ...)`` with the whole query ``[T, Hq, Dn + Dr]`` gives the rows of
     ``mla_prefill(q_nope, q_rope, ...)`` bit for bit (NaN in the stale slots of owned pages)."""
     problem = make_mla_problem(np.random.default_rng(10), **DIMS, **MIXED, dtype=jnp.bfloat16, kv_dtype=kv_dtype)
-    pages = np.array(problem.cache.pages.astype(jnp.float32))
-    for b, n in enumerate(problem.kv_lens):
-        last, used = divmod(n, problem.cache.page_size)
-        if used:
-            pages[problem.tables[b, last], used:] = np.nan
-    cache = dataclasses.replace(problem.cache, pages=jnp.asarray(pages, problem.cache.dtype))
+    cache = problem.stale_slots_poisoned()
     run = jax.jit(lambda q, q_rope, c: jaxattn.mla_prefill(q, q_rope, c, problem.meta, problem.w_uk, problem.w_uv,
                                                            scale=problem.scale, backend="xla", return_status=True))
     whole, valid = run(problem.q, None, cache)

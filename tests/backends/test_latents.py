@@ -44,12 +44,7 @@ def test_expanded_pool_equals_the_float64_reference(kv_dtype):
 def test_stale_slots_of_owned_pages_never_reach_the_output():
     """NaN in every slot past each sequence's keys (its last page's tail) leaves the output finite."""
     problem = make_mla_problem(np.random.default_rng(1), **DIMS, **MIXED)
-    pages = np.array(problem.cache.pages)
-    for b, n in enumerate(problem.kv_lens):
-        last, used = divmod(n, problem.cache.page_size)
-        if used:
-            pages[problem.tables[b, last], used:] = np.nan
-    poisoned = dataclasses.replace(problem, cache=dataclasses.replace(problem.cache, pages=jnp.asarray(pages)))
+    poisoned = dataclasses.replace(problem, cache=problem.stale_slots_poisoned())
     assert rel_error(_pool_attention(poisoned, poisoned.meta), problem.expanded_reference()) < 1e-5
 
 
@@ -80,12 +75,7 @@ def test_expanded_keys_equal_the_concatenated_formula_exactly(dtype, kv_dtype, d
     ``[c_kv W_UK[:, h], k_rope]`` (the no-RoPE GEMM, the RoPE part broadcast to every head), with
     NaN in the stale slots of owned pages."""
     problem = make_mla_problem(np.random.default_rng(8), **dims, **MIXED, dtype=dtype, kv_dtype=kv_dtype)
-    pages = np.array(problem.cache.pages.astype(jnp.float32))
-    for b, n in enumerate(problem.kv_lens):
-        last, used = divmod(n, problem.cache.page_size)
-        if used:
-            pages[problem.tables[b, last], used:] = np.nan
-    cache = dataclasses.replace(problem.cache, pages=jnp.asarray(pages, problem.cache.dtype))
+    cache = problem.stale_slots_poisoned()
     meta, _ = problem.meta.sanitize(problem.q.shape[0], cache.num_pages, cache.page_size)
     k, _ = jax.jit(expand_latents, static_argnums=4)(cache, meta, problem.w_uk, problem.w_uv, jnp.dtype(dtype))
 
