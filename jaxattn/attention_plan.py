@@ -394,6 +394,10 @@ def check_mla_args(where: str, q, q_rope, cache, meta, *, scale, causal=True, ba
     if where == "mla_prefill":
         num_q_heads = first.shape[1]
         nope_dim = None if whole else first.shape[2]     # the whole query's Dn is w_uk's
+        if not whole and getattr(w_uk, "ndim", 0) == 3 and nope_dim == w_uk.shape[2] + cache.rope_dim:
+            raise ValueError(f"{where}: q_nope is {nope_dim} wide, the whole query's Dn + Dr = {w_uk.shape[2]} + "
+                             f"{cache.rope_dim}, and q_rope was given too: pass the whole query with q_rope=None, "
+                             f"or q_nope [T, Hq, Dn] with q_rope")
         for name, w, last, last_name in (("w_uk", w_uk, nope_dim, "Dn" if whole else f"Dn={nope_dim}"),
                                          ("w_uv", w_uv, None, "Dv")):
             shape = tuple(getattr(w, "shape", ()))

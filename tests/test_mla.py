@@ -186,7 +186,8 @@ def test_prefill_bad_weights_raise(weight, shape, message):
 
 def test_whole_query_arguments_raise():
     """The whole query must be ``w_uk``'s Dn plus the cache's rope_dim wide (its weights checked as
-    the parts' are); the absorbed op has no whole form, so its q_rope is required."""
+    the parts' are) and comes without q_rope; the absorbed op has no whole form, so its q_rope is
+    required."""
     problem = make_mla_problem(np.random.default_rng(11), **DIMS, **MIXED)
     rest = (problem.cache, problem.meta, problem.w_uk, problem.w_uv)
     for q in (problem.q_nope, problem.q[..., :-1], jnp.pad(problem.q, ((0, 0), (0, 0), (0, 1)))):
@@ -199,5 +200,8 @@ def test_whole_query_arguments_raise():
     with pytest.raises(ValueError, match=re.escape("mla_prefill: w_uk.dtype must be float32 (like q)")):
         jaxattn.mla_prefill(problem.q, None, *rest[:2], problem.w_uk.astype(jnp.bfloat16), problem.w_uv,
                             scale=problem.scale)
+    with pytest.raises(ValueError, match=re.escape("mla_prefill: q_nope is 40 wide, the whole query's Dn + Dr = 24 + "
+                                                   "16, and q_rope was given too: pass the whole query")):
+        jaxattn.mla_prefill(problem.q, problem.q_rope, *rest, scale=problem.scale)
     with pytest.raises(ValueError, match=re.escape("mla_paged_attention: q_rope must be [T=")):
         jaxattn.mla_paged_attention(problem.q_latent, None, problem.cache, problem.meta, scale=problem.scale)
