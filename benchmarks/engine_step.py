@@ -20,13 +20,14 @@ from jaxattn.serve.step import DraftState, SpecRows, StepRecord, make_engine_ste
 from jaxattn.sharding import num_head_shards, tensor_parallel_mesh
 
 
-def fill(model: Llama, batch: int, context: int, steps: int, seed: int, mesh: Mesh | None = None,
+def fill(model: Llama, batch: int, context: int, steps: int | np.ndarray, seed: int, mesh: Mesh | None = None,
          kv_dtype=None):
     """Caches with random KV (of ``kv_dtype``, default the model's; FP8 caches keep their unit
-    scales), and a table where every sequence holds ``context - 1`` tokens; with a ``mesh``, the
-    pools split by KV heads and the table replicated (as ``Engine(mesh=)``)."""
-    pages_per_seq = -(-(context + steps) // PAGE)
-    num_pages = 1 + batch * pages_per_seq
+    scales), and a table where every sequence holds ``context - 1`` tokens with pages for ``steps``
+    more (one count, or one per sequence); with a ``mesh``, the pools split by KV heads and the
+    table replicated (as ``Engine(mesh=)``)."""
+    pages = -(-(context + np.broadcast_to(steps, (batch,))) // PAGE)
+    pages_per_seq, num_pages = int(pages.max()), 1 + int(pages.sum())
     caches = model.init_caches(num_pages, PAGE, "HND", dtype=kv_dtype, mesh=mesh)
     key = jax.random.key(seed)
 
@@ -124,7 +125,9 @@ def mixed_step(model: Llama, backend: str, rows: int, tokens: int, decodes: int,
         raise ValueError(f"mixed_step: {decodes} decodes + {chunks} x {chunk} tokens do not fit a step of "
                          f"{rows} rows and {tokens} tokens (chunk >= 2)")
     step, weights = _engine_step(model, None, fuse_projections)
-    caches, table = fill(model, rows, context, chunk * (steps + 8), seed=rows + context, kv_dtype=kv_dtype)
+    room = np.full(rows, steps + 8)
+    room[decodes:decodes + chunks] *= chunk         # only the prompt rows grow by a chunk a call
+    caches, table = fill(model, rows, context, room, seed=rows + context, kv_dtype=kv_dtype)
     ids = np.full(rows, -1, np.int32)
     ids[:decodes + chunks] = np.arange(decodes + chunks)
     q_lens = np.zeros(rows, np.int32)
