@@ -111,19 +111,20 @@ def decode_step(model: Llama, backend: str, batch: int, context: int, steps: int
 
 
 def mixed_step(model: Llama, backend: str, rows: int, tokens: int, decodes: int, chunks: int, chunk: int,
-               context: int, steps: int, kv_dtype=None, fuse_projections: bool = True):
+               context: int, steps: int, kv_dtype=None, fuse_projections: bool = True, max_q_len: int | None = None):
     """``(model_step, state, weights, record)``: the engine's mixed step at a compiled shape of
-    ``rows`` rows and ``tokens`` tokens (``max_q_len`` = ``chunk``) running ``decodes`` rows of one
+    ``rows`` rows and ``tokens`` tokens (static ``max_q_len``, default ``chunk``; the engine's is
+    ``min(tokens, prefill_chunk)``) running ``decodes`` rows of one
     token and then ``chunks`` rows of ``chunk`` prompt tokens, every sequence from ``context - 1``
     tokens on, the other rows and tokens padding; chained calls go on with the same rows (decodes
     their sampled tokens, prompt rows their next ``chunk`` random tokens; room for ``steps + 8``
     calls). ``record``: the first call's ``StepRecord`` counts (rows, tokens, keys read,
     attention pairs), for ``bench_serving.step_bound``'s roofline. ``kv_dtype``: the caches' (default the
     model's)."""
-    used = decodes + chunks * chunk
-    if decodes + chunks > rows or used > tokens or chunk < 2:
+    used, max_q_len = decodes + chunks * chunk, max_q_len or chunk
+    if decodes + chunks > rows or used > tokens or not 2 <= chunk <= max_q_len:
         raise ValueError(f"mixed_step: {decodes} decodes + {chunks} x {chunk} tokens do not fit a step of "
-                         f"{rows} rows and {tokens} tokens (chunk >= 2)")
+                         f"{rows} rows and {tokens} tokens (2 <= chunk <= max_q_len={max_q_len})")
     step, weights = _engine_step(model, None, fuse_projections)
     room = np.full(rows, steps + 8)
     room[decodes:decodes + chunks] *= chunk         # only the prompt rows grow by a chunk a call
@@ -143,7 +144,7 @@ def mixed_step(model: Llama, backend: str, rows: int, tokens: int, decodes: int,
     def model_step(state):
         tok, caches, table = state
         (tok, *_), ok, pages, caches, table, _ = step(weights, caches, table, tok, no_release, new_tokens, token_src,
-                                                      ids, q_lens, max_q_len=chunk, backend=backend)
+                                                      ids, q_lens, max_q_len=max_q_len, backend=backend)
         return tok, caches, table
 
     record = StepRecord(rows=decodes + chunks, decode_rows=decodes, tokens=used, prefill_tokens=chunks * chunk,

@@ -18,7 +18,8 @@ with the layer count. Writes the step_profile section of benchmarks/RESULTS.md (
 ``--mixed D+CxN,...`` profiles the engine's mixed steps instead (``engine_step.mixed_step``): D
 decodes and C prompt chunks of N tokens each in a step of ``--rows`` rows (the engine's
 ``max_seqs``) and the smallest of the engine's mixed-step token buckets that holds them
-(``step.mixed_buckets(rows, --max-step-tokens)``), every sequence at each ``--contexts``. Its
+(``step.mixed_buckets(rows, --max-step-tokens)``), its ``max_q_len`` the engine's (``min(tokens,
+--prefill-chunk)``), every sequence at each ``--contexts``. Its
 roofline and bounds count FLOPs too (``bench_serving.step_bound``, with the matmul rate of an
 8192^3 GEMM measured in the same run): GEMMs, the weights or 2 x params x the step's tokens,
 attention, its K/V bytes or its FLOPs, over the tokens the step needed (its padding is overhead).
@@ -43,6 +44,7 @@ from benchmarks.common import (
     write_section,
 )
 from benchmarks.engine_step import decode_step, mixed_step, step_bytes
+from jaxattn.serve.engine import DEFAULT_PREFILL_CHUNK
 from jaxattn.serve.models.llama import PRESETS, Llama
 from jaxattn.serve.step import mixed_buckets
 
@@ -157,6 +159,8 @@ def main(argv: list[str] | None = None) -> None:
                              "of N tokens)")
     parser.add_argument("--rows", type=int, default=156, help="a mixed step's rows (the engine's max_seqs)")
     parser.add_argument("--max-step-tokens", type=int, default=2048, help="the engine's largest mixed step")
+    parser.add_argument("--prefill-chunk", type=int, default=DEFAULT_PREFILL_CHUNK,
+                        help="the engine's prefill_chunk: a mixed step's max_q_len is min(its tokens, this)")
     args = parser.parse_args(argv)
     cfg = PRESETS[args.preset].replace(num_layers=args.layers)
     model = Llama(cfg, nnx.Rngs(0))
@@ -167,7 +171,8 @@ def main(argv: list[str] | None = None) -> None:
              f"{args.kv_dtype or cfg.dtype} caches, q/k/v and gate/up projections "
              f"{'apart' if args.unfused else 'fused'}; copy rate {bandwidth / 1e12:.2f} TB/s (same run).",
              f"Command: `python -m benchmarks.profile_step --preset {args.preset} --layers {args.layers} "
-             + (f"--mixed {args.mixed} --rows {args.rows} --max-step-tokens {args.max_step_tokens} " if args.mixed
+             + (f"--mixed {args.mixed} --rows {args.rows} --max-step-tokens {args.max_step_tokens} "
+                f"--prefill-chunk {args.prefill_chunk} " if args.mixed
                 else f"--batch {args.batch} ")
              + f"--contexts {args.contexts} --backend {args.backend}"
              f"{f' --kv-dtype {args.kv_dtype}' if args.kv_dtype else ''}{' --unfused' if args.unfused else ''}`", ""]
@@ -183,7 +188,7 @@ def main(argv: list[str] | None = None) -> None:
                     raise ValueError(f"--mixed: {decodes}+{chunks}x{chunk} is more than {args.max_step_tokens} tokens")
                 model_step, state, weights, record = mixed_step(model, args.backend, args.rows, tokens, decodes,
                                                                 chunks, chunk, context, args.steps, args.kv_dtype,
-                                                                not args.unfused)
+                                                                not args.unfused, min(tokens, args.prefill_chunk))
                 roofline, bounds = mixed_bounds(model, record, bandwidth, matmul_rate, args.kv_dtype)
                 lines += report(f"{decodes} decodes + {chunks} x {chunk} prompt tokens at context {context}, "
                                 f"a step of {args.rows} rows x {tokens} tokens ({record.tokens} needed)",

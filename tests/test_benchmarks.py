@@ -367,7 +367,7 @@ def test_mixed_step_decodes_and_prefills_in_a_padded_step():
 
     model = Llama(PRESETS["tiny"].replace(num_layers=2), nnx.Rngs(0))
     model_step, state, _, record = mixed_step(model, "xla", rows=6, tokens=40, decodes=3, chunks=2, chunk=16,
-                                              context=20, steps=2)
+                                              context=20, steps=2, max_q_len=32)
     assert (record.rows, record.decode_rows, record.tokens, record.prefill_tokens) == (5, 3, 35, 32)
     assert record.context_tokens == 3 * 20 + 2 * (19 + 16)
     assert record.attention_pairs == 3 * 20 + 2 * (16 * 19 + 16 * 17 // 2)
@@ -383,3 +383,5 @@ def test_mixed_step_decodes_and_prefills_in_a_padded_step():
         parse_mixed("155x512")
     with pytest.raises(ValueError, match="mixed_step"):
         mixed_step(model, "xla", rows=4, tokens=40, decodes=3, chunks=2, chunk=16, context=20, steps=2)
+    with pytest.raises(ValueError, match="max_q_len=8"):
+        mixed_step(model, "xla", rows=6, tokens=40, decodes=3, chunks=2, chunk=16, context=20, steps=2, max_q_len=8)
