@@ -114,13 +114,12 @@ def mixed_step(model: Llama, backend: str, rows: int, tokens: int, decodes: int,
                context: int, steps: int, kv_dtype=None, fuse_projections: bool = True, max_q_len: int | None = None):
     """``(model_step, state, weights, record)``: the engine's mixed step at a compiled shape of
     ``rows`` rows and ``tokens`` tokens (static ``max_q_len``, default ``chunk``; the engine's is
-    ``min(tokens, prefill_chunk)``) running ``decodes`` rows of one
-    token and then ``chunks`` rows of ``chunk`` prompt tokens, every sequence from ``context - 1``
-    tokens on, the other rows and tokens padding; chained calls go on with the same rows (decodes
-    their sampled tokens, prompt rows their next ``chunk`` random tokens; room for ``steps + 8``
-    calls). ``record``: the first call's ``StepRecord`` counts (rows, tokens, keys read,
-    attention pairs), for ``bench_serving.step_bound``'s roofline. ``kv_dtype``: the caches' (default the
-    model's)."""
+    ``min(tokens, prefill_chunk)``) running ``decodes`` rows of one token and then ``chunks`` rows
+    of ``chunk`` prompt tokens, every sequence from ``context - 1`` tokens on, the other rows and
+    tokens padding; chained calls go on with the same rows (decodes their sampled tokens, prompt
+    rows their next ``chunk`` random tokens; room for ``steps + 8`` calls). ``record``: the first
+    call's ``StepRecord`` counts (rows, tokens, keys read, attention pairs), for
+    ``bench_serving.step_bound``'s roofline. ``kv_dtype``: the caches' (default the model's)."""
     used, max_q_len = decodes + chunks * chunk, max_q_len or chunk
     if decodes + chunks > rows or used > tokens or not 2 <= chunk <= max_q_len:
         raise ValueError(f"mixed_step: {decodes} decodes + {chunks} x {chunk} tokens do not fit a step of "
