@@ -255,7 +255,8 @@ def bench_workload(w: Case, rounds: int, copy_rate: float, peers: dict[str, Call
     rows.append(dict(workload=w.name, peer=ours_name, ms=base, err=check))
     print(f"{w.name} | {ours_name} | {base:.3f} ms | {check}", file=sys.stderr, flush=True)
     planned = jaxattn_planned(p)
-    rows.append(dict(workload=w.name, peer=PLANNED, ms=busy_ms(planned, rounds), err=f"{rel_error(planned(), ref):.1e}"))
+    rows.append(dict(workload=w.name, peer=PLANNED, ms=busy_ms(planned, rounds),
+                     err=f"{rel_error(planned(), ref):.1e}"))
     print(f"{w.name} | {PLANNED} | {rows[-1]['ms']:.3f} ms | {rows[-1]['err']}", file=sys.stderr, flush=True)
     faulthandler.cancel_dump_traceback_later()
     for name, make in peers.items():
