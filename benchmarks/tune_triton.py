@@ -1,6 +1,7 @@
 """Block-size sweep for jaxattn's Triton kernels, timed with CUDA events (one device run).
 
     python -m benchmarks.tune_triton [--head-dims 128,64,256] [--quick] [--short]
+    python -m benchmarks.tune_triton --decode-points 1x512,1x4096,2x4096,4x4096,1x32768
 
 The kernels of ``jaxattn.kernels.triton_attention`` are launched directly from torch (the device
 image has it) with the same arguments ``jaxattn.backends.triton`` passes, and timed with
@@ -18,8 +19,12 @@ Points (bf16, Hq=32, Hkv=8, page 64, HND pool randomly permuted, causal):
            launch over the whole batch with our prefill tiles and with vLLM's decode tiles.
   short    (``--short``, instead of the above) B=64 and B=8 sequences verifying 4 or 16 draft
            tokens at kv 4096: the 2D kernel's tiles for speculative-decode steps.
-Writes the triton-tiles (``--short``: triton-short-tiles) section of benchmarks/TUNING.md
-(``--quick``: only ``$OUT``) and prints it.
+  decode   (``--decode-points BxKV,...``, instead of the above) decode-only batches of B sequences
+           at KV length KV: the decode + reduce kernels' tiles and KV segments (at B <= 4, 1 to 32
+           segments of 16- to 64-key tiles: the tiny decodes whose split ``decode_config`` sets by
+           a rule, at least 8 tiles a segment).
+Writes the triton-tiles (``--short``: triton-short-tiles; ``--decode-points``: triton-decode-tiles)
+section of benchmarks/TUNING.md (``--quick``: only ``$OUT``) and prints it.
 """
 
 from __future__ import annotations
@@ -244,6 +249,8 @@ def decode_candidates(head_dim: int, batch: int, quick: bool):
     """(block_n, segments, warps, stages); small batches need more segments to fill the GPU."""
     if quick:
         return [(64, 2, 4, 2), (64, 2, 4, 3)]
+    if batch <= 4:
+        return list(itertools.product((16, 32, 64), (1, 2, 4, 8, 16, 32), (4,), (2, 3)))
     if batch < 32:
         return list(itertools.product((32, 64), (4, 8, 16), (4,), (2, 3)))
     block_ns = (32, 64, 128) if head_dim <= 128 else (16, 32, 64)
@@ -267,6 +274,29 @@ def short_candidates(head_dim: int, quick: bool):
         return [(16, 64, 4, 3), (64, 64, 4, 3)]
     block_ns = (32, 64, 128) if head_dim <= 128 else (32, 64)
     return list(itertools.product((16, 32, 64), block_ns, (4, 8), (2, 3, 4)))
+
+
+def parse_decode_points(text: str) -> list[tuple[str, int, int]]:
+    """``--decode-points``' ``BxKV`` list as ``(name, batch, kv_len)``."""
+    points = []
+    for item in text.split(","):
+        batch, _, kv = item.strip().partition("x")
+        if not (batch.isdigit() and kv.isdigit() and int(batch) > 0 and int(kv) > 0):
+            raise ValueError(f"--decode-points: expected BxKV (e.g. 1x4096), got {item!r}")
+        points.append((f"decode B={batch} x kv {kv}", int(batch), int(kv)))
+    return points
+
+
+def decode_plans(d: int, points, quick: bool) -> list[tuple]:
+    """``sweep_plans``' plans for decode-only batches (decode + reduce kernels) at ``points``."""
+    plans = []
+    for name, b, kv in points:
+        batch = Batch((1,) * b, (kv,) * b, d)
+        rows = [(f"| {bn} | {s} | {w} | {st} |", decode_launches(batch, bn, s, w, st, mixed=False))
+                for bn, s, w, st in decode_candidates(d, b, quick)]
+        plans.append((f"D={d}, {name} (decode + reduce)", "| block_n | segments | warps | stages |", batch, b, rows,
+                      None))
+    return plans
 
 
 def tune_short(d: int, quick: bool, rounds: int, lines: list[str], save) -> None:
@@ -308,13 +338,8 @@ def parse(label: str) -> list[int]:
 def tune_head_dim(d: int, quick: bool, rounds: int, lines: list[str], save) -> None:
     """Sweeps the decode and 2D configs at head dim ``d``, then times split vs one launch on the
     mixed batch at the winners; appends the tables to ``lines`` (``save()`` after each)."""
-    plans = []  # (title, header, batch, num_decodes, [(label, launches)], flops)
-    for name, b, kv in DECODE_POINTS:
-        batch = Batch((1,) * b, (kv,) * b, d)
-        rows = [(f"| {bn} | {s} | {w} | {st} |", decode_launches(batch, bn, s, w, st, mixed=False))
-                for bn, s, w, st in decode_candidates(d, b, quick)]
-        plans.append((f"D={d}, {name} (decode + reduce)", "| block_n | segments | warps | stages |", batch, b, rows,
-                      None))
+    # (title, header, batch, num_decodes, [(label, launches)], flops)
+    plans = decode_plans(d, DECODE_POINTS, quick)
     for name, q_lens, kv_lens, nd in PREFILL_POINTS:
         batch = Batch(q_lens, kv_lens, d)
         rows = [(f"| {bm} | {bn} | {w} | {st} |", [prefill_launch(batch, bm, bn, w, st)])
@@ -356,6 +381,8 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="two candidates per table (checks the script)")
     parser.add_argument("--rounds", type=int, default=5, help="interleaved re-timing rounds of the best candidates")
     parser.add_argument("--short", action="store_true", help="only the short-query (speculative decode) tables")
+    parser.add_argument("--decode-points", type=parse_decode_points, default=None, metavar="BxKV,...",
+                        help="only decode tables, at these batches x KV lengths")
     args = parser.parse_args()
 
     import torch
@@ -365,15 +392,23 @@ def main() -> None:
              f"re-timed in {args.rounds} interleaved rounds (median of rounds, spread = (max - min) / median); "
              f"bold: the winner."]
 
-    name, heading = (("triton-short-tiles",
-                      "Triton short-query tiles (speculative decode; `benchmarks/tune_triton.py --short`)")
-                     if args.short else ("triton-tiles", "Triton block sizes (benchmarks/tune_triton.py)"))
+    if args.decode_points:
+        name, heading = ("triton-decode-tiles",
+                         "Triton decode tiles and KV segments (`benchmarks/tune_triton.py --decode-points`)")
+    elif args.short:
+        name, heading = ("triton-short-tiles",
+                         "Triton short-query tiles (speculative decode; `benchmarks/tune_triton.py --short`)")
+    else:
+        name, heading = "triton-tiles", "Triton block sizes (benchmarks/tune_triton.py)"
 
     def save(update: bool = False) -> str:
         return write_section(name, "\n".join(lines), heading=heading, path=TUNING, update=update)
 
     for d in (int(x) for x in args.head_dims.split(",")):
-        (tune_short if args.short else tune_head_dim)(d, args.quick, args.rounds, lines, save)
+        if args.decode_points:
+            sweep_plans(decode_plans(d, args.decode_points, args.quick), args.rounds, lines, save)
+        else:
+            (tune_short if args.short else tune_head_dim)(d, args.quick, args.rounds, lines, save)
     print(save(update=not args.quick))
 
 
