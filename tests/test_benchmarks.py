@@ -385,3 +385,21 @@ def test_mixed_step_decodes_and_prefills_in_a_padded_step():
         mixed_step(model, "xla", rows=4, tokens=40, decodes=3, chunks=2, chunk=16, context=20, steps=2)
     with pytest.raises(ValueError, match="max_q_len=8"):
         mixed_step(model, "xla", rows=6, tokens=40, decodes=3, chunks=2, chunk=16, context=20, steps=2, max_q_len=8)
+
+
+def test_tune_triton_decode_points():
+    """tune_triton --decode-points: BxKV points parse (a bad one names the flag), and each point's
+    plan times decode + reduce launches over 1 to 32 KV segments at B <= 4."""
+    from benchmarks.tune_triton import decode_plans, parse_decode_points
+
+    points = parse_decode_points("1x4096, 4x512")
+    assert points == [("decode B=1 x kv 4096", 1, 4096), ("decode B=4 x kv 512", 4, 512)]
+    with pytest.raises(ValueError, match="--decode-points"):
+        parse_decode_points("1x")
+    plans = decode_plans(128, points, quick=False)
+    for (_, batch, _), (_, _, _, num_decodes, rows, _) in zip(points, plans):
+        launches = [launches for _, launches in rows]
+        assert num_decodes == batch and len(rows) == 36
+        assert {dict(decode.constants)["NSEG"] for decode, _ in launches} == {1, 2, 4, 8, 16, 32}
+        assert all(decode.grid == (batch, 8, dict(decode.constants)["NSEG"]) and reduce.kernel.endswith("reduce_kernel")
+                   for decode, reduce in launches)
