@@ -94,6 +94,19 @@ def parse_mixed(text: str) -> list[tuple[int, int, int]]:
     return specs
 
 
+def mixed_shapes(text: str, rows: int, max_step_tokens: int) -> list[tuple[int, int, int, int]]:
+    """``--mixed``'s specs with the token bucket each runs in, ``(decodes, chunks, chunk, tokens)``:
+    the smallest of ``step.mixed_buckets(rows, max_step_tokens)`` that holds it."""
+    buckets = mixed_buckets(rows, max_step_tokens)
+    shapes = []
+    for decodes, chunks, chunk in parse_mixed(text):
+        tokens = next((t for t in buckets if t >= decodes + chunks * chunk), None)
+        if tokens is None:
+            raise ValueError(f"--mixed: {decodes}+{chunks}x{chunk} is more than {max_step_tokens} tokens")
+        shapes.append((decodes, chunks, chunk, tokens))
+    return shapes
+
+
 def mixed_bounds(model: Llama, record, copy_rate: float, matmul_rate: float,
                  kv_dtype=None) -> tuple[float, dict[str, float]]:
     """A mixed step's roofline (``bench_serving.step_bound``) and its GEMM and attention bounds."""
@@ -162,6 +175,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--prefill-chunk", type=int, default=DEFAULT_PREFILL_CHUNK,
                         help="the engine's prefill_chunk: a mixed step's max_q_len is min(its tokens, this)")
     args = parser.parse_args(argv)
+    # checked before anything is measured: a bad spec must not cost the device time of the good ones
+    shapes = mixed_shapes(args.mixed, args.rows, args.max_step_tokens) if args.mixed else []
     cfg = PRESETS[args.preset].replace(num_layers=args.layers)
     model = Llama(cfg, nnx.Rngs(0))
     bandwidth = copy_bandwidth()
@@ -180,12 +195,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.mixed:
         matmul_rate = gemm_rate()
         lines[0] += f" Matmul rate {matmul_rate / 1e12:.0f} TFLOP/s (bf16 8192^3 GEMM, same run)."
-        buckets = mixed_buckets(args.rows, args.max_step_tokens)
         for context in contexts:
-            for decodes, chunks, chunk in parse_mixed(args.mixed):
-                tokens = next((t for t in buckets if t >= decodes + chunks * chunk), None)
-                if tokens is None:
-                    raise ValueError(f"--mixed: {decodes}+{chunks}x{chunk} is more than {args.max_step_tokens} tokens")
+            for decodes, chunks, chunk, tokens in shapes:
                 model_step, state, weights, record = mixed_step(model, args.backend, args.rows, tokens, decodes,
                                                                 chunks, chunk, context, args.steps, args.kv_dtype,
                                                                 not args.unfused, min(tokens, args.prefill_chunk))

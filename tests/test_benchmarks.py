@@ -362,7 +362,7 @@ def test_mixed_step_decodes_and_prefills_in_a_padded_step():
     from flax import nnx
 
     from benchmarks.engine_step import mixed_step
-    from benchmarks.profile_step import mixed_bounds, parse_mixed
+    from benchmarks.profile_step import mixed_bounds, mixed_shapes, parse_mixed
     from jaxattn.serve.models.llama import PRESETS, Llama
 
     model = Llama(PRESETS["tiny"].replace(num_layers=2), nnx.Rngs(0))
@@ -381,6 +381,10 @@ def test_mixed_step_decodes_and_prefills_in_a_padded_step():
     assert parse_mixed("155+1x512, 124+32x16") == [(155, 1, 512), (124, 32, 16)]
     with pytest.raises(ValueError, match="--mixed"):
         parse_mixed("155x512")
+    assert mixed_shapes("155+1x512,28+4x256", rows=156, max_step_tokens=2048) == [(155, 1, 512, 668),
+                                                                                   (28, 4, 256, 1180)]
+    with pytest.raises(ValueError, match="--mixed: 100\\+2x1024 is more than 2048 tokens"):
+        mixed_shapes("100+2x1024", rows=156, max_step_tokens=2048)
     with pytest.raises(ValueError, match="mixed_step"):
         mixed_step(model, "xla", rows=4, tokens=40, decodes=3, chunks=2, chunk=16, context=20, steps=2)
     with pytest.raises(ValueError, match="max_q_len=8"):
