@@ -42,10 +42,16 @@ TUNING = os.path.join(HERE, "TUNING.md")     # parameter sweeps behind the libra
 @dataclasses.dataclass(frozen=True)
 class Case:
     """A paged batch at the standard shape: each sequence's new tokens (``q_lens``) and all of its
-    tokens, the new ones included (``kv_lens``); ``name`` labels it in tables."""
+    tokens, the new ones included (``kv_lens``); ``name`` labels it in tables. An engine's compiled
+    step pads: ``tokens`` query rows (default ``sum(q_lens)``; the rest padding), block tables
+    ``capacity`` keys wide (default the longest sequence's pages) and a static ``max_q_len`` bound
+    (default the longest ``q_lens``); its padding rows are sequences of no tokens."""
     name: str
     q_lens: tuple[int, ...]
     kv_lens: tuple[int, ...]
+    tokens: int | None = None
+    capacity: int | None = None
+    q_len_bound: int | None = None
 
     @classmethod
     def decode(cls, batch: int, kv_len: int, ragged: bool = False, q_len: int = 1) -> Case:
@@ -65,13 +71,35 @@ class Case:
         return cls(f"B={batch} x {q_len}" + ("" if kv_len == q_len else f" over {kv_len}"),
                    (q_len,) * batch, (kv_len,) * batch)
 
+    @classmethod
+    def engine_mixed(cls, decodes: int, chunks: int, chunk: int, context: int, rows: int, tokens: int,
+                     capacity: int, prefill_chunk: int = 512) -> Case:
+        """An engine's mixed step (``jaxattn.serve.step``): ``decodes`` decodes at ``context`` keys,
+        then ``chunks`` prompt chunks of ``chunk`` tokens over ``context - 1`` cached ones, padded to
+        ``rows`` rows and ``tokens`` tokens, block tables ``capacity`` keys wide and the engine's
+        ``max_q_len``, ``min(tokens, prefill_chunk)``."""
+        used = decodes + chunks * chunk
+        if decodes + chunks > rows or used > tokens or context + chunk > capacity:
+            raise ValueError(f"Case.engine_mixed: {decodes} + {chunks} x {chunk} does not fit {rows} rows, "
+                             f"{tokens} tokens and {capacity} keys")
+        pad = rows - decodes - chunks
+        return cls(f"{decodes} decodes + {chunks} x {chunk} at {context}, {rows} rows x {tokens}",
+                   (1,) * decodes + (chunk,) * chunks + (0,) * pad,
+                   (context,) * decodes + (context - 1 + chunk,) * chunks + (0,) * pad,
+                   tokens=tokens, capacity=capacity, q_len_bound=min(tokens, prefill_chunk))
+
     @property
     def batch(self) -> int:
         return len(self.q_lens)
 
     @property
     def max_q_len(self) -> int:
-        return max(self.q_lens)
+        return self.q_len_bound or max(self.q_lens)
+
+    @property
+    def num_tokens(self) -> int:
+        """T, the query rows (padding included)."""
+        return self.tokens or sum(self.q_lens)
 
     @property
     def max_kv_len(self) -> int:
@@ -99,12 +127,13 @@ class Inputs:
     meta: jaxattn.AttentionMetadata
 
 
-def block_tables(kv_lens: Sequence[int], seed: int = 0) -> np.ndarray:
-    """int32 [B, pages of the longest sequence]: each sequence's pages, drawn without repeats from a
-    randomly permuted pool of ``1 + sum(pages)`` pages whose page 0 (the null page) stays unused."""
+def block_tables(kv_lens: Sequence[int], seed: int = 0, capacity: int | None = None) -> np.ndarray:
+    """int32 [B, pages of the longest sequence (or of ``capacity`` keys)]: each sequence's pages,
+    drawn without repeats from a randomly permuted pool of ``1 + sum(pages)`` pages whose page 0 (the
+    null page) stays unused."""
     need = [-(-k // PAGE) for k in kv_lens]
     pool = np.random.default_rng(seed).permutation(np.arange(1, 1 + sum(need)))
-    tables = np.zeros((len(need), max(need)), np.int32)
+    tables = np.zeros((len(need), max(max(need), -(-(capacity or 0) // PAGE))), np.int32)
     for b, (start, n) in enumerate(zip(np.cumsum([0] + need[:-1]), need)):
         tables[b, :n] = pool[start:start + n]
     return tables
@@ -114,11 +143,11 @@ def make_inputs(case: Case, seed: int = 0, *, num_q_heads: int = HQ, num_kv_head
     """``case`` in a randomly permuted HND pool of random bf16 values (head_dim ``D``, pages of
     ``PAGE``): its queries are each sequence's last ``q_len`` tokens; the leading single-token
     sequences are the decodes."""
-    tables = block_tables(case.kv_lens, seed)
+    tables = block_tables(case.kv_lens, seed, case.capacity)
     k1, k2, k3 = jax.random.split(jax.random.key(seed), 3)
     shape = (int(tables.max()) + 1, num_kv_heads, PAGE, D)
     cache = jaxattn.KVCache(jax.random.normal(k1, shape, DTYPE), jax.random.normal(k2, shape, DTYPE), layout="HND")
-    q = jax.random.normal(k3, (sum(case.q_lens), num_q_heads, D), DTYPE)
+    q = jax.random.normal(k3, (case.num_tokens, num_q_heads, D), DTYPE)
     decodes = next((i for i, n in enumerate(case.q_lens) if n != 1), case.batch)
     meta = jaxattn.AttentionMetadata(
         cu_q_lens=jnp.asarray(np.cumsum([0, *case.q_lens]), jnp.int32),

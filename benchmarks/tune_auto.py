@@ -9,7 +9,8 @@ the name says NHD or fp8 pages), in this order, until the budget is spent: the i
 B=64 x 4 tokens; prefill B=8 x 4096 and B=1 x 512; chunked prefill B=4 x 300 new tokens over 1200;
 a mixed batch of 63 decodes at 4096 and an 8192-token prefill), then the decode grid B in {1, 4,
 16, 64, 256} x kv in {512, ..., 65536} (B x kv <= 2**22 tokens), then a few more speculative-decode
-and prefill points, NHD pages and fp8 pages. ``mla_prefill`` at DeepSeek's dims (B=8 x 4096 at 128
+and prefill points, NHD pages and fp8 pages, then the engine's mixed steps (Llama-3-8B serving
+chat: 156 rows padded, 284-2048 tokens, ``max_q_len`` min(T, 512), tables 2048 keys wide). ``mla_prefill`` at DeepSeek's dims (B=8 x 4096 at 128
 and 16 query heads among the issue's points; B=1 x 512, chunked B=4 x 300 over 1200 and B=1 x 4096
 after), each backend whole, the query whole (``[T, Hq, Dn + Dr]``, as the model passes it).
 
@@ -42,6 +43,11 @@ rows (``--merge``, same machine) and writes the table:
     for k in 1 2 3 4; do CUDA_VISIBLE_DEVICES=$((k-1)) python -m benchmarks.tune_auto --shard $k/4 \
         --rows /tmp/rows_$k.json & done; wait
     python -m benchmarks.tune_auto --rows /tmp/rows.json --merge /tmp/rows_[1-4].json --device-table
+
+``--only TEXT`` measures the workloads whose name holds TEXT, and ``--extend`` writes them into the
+table already at its path (their buckets replaced or added, the other entries kept):
+
+    python -m benchmarks.tune_auto --only "engine mixed" --device-table --extend --section auto-table-engine
 """
 
 from __future__ import annotations
@@ -137,6 +143,13 @@ MORE = [
     decode(64, 4096, fp8=True), decode(1, 16384, fp8=True), decode(4, 131072, fp8=True), decode(256, 4096, fp8=True),
     mla_prefill(128, 1, 512), mla_prefill(128, 4, 300, 1200), mla_prefill(16, 1, 4096),
 ]
+# The engine's mixed steps as Llama-3-8B serves chat (bench_serving): 156 rows (max_seqs), the
+# token buckets of ``jaxattn.serve.step.mixed_buckets(156, 2048)`` with max_q_len min(T, 512),
+# tables 2048 keys wide (max_seq_len), decodes and prompt chunks at chat's contexts.
+ENGINE = [Workload("engine mixed", Case.engine_mixed(decodes, chunks, chunk, context, 156, tokens, 2048))
+          for decodes, chunks, chunk, context, tokens in (
+              (155, 1, 128, 512, 284), (150, 2, 64, 256, 412), (155, 1, 512, 512, 668), (124, 32, 16, 512, 668),
+              (28, 4, 256, 512, 1180), (36, 60, 32, 256, 2048))]
 SMOKE = [decode(2, 128), decode(2, 128, layout="NHD"), Workload("prefill", Case.prefill(1, 64)),
          Workload("mixed", Case("1 decode + 64 prefill", (1, 64), (128, 64))), mla_prefill(4, 1, 64)]
 
@@ -145,7 +158,7 @@ def workloads(smoke: bool) -> list[Workload]:
     """The run's workloads in order, each name once."""
     if smoke:
         return SMOKE
-    return list({w.name: w for w in ISSUE + GRID + MORE}.values())
+    return list({w.name: w for w in ISSUE + GRID + MORE + ENGINE}.values())
 
 
 @dataclasses.dataclass
@@ -363,6 +376,12 @@ def main() -> None:
     parser.add_argument("--device-table", action="store_true",
                         help="name the table after this kind of GPU (jaxattn/tuning/<device kind>.json), which auto "
                              "reads before the arch's")
+    parser.add_argument("--only", default=None, metavar="TEXT",
+                        help="measure only the workloads whose name holds TEXT (e.g. 'engine mixed')")
+    parser.add_argument("--extend", action="store_true",
+                        help="write the table at its path (--out, --device-table) with this run's buckets replaced or "
+                             "added and its other entries kept")
+    parser.add_argument("--section", default="auto-table", help="the RESULTS.md section it writes")
     parser.add_argument("--smoke", action="store_true", help="CPU: a tiny grid, written to $OUT or a temporary directory")
     args = parser.parse_args()
     arch = choice_table.current_arch()
@@ -374,7 +393,9 @@ def main() -> None:
     name = choice_table.device_table_name(kind) if args.device_table else arch
     path = args.out or os.path.join(out_dir, f"{name}.json")
     rows_path = args.rows or os.path.join(os.environ.get("OUT") or os.path.join(HERE, "out"), "tune_auto_rows.json")
-    grid = workloads(args.smoke)
+    grid = [w for w in workloads(args.smoke) if args.only is None or args.only in w.name]
+    if not grid:
+        sys.exit(f"tune_auto: no workload's name holds --only {args.only!r}")
     by_name = {w.name: w for w in grid}
     machine = {"arch": arch, "device": device_name(), "jax": jax.__version__, "rounds": args.rounds, "smoke": args.smoke}
     measured, runs = load_rows(rows_path, machine, by_name) if args.resume else ([], [])
@@ -403,15 +424,23 @@ def main() -> None:
     rows = [done[w.name] for w in grid if w.name in done]
     skipped = [w.name for w in grid if w.name not in done]
     earlier = "; ".join(f"{len(run['workloads'])} workloads by `{run['command']}` ({run['date']})" for run in runs[:-1])
+    comment = f"resumed from earlier runs on this machine: {earlier}" if earlier else ""
+    new = entries(rows)
+    if args.extend and os.path.exists(path):
+        base = choice_table.load(path)
+        measured = {entry.key for entry in new}
+        new = [entry for entry in base.entries if entry.key not in measured] + new
+        comment = "; ".join(filter(None, [base.comment, f"extended by `{command_line()}` ({utc_now()}, "
+                                                         f"{len(measured)} buckets) over `{base.command}` ({base.date})"]))
     table = choice_table.Table(arch=arch, command=command_line(), device=device_name(), date=utc_now(),
-                               jax=jax.__version__, entries=tuple(entries(rows)),
-                               comment=f"resumed from earlier runs on this machine: {earlier}" if earlier else "")
+                               jax=jax.__version__, entries=tuple(new), comment=comment)
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     choice_table.dump(table, path)
     choice_table.load(path)
     print(f"wrote {path} ({len(table.entries)} entries)")
-    print(write_section("auto-table", section(rows, table, shown_path(path), skipped),
-                        heading="auto's measured choice table (benchmarks/tune_auto.py)", update=not args.smoke))
+    print(write_section(args.section, section(rows, table, shown_path(path), skipped),
+                        heading="auto's measured choice table (benchmarks/tune_auto.py)" + (f": {args.only}" if args.only else ""),
+                        update=not args.smoke))
 
 
 if __name__ == "__main__":

@@ -112,10 +112,10 @@ def decode_launches(batch: Batch, block_n: int, nseg: int, warps: int, stages: i
     reduce = {k: c[k] for k in "T B HQ G D D_P FP8".split()}
     reduce.update(LOG_B=(b + 1).bit_length() + 1, G_P=pow2_ceil(group), NSEG=nseg, HAS_SINKS=False,
                   WRITE_ALL=not mixed)
-    ptr = ("bfloat16", "bfloat16", "bfloat16", "int32", "int32", "int32", "int32", "float32", "float32", "float32")
+    ptr = ("bfloat16",) * 3 + ("int32",) * 4 + ("float32",) * 4
     return [Launch("paged_decode_kernel", (b, HKV, nseg), ptr, tuple(sorted(decode.items())), warps, stages),
             Launch("paged_decode_reduce_kernel", (batch.tokens if not mixed else b, HKV, 1),
-                   ("int32", "int32", "float32", "float32", "float32", "float32", "bfloat16"),
+                   ("int32",) * 2 + ("float32",) * 5 + ("bfloat16",),
                    tuple(sorted(reduce.items())), 4, 1)]
 
 
@@ -124,7 +124,7 @@ def prefill_launch(batch: Batch, block_m: int, block_n: int, warps: int, stages:
     b, g_p = len(batch.q_lens), pow2_ceil(HQ // HKV)
     block_m = max(block_m, g_p)
     c.update(LOG_B=(b + 1).bit_length() + 1, G_P=g_p, BLOCK_M=block_m, BLOCK_N=block_n, HAS_SINKS=False)
-    ptr = ("bfloat16",) * 3 + ("int32",) * 4 + ("float32", "float32", "bfloat16", "bfloat16")
+    ptr = ("bfloat16",) * 3 + ("int32",) * 4 + ("float32",) * 3 + ("bfloat16",) * 2
     grid = (batch.tokens // (block_m // g_p) + b + 2, HKV, 1)
     return Launch("paged_prefill_kernel", grid, ptr, tuple(sorted(c.items())), warps, stages)
 
@@ -172,7 +172,7 @@ class Problem:
         self.nd = torch.tensor([num_decodes], dtype=torch.int32, **dev)
         self.no_decodes = torch.zeros(1, dtype=torch.int32, **dev)
         self.sinks = torch.zeros(1, dtype=torch.float32, **dev)
-        self.scales = torch.zeros(2, dtype=torch.float32, **dev)
+        self.scale = torch.zeros(1, dtype=torch.float32, **dev)   # k_scale and v_scale (bf16 pages: unread)
         self.out = torch.zeros_like(self.q)
         self.batch = batch
 
@@ -189,14 +189,14 @@ class Problem:
                 b, d = len(self.batch.q_lens), self.batch.head_dim
                 seg_acc = torch.empty(b, HQ, nseg, d, dtype=torch.float32, device="cuda")
                 seg_ml = torch.empty(b, HQ, nseg, 2, dtype=torch.float32, device="cuda")
-                args = (self.q, self.k, self.v, self.tables, self.kv_lens, self.cu, self.nd, self.scales, seg_acc,
-                        seg_ml)
+                args = (self.q, self.k, self.v, self.tables, self.kv_lens, self.cu, self.nd, self.scale, self.scale,
+                        seg_acc, seg_ml)
             elif launch.kernel == "paged_decode_reduce_kernel":
-                args = (self.cu, self.nd, self.sinks, self.scales, seg_acc, seg_ml, self.out)
+                args = (self.cu, self.nd, self.sinks, self.scale, self.scale, seg_acc, seg_ml, self.out)
             else:
                 nd = self.no_decodes if single else self.nd
-                args = (self.q, self.k, self.v, self.tables, self.kv_lens, self.cu, nd, self.sinks, self.scales,
-                        self.out, self.out)
+                args = (self.q, self.k, self.v, self.tables, self.kv_lens, self.cu, nd, self.sinks, self.scale,
+                        self.scale, self.out, self.out)
             calls.append((kernel, args, kw))
 
         def run():

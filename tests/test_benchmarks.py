@@ -136,6 +136,42 @@ def test_tune_auto_shards_merge_into_one_table(tmp_path):
     assert len(table.entries) == 5 and table.comment.count("--shard") == 2
 
 
+def test_tune_auto_extends_a_table_with_the_buckets_it_measures(tmp_path):
+    """--only measures the workloads whose name holds the text; --extend writes the table at its path
+    with those buckets replaced and its other entries kept, and says so in its comment."""
+    from jaxattn import choice_table
+
+    env = dict(os.environ, OUT=str(tmp_path), JAX_PLATFORMS="cpu")
+    run = lambda *args: subprocess.run([sys.executable, "-m", "benchmarks.tune_auto", "--smoke", *args],  # noqa: E731
+                                       check=False, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    full = run("--rows", str(tmp_path / "all.json"))
+    assert full.returncode == 0, full.stdout[-3000:] + full.stderr[-3000:]
+    before = choice_table.load(str(tmp_path / "cpu.json"))
+    extended = run("--rows", str(tmp_path / "some.json"), "--only", "prefill", "--extend", "--section", "auto-extra")
+    assert extended.returncode == 0, extended.stdout[-3000:] + extended.stderr[-3000:]
+    assert [r["workload"] for r in json.load(open(tmp_path / "some.json"))["rows"]] == \
+        ["prefill B=1 x 64", "mixed 1 decode + 64 prefill", "mla prefill B=1 x 64 Hq=4"]
+    after = choice_table.load(str(tmp_path / "cpu.json"))
+    assert {e.key for e in after.entries} == {e.key for e in before.entries}
+    assert "extended by" in after.comment and "3 buckets" in after.comment
+    assert (tmp_path / "auto-extra_results.md").exists()
+    assert "no workload" in run("--only", "nothing like this").stderr
+
+
+def test_engine_mixed_case_pads_like_the_engine():
+    """An engine step's case: padding rows of no tokens, padding tokens past the last row, tables as
+    wide as the engine's, and the engine's static max_q_len."""
+    from benchmarks.common import Case, make_inputs
+
+    case = Case.engine_mixed(3, 2, 16, 100, rows=8, tokens=48, capacity=512, prefill_chunk=32)
+    x = make_inputs(case)
+    assert x.q.shape[0] == 48 and x.meta.block_tables.shape == (8, 8) and x.meta.max_q_len == 32
+    assert x.meta.cu_q_lens.tolist() == [0, 1, 2, 3, 19, 35, 35, 35, 35] and int(x.meta.num_decodes) == 3
+    assert x.meta.kv_lens.tolist() == [100] * 3 + [115] * 2 + [0] * 3
+    with pytest.raises(ValueError, match="does not fit"):
+        Case.engine_mixed(7, 2, 16, 100, rows=8, tokens=48, capacity=512)
+
+
 @pytest.mark.parametrize("shard", ["0/2", "3/2", "1", "a/b"])
 def test_tune_auto_refuses_a_bad_shard(shard):
     from benchmarks import tune_auto
