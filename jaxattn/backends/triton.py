@@ -48,6 +48,14 @@ MLA_XLA_MAX_DECODE_KEYS = 16384
 # 0.052 ms (best of 12: 0.052).
 _DECODE_PROGRAMS = 1024
 _MIN_TILES_PER_SEGMENT = 8
+# Few (sequence, KV head) pairs: up to this many segments of at least one tile, each tile as long as
+# a segment's share of the keys (16 to 64), at D = 65..128. Chosen on an H100 by
+# ``benchmarks/tune_triton.py --decode-points`` (benchmarks/TUNING.md, "Triton decode tiles and KV
+# segments"; do_bench, decode + reduce): B=1 x kv 512, 16-key tiles x 32 segments 11.9 us (the rule
+# above: one segment of 64-key tiles, 20.6 us); kv 1024 13.3 us (21.2); kv 4096 19.1 us (24.2);
+# kv 16384 41.5 us (46.7); B=2 x kv 4096 26.5 us (30.0); B=4 x kv 4096 41.9 us (42.2; best 41.7).
+_FEW_DECODE_PAIRS = 32
+_FEW_PAIRS_MAX_SEGMENTS = 32
 # Short-query steps (speculative decode): the 2D kernel takes one small query tile per (sequence,
 # KV head) up to this many rows, and longer key tiles below this many (sequence, KV head) pairs.
 _SHORT_QUERY_ROWS = 64
@@ -100,8 +108,10 @@ def check(call: Call) -> str | None:
 
 
 def decode_config(head_dim: int, batch: int, num_kv_heads: int, max_kv_len: int) -> DecodeConfig:
-    """Decode tiles for this shape (static), from the H200 sweep (benchmarks/TUNING.md,
-    "Triton block sizes"), 4 warps. B=64 x kv 4096 (best of 54 configs in brackets):
+    """Decode tiles for this shape (static), 4 warps. At most ``_FEW_DECODE_PAIRS`` (sequence, KV
+    head) pairs (D 65..128): more and shorter segments (the H100 sweep above). Otherwise, from the
+    H200 sweep (benchmarks/TUNING.md, "Triton block sizes"), B=64 x kv 4096 (best of 54 configs in
+    brackets):
 
     * D <= 64: 64-key tiles, 2 stages: 0.143 ms (0.141; 3 stages 0.175).
     * D <= 128: 64-key tiles, 3 stages: 0.263 ms (0.261; 2 stages 0.273).
@@ -109,6 +119,12 @@ def decode_config(head_dim: int, batch: int, num_kv_heads: int, max_kv_len: int)
     """
     if _interpreting():
         return DecodeConfig(block_n=16, num_segments=4, num_warps=4, num_stages=1)
+    if batch * num_kv_heads <= _FEW_DECODE_PAIRS and 64 < head_dim <= 128:
+        segments = max(1, min(_pow2_ceil(-(-_DECODE_PROGRAMS // (batch * num_kv_heads))), _FEW_PAIRS_MAX_SEGMENTS,
+                              _pow2_floor(max(1, max_kv_len // 16))))
+        keys = -(-max_kv_len // segments)
+        block_n = 16 if keys <= 16 else 32 if keys <= 256 else 64
+        return DecodeConfig(block_n=block_n, num_segments=segments, num_warps=4, num_stages=2 if block_n == 16 else 3)
     block_n = 64 if head_dim <= 128 else 32
     segments = _pow2_ceil(-(-_DECODE_PROGRAMS // (batch * num_kv_heads)))
     most = max(1, -(-max_kv_len // (_MIN_TILES_PER_SEGMENT * block_n)))

@@ -175,6 +175,20 @@ def test_short_query_tiles(monkeypatch):
     assert short(None) is None and short(17) is None and short(8, group=16) is None
 
 
+def test_decode_tiles_for_few_pairs(monkeypatch):
+    """Up to 32 (sequence, KV head) pairs at D 65..128: up to 32 KV segments of at least 16 keys,
+    tiles as long as a segment's share; larger batches and other head dims keep the earlier rule."""
+    monkeypatch.setattr(tb, "_interpreting", lambda: False)
+    config = lambda batch, kv, head_dim=128: tb.decode_config(head_dim, batch, 8, kv)  # noqa: E731
+    assert config(1, 512) == tb.DecodeConfig(block_n=16, num_segments=32, num_warps=4, num_stages=2)
+    assert config(1, 4096) == tb.DecodeConfig(block_n=32, num_segments=32, num_warps=4, num_stages=3)
+    assert config(4, 4096) == tb.DecodeConfig(block_n=32, num_segments=32, num_warps=4, num_stages=3)
+    assert config(1, 16384) == tb.DecodeConfig(block_n=64, num_segments=32, num_warps=4, num_stages=3)
+    assert config(1, 64).num_segments == 4 and config(1, 8).num_segments == 1
+    assert config(8, 4096) == tb.DecodeConfig(block_n=64, num_segments=8, num_warps=4, num_stages=3)
+    assert config(64, 4096).num_segments == 2 and config(1, 4096, head_dim=64).block_n == 64
+
+
 # --- errors and availability --------------------------------------------------------------------
 
 @pytest.mark.parametrize("launch, q_lens", [("split", [1, 1, 1]), ("single", [1, 3, 2])])
@@ -227,6 +241,20 @@ def test_gpu_mixed_batches(launch, layout, page_size, head_dim):
                            kv_lens=list(rng.integers(1, 900, 12)) + [40, 3, 700, 1, 77], head_dim=head_dim,
                            page_size=page_size, layout=layout, dtype=BF16, pad_tokens=5)
     _check(problem, _run(problem, launch=launch))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("batch", [1, 2, 4])
+@pytest.mark.parametrize("kv_dtype", [BF16, FP8], ids=str)
+def test_gpu_small_decode_batches(batch, kv_dtype):
+    """The few-pairs decode tiles (16-key tiles at B=1, 32-key tiles in tables 5120 keys wide
+    otherwise; 32 segments) on ragged lengths, from one key to most of the table."""
+    rng = np.random.default_rng(batch)
+    kv_lens = [1, 17, 4096, 700][:batch] if batch > 1 else [int(rng.integers(300, 500))]
+    problem = make_problem(rng, q_lens=[1] * batch, kv_lens=kv_lens, num_q_heads=32, num_kv_heads=8, head_dim=128,
+                           page_size=64, dtype=BF16, kv_dtype=kv_dtype, pad_seqs=0,
+                           pages_per_seq=None if batch == 1 else 80)
+    _check(problem, _run(problem))
 
 
 @pytest.mark.gpu
