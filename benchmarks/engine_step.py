@@ -21,13 +21,13 @@ from jaxattn.sharding import num_head_shards, tensor_parallel_mesh
 
 
 def fill(model: Llama, batch: int, context: int, steps: int | np.ndarray, seed: int, mesh: Mesh | None = None,
-         kv_dtype=None):
+         kv_dtype=None, width: int = 0):
     """Caches with random KV (of ``kv_dtype``, default the model's; FP8 caches keep their unit
     scales), and a table where every sequence holds ``context - 1`` tokens with pages for ``steps``
-    more (one count, or one per sequence); with a ``mesh``, the pools split by KV heads and the
-    table replicated (as ``Engine(mesh=)``)."""
+    more (one count, or one per sequence), at least ``width`` keys wide; with a ``mesh``, the pools
+    split by KV heads and the table replicated (as ``Engine(mesh=)``)."""
     pages = -(-(context + np.broadcast_to(steps, (batch,))) // PAGE)
-    pages_per_seq, num_pages = int(pages.max()), 1 + int(pages.sum())
+    pages_per_seq, num_pages = max(int(pages.max()), -(-width // PAGE)), 1 + int(pages.sum())
     caches = model.init_caches(num_pages, PAGE, "HND", dtype=kv_dtype, mesh=mesh)
     key = jax.random.key(seed)
 
@@ -111,23 +111,26 @@ def decode_step(model: Llama, backend: str, batch: int, context: int, steps: int
 
 
 def mixed_step(model: Llama, backend: str, rows: int, tokens: int, decodes: int, chunks: int, chunk: int,
-               context: int, steps: int, kv_dtype=None, fuse_projections: bool = True, max_q_len: int | None = None):
+               context: int, max_seq_len: int, kv_dtype=None, fuse_projections: bool = True,
+               max_q_len: int | None = None):
     """``(model_step, state, weights, record)``: the engine's mixed step at a compiled shape of
     ``rows`` rows and ``tokens`` tokens (static ``max_q_len``, default ``chunk``; the engine's is
     ``min(tokens, prefill_chunk)``) running ``decodes`` rows of one token and then ``chunks`` rows
     of ``chunk`` prompt tokens, every sequence from ``context - 1`` tokens on, the other rows and
-    tokens padding; chained calls go on with the same rows (decodes their sampled tokens, prompt
-    rows their next ``chunk`` random tokens; room for ``steps + 8`` calls). ``record``: the first
-    call's ``StepRecord`` counts (rows, tokens, keys read, attention pairs), for
+    tokens padding, in block tables ``max_seq_len`` keys wide (the engine's). Chained calls redo the
+    same step (the decodes on their sampled tokens): the table is not advanced, so every call
+    does the same work and the tables stay as wide as the engine's. ``record``: a call's
+    ``StepRecord`` counts (rows, tokens, keys read, attention pairs), for
     ``bench_serving.step_bound``'s roofline. ``kv_dtype``: the caches' (default the model's)."""
     used, max_q_len = decodes + chunks * chunk, max_q_len or chunk
-    if decodes + chunks > rows or used > tokens or not 2 <= chunk <= max_q_len:
-        raise ValueError(f"mixed_step: {decodes} decodes + {chunks} x {chunk} tokens do not fit a step of "
-                         f"{rows} rows and {tokens} tokens (2 <= chunk <= max_q_len={max_q_len})")
+    if decodes + chunks > rows or used > tokens or not 2 <= chunk <= max_q_len or context + chunk > max_seq_len:
+        raise ValueError(f"mixed_step: {decodes} decodes + {chunks} x {chunk} tokens at context {context} do not fit "
+                         f"a step of {rows} rows and {tokens} tokens (2 <= chunk <= max_q_len={max_q_len}) in "
+                         f"sequences of max_seq_len={max_seq_len}")
     step, weights = _engine_step(model, None, fuse_projections)
-    room = np.full(rows, steps + 8)
-    room[decodes:decodes + chunks] *= chunk         # only the prompt rows grow by a chunk a call
-    caches, table = fill(model, rows, context, room, seed=rows + context, kv_dtype=kv_dtype)
+    room = np.ones(rows, np.int64)
+    room[decodes:decodes + chunks] = chunk
+    caches, table = fill(model, rows, context, room, seed=rows + context, kv_dtype=kv_dtype, width=max_seq_len)
     ids = np.full(rows, -1, np.int32)
     ids[:decodes + chunks] = np.arange(decodes + chunks)
     q_lens = np.zeros(rows, np.int32)
@@ -140,10 +143,13 @@ def mixed_step(model: Llama, backend: str, rows: int, tokens: int, decodes: int,
     first = jnp.asarray(rng.integers(0, model.cfg.vocab_size, size=rows), jnp.int32)
     ids, q_lens, token_src = (jnp.asarray(x) for x in (ids, q_lens, token_src))
 
+    copy = jax.jit(lambda tree: jax.tree.map(jnp.copy, tree))
+
     def model_step(state):
         tok, caches, table = state
-        (tok, *_), ok, pages, caches, table, _ = step(weights, caches, table, tok, no_release, new_tokens, token_src,
-                                                      ids, q_lens, max_q_len=max_q_len, backend=backend)
+        # the step donates its table: it gets a copy (a few small copies a call), the state keeps the original
+        (tok, *_), ok, pages, caches, _, _ = step(weights, caches, copy(table), tok, no_release, new_tokens,
+                                                  token_src, ids, q_lens, max_q_len=max_q_len, backend=backend)
         return tok, caches, table
 
     record = StepRecord(rows=decodes + chunks, decode_rows=decodes, tokens=used, prefill_tokens=chunks * chunk,

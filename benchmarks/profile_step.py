@@ -19,7 +19,8 @@ with the layer count. Writes the step_profile section of benchmarks/RESULTS.md (
 decodes and C prompt chunks of N tokens each in a step of ``--rows`` rows (the engine's
 ``max_seqs``) and the smallest of the engine's mixed-step token buckets that holds them
 (``step.mixed_buckets(rows, --max-step-tokens)``), its ``max_q_len`` the engine's (``min(tokens,
---prefill-chunk)``), every sequence at each ``--contexts``. Its
+--prefill-chunk)``), every sequence at each ``--contexts``, in block tables ``--max-seq-len``
+keys wide; each profiled call redoes the same step (the table is not advanced). Its
 roofline and bounds count FLOPs too (``bench_serving.step_bound``, with the matmul rate of an
 8192^3 GEMM measured in the same run): GEMMs, the weights or 2 x params x the step's tokens,
 attention, its K/V bytes or its FLOPs, over the tokens the step needed (its padding is overhead).
@@ -174,6 +175,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-step-tokens", type=int, default=2048, help="the engine's largest mixed step")
     parser.add_argument("--prefill-chunk", type=int, default=DEFAULT_PREFILL_CHUNK,
                         help="the engine's prefill_chunk: a mixed step's max_q_len is min(its tokens, this)")
+    parser.add_argument("--max-seq-len", type=int, default=2048,
+                        help="the engine's max_seq_len: a mixed step's block tables are this many keys wide "
+                             "(bench_serving's chat and decode-heavy engines: 2048)")
     args = parser.parse_args(argv)
     # checked before anything is measured: a bad spec must not cost the device time of the good ones
     shapes = mixed_shapes(args.mixed, args.rows, args.max_step_tokens) if args.mixed else []
@@ -187,7 +191,7 @@ def main(argv: list[str] | None = None) -> None:
              f"{'apart' if args.unfused else 'fused'}; copy rate {bandwidth / 1e12:.2f} TB/s (same run).",
              f"Command: `python -m benchmarks.profile_step --preset {args.preset} --layers {args.layers} "
              + (f"--mixed {args.mixed} --rows {args.rows} --max-step-tokens {args.max_step_tokens} "
-                f"--prefill-chunk {args.prefill_chunk} " if args.mixed
+                f"--prefill-chunk {args.prefill_chunk} --max-seq-len {args.max_seq_len} " if args.mixed
                 else f"--batch {args.batch} ")
              + f"--contexts {args.contexts} --backend {args.backend}"
              f"{f' --kv-dtype {args.kv_dtype}' if args.kv_dtype else ''}{' --unfused' if args.unfused else ''}`", ""]
@@ -198,7 +202,7 @@ def main(argv: list[str] | None = None) -> None:
         for context in contexts:
             for decodes, chunks, chunk, tokens in shapes:
                 model_step, state, weights, record = mixed_step(model, args.backend, args.rows, tokens, decodes,
-                                                                chunks, chunk, context, args.steps, args.kv_dtype,
+                                                                chunks, chunk, context, args.max_seq_len, args.kv_dtype,
                                                                 not args.unfused, min(tokens, args.prefill_chunk))
                 roofline, bounds = mixed_bounds(model, record, bandwidth, matmul_rate, args.kv_dtype)
                 lines += report(f"{decodes} decodes + {chunks} x {chunk} prompt tokens at context {context}, "
