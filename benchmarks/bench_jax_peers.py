@@ -304,6 +304,8 @@ def main() -> None:
                              "(listed in the table as left out)")
     parser.add_argument("--peer-timeout-s", type=float, default=150.0,
                         help="end the run (with tracebacks) when one peer's row takes longer")
+    parser.add_argument("--workloads", default="",
+                        help="comma-separated regular expressions: only the workloads whose name matches one")
     parser.add_argument("--section", default="jax_peers",
                         help="the RESULTS.md section to write (a run of other peers keeps the first run's table)")
     args = parser.parse_args()
@@ -315,7 +317,10 @@ def main() -> None:
     copy_rate = copy_bandwidth()
     print(f"device copy rate {copy_rate / 1e12:.2f} TB/s", flush=True)
     rows, skipped = [], []
+    chosen = [x for x in args.workloads.split(",") if x]
     for w in QUICK if args.quick else WORKLOADS:
+        if chosen and not any(re.search(x, w.name) for x in chosen):
+            continue
         if budget.spent(w):
             skipped.append(w.name)
             continue

@@ -44,7 +44,7 @@ rows (``--merge``, same machine) and writes the table:
         --rows /tmp/rows_$k.json & done; wait
     python -m benchmarks.tune_auto --rows /tmp/rows.json --merge /tmp/rows_[1-4].json --device-table
 
-``--only TEXT`` measures the workloads whose name holds TEXT, and ``--extend`` writes them into the
+``--only TEXT,...`` measures the workloads whose name holds one of the texts, and ``--extend`` writes them into the
 table already at its path (their buckets replaced or added, the other entries kept):
 
     python -m benchmarks.tune_auto --only "engine mixed" --device-table --extend --section auto-table-engine
@@ -376,8 +376,8 @@ def main() -> None:
     parser.add_argument("--device-table", action="store_true",
                         help="name the table after this kind of GPU (jaxattn/tuning/<device kind>.json), which auto "
                              "reads before the arch's")
-    parser.add_argument("--only", default=None, metavar="TEXT",
-                        help="measure only the workloads whose name holds TEXT (e.g. 'engine mixed')")
+    parser.add_argument("--only", default=None, metavar="TEXT,...",
+                        help="measure only the workloads whose name holds one of these texts (e.g. 'engine mixed')")
     parser.add_argument("--extend", action="store_true",
                         help="write the table at its path (--out, --device-table) with this run's buckets replaced or "
                              "added and its other entries kept")
@@ -393,7 +393,8 @@ def main() -> None:
     name = choice_table.device_table_name(kind) if args.device_table else arch
     path = args.out or os.path.join(out_dir, f"{name}.json")
     rows_path = args.rows or os.path.join(os.environ.get("OUT") or os.path.join(HERE, "out"), "tune_auto_rows.json")
-    grid = [w for w in workloads(args.smoke) if args.only is None or args.only in w.name]
+    only = None if args.only is None else [text for text in args.only.split(",") if text]
+    grid = [w for w in workloads(args.smoke) if only is None or any(text in w.name for text in only)]
     if not grid:
         sys.exit(f"tune_auto: no workload's name holds --only {args.only!r}")
     by_name = {w.name: w for w in grid}
