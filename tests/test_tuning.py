@@ -113,6 +113,17 @@ def test_without_a_gpu_or_a_table_the_ranks_decide(on_sm90, monkeypatch):
     assert choice_table.measured_order(call) is None and dispatch.ranking(call)[0] == "trtllm"
 
 
+def test_cudnn_ranks_late_where_its_grid_is_mostly_empty(on_sm90):
+    """A prefill step whose rows x max_q_len pass 4x its tokens (an engine's mixed step) ranks
+    cuDNN behind triton; a dense prefill, or one without a static max_q_len, keeps it first."""
+    mixed = make_call(batch=156, width=32, page_size=64, tokens=668, max_q_len=512)
+    dense = make_call(batch=8, width=64, page_size=64, tokens=8 * 512, max_q_len=512)
+    unbounded = make_call(batch=156, width=32, page_size=64, tokens=668, max_q_len=None)
+    assert mixed.phase == dense.phase == "prefill"
+    assert dispatch.rank_order(mixed).index("triton") < dispatch.rank_order(mixed).index("cudnn")
+    assert dispatch.rank_order(dense)[0] == dispatch.rank_order(unbounded)[0] == "cudnn"
+
+
 def test_current_arch_is_none_on_this_cpu_machine():
     if backends.base.gpu_devices():
         pytest.skip("a GPU is visible")

@@ -159,18 +159,33 @@ def _paged_prefill(q: jax.Array, cache: KVCache, meta: AttentionMetadata, params
 # logits only through a score modifier, which excludes the padding and causal masks paged
 # attention needs.
 CAPABILITIES = Capabilities(dtypes=DTYPES, options=("non_causal", "sliding_window", "sinks"))
+# cuDNN's grid covers every (sequence, query tile of the static max_q_len). Where those padded query
+# rows outnumber the step's tokens by more than this (an engine's mixed step: 156 rows, 284-2048
+# tokens, max_q_len 512), most tiles are empty and cuDNN ranks behind triton and fa4 (H100,
+# tune_auto's "engine mixed" workloads: cuDNN whole 0.12-0.40 ms, the decodes split off to triton
+# 0.10-0.23 ms, triton whole 0.10-0.19 ms, fa4 whole 0.08-0.16 ms).
+MAX_PADDED_ROWS_PER_TOKEN = 4
+
+
+def rank(call: Call) -> int | None:
+    """auto's rank of a paged_attention call: prefill first, unless its padded grid is mostly empty
+    (``MAX_PADDED_ROWS_PER_TOKEN``); behind triton for speculative decode; never for decodes (the
+    decode kernels read pages at the copy rate, cuDNN's prefill graph not)."""
+    if call.phase == "prefill":
+        bound = call.meta.max_q_len
+        sparse = bound is not None and call.meta.batch_size * bound > MAX_PADDED_ROWS_PER_TOKEN * call.q.shape[0]
+        return RANK_GENERAL + 2 if sparse else RANK_FIRST
+    return 3 * RANK_GENERAL if call.phase == "spec_decode" else None
+
+
 BACKEND = Backend(
     name="cudnn",
     kernel="cuDNN paged SDPA (cudnn-frontend graph) via XLA FFI",
     archs=("sm_80+",),
     requirements=_ffi_cudnn.unavailable_reason,
     ops={
-        # auto: prefill and chunked prefill first; behind triton for speculative decode; never
-        # for decodes (the decode kernels read pages at the copy rate, cuDNN's prefill graph not).
-        "paged_attention": OpSupport(
-            run=attention, capabilities=CAPABILITIES, check=check,
-            rank=lambda call: {"prefill": RANK_FIRST, "spec_decode": 3 * RANK_GENERAL}.get(call.phase),
-            prepare=prepare),
+        "paged_attention": OpSupport(run=attention, capabilities=CAPABILITIES, check=check, rank=rank,
+                                     prepare=prepare),
         "mla_prefill": OpSupport(run=mla_prefill, capabilities=Capabilities(dtypes=DTYPES, fp8_pages=True, layouts=(),
                                                                            options=("non_causal",)),
                                  check=mla_prefill_check, rank=constant_rank(RANK_FIRST)),
