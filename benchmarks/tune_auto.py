@@ -10,8 +10,8 @@ B=64 x 4 tokens; prefill B=8 x 4096 and B=1 x 512; chunked prefill B=4 x 300 new
 a mixed batch of 63 decodes at 4096 and an 8192-token prefill), then the decode grid B in {1, 4,
 16, 64, 256} x kv in {512, ..., 65536} (B x kv <= 2**22 tokens), then a few more speculative-decode
 and prefill points, NHD pages and fp8 pages, then the engine's mixed steps (Llama-3-8B serving
-chat: 156 rows padded, 284-2048 tokens, ``max_q_len`` min(T, 512), tables 2048 keys wide). ``mla_prefill`` at DeepSeek's dims (B=8 x 4096 at 128
-and 16 query heads among the issue's points; B=1 x 512, chunked B=4 x 300 over 1200 and B=1 x 4096
+chat: 156 rows padded, 284-2048 tokens, ``max_q_len`` min(T, 512), tables 2048 keys wide).
+``mla_prefill`` at DeepSeek's dims (B=8 x 4096 at 128 and 16 query heads among the issue's points; B=1 x 512, chunked B=4 x 300 over 1200 and B=1 x 4096
 after), each backend whole, the query whole (``[T, Hq, Dn + Dr]``, as the model passes it).
 
 Each workload's candidates are the backends that rank its call (``dispatch.rank_order``) and can
@@ -44,8 +44,8 @@ rows (``--merge``, same machine) and writes the table:
         --rows /tmp/rows_$k.json & done; wait
     python -m benchmarks.tune_auto --rows /tmp/rows.json --merge /tmp/rows_[1-4].json --device-table
 
-``--only TEXT,...`` measures the workloads whose name holds one of the texts, and ``--extend`` writes them into the
-table already at its path (their buckets replaced or added, the other entries kept):
+``--only TEXT,...`` measures the workloads whose name holds one of the texts, and ``--extend``
+writes them into the table already at its path (their buckets replaced or added, the other entries kept):
 
     python -m benchmarks.tune_auto --only "engine mixed" --device-table --extend --section auto-table-engine
 """
@@ -431,8 +431,9 @@ def main() -> None:
         base = choice_table.load(path)
         measured = {entry.key for entry in new}
         new = [entry for entry in base.entries if entry.key not in measured] + new
-        comment = "; ".join(filter(None, [base.comment, f"extended by `{command_line()}` ({utc_now()}, "
-                                                         f"{len(measured)} buckets) over `{base.command}` ({base.date})"]))
+        extended = (f"extended by `{command_line()}` ({utc_now()}, {len(measured)} buckets) over `{base.command}` "
+                    f"({base.date})")
+        comment = "; ".join(filter(None, [base.comment, extended, comment]))
     table = choice_table.Table(arch=arch, command=command_line(), device=device_name(), date=utc_now(),
                                jax=jax.__version__, entries=tuple(new), comment=comment)
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
@@ -440,7 +441,8 @@ def main() -> None:
     choice_table.load(path)
     print(f"wrote {path} ({len(table.entries)} entries)")
     print(write_section(args.section, section(rows, table, shown_path(path), skipped),
-                        heading="auto's measured choice table (benchmarks/tune_auto.py)" + (f": {args.only}" if args.only else ""),
+                        heading="auto's measured choice table (benchmarks/tune_auto.py)"
+                        + (f": {args.only}" if args.only else ""),
                         update=not args.smoke))
 
 
