@@ -33,17 +33,18 @@ os.environ.setdefault("EASYDEL_AUTO", "0")
 VOCAB = 256
 
 
-def tokenizer(directory: str):
-    """A word-level tokenizer of ``VOCAB`` words, ``t<i>`` for token i, saved to ``directory``
-    (eSurge's tokenizer workers load it from disk)."""
+def tokenizer(directory: str, vocab: int = VOCAB):
+    """A word-level tokenizer of ``vocab`` words, ``t<i>`` for token i (the last is EOS, the one
+    before it padding), saved to ``directory`` (eSurge's tokenizer workers load it from disk)."""
     from tokenizers import Tokenizer
     from tokenizers.models import WordLevel
     from tokenizers.pre_tokenizers import WhitespaceSplit
     from transformers import PreTrainedTokenizerFast
 
-    words = Tokenizer(WordLevel(vocab={f"t{i}": i for i in range(VOCAB)}, unk_token="t0"))
+    words = Tokenizer(WordLevel(vocab={f"t{i}": i for i in range(vocab)}, unk_token="t0"))
     words.pre_tokenizer = WhitespaceSplit()
-    fast = PreTrainedTokenizerFast(tokenizer_object=words, unk_token="t0", eos_token="t255", pad_token="t254")
+    fast = PreTrainedTokenizerFast(tokenizer_object=words, unk_token="t0", eos_token=f"t{vocab - 1}",
+                                   pad_token=f"t{vocab - 2}")
     fast.save_pretrained(directory)
     return PreTrainedTokenizerFast.from_pretrained(directory)
 

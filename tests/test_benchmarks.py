@@ -446,3 +446,22 @@ def test_tune_triton_decode_points():
         assert {dict(decode.constants)["NSEG"] for decode, _ in launches} == {1, 2, 4, 8, 16, 32}
         assert all(decode.grid == (batch, 8, dict(decode.constants)["NSEG"]) and reduce.kernel.endswith("reduce_kernel")
                    for decode, reduce in launches)
+
+
+def test_esurge_table_takes_jaxattn_row_from_bench_serving_section(tmp_path):
+    """bench_esurge reads the row to compare with from bench_serving's section of the same call:
+    the first row (published rows come after it), or shared-prefix's caching-on row."""
+    from benchmarks.bench_esurge import jaxattn_row
+
+    section = tmp_path / "serving_chat_results.md"
+    section.write_text("<!-- serving_chat:begin -->\nDevice: H100; date 2026-11-28\n\n"
+                       "| trace shape | requests | generated tokens/s | TPOT ms p50 / p90 / p99 |\n|---|---|---|---|\n"
+                       "| lognormal | 1,000 | 8,066 | 17.1 / 20.0 / 22.3 |\n"
+                       "| published, not our run: vLLM | 1,000 | 12,600 | - |\n<!-- serving_chat:end -->\n")
+    header, cells = jaxattn_row(str(section))
+    assert header.startswith("Device: H100") and cells["generated tokens/s"] == "8,066"
+    assert cells["TPOT ms p50 / p90 / p99"] == "17.1 / 20.0 / 22.3"
+    section.write_text("Device: cpu\n| prefix caching | generated tokens/s |\n|---|---|\n| off | 10 |\n| on | 12 |\n")
+    assert jaxattn_row(str(section), "on")[1]["generated tokens/s"] == "12"
+    assert jaxattn_row(str(section), "neither") is None
+    assert jaxattn_row(str(tmp_path / "missing.md")) is None
