@@ -30,8 +30,8 @@ def main() -> int:
     args = [os.path.join(tests, a) if os.path.exists(os.path.join(tests, a)) else a for a in sys.argv[1:]]
     if not any(a.startswith(tests) for a in args):
         args += [os.path.join(tests, path) for path in BUILD_CHECKS]
-    status = pytest.main(["-p", "no:cacheprovider", "-m", "not gpu and not slow", "-c", os.path.join(root, "pyproject.toml"),
-                          "--rootdir", root, *args])
+    status = pytest.main(["-p", "no:cacheprovider", "-m", "not gpu and not slow",
+                          "-c", os.path.join(root, "pyproject.toml"), "--rootdir", root, *args])
     return 0 if status == pytest.ExitCode.NO_TESTS_COLLECTED else int(status)
 
 

@@ -287,7 +287,8 @@ def _entry(index: int, data: dict) -> Entry:
             f"{where} must have exactly the fields key, order, ms, workloads")
     key = data["key"]
     fields = {f.name: f.type for f in dataclasses.fields(Key)}
-    _expect(isinstance(key, dict) and set(key) == set(fields), f"{where}.key must have exactly the fields {list(fields)}")
+    _expect(isinstance(key, dict) and set(key) == set(fields),
+            f"{where}.key must have exactly the fields {list(fields)}")
     for name, kind in fields.items():
         if kind == "int":
             _expect(type(key[name]) is int and key[name] >= 1, f"{where}.key.{name} must be an int >= 1")

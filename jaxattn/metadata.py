@@ -154,7 +154,8 @@ def check_metadata(where: str, meta: AttentionMetadata, cache) -> None:
     for field, shape in (("cu_q_lens", (batch + 1,)), ("num_decodes", ())):
         value = getattr(meta, field)
         if value.shape != shape:
-            raise ValueError(f"{where}: meta.{field} must have shape {list(shape)} (B={batch}), got {list(value.shape)}")
+            raise ValueError(f"{where}: meta.{field} must have shape {list(shape)} (B={batch}), "
+                             f"got {list(value.shape)}")
     if meta.block_tables.ndim != 2 or meta.block_tables.shape[0] != batch:
         raise ValueError(f"{where}: meta.block_tables must be [B={batch}, P], got {list(meta.block_tables.shape)}")
     for field in ("cu_q_lens", "kv_lens", "block_tables", "num_decodes"):

@@ -110,7 +110,8 @@ def ffi_include_dir() -> Path:
 
 
 def cache_root() -> Path:
-    root = os.environ.get("JAXATTN_CACHE_DIR") or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "jaxattn"
+    root = (os.environ.get("JAXATTN_CACHE_DIR")
+            or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "jaxattn")
     return Path(root)
 
 

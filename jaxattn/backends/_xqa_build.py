@@ -136,7 +136,8 @@ def check_toolchain() -> str:
     return nvcc
 
 
-def _commands(variant: Variant, nvcc: str, xqa_dir: Path, ffi_dir: Path, out: Path) -> tuple[list[list[str]], list[str]]:
+def _commands(variant: Variant, nvcc: str, xqa_dir: Path, ffi_dir: Path,
+              out: Path) -> tuple[list[list[str]], list[str]]:
     """nvcc compile commands (independent, run in parallel) and the link command."""
     common = [nvcc, "-std=c++17", "-O3", "-DNDEBUG", "--expt-relaxed-constexpr",
               "-Xcompiler=-fPIC,-fvisibility=hidden", f"-gencode=arch=compute_{ARCH},code=sm_{ARCH}",

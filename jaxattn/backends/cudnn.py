@@ -23,7 +23,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxattn import _ffi_cudnn
-from jaxattn.backends.base import RANK_FIRST, RANK_GENERAL, AttentionParams, Backend, Call, Capabilities, OpSupport, constant_rank
+from jaxattn.backends.base import (RANK_FIRST, RANK_GENERAL, AttentionParams, Backend, Call, Capabilities, OpSupport,
+                                   constant_rank)
 from jaxattn.backends.latents import attend_expanded
 from jaxattn.kv_cache import KVCache, MLACache
 from jaxattn.metadata import AttentionMetadata

@@ -408,8 +408,8 @@ BACKEND = Backend(
         # auto: behind trtllm (decode, short speculative decode) and cudnn (prefill), ahead of xla.
         "paged_attention": OpSupport(run=attention, capabilities=CAPABILITIES, check=check,
                                      rank=constant_rank(RANK_GENERAL), prepare=prepare, checks_fp8_scales=True),
-        "mla_paged_attention": OpSupport(run=mla_attention, capabilities=Capabilities(dtypes=DTYPES, fp8_pages=True, layouts=(),
-                                                                                      options=("non_causal",)),
-                                         check=mla_check, rank=mla_rank),
+        "mla_paged_attention": OpSupport(run=mla_attention, check=mla_check, rank=mla_rank,
+                                         capabilities=Capabilities(dtypes=DTYPES, fp8_pages=True, layouts=(),
+                                                                   options=("non_causal",))),
     },
 )

@@ -207,9 +207,10 @@ def spec_inputs(meta: AttentionMetadata, num_tokens: int, max_q: int, capacity: 
     keys but the last ``q_len`` are visible, and token row r sees the last ones where bit j of its
     mask row (little-endian words) is set: the causal mask sets bits ``0..r``, so row r sees
     keys ``0 .. kv_len - q_len + r`` (``causal=False``: every bit set, every row sees all
-    ``kv_len`` keys; the kernel applies a sliding window itself). A sequence that breaks the step's contract (q_len above
-    ``max_q``, ``kv_len < q_len``, offsets out of order or outside ``[0, T]``) gets no keys, and
-    rows with ``row_valid == 0`` (those and padding tokens) are zeroed after the kernel."""
+    ``kv_len`` keys; the kernel applies a sliding window itself). A sequence that breaks the
+    step's contract (q_len above ``max_q``, ``kv_len < q_len``, offsets out of order or outside
+    ``[0, T]``) gets no keys, and rows with ``row_valid == 0`` (those and padding tokens) are
+    zeroed after the kernel."""
     batch = meta.batch_size
     cu_in = meta.cu_q_lens.astype(jnp.int32)
     cu = jnp.clip(jax.lax.cummax(cu_in), 0, num_tokens)          # non-decreasing, in [0, T]

@@ -103,7 +103,8 @@ def build_parser(on_gpu: bool) -> argparse.ArgumentParser:
     return parser
 
 
-def load_model(args: argparse.Namespace, parser: argparse.ArgumentParser, mesh) -> tuple[object, str, TextTokenizer | None]:
+def load_model(args: argparse.Namespace, parser: argparse.ArgumentParser,
+               mesh) -> tuple[object, str, TextTokenizer | None]:
     """(model, served name, tokenizer or None) of ``--model`` or ``--preset`` (and ``--tokenizer``)."""
     expert_parallel = args.enable_expert_parallel
     if expert_parallel and mesh is None:

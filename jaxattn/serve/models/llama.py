@@ -5,20 +5,20 @@ tests. The config covers Llama 2/3/3.1, Mistral, Qwen2 (q/k/v biases) and Qwen3 
 norms), and their mixtures of experts (``num_experts``: Mixtral, Qwen2-MoE with its shared expert,
 Qwen3-MoE; ``layers.MoE``); weights are random unless loaded with ``jaxattn.serve.models.from_pretrained``.
 
-Tensor parallelism (as in vLLM/Megatron; ``jaxattn.serve.models.parallel``, whose functions this module
-re-exports): the weights carry Flax partitioning metadata in logical axis names, "heads" (q projection columns, o projection rows), "kv_heads" (k/v projection
-columns), "mlp" (gate/up columns, down rows) and "vocab" (embedding rows, LM head columns), and
-``shard_model`` places them over a mesh axis: column-parallel q/k/v/gate/up, row-parallel o/down
-(XLA adds one all-reduce after each), vocab-parallel embedding and LM head. Each device then
-holds ``Hq / tp`` query heads and ``Hkv / tp`` KV heads. With more shards than KV heads, the k/v
-projections stay replicated and the caches hold ``tp`` KV heads, each original head repeated
-``tp / Hkv`` times (``jaxattn.sharding.replicate_kv_heads``, as vLLM does). The ``Engine`` serves
-the model with its q/k/v and gate/up projections fused (``jaxattn.serve.models.fusion``, laid out
-so that the same split holds). A mixture of experts
-splits every expert's hidden columns the same way ("expert_mlp"), or, after
-``enable_expert_parallel`` (vLLM's ``--enable-expert-parallel``), gives each device
-``num_experts / tp`` whole experts ("experts"; ``layers.ExpertParallel``), its shared expert
-split like the dense MLP."""
+Tensor parallelism (as in vLLM/Megatron; ``jaxattn.serve.models.parallel``, whose functions this
+module re-exports): the weights carry Flax partitioning metadata in logical axis names, "heads" (q
+projection columns, o projection rows), "kv_heads" (k/v projection columns), "mlp" (gate/up columns,
+down rows) and "vocab" (embedding rows, LM head columns), and ``shard_model`` places them over a
+mesh axis: column-parallel q/k/v/gate/up, row-parallel o/down (XLA adds one all-reduce after each),
+vocab-parallel embedding and LM head. Each device then holds ``Hq / tp`` query heads and ``Hkv /
+tp`` KV heads. With more shards than KV heads, the k/v projections stay replicated and the caches
+hold ``tp`` KV heads, each original head repeated ``tp / Hkv`` times
+(``jaxattn.sharding.replicate_kv_heads``, as vLLM does). The ``Engine`` serves the model with its
+q/k/v and gate/up projections fused (``jaxattn.serve.models.fusion``, laid out so that the same
+split holds). A mixture of experts splits every expert's hidden columns the same way ("expert_mlp"),
+or, after ``enable_expert_parallel`` (vLLM's ``--enable-expert-parallel``), gives each device
+``num_experts / tp`` whole experts ("experts"; ``layers.ExpertParallel``), its shared expert split
+like the dense MLP."""
 
 from __future__ import annotations
 
