@@ -40,7 +40,7 @@ def paged_attention(
       causal: bottom-right causal mask (query at position i sees keys ``0..i``).
       sliding_window: W, a query at position i sees keys ``i-W+1 .. i``.
       softcap: c, logits become ``c * tanh(s / c)``.
-      sinks: float32 ``[Hq]``; each head's softmax denominator gains ``exp(sinks[h])``.
+      sinks: ``[Hq]`` floats (used in float32); each head's softmax denominator gains ``exp(sinks[h])``.
       backend: "auto" or a backend that implements ``paged_attention``: "xla", "cudnn", "trtllm",
         "triton" or "fa4" (``jaxattn.backends.names("paged_attention")``).
       return_status: also return which sequences kept the contract.
@@ -55,6 +55,7 @@ def paged_attention(
     where = "paged_attention"
     if not isinstance(return_status, bool):
         raise ValueError(f"{where}: return_status must be a bool, got {return_status!r}")
+    attention_plan.check_operands(where, q=q, sinks=sinks)
     options = dict(scale=scale, causal=causal, sliding_window=sliding_window, softcap=softcap, sinks=sinks,
                    backend=backend)
     if isinstance(meta, AttentionPlan):

@@ -31,10 +31,11 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxattn import backends, dispatch
 from jaxattn.backends.base import OPS, AttentionParams, Call
-from jaxattn.checks import is_int, is_real
+from jaxattn.checks import is_positive_float32, is_positive_int
 from jaxattn.kv_cache import KVCache, MLACache
 from jaxattn.metadata import AttentionMetadata, check_metadata
 
@@ -310,6 +311,15 @@ def _describe(value) -> str:
 
 # ----------------------------------------------------------------------------------- argument checks
 
+def check_operands(where: str, **operands) -> None:
+    """ValueError unless each operand given (not None) is an array: shape structs are for
+    ``jaxattn.plan``, which needs no values; an op computes with them."""
+    for name, x in operands.items():
+        if x is not None and not isinstance(x, (jax.Array, np.ndarray)):
+            raise ValueError(f"{where}: {name} must be an array, got {type(x).__name__}"
+                             + (" (shapes alone are for jaxattn.plan)" if isinstance(x, jax.ShapeDtypeStruct) else ""))
+
+
 def check_attention_args(q, cache, meta, *, scale=None, causal=True, sliding_window=None, softcap=None, sinks=None,
                          backend="auto") -> AttentionParams:
     """``paged_attention``'s checks; its static options as ``AttentionParams``."""
@@ -317,8 +327,9 @@ def check_attention_args(q, cache, meta, *, scale=None, causal=True, sliding_win
     dispatch.check_name(where, backend)
     if not isinstance(cache, KVCache):
         raise ValueError(f"{where}: cache must be a jaxattn.KVCache, got {type(cache).__name__}")
-    if len(getattr(q, "shape", ())) != 3 or q.shape[0] < 1:
-        raise ValueError(f"{where}: q must be [T, Hq, D] with T >= 1, got shape {getattr(q, 'shape', None)}")
+    if len(getattr(q, "shape", ())) != 3 or min(q.shape) < 1:
+        raise ValueError(f"{where}: q must be [T, Hq, D] with T >= 1 (and Hq, D >= 1), got shape "
+                         f"{getattr(q, 'shape', None)}")
     if not any(q.dtype == jnp.dtype(d) for d in _Q_DTYPES):
         raise ValueError(f"{where}: q.dtype must be float32, bfloat16 or float16, got {q.dtype}")
     num_tokens, num_q_heads, head_dim = q.shape
@@ -334,17 +345,18 @@ def check_attention_args(q, cache, meta, *, scale=None, causal=True, sliding_win
 
     if scale is None:
         scale = 1.0 / math.sqrt(head_dim)
-    elif not (is_real(scale) and math.isfinite(scale) and scale > 0):
-        raise ValueError(f"{where}: scale must be a positive finite float, got {scale!r}")
+    elif not is_positive_float32(scale):
+        raise ValueError(f"{where}: scale must be a positive finite float, got {scale!r} (float32 must hold it)")
     if not isinstance(causal, bool):
         raise ValueError(f"{where}: causal must be a bool, got {causal!r}")
-    if sliding_window is not None and not (is_int(sliding_window) and sliding_window >= 1):
-        raise ValueError(f"{where}: sliding_window must be None or an int >= 1, got {sliding_window!r}")
-    if softcap is not None and not (is_real(softcap) and math.isfinite(softcap) and softcap > 0):
-        raise ValueError(f"{where}: softcap must be None or a positive float, got {softcap!r}")
+    if sliding_window is not None and not is_positive_int(sliding_window):
+        raise ValueError(f"{where}: sliding_window must be None or an int >= 1, got {sliding_window!r} (below 2**31)")
+    if softcap is not None and not is_positive_float32(softcap):
+        raise ValueError(f"{where}: softcap must be None or a positive float, got {softcap!r} (finite in float32)")
     if sinks is not None:
         if getattr(sinks, "shape", None) != (num_q_heads,) or not jnp.issubdtype(sinks.dtype, jnp.floating):
-            raise ValueError(f"{where}: sinks must be float32[{num_q_heads}] (one per query head), got "
+            raise ValueError(f"{where}: sinks must be float32[{num_q_heads}] (one per query head; any float "
+                             f"dtype is used in float32), got "
                              f"{getattr(sinks, 'dtype', type(sinks).__name__)}{list(getattr(sinks, 'shape', []))}")
     return AttentionParams(
         scale=float(scale),
@@ -370,8 +382,8 @@ def check_mla_args(where: str, q, q_rope, cache, meta, *, scale, causal=True, ba
     if not isinstance(cache, MLACache):
         raise ValueError(f"{where}: cache must be a jaxattn.MLACache, got {type(cache).__name__}")
     first_name, first, _ = queries[0]
-    if len(getattr(first, "shape", ())) != 3 or first.shape[0] < 1:
-        raise ValueError(f"{where}: {first_name} must be [T, Hq, D] with T >= 1, got "
+    if len(getattr(first, "shape", ())) != 3 or min(first.shape) < 1:
+        raise ValueError(f"{where}: {first_name} must be [T, Hq, D] with T >= 1 (and Hq, D >= 1), got "
                          f"shape {getattr(first, 'shape', None)}")
     if not any(first.dtype == jnp.dtype(d) for d in _Q_DTYPES):
         raise ValueError(f"{where}: {first_name}.dtype must be float32, bfloat16 or float16, got {first.dtype}")
@@ -387,8 +399,8 @@ def check_mla_args(where: str, q, q_rope, cache, meta, *, scale, causal=True, ba
                              f"over FP8 pages) and {first_name}'s, got {x.dtype}")
     check_metadata(where, meta, cache)
     dispatch.check_name(where, backend)
-    if not (is_real(scale) and math.isfinite(scale) and scale > 0):
-        raise ValueError(f"{where}: scale must be a positive finite float, got {scale!r}")
+    if not is_positive_float32(scale):
+        raise ValueError(f"{where}: scale must be a positive finite float, got {scale!r} (float32 must hold it)")
     if not isinstance(causal, bool):
         raise ValueError(f"{where}: causal must be a bool, got {causal!r}")
     if where == "mla_prefill":
@@ -401,7 +413,8 @@ def check_mla_args(where: str, q, q_rope, cache, meta, *, scale, causal=True, ba
         for name, w, last, last_name in (("w_uk", w_uk, nope_dim, "Dn" if whole else f"Dn={nope_dim}"),
                                          ("w_uv", w_uv, None, "Dv")):
             shape = tuple(getattr(w, "shape", ()))
-            if len(shape) != 3 or shape[:2] != (cache.kv_lora_rank, num_q_heads) or last not in (None, shape[2]):
+            if len(shape) != 3 or shape[:2] != (cache.kv_lora_rank, num_q_heads) or last not in (None, shape[2]) \
+                    or shape[2] < 1:
                 raise ValueError(f"{where}: {name} must be [kv_lora_rank={cache.kv_lora_rank}, Hq={num_q_heads}, "
                                  f"{last_name}], got {list(shape)}")
             if w.dtype != first.dtype:

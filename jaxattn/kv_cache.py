@@ -4,7 +4,6 @@ multi-head latent attention (``MLACache``), and the slots a step writes (``SlotM
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Literal
 
 import jax
@@ -12,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jaxattn.checks import int_array, is_positive_int, is_real
+from jaxattn.checks import int_array, is_positive_float32, is_positive_int
 
 Layout = Literal["HND", "NHD"]
 LAYOUTS: tuple[str, ...] = ("HND", "NHD")
@@ -107,6 +106,7 @@ class KVCache:
             raise ValueError(f"KVCache.create: num_pages must be >= 2 (page 0 is the null page), got {num_pages}")
         if layout not in LAYOUTS:
             raise ValueError(f"KVCache.create: layout must be one of {LAYOUTS}, got {layout!r}")
+        dtype = _cache_dtype("KVCache.create", dtype)
         if layout == "HND":
             shape = (num_pages, num_kv_heads, page_size, head_dim)
         else:
@@ -220,13 +220,16 @@ class MLACache:
     kv_lora_rank: int = dataclasses.field(default=512, metadata=dict(static=True))
 
     def __post_init__(self):
+        if isinstance(self.pages, list):
+            raise ValueError("MLACache: pages must be an array, got a list")
         if not isinstance(self.pages, (jax.Array, np.ndarray)):
             return  # placeholder leaves while JAX rebuilds the pytree
         if not is_positive_int(self.kv_lora_rank):
             raise ValueError(f"MLACache: kv_lora_rank must be a positive int, got {self.kv_lora_rank!r}")
-        if self.pages.ndim != 3 or self.pages.shape[2] <= self.kv_lora_rank:
+        if self.pages.ndim != 3 or self.pages.shape[2] <= self.kv_lora_rank or min(self.pages.shape) < 1:
             raise ValueError(f"MLACache: pages must be [num_pages, page_size, kv_lora_rank + rope_dim] with "
-                             f"rope_dim >= 1 (kv_lora_rank={self.kv_lora_rank}), got {list(self.pages.shape)}")
+                             f"rope_dim >= 1 (kv_lora_rank={self.kv_lora_rank}), got {list(self.pages.shape)} "
+                             f"(every size >= 1)")
         if not any(self.pages.dtype == jnp.dtype(d) for d in CACHE_DTYPES):
             raise ValueError(f"MLACache: page dtype must be one of "
                              f"{[jnp.dtype(d).name for d in CACHE_DTYPES]}, got {self.pages.dtype}")
@@ -250,6 +253,7 @@ class MLACache:
                 raise ValueError(f"MLACache.create: {name} must be a positive int, got {value!r}")
         if num_pages < 2:
             raise ValueError(f"MLACache.create: num_pages must be >= 2 (page 0 is the null page), got {num_pages}")
+        dtype = _cache_dtype("MLACache.create", dtype)
         if sharding is not None and not (isinstance(sharding, NamedSharding) and sharding.is_fully_replicated):
             raise ValueError(f"MLACache.create: sharding must be a replicated NamedSharding (the latent pool is not "
                              f"split over devices), got {sharding!r}")
@@ -296,9 +300,10 @@ class MLACache:
         """Scatters ``latents: [T, kv_lora_rank + rope_dim]`` (``c_kv`` then ``k_rope``) to
         ``slot = page * page_size + offset``; ``slot_mapping`` is checked and its slots skipped
         as in ``KVCache.write``."""
-        if getattr(latents, "ndim", None) != 2 or latents.shape[1] != self.head_dim:
-            raise ValueError(f"MLACache.write: latents must be [T, {self.head_dim}] (kv_lora_rank + rope_dim), "
-                             f"got {list(getattr(latents, 'shape', []))}")
+        if getattr(latents, "ndim", None) != 2 or latents.shape[1] != self.head_dim \
+                or not jnp.issubdtype(latents.dtype, jnp.floating):
+            raise ValueError(f"MLACache.write: latents must be [T, {self.head_dim}] (kv_lora_rank + rope_dim) "
+                             f"floats, got {_describe(latents)}")
         page, offset = _slots("MLACache.write", slot_mapping, latents.shape[0], self.num_pages, self.page_size)
         values = _quantize(latents, self.dtype, self.scale)
         return dataclasses.replace(self, pages=self.pages.at[page, offset].set(values, mode="drop"))
@@ -361,14 +366,16 @@ def _zeroed_pages(where: str, pages, num_pages: int) -> jax.Array:
 
 
 def _check_cache(cache: KVCache) -> None:
+    if any(isinstance(x, list) for x in (cache.k_pages, cache.v_pages)):
+        raise ValueError("KVCache: k_pages and v_pages must be arrays, got a list")
     # Skip checks when JAX rebuilds the pytree with placeholder leaves (shape structs, specs).
     if not all(isinstance(x, (jax.Array, np.ndarray)) for x in (cache.k_pages, cache.v_pages)):
         return
     if cache.layout not in LAYOUTS:
         raise ValueError(f"KVCache: layout must be one of {LAYOUTS}, got {cache.layout!r}")
-    if cache.k_pages.ndim != 4 or cache.k_pages.shape != cache.v_pages.shape:
+    if cache.k_pages.ndim != 4 or cache.k_pages.shape != cache.v_pages.shape or min(cache.k_pages.shape) < 1:
         raise ValueError(f"KVCache: k_pages and v_pages must be 4-D arrays of the same shape, "
-                         f"got {list(cache.k_pages.shape)} and {list(cache.v_pages.shape)}")
+                         f"got {list(cache.k_pages.shape)} and {list(cache.v_pages.shape)} (every size >= 1)")
     if cache.k_pages.dtype != cache.v_pages.dtype:
         raise ValueError(f"KVCache: k_pages and v_pages must share a dtype, "
                          f"got {cache.k_pages.dtype} and {cache.v_pages.dtype}")
@@ -395,9 +402,28 @@ def _checked_scale(where: str, name: str, scale):
     value = np.asarray(scale) if isinstance(scale, (np.ndarray, np.generic)) else scale
     if isinstance(value, np.ndarray):
         value = value.item() if value.shape == () else None
-    if not (is_real(value) and math.isfinite(value) and value > 0):
-        raise ValueError(f"{where}: {name} must be a positive finite float, got {scale!r}")
+    if not is_positive_float32(value):
+        raise ValueError(f"{where}: {name} must be a positive finite float, got {scale!r} (float32 must hold it)")
     return scale
+
+
+def _cache_dtype(where: str, dtype) -> jnp.dtype:
+    """``dtype`` as a page dtype: one of ``CACHE_DTYPES`` (float64 is not one: JAX would make float32
+    pages of it without x64)."""
+    given = dtype
+    try:
+        dtype = None if dtype is None else jnp.dtype(dtype)
+    except TypeError:
+        dtype = None
+    if dtype is None or not any(dtype == jnp.dtype(d) for d in CACHE_DTYPES):
+        raise ValueError(f"{where}: page dtype must be one of {[jnp.dtype(d).name for d in CACHE_DTYPES]}, "
+                         f"got {given!r}")
+    return dtype
+
+
+def _describe(x) -> str:
+    """``dtype[shape]`` of an array, else the type's name."""
+    return f"{x.dtype}{list(x.shape)}" if hasattr(x, "shape") and hasattr(x, "dtype") else type(x).__name__
 
 
 def _check_pool_sharding(sharding: NamedSharding, layout: Layout, num_kv_heads: int) -> None:
@@ -420,7 +446,9 @@ def _check_pool_sharding(sharding: NamedSharding, layout: Layout, num_kv_heads: 
 
 def _check_tokens(where: str, cache: KVCache, k: jax.Array, v: jax.Array) -> int:
     expected = (cache.num_kv_heads, cache.head_dim)
-    if k.ndim != 3 or k.shape[1:] != expected or k.shape != v.shape:
+    arrays = all(hasattr(x, "shape") and hasattr(x, "dtype") for x in (k, v))
+    if not arrays or k.ndim != 3 or k.shape[1:] != expected or k.shape != v.shape \
+            or not all(jnp.issubdtype(x.dtype, jnp.floating) for x in (k, v)):
         raise ValueError(f"{where}: k and v must both be [T, {expected[0]}, {expected[1]}] "
-                         f"(num_kv_heads, head_dim of the cache), got {list(k.shape)} and {list(v.shape)}")
+                         f"(num_kv_heads, head_dim of the cache) float arrays, got {_describe(k)} and {_describe(v)}")
     return k.shape[0]

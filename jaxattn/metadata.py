@@ -7,7 +7,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from jaxattn.checks import is_int
+from jaxattn.checks import INT32_MAX, is_positive_int
 
 # A step whose ``max_q_len`` is 2..SPEC_DECODE_MAX_Q_LEN is a speculative-decode step (each sequence
 # verifies up to that many draft tokens); backends may serve such steps with decode-style kernels.
@@ -69,7 +69,7 @@ class AttentionMetadata:
     def validate(self, num_tokens: int, num_pages: int, page_size: int) -> jax.Array:
         """bool[B], jittable: whether each sequence keeps the contract for ``q: [num_tokens, ...]``
         over a pool of ``num_pages`` pages of ``page_size`` tokens (see ``sanitize``)."""
-        return self.sanitize(num_tokens, num_pages, page_size)[1]
+        return self._sanitize("AttentionMetadata.validate", num_tokens, num_pages, page_size)[1]
 
     def sanitize(self, num_tokens: int, num_pages: int, page_size: int) -> tuple["AttentionMetadata", jax.Array]:
         """This metadata with every sequence that breaks the contract emptied, and which keep it.
@@ -85,10 +85,15 @@ class AttentionMetadata:
         null page for sequences without keys), so no kernel reads a page the sequence does not
         own because of a bad id or a stale entry.
         """
+        return self._sanitize("AttentionMetadata.sanitize", num_tokens, num_pages, page_size)
+
+    def _sanitize(self, where: str, num_tokens: int, num_pages: int,
+                  page_size: int) -> tuple["AttentionMetadata", jax.Array]:
+        _check_sizes(where, num_tokens=num_tokens, num_pages=num_pages, page_size=page_size)
         cu_in = self.cu_q_lens
         cu = jnp.clip(jax.lax.cummax(cu_in), 0, num_tokens)
         q_lens = cu[1:] - cu[:-1]
-        capacity = self.max_pages_per_seq * page_size
+        capacity = min(self.max_pages_per_seq * page_size, INT32_MAX)       # kv_lens are int32
         valid = (cu[:-1] == cu_in[:-1]) & (cu[1:] == cu_in[1:])
         valid &= (self.kv_lens >= q_lens) & (self.kv_lens <= capacity)
         if self.max_q_len is not None:
@@ -111,16 +116,25 @@ class AttentionMetadata:
 
     def token_to_seq(self, num_tokens: int) -> jax.Array:
         """int32[T]: the sequence each packed query token belongs to; B for padding tokens."""
+        _check_sizes("AttentionMetadata.token_to_seq", num_tokens=num_tokens)
         return token_sequences(self.cu_q_lens[1:], num_tokens)
 
     def positions(self, num_tokens: int) -> jax.Array:
         """int32[T]: absolute position of each query token in its sequence (e.g. for RoPE);
         0 for padding tokens."""
+        _check_sizes("AttentionMetadata.positions", num_tokens=num_tokens)
         seq = self.token_to_seq(num_tokens)
         b = jnp.minimum(seq, self.batch_size - 1)
         t = jnp.arange(num_tokens, dtype=jnp.int32)
         pos = self.kv_lens[b] - self.q_lens[b] + t - self.cu_q_lens[b]
         return jnp.where(seq < self.batch_size, jnp.maximum(pos, 0), 0)
+
+
+def _check_sizes(where: str, **sizes) -> None:
+    """ValueError naming the first of ``sizes`` (static ints) that is not in ``[1, 2**31 - 1]``."""
+    for name, value in sizes.items():
+        if not is_positive_int(value):
+            raise ValueError(f"{where}: {name} must be an int in [1, 2**31 - 1], got {value!r}")
 
 
 def token_sequences(ends: jax.Array, num_tokens: int) -> jax.Array:
@@ -138,8 +152,10 @@ def count_leading_decodes(q_lens: jax.Array) -> jax.Array:
 
 
 def pages_for(lens: jax.Array, page_size: int) -> jax.Array:
-    """int32[...]: pages that hold ``lens`` tokens (negative lengths hold none)."""
-    return (jnp.maximum(lens, 0) + page_size - 1) // page_size
+    """int32[...]: pages that hold ``lens`` tokens (negative lengths hold none). Without
+    ``lens + page_size - 1``, which wraps in int32 for lengths near 2**31."""
+    lens = jnp.maximum(lens, 0)
+    return lens // page_size + (lens % page_size > 0).astype(lens.dtype)
 
 
 def check_metadata(where: str, meta: AttentionMetadata, cache) -> None:
@@ -148,6 +164,10 @@ def check_metadata(where: str, meta: AttentionMetadata, cache) -> None:
     size, pool size) when it says."""
     if not isinstance(meta, AttentionMetadata):
         raise ValueError(f"{where}: meta must be a jaxattn.AttentionMetadata, got {type(meta).__name__}")
+    for field in ("cu_q_lens", "kv_lens", "block_tables", "num_decodes"):
+        value = getattr(meta, field)
+        if not (hasattr(value, "shape") and hasattr(value, "dtype")):
+            raise ValueError(f"{where}: meta.{field} must be an int32 array, got {type(value).__name__}")
     if meta.kv_lens.ndim != 1 or meta.kv_lens.shape[0] < 1:
         raise ValueError(f"{where}: meta.kv_lens must have shape [B] with B >= 1, got {list(meta.kv_lens.shape)}")
     batch = meta.kv_lens.shape[0]
@@ -156,14 +176,17 @@ def check_metadata(where: str, meta: AttentionMetadata, cache) -> None:
         if value.shape != shape:
             raise ValueError(f"{where}: meta.{field} must have shape {list(shape)} (B={batch}), "
                              f"got {list(value.shape)}")
-    if meta.block_tables.ndim != 2 or meta.block_tables.shape[0] != batch:
-        raise ValueError(f"{where}: meta.block_tables must be [B={batch}, P], got {list(meta.block_tables.shape)}")
+    if meta.block_tables.ndim != 2 or meta.block_tables.shape[0] != batch or meta.block_tables.shape[1] < 1:
+        raise ValueError(f"{where}: meta.block_tables must be [B={batch}, P], got {list(meta.block_tables.shape)} "
+                         f"(P >= 1)")
     for field in ("cu_q_lens", "kv_lens", "block_tables", "num_decodes"):
         dtype = getattr(meta, field).dtype
         if dtype != jnp.int32:
             raise ValueError(f"{where}: meta.{field} must be int32, got {dtype}")
-    if meta.max_q_len is not None and not (is_int(meta.max_q_len) and meta.max_q_len >= 1):
-        raise ValueError(f"{where}: meta.max_q_len must be None or an int >= 1, got {meta.max_q_len!r}")
+    for field in ("max_q_len", "page_size", "num_pages"):
+        value = getattr(meta, field)
+        if value is not None and not is_positive_int(value):
+            raise ValueError(f"{where}: meta.{field} must be None or an int >= 1, got {value!r} (below 2**31)")
     for field in ("page_size", "num_pages"):
         built_for, actual = getattr(meta, field), getattr(cache, field)
         if built_for is not None and built_for != actual:

@@ -138,6 +138,8 @@ def _plan(where: str, q: jax.Array, q_rope: jax.Array | None, cache: MLACache, m
     if not isinstance(return_status, bool):
         raise ValueError(f"{where}: return_status must be a bool, got {return_status!r}")
     w_uk, w_uv = weights or (None, None)
+    attention_plan.check_operands(where, **{"q_latent" if where == "mla_paged_attention" else "q": q}, q_rope=q_rope,
+                                  w_uk=w_uk, w_uv=w_uv)
     planned = isinstance(meta, AttentionPlan)
     metadata = meta.meta if planned else meta
     params = attention_plan.check_mla_args(where, q, q_rope, cache, metadata, scale=scale, causal=causal,

@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxattn.checks import is_positive_int
+from jaxattn.checks import INT32_MAX, int_array, is_positive_int
 from jaxattn.kv_cache import KVCache, MLACache, SlotMapping
 from jaxattn.metadata import AttentionMetadata, count_leading_decodes, pages_for, token_sequences
 
@@ -68,6 +68,9 @@ class PageTable:
                 raise ValueError(f"PageTable.create: {name} must be a positive int, got {value!r}")
         if num_pages < 2:
             raise ValueError(f"PageTable.create: num_pages must be >= 2 (page 0 is the null page), got {num_pages}")
+        if max_pages_per_seq * page_size > INT32_MAX:
+            raise ValueError(f"PageTable.create: max_pages_per_seq * page_size (a sequence's most tokens) must fit "
+                             f"int32, got {max_pages_per_seq} * {page_size}")
         # Page 1 on top of the stack: low ids are handed out first.
         free = np.concatenate([np.arange(num_pages - 1, 0, -1), [0]]).astype(np.int32)
         return cls(
@@ -150,8 +153,15 @@ class PageTable:
         table, freed_pages = self._shrink(valid, jnp.where(valid, seq_ids, 0), jnp.zeros_like(seq_ids))
         if scrub is None:
             return table
-        scrubbed = jax.tree.map(lambda c: c.zero_pages(freed_pages), scrub,
-                                is_leaf=lambda x: isinstance(x, (KVCache, MLACache)))
+        for cache in jax.tree.leaves(scrub, is_leaf=_is_cache):
+            if not _is_cache(cache):
+                raise ValueError(f"PageTable.release: scrub must be a KVCache or MLACache, or a pytree of them, "
+                                 f"got a leaf of type {type(cache).__name__}")
+            if (cache.page_size, cache.num_pages) != (self.page_size, self.num_pages):
+                raise ValueError(f"PageTable.release: scrub has a cache of {cache.num_pages} pages of "
+                                 f"{cache.page_size}, but this table has {self.num_pages} pages of {self.page_size}; "
+                                 f"the page table and the caches must describe the same pool")
+        scrubbed = jax.tree.map(lambda c: c.zero_pages(freed_pages), scrub, is_leaf=_is_cache)
         return table, scrubbed
 
     def truncate(self, seq_ids: jax.Array, new_lens: jax.Array) -> tuple["PageTable", jax.Array]:
@@ -269,11 +279,9 @@ class PageTable:
           change nothing.
         """
         (seq_ids,) = self._check_requests("attach", seq_ids)
-        pages = jnp.asarray(pages)
-        if pages.shape != (seq_ids.shape[0], self.max_pages_per_seq) or not jnp.issubdtype(pages.dtype, jnp.integer):
-            raise ValueError(f"PageTable.attach: pages must be int[{seq_ids.shape[0]}, {self.max_pages_per_seq}] "
-                             f"(ids x max_pages_per_seq), got {pages.dtype}{list(pages.shape)}")
-        pages = pages.astype(jnp.int32)
+        pages = int_array("PageTable.attach", "pages", pages,
+                          f"int[{seq_ids.shape[0]}, {self.max_pages_per_seq}] (ids x max_pages_per_seq)",
+                          (seq_ids.shape[0], self.max_pages_per_seq))
         valid = self._valid_ids(seq_ids)
         row = jnp.where(valid, seq_ids, 0)
         count = jnp.sum(pages != 0, axis=1, dtype=jnp.int32)
@@ -323,7 +331,12 @@ class PageTable:
         Tokens of rows with an id outside ``[0, max_seqs)`` keep their place in the packing and
         get -1 (as in ``metadata``), as do tokens past a sequence's length.
         """
+        if not is_positive_int(num_tokens):
+            raise ValueError(f"PageTable.slot_mapping: num_tokens must be an int in [1, 2**31 - 1] (static: the "
+                             f"step's packed tokens), got {num_tokens!r}")
         seq_ids, q_lens = self._check_requests("slot_mapping", seq_ids, q_lens=q_lens)
+        if seq_ids.shape[0] < 1:
+            raise ValueError("PageTable.slot_mapping: seq_ids must have at least one row")
         valid, row, q_lens = self._step_rows(seq_ids, q_lens)
         ends = jnp.cumsum(q_lens, dtype=jnp.int32)
         token = jnp.arange(num_tokens, dtype=jnp.int32)
@@ -341,17 +354,11 @@ class PageTable:
 
     def _check_requests(self, where: str, ids: jax.Array, ids_name: str = "seq_ids",
                         **others: jax.Array) -> tuple[jax.Array, ...]:
-        ids = jnp.asarray(ids)
-        if ids.ndim != 1 or not jnp.issubdtype(ids.dtype, jnp.integer):
+        ids = int_array(f"PageTable.{where}", ids_name, ids, "int[N]")
+        if ids.ndim != 1:
             raise ValueError(f"PageTable.{where}: {ids_name} must be int[N], got {ids.dtype}{list(ids.shape)}")
-        out = [ids.astype(jnp.int32)]
-        for name, value in others.items():
-            value = jnp.asarray(value)
-            if value.shape != ids.shape or not jnp.issubdtype(value.dtype, jnp.integer):
-                raise ValueError(f"PageTable.{where}: {name} must be int[{ids.shape[0]}] like the ids, "
-                                 f"got {value.dtype}{list(value.shape)}")
-            out.append(value.astype(jnp.int32))
-        return tuple(out)
+        return (ids, *(int_array(f"PageTable.{where}", name, value, f"int[{ids.shape[0]}] like the ids", ids.shape)
+                       for name, value in others.items()))
 
     def _shrink(self, active: jax.Array, row: jax.Array, new_lens: jax.Array) -> tuple["PageTable", jax.Array]:
         """Sets rows ``row`` (where ``active``, no row twice) to ``new_lens`` tokens (no more than
@@ -409,6 +416,10 @@ class PageTable:
         pos = self.num_free + jnp.cumsum(push) - push
         free_pages = self.free_pages.at[jnp.where(push, pos, self.num_pages)].set(pages, mode="drop")
         return dataclasses.replace(self, free_pages=free_pages, num_free=self.num_free + jnp.sum(push, dtype=jnp.int32))
+
+
+def _is_cache(x) -> bool:
+    return isinstance(x, (KVCache, MLACache))
 
 
 def _first_occurrence(ids: jax.Array) -> jax.Array:

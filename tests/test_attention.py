@@ -73,6 +73,18 @@ BAD_CALLS = [
      "meta was built by a PageTable with page_size=4, but the cache has page_size=16"),
     (dict(meta=_with(meta0, num_pages=16)),
      "meta was built by a PageTable with num_pages=16, but the cache has num_pages=8"),
+    # numbers a Python float holds but float32 does not, or no float at all
+    (dict(scale=1e39), "scale must be a positive finite float"),
+    (dict(scale=1e-50), "scale must be a positive finite float"),
+    (dict(scale=10 ** 400), "scale must be a positive finite float"),
+    (dict(softcap=1e39), "softcap must be None or a positive float"),
+    (dict(softcap=10 ** 400), "softcap must be None or a positive float"),
+    (dict(sliding_window=2 ** 31), "sliding_window must be None or an int >= 1"),
+    (dict(meta=_with(meta0, max_q_len=2 ** 31)), "meta.max_q_len must be None or an int >= 1"),
+    (dict(q=jnp.zeros((5, 0, 64), jnp.bfloat16)), "q must be \\[T, Hq, D\\] with T >= 1 \\(and Hq, D >= 1\\)"),
+    (dict(meta=_with(meta0, block_tables=jnp.ones((2, 0), jnp.int32))), "meta.block_tables must be \\[B=2, P\\]"),
+    (dict(meta=_with(meta0, cu_q_lens=[0, 1, 5])), "meta.cu_q_lens must be an int32 array, got list"),
+    (dict(meta=_with(meta0, page_size="16")), "meta.page_size must be None or an int >= 1, got '16'"),
 ]
 
 
@@ -87,6 +99,16 @@ def test_bad_arguments_raise_at_trace_time(overrides, match):
 
     with pytest.raises(ValueError, match=match):
         jax.jit(run).lower(args["q"], args["cache"], args["meta"])
+
+
+def test_shapes_alone_are_for_plan_not_for_the_op():
+    """A ShapeDtypeStruct plans a call (``jaxattn.plan``); the op itself needs arrays."""
+    spec = jax.ShapeDtypeStruct(q0.shape, q0.dtype)
+    jaxattn.plan(meta0, cache0, spec)
+    with pytest.raises(ValueError, match="q must be an array, got ShapeDtypeStruct"):
+        jaxattn.paged_attention(spec, cache0, meta0)
+    with pytest.raises(ValueError, match="sinks must be an array, got ShapeDtypeStruct"):
+        jaxattn.paged_attention(q0, cache0, meta0, sinks=jax.ShapeDtypeStruct((4,), jnp.float32))
 
 
 @pytest.mark.parametrize("name", ["cudnn", "trtllm", "triton"])

@@ -108,6 +108,12 @@ def test_copy_pages_and_zero_pages(layout):
     (dict(dtype=jnp.float8_e4m3fn, k_scale=-1.0), "k_scale must be a positive finite float"),
     (dict(dtype=jnp.float8_e4m3fn, v_scale=float("nan")), "v_scale must be a positive finite float"),
     (dict(dtype=jnp.float8_e4m3fn, v_scale=np.float32(0)), "v_scale must be a positive finite float"),
+    (dict(dtype=jnp.float8_e4m3fn, k_scale=1e39), "k_scale must be a positive finite float"),   # inf in float32
+    (dict(dtype=jnp.float8_e4m3fn, k_scale=10 ** 400), "k_scale must be a positive finite float"),
+    (dict(dtype=None), "page dtype must be one of"),
+    (dict(dtype=jnp.float64), "page dtype must be one of"),     # JAX would make float32 pages of it
+    (dict(dtype="not a dtype"), "page dtype must be one of"),
+    (dict(head_dim=2 ** 31), "head_dim must be a positive int"),
 ])
 def test_create_errors(kwargs, match):
     args = dict(num_pages=4, page_size=16, num_kv_heads=2, head_dim=64)
@@ -126,6 +132,15 @@ def test_constructor_errors():
         KVCache(pages.astype(jnp.float8_e4m3fn), pages.astype(jnp.float8_e4m3fn))
     with pytest.raises(ValueError, match="layout must be one of"):
         KVCache(pages, pages, layout="BSHD")
+    for empty in (pages[:, :0], pages[:, :, :0], pages[:0]):
+        with pytest.raises(ValueError, match="every size >= 1"):
+            KVCache(empty, empty)
+    with pytest.raises(ValueError, match="must be arrays, got a list"):
+        KVCache([[0.0]], [[0.0]])
+    with pytest.raises(ValueError, match="every size >= 1"):
+        MLACache(jnp.zeros((4, 0, 12), jnp.bfloat16), kv_lora_rank=8)
+    with pytest.raises(ValueError, match="pages must be an array, got a list"):
+        MLACache([[0.0]], kv_lora_rank=8)
 
 
 def test_write_errors():
@@ -133,6 +148,12 @@ def test_write_errors():
     k = jnp.zeros((3, 2, 64), jnp.bfloat16)
     with pytest.raises(ValueError, match=r"k and v must both be \[T, 2, 64\]"):
         cache.write(k[:, :1], k[:, :1], jnp.zeros(3, jnp.int32))
+    with pytest.raises(ValueError, match=r"float arrays, got int32\[3, 2, 64\] and int32\[3, 2, 64\]"):
+        cache.write(k.astype(jnp.int32), k.astype(jnp.int32), jnp.zeros(3, jnp.int32))
+    with pytest.raises(ValueError, match=r"float arrays, got list and bfloat16\[3, 2, 64\]"):
+        cache.write(k.tolist(), k, jnp.zeros(3, jnp.int32))
+    with pytest.raises(ValueError, match=r"slot_mapping must be int\[3\] with int32 values"):
+        cache.write(k, k, np.asarray([2 ** 32, 0, 0]))        # JAX would wrap it to slot 0
     with pytest.raises(ValueError, match=r"slot_mapping must be int\[3\]"):
         cache.write(k, k, jnp.zeros(4, jnp.int32))
     with pytest.raises(ValueError, match=r"slot_mapping must be int\[3\]"):

@@ -204,3 +204,14 @@ def test_gpu_broken_sequences_are_zero_and_flagged(name, max_q_len):
         if bad:
             assert not out[rows].any(), f"sequence {b} broke the contract but has non-zero rows (seed {seed})"
     assert rel_error(out, expected) < 2e-2, f"seed {seed}"
+
+
+@pytest.mark.parametrize("method, args", [("positions", (None,)), ("positions", (0,)), ("positions", (2.5,)),
+                                          ("token_to_seq", (-1,)), ("validate", (5, 8, 0)), ("validate", (None, 8, 4)),
+                                          ("validate", (5, 8, 2.5)), ("sanitize", (5, 8, -4)),
+                                          ("sanitize", (5, 2 ** 31, 4))])
+def test_static_sizes_of_the_methods_are_checked(method, args):
+    meta = _meta([0, 1, 5], [9, 9], [[1, 2], [3, 4]])
+    with pytest.raises(ValueError, match=f"AttentionMetadata.{method}: .* must be an int in \\[1, 2\\*\\*31 - 1\\]"):
+        getattr(meta, method)(*args)
+

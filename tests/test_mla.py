@@ -155,6 +155,10 @@ def test_absorb_query_and_project_values_shapes():
     (dict(causal=1), "causal must be a bool"),
     (dict(backend="cudnn"), "backend must be one of \\('auto', 'xla', 'triton', 'flashinfer'\\)"),
     (dict(return_status="yes"), "return_status must be a bool"),
+    (dict(scale=1e39), "scale must be a positive finite float"),
+    (dict(q_latent=lambda p: p.q_latent[:, :0]), "q_latent must be \\[T, Hq, D\\] with T >= 1 \\(and Hq, D >= 1\\)"),
+    (dict(q_latent=lambda p: jax.ShapeDtypeStruct(p.q_latent.shape, p.q_latent.dtype)),
+     "q_latent must be an array, got ShapeDtypeStruct"),
 ])
 def test_bad_arguments_raise(change, message):
     problem = make_mla_problem(np.random.default_rng(6), **DIMS, **DECODE)
@@ -171,6 +175,7 @@ def test_bad_arguments_raise(change, message):
 @pytest.mark.parametrize("weight, shape, message", [
     ("w_uk", (32, 4, 23), "w_uk must be \\[kv_lora_rank=32, Hq=4, Dn=24\\]"),
     ("w_uv", (32, 3, 16), "w_uv must be \\[kv_lora_rank=32, Hq=4, Dv\\]"),
+    ("w_uv", (32, 4, 0), "w_uv must be \\[kv_lora_rank=32, Hq=4, Dv\\]"),
 ])
 def test_prefill_bad_weights_raise(weight, shape, message):
     problem = make_mla_problem(np.random.default_rng(7), **DIMS, **MIXED)

@@ -443,6 +443,51 @@ def test_extend_grants_in_order_and_a_refusal_takes_no_pages_from_later_entries(
     assert int(table.num_free) == 1
 
 
+def test_lengths_near_int32_max_are_refused_not_wrapped():
+    """A length whose page count would wrap in int32 is past the table's capacity: refused, and
+    the table (free pages included) unchanged."""
+    table = PageTable.create(8, 2, 4, 4)
+    for length in (2 ** 31 - 1, 2 ** 31 - 3):
+        after, ok = table.extend(jnp.asarray([0, 1]), jnp.asarray([length, 3], jnp.int32))
+        np.testing.assert_array_equal(ok, [False, True])
+        np.testing.assert_array_equal(after.seq_lens, [0, 3])
+        assert int(after.num_free) == 6
+
+
+def test_host_ids_and_lengths_outside_int32_raise():
+    table = PageTable.create(8, 2, 4, 4)
+    with pytest.raises(ValueError, match=r"extend: seq_ids must be int\[N\] with int32 values"):
+        table.extend(np.asarray([2 ** 32]), np.asarray([3]))                # JAX would wrap it to sequence 0
+    with pytest.raises(ValueError, match=r"extend: new_lens must be int\[1\] like the ids with int32 values"):
+        table.extend([0], [2 ** 40])
+    with pytest.raises(ValueError, match="max_pages_per_seq \\* page_size .* must fit int32"):
+        PageTable.create(8, 2, 2 ** 20, 2 ** 12)
+    with pytest.raises(ValueError, match="page_size must be a positive int"):
+        PageTable.create(8, 2, 4, 2 ** 31)
+
+
+def test_release_scrubs_only_caches_of_its_own_pool():
+    table, ok = PageTable.create(8, 2, 4, 4).extend([0], [5])
+    for other in (KVCache.create(4, 4, 1, 8), KVCache.create(8, 8, 1, 8)):
+        with pytest.raises(ValueError, match="release: scrub has a cache of .* the same pool"):
+            table.release([0], scrub=[KVCache.create(8, 4, 1, 8), other])
+    with pytest.raises(ValueError, match="scrub must be a KVCache or MLACache, or a pytree of them, got a leaf"):
+        table.release([0], scrub=jnp.zeros(3))
+    released, (scrubbed,) = table.release([0], scrub=[KVCache.create(8, 4, 1, 8)])
+    assert int(released.num_free) == 7 and scrubbed.num_pages == 8
+
+
+def test_attach_and_slot_mapping_name_their_bad_arguments():
+    table = PageTable.create(8, 2, 4, 4)
+    with pytest.raises(ValueError, match=r"attach: pages must be int\[1, 4\] \(ids x max_pages_per_seq\), got None"):
+        table.attach([0], None)
+    for num_tokens in (None, 0, -1, 2.5, True):
+        with pytest.raises(ValueError, match="slot_mapping: num_tokens must be an int in \\[1, 2\\*\\*31 - 1\\]"):
+            table.slot_mapping([0], [1], num_tokens)
+    with pytest.raises(ValueError, match="slot_mapping: seq_ids must have at least one row"):
+        table.slot_mapping(jnp.zeros((0,), jnp.int32), jnp.zeros((0,), jnp.int32), 4)
+
+
 @pytest.mark.parametrize("max_q_len", [0, -1, True, 2.0])
 def test_metadata_rejects_a_bad_max_q_len(max_q_len):
     table = PageTable.create(8, 2, 2, 4)
