@@ -33,7 +33,7 @@ from jax.sharding import Mesh
 
 from jaxattn.backends import OPS, check_serves
 from jaxattn.checks import is_int, is_positive_int
-from jaxattn.kv_cache import LAYOUTS
+from jaxattn.kv_cache import CACHE_DTYPES, LAYOUTS
 from jaxattn.serve.models import fusion
 from jaxattn.serve.models.base import ModelConfig, PagedModel, page_bytes
 from jaxattn.serve.models.layers import Decoder
@@ -150,10 +150,17 @@ class Engine:
                             ("prefill_chunk", prefill_chunk)):
             if value is not None and not is_positive_int(value):
                 raise ValueError(f"Engine: {name} must be None or an int >= 1, got {value!r}")
+        # NumPy sizes (uint64, int8) as Python ints: arithmetic on them below would wrap
+        max_seq_len, page_size = int(max_seq_len), int(page_size)
+        max_seqs, num_pages, max_step_tokens, prefill_chunk = (
+            None if value is None else int(value) for value in (max_seqs, num_pages, max_step_tokens, prefill_chunk))
         if layout not in LAYOUTS:
             raise ValueError(f"Engine: layout must be one of {LAYOUTS}, got {layout!r}")
         if kv_dtype is not None and not _is_dtype(kv_dtype):
             raise ValueError(f"Engine: kv_dtype must be None (the model's dtype) or a dtype, got {kv_dtype!r}")
+        if kv_dtype is not None and not any(jnp.dtype(kv_dtype) == d for d in CACHE_DTYPES):
+            raise ValueError(f"Engine: kv_dtype must be None (the model's dtype) or a dtype the caches hold, one of "
+                             f"{[jnp.dtype(d).name for d in CACHE_DTYPES]}, got {kv_dtype!r}")
         for name, value in (("enable_prefix_caching", enable_prefix_caching), ("overlap", overlap),
                             ("record_steps", record_steps), ("fuse_projections", fuse_projections)):
             if not isinstance(value, bool):
@@ -259,7 +266,7 @@ class Engine:
             sampling = SamplingParams()
         if not isinstance(sampling, SamplingParams):
             raise ValueError(f"Engine.add_request: sampling must be a SamplingParams, got {type(sampling).__name__}")
-        if sampling.logprobs is not None and sampling.logprobs > self.max_logprobs:
+        if sampling.logprobs is not None and (self.max_logprobs == 0 or sampling.logprobs > self.max_logprobs):
             raise ValueError(f"Engine.add_request: sampling.logprobs must be <= this engine's max_logprobs="
                              f"{self.max_logprobs}, got {sampling.logprobs}")
         grammar = None
@@ -316,6 +323,9 @@ class Engine:
             ids = np.asarray(prompt)
         except ValueError:                           # ragged nesting
             ids = None
+        if ids is not None and ids.dtype != bool and isinstance(prompt, (list, tuple)) \
+                and any(isinstance(t, (bool, np.bool_)) for t in prompt):
+            ids = None                               # NumPy would take True as token 1
         if ids is None or ids.ndim != 1 or ids.size == 0 or not np.issubdtype(ids.dtype, np.integer):
             got = type(prompt).__name__ if ids is None else f"{ids.dtype}{list(ids.shape)}"
             raise ValueError(f"Engine.add_request: prompt must be a non-empty 1-D sequence of int token ids, "

@@ -13,13 +13,12 @@ altogether) when no row of the step needs it.
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxattn.checks import is_int, is_real
+from jaxattn.checks import INT32_MAX, is_int, is_positive_float32, is_real
 from jaxattn.serve.structured_output import StructuredOutputs
 
 # Temperatures below this are greedy (as vLLM's _SAMPLING_EPS).
@@ -64,18 +63,21 @@ class SamplingParams:
     structured_outputs: StructuredOutputs | None = None
 
     def __post_init__(self):
-        if not is_real(self.temperature) or not 0 <= self.temperature < math.inf:
-            raise ValueError(f"SamplingParams: temperature must be a finite number >= 0, got {self.temperature!r}")
+        if not (is_real(self.temperature) and (self.temperature == 0 or is_positive_float32(self.temperature))):
+            raise ValueError(f"SamplingParams: temperature must be a finite number >= 0, got {self.temperature!r} "
+                             f"(finite in float32)")
         if not is_int(self.top_k) or not -1 <= self.top_k < 2**31:
             raise ValueError(f"SamplingParams: top_k must be an int in [-1, 2**31) (0 or -1: all tokens), "
                              f"got {self.top_k!r}")
-        if not is_real(self.top_p) or not 0 < self.top_p <= 1:
-            raise ValueError(f"SamplingParams: top_p must be a number in (0, 1], got {self.top_p!r}")
+        if not (is_positive_float32(self.top_p) and self.top_p <= 1):
+            raise ValueError(f"SamplingParams: top_p must be a number in (0, 1], got {self.top_p!r} (above 0 in "
+                             f"float32)")
         if self.seed is not None and not (is_int(self.seed) and 0 <= self.seed < 2**32):
             raise ValueError(f"SamplingParams: seed must be None or an int in [0, 2**32), got {self.seed!r}")
-        stop = tuple(self.stop_token_ids)
-        if not all(is_int(t) and t >= 0 for t in stop):
-            raise ValueError(f"SamplingParams: stop_token_ids must be ints >= 0, got {self.stop_token_ids!r}")
+        stop = tuple(self.stop_token_ids) if isinstance(self.stop_token_ids, (list, tuple)) else None
+        if stop is None or not all(is_int(t) and 0 <= t <= INT32_MAX for t in stop):
+            raise ValueError(f"SamplingParams: stop_token_ids must be ints >= 0 (a list or tuple, below 2**31), got "
+                             f"{self.stop_token_ids!r}")
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in stop))
         if not is_int(self.min_tokens) or self.min_tokens < 0:
             raise ValueError(f"SamplingParams: min_tokens must be an int >= 0, got {self.min_tokens!r}")

@@ -31,6 +31,9 @@ __all__ = ["SpeculativeConfig", "ngram_drafts", "oracle_drafts", "verify_drafts"
 
 # Drafts per step at most: a verify row has K + 1 tokens, and the spec-decode kernels take up to 16.
 MAX_SPECULATIVE_TOKENS = 15
+# The longest n-gram matched: the step's search is unrolled over n, so its compile time grows with
+# it (on CPU, 14.5 s to a first token at 16, 22 s at 64, 365 s at 256).
+MAX_PROMPT_LOOKUP = 64
 METHODS = ("ngram", "draft_model", "oracle")
 
 
@@ -76,8 +79,9 @@ class SpeculativeConfig:
                              f"{MAX_SPECULATIVE_TOKENS}], got {k!r}")
         lookup_max, lookup_min = self.prompt_lookup_max, self.prompt_lookup_min
         for name, value in (("prompt_lookup_max", lookup_max), ("prompt_lookup_min", lookup_min)):
-            if value is not None and not (is_int(value) and value >= 1):
-                raise ValueError(f"SpeculativeConfig: {name} must be None or an int >= 1, got {value!r}")
+            if value is not None and not (is_int(value) and 1 <= value <= MAX_PROMPT_LOOKUP):
+                raise ValueError(f"SpeculativeConfig: {name} must be None or an int >= 1, got {value!r} (at most "
+                                 f"{MAX_PROMPT_LOOKUP})")
         if lookup_max is None and lookup_min is None:
             lookup_max = lookup_min = 5
         lookup_max = lookup_min if lookup_max is None else lookup_max
@@ -102,7 +106,7 @@ class SpeculativeConfig:
         if not isinstance(value, dict):
             raise ValueError(f"SpeculativeConfig: expected a dict (or its JSON text), got {type(value).__name__}")
         fields = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(value) - fields)
+        unknown = sorted(set(value) - fields, key=str)
         if unknown:
             raise ValueError(f"SpeculativeConfig: unknown field(s) {unknown}; the fields are {sorted(fields)}")
         if "method" not in value:

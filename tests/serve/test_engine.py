@@ -378,6 +378,9 @@ def test_logprobs_are_the_models_on_a_small_pool(overlap):
         limited.add_request([1, 2], 2, sampling=SamplingParams(logprobs=3))
     with pytest.raises(ValueError, match="max_logprobs must be an int in"):
         Engine(model, max_seqs=2, max_seq_len=16, page_size=8, backend="xla", max_logprobs=21)
+    refusing = Engine(model, max_seqs=2, max_seq_len=16, page_size=8, backend="xla", max_logprobs=0)
+    with pytest.raises(ValueError, match="sampling.logprobs must be <= this engine's max_logprobs=0"):
+        refusing.add_request([1, 2], 2, sampling=SamplingParams(logprobs=0))
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
@@ -501,6 +504,7 @@ _ARGS = dict(max_seqs=2, max_seq_len=16, page_size=8, max_step_tokens=8)
     (np.zeros(0, np.int32), 3, r"prompt must be a non-empty .*, got int32\[0\]"),
     (5, 3, r"prompt must be .*, got int64\[\]"),
     ([True, False], 3, r"prompt must be .*, got bool\[2\]"),
+    ([1, True], 3, r"prompt must be .*, got list"),                    # NumPy would make True token 1
     ("hello", 3, r"prompt must be .*, got <U5\[\]"),
     ([1, 512], 3, r"prompt token ids must be in \[0, 512\) \(the model's vocab_size\), got ids from 1 to 512"),
     ([-1, 2], 3, r"prompt token ids must be in \[0, 512\)"),
@@ -801,3 +805,16 @@ def test_gpu_engine_on_two_gpus(backend):
     sizes = _communicated(hlo)
     assert sizes.get("all-reduce") and set(sizes) <= {"all-reduce", "all-gather"}, sizes
     assert max(sizes.get("all-gather", [0])) < sharded.runner.caches[0].k_pages.addressable_shards[0].data.size, sizes
+
+
+def test_numpy_sizes_and_kv_dtype_are_checked_as_python_ints():
+    """Sizes given as NumPy ints (uint64, int8) are used as Python ints (arithmetic on them wrapped:
+    a page count of 2**64 - 32); a kv_dtype the caches cannot hold is named."""
+    engine = Engine(_tiny_model(), max_seqs=np.int8(2), max_seq_len=np.uint64(16), page_size=np.uint32(8),
+                    max_step_tokens=np.int16(8))
+    assert (engine.max_seqs, engine.max_seq_len, engine.page_size) == (2, 16, 8)
+    assert all(type(v) is int for v in (engine.max_seqs, engine.max_seq_len, engine.page_size, engine.num_pages))
+    for kv_dtype in ("int8", jnp.float64, "not a dtype"):
+        with pytest.raises(ValueError, match="Engine: kv_dtype must be None \\(the model's dtype\\) or a dtype"):
+            Engine(_tiny_model(), kv_dtype=kv_dtype, **_ARGS)
+

@@ -108,7 +108,9 @@ def test_greedy_rows_and_the_same_seed_and_position_repeat():
                                           ("temperature", float("nan")), ("top_k", -2), ("top_k", 1.5),
                                           ("top_k", 2**31), ("top_p", 0.0), ("top_p", float("nan")),
                                           ("top_p", 1.5), ("seed", -1), ("seed", 2**32),
-                                          ("stop_token_ids", (1, -3))])
+                                          ("stop_token_ids", (1, -3)), ("stop_token_ids", (2**31,)),
+                                          ("stop_token_ids", None), ("stop_token_ids", 5),
+                                          ("top_p", 1e-46), ("temperature", 1e39)])   # 0 and inf in float32
 def test_bad_parameters_are_named(field, value):
     with pytest.raises(ValueError, match=f"SamplingParams: {field} must be"):
         SamplingParams(**{field: value})

@@ -49,6 +49,9 @@ def test_config_defaults_and_parsing():
     ({"method": "ngram", "prompt_lookup_max": 0}, "prompt_lookup_max must be None or an int >= 1"),
     ({"method": "ngram", "prompt_lookup_max": 2, "prompt_lookup_min": 3}, "prompt_lookup_min must be <="),
     ({"method": "ngram", "speculative_tokens": 2}, r"unknown field\(s\) \['speculative_tokens'\]"),
+    ({"method": "ngram", 1: 2, "x": 3}, r"unknown field\(s\) \[1, 'x'\]"),
+    ({"method": "ngram", "prompt_lookup_max": 65}, "prompt_lookup_max must be None or an int >= 1, got 65 "
+                                                   r"\(at most 64\)"),
     ("{not json", "not valid JSON"),
     ([1, 2], "expected a dict"),
 ])

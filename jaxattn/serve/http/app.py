@@ -300,11 +300,15 @@ def build_app(engine: Engine, *, model_name: str, tokenizer: TextTokenizer | Non
             need_tokenizer("stop", "stop strings need")
         eos_ids = tokenizer.stop_token_ids if tokenizer is not None and not body.ignore_eos else ()
         stop_ids = tuple(sorted(set(eos_ids) | set(body.stop_token_ids or ())))
-        sampling = SamplingParams(temperature=float(1.0 if body.temperature is None else body.temperature),
-                                  top_k=-1 if body.top_k is None else body.top_k,
-                                  top_p=float(1.0 if body.top_p is None else body.top_p), seed=body.seed,
-                                  stop_token_ids=stop_ids, min_tokens=body.min_tokens, logprobs=body.num_logprobs,
-                                  structured_outputs=constraint)
+        try:
+            sampling = SamplingParams(temperature=float(1.0 if body.temperature is None else body.temperature),
+                                      top_k=-1 if body.top_k is None else body.top_k,
+                                      top_p=float(1.0 if body.top_p is None else body.top_p), seed=body.seed,
+                                      stop_token_ids=stop_ids, min_tokens=body.min_tokens, logprobs=body.num_logprobs,
+                                      structured_outputs=constraint)
+        except ValueError as err:     # e.g. a temperature of 1e39 or a top_p of 1e-46: inf or 0 in float32
+            message = str(err).removeprefix("SamplingParams: ")
+            raise APIError(400, message, param=message.split(" ", 1)[0]) from None
         return [Job(prompt, max_tokens, sampling) for _ in range(body.n)]
 
     async def respond(request: Request, body: CompletionRequest | ChatRequest, jobs: list[Job], chat: bool,

@@ -31,6 +31,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 import jaxattn
+from jaxattn.checks import is_positive_int
 from jaxattn.kv_cache import SlotMapping, pool_sharding
 from jaxattn.serve.models import layers
 from jaxattn.serve.models.layers import MLP, Block, Llama3RopeScaling, rope, rope_frequencies
@@ -68,6 +69,14 @@ class LlamaConfig:
     norm_topk_prob: bool = True      # the chosen experts' weights renormalized to sum to 1
     shared_expert_dim: int = 0       # a sigmoid-gated shared expert's hidden size (Qwen2-MoE); 0: none
     routing: layers.MoERouting = layers.MoERouting()
+
+    def __post_init__(self):
+        for name in ("vocab_size", "dim", "num_layers", "num_q_heads", "num_kv_heads", "head_dim"):
+            if not is_positive_int(getattr(self, name)):
+                raise ValueError(f"LlamaConfig: {name} must be an int >= 1, got {getattr(self, name)!r}")
+        if self.num_q_heads % self.num_kv_heads:
+            raise ValueError(f"LlamaConfig: num_q_heads ({self.num_q_heads}) must be a multiple of num_kv_heads "
+                             f"({self.num_kv_heads})")
 
     def replace(self, **changes) -> "LlamaConfig":
         return dataclasses.replace(self, **changes)

@@ -212,6 +212,8 @@ BAD = [
     ("completions", {**COMPLETION, "temperature": -0.5}, 400, "temperature"),
     ("completions", {**COMPLETION, "top_p": 0}, 400, "top_p"),
     ("completions", {**COMPLETION, "top_p": 1.5}, 400, "top_p"),
+    ("completions", {**COMPLETION, "temperature": 1e39}, 400, "temperature"),       # inf in float32
+    ("completions", {**COMPLETION, "top_p": 1e-46}, 400, "top_p"),                  # 0 in float32
     ("completions", {**COMPLETION, "top_k": -2}, 400, "top_k"),
     ("completions", {**COMPLETION, "top_k": 2.5}, 400, "top_k"),
     ("completions", {**COMPLETION, "seed": -1}, 400, "seed"),

@@ -233,3 +233,15 @@ def test_mixture_of_experts_layer(shared_expert_dim, norm_topk_prob):
     requests = [engine.add_request(p, 6) for p in prompts]
     engine.run()
     assert [r.output for r in requests] == [dense_greedy(model, p, 6) for p in prompts]
+
+
+@pytest.mark.parametrize("change, match", [(dict(num_layers=0), "num_layers must be an int >= 1, got 0"),
+                                           (dict(vocab_size=0), "vocab_size must be an int >= 1"),
+                                           (dict(num_layers=2.5), "num_layers must be an int >= 1"),
+                                           (dict(num_kv_heads=3), r"num_q_heads \(4\) must be a multiple of "
+                                                                  r"num_kv_heads \(3\)")])
+def test_config_sizes_are_checked(change, match):
+    """A model of no layers or heads that do not group would fail only at its first step."""
+    with pytest.raises(ValueError, match=f"LlamaConfig: {match}"):
+        PRESETS["tiny"].replace(**change)
+
