@@ -57,8 +57,9 @@ def int_array(where: str, name: str, value, expected: str, shape: tuple[int, ...
 
 
 def int32_values(value):
-    """``value`` unchanged, but ValueError when it is a host array or list of integers outside
-    int32 (JAX would wrap them silently, e.g. an int64 id of 2**32 into 0); jax arrays pass."""
+    """``value`` unchanged, but OverflowError (``int_array``: a ValueError naming the argument)
+    when it is a host array or list of integers outside int32 (JAX would wrap them silently, e.g.
+    an int64 id of 2**32 into 0); jax arrays pass."""
     if isinstance(value, jax.Array):
         return value
     try:
