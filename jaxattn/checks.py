@@ -24,6 +24,13 @@ def is_positive_int(x) -> bool:
     return is_int(x) and 1 <= x <= INT32_MAX
 
 
+def check_sizes(where: str, **sizes) -> None:
+    """ValueError naming the first of ``sizes`` (static ints) that is not in ``[1, 2**31 - 1]``."""
+    for name, value in sizes.items():
+        if not is_positive_int(value):
+            raise ValueError(f"{where}: {name} must be an int in [1, 2**31 - 1], got {value!r}")
+
+
 def is_real(x) -> bool:
     """A static Python or NumPy number, not a bool (a traced array cannot be a static option)."""
     return isinstance(x, numbers.Real) and not isinstance(x, (bool, np.bool_))

@@ -407,18 +407,21 @@ def _checked_scale(where: str, name: str, scale):
     return scale
 
 
-def _cache_dtype(where: str, dtype) -> jnp.dtype:
-    """``dtype`` as a page dtype: one of ``CACHE_DTYPES`` (float64 is not one: JAX would make float32
+def is_cache_dtype(dtype) -> bool:
+    """Whether ``dtype`` names one of ``CACHE_DTYPES`` (float64 does not: JAX would make float32
     pages of it without x64)."""
-    given = dtype
     try:
-        dtype = None if dtype is None else jnp.dtype(dtype)
+        return dtype is not None and any(jnp.dtype(dtype) == jnp.dtype(d) for d in CACHE_DTYPES)
     except TypeError:
-        dtype = None
-    if dtype is None or not any(dtype == jnp.dtype(d) for d in CACHE_DTYPES):
+        return False
+
+
+def _cache_dtype(where: str, dtype) -> jnp.dtype:
+    """``dtype`` as a page dtype (``is_cache_dtype``), else a ValueError."""
+    if not is_cache_dtype(dtype):
         raise ValueError(f"{where}: page dtype must be one of {[jnp.dtype(d).name for d in CACHE_DTYPES]}, "
-                         f"got {given!r}")
-    return dtype
+                         f"got {dtype!r}")
+    return jnp.dtype(dtype)
 
 
 def _describe(x) -> str:

@@ -7,7 +7,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from jaxattn.checks import INT32_MAX, is_positive_int
+from jaxattn.checks import INT32_MAX, check_sizes, is_positive_int
 
 # A step whose ``max_q_len`` is 2..SPEC_DECODE_MAX_Q_LEN is a speculative-decode step (each sequence
 # verifies up to that many draft tokens); backends may serve such steps with decode-style kernels.
@@ -89,7 +89,7 @@ class AttentionMetadata:
 
     def _sanitize(self, where: str, num_tokens: int, num_pages: int,
                   page_size: int) -> tuple["AttentionMetadata", jax.Array]:
-        _check_sizes(where, num_tokens=num_tokens, num_pages=num_pages, page_size=page_size)
+        check_sizes(where, num_tokens=num_tokens, num_pages=num_pages, page_size=page_size)
         cu_in = self.cu_q_lens
         cu = jnp.clip(jax.lax.cummax(cu_in), 0, num_tokens)
         q_lens = cu[1:] - cu[:-1]
@@ -116,25 +116,18 @@ class AttentionMetadata:
 
     def token_to_seq(self, num_tokens: int) -> jax.Array:
         """int32[T]: the sequence each packed query token belongs to; B for padding tokens."""
-        _check_sizes("AttentionMetadata.token_to_seq", num_tokens=num_tokens)
+        check_sizes("AttentionMetadata.token_to_seq", num_tokens=num_tokens)
         return token_sequences(self.cu_q_lens[1:], num_tokens)
 
     def positions(self, num_tokens: int) -> jax.Array:
         """int32[T]: absolute position of each query token in its sequence (e.g. for RoPE);
         0 for padding tokens."""
-        _check_sizes("AttentionMetadata.positions", num_tokens=num_tokens)
+        check_sizes("AttentionMetadata.positions", num_tokens=num_tokens)
         seq = self.token_to_seq(num_tokens)
         b = jnp.minimum(seq, self.batch_size - 1)
         t = jnp.arange(num_tokens, dtype=jnp.int32)
         pos = self.kv_lens[b] - self.q_lens[b] + t - self.cu_q_lens[b]
         return jnp.where(seq < self.batch_size, jnp.maximum(pos, 0), 0)
-
-
-def _check_sizes(where: str, **sizes) -> None:
-    """ValueError naming the first of ``sizes`` (static ints) that is not in ``[1, 2**31 - 1]``."""
-    for name, value in sizes.items():
-        if not is_positive_int(value):
-            raise ValueError(f"{where}: {name} must be an int in [1, 2**31 - 1], got {value!r}")
 
 
 def token_sequences(ends: jax.Array, num_tokens: int) -> jax.Array:

@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxattn.checks import INT32_MAX, int_array, is_positive_int
+from jaxattn.checks import INT32_MAX, check_sizes, int_array, is_positive_int
 from jaxattn.kv_cache import KVCache, MLACache, SlotMapping
 from jaxattn.metadata import AttentionMetadata, count_leading_decodes, pages_for, token_sequences
 
@@ -331,9 +331,7 @@ class PageTable:
         Tokens of rows with an id outside ``[0, max_seqs)`` keep their place in the packing and
         get -1 (as in ``metadata``), as do tokens past a sequence's length.
         """
-        if not is_positive_int(num_tokens):
-            raise ValueError(f"PageTable.slot_mapping: num_tokens must be an int in [1, 2**31 - 1] (static: the "
-                             f"step's packed tokens), got {num_tokens!r}")
+        check_sizes("PageTable.slot_mapping", num_tokens=num_tokens)
         seq_ids, q_lens = self._check_requests("slot_mapping", seq_ids, q_lens=q_lens)
         if seq_ids.shape[0] < 1:
             raise ValueError("PageTable.slot_mapping: seq_ids must have at least one row")

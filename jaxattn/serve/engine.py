@@ -33,7 +33,7 @@ from jax.sharding import Mesh
 
 from jaxattn.backends import OPS, check_serves
 from jaxattn.checks import is_int, is_positive_int
-from jaxattn.kv_cache import CACHE_DTYPES, LAYOUTS
+from jaxattn.kv_cache import CACHE_DTYPES, LAYOUTS, is_cache_dtype
 from jaxattn.serve.models import fusion
 from jaxattn.serve.models.base import ModelConfig, PagedModel, page_bytes
 from jaxattn.serve.models.layers import Decoder
@@ -158,7 +158,7 @@ class Engine:
             raise ValueError(f"Engine: layout must be one of {LAYOUTS}, got {layout!r}")
         if kv_dtype is not None and not _is_dtype(kv_dtype):
             raise ValueError(f"Engine: kv_dtype must be None (the model's dtype) or a dtype, got {kv_dtype!r}")
-        if kv_dtype is not None and not any(jnp.dtype(kv_dtype) == d for d in CACHE_DTYPES):
+        if kv_dtype is not None and not is_cache_dtype(kv_dtype):
             raise ValueError(f"Engine: kv_dtype must be None (the model's dtype) or a dtype the caches hold, one of "
                              f"{[jnp.dtype(d).name for d in CACHE_DTYPES]}, got {kv_dtype!r}")
         for name, value in (("enable_prefix_caching", enable_prefix_caching), ("overlap", overlap),
