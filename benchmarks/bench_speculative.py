@@ -111,7 +111,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.smoke:
         args.preset, args.context, args.output, args.page_size = "tiny", 24, 12, 8
-        args.batches, args.ks, args.ngram_batch, args.max_step_tokens = "1,2", "2", 2, 64
+        args.batches, args.ks, args.ngram_batch, args.max_step_tokens = "2", "2", 2, 64
         args.draft_preset = "tiny"
     batches = [int(b) for b in args.batches.split(",") if b]      # "": the n-gram rows only
     ks = [int(k) for k in args.ks.split(",") if k]

@@ -1,5 +1,6 @@
 """Shared test setup: the `gpu` marker skips without a CUDA device, `multigpu` with fewer than 2;
-each module's compiled functions are dropped after it."""
+each module's compiled functions are dropped after it; `-n auto` (pytest-xdist, the README's test
+command) picks how many processes run the tests."""
 
 from __future__ import annotations
 
@@ -31,6 +32,18 @@ def _drop_compiled_functions():
     _jitted_step.cache_clear()
     jax.clear_caches()
     gc.collect()
+
+
+MAX_WORKERS = 4
+
+
+def pytest_xdist_auto_num_workers(config):
+    """``-n auto``: one process per core, up to ``MAX_WORKERS`` (each process compiles on about one
+    core and holds its own JAX caches, a few GB at the heaviest tests); none on a machine with a GPU
+    (0: the tests run in this process), whose GPU tests would share one device's memory."""
+    import os
+
+    return 0 if HAS_GPU else min(len(os.sched_getaffinity(0)), MAX_WORKERS)
 
 
 def pytest_addoption(parser):

@@ -202,11 +202,12 @@ def _deepseek(layers: int):
     return DeepSeek(DEEPSEEK_PRESETS["tiny"].replace(num_layers=layers), nnx.Rngs(0))
 
 
-def check_metadata_work_per_layer(make_model, mesh=None) -> None:
-    """At 2 and 4 layers (decode and mixed steps, bf16-like and FP8 caches) the step has the same
-    metadata instructions: none per layer. (From 1 layer to 2, XLA stops fusing the step's shared
-    index arrays into their one consumer: a constant, once per step.)"""
-    for kv_dtype in (None, FP8):
+def check_metadata_work_per_layer(make_model, mesh=None, kv_dtypes=(None, FP8)) -> None:
+    """At 2 and 4 layers (decode and mixed steps, caches of each of ``kv_dtypes``: None is the
+    model's dtype) the step has the same metadata instructions: none per layer. (From 1 layer to 2,
+    XLA stops fusing the step's shared index arrays into their one consumer: a constant, once per
+    step.)"""
+    for kv_dtype in kv_dtypes:
         for mixed in (False, True):
             counts = [metadata_instructions(make_model(layers), kv_dtype, mixed, mesh) for layers in (2, 4)]
             assert counts[0] == counts[1], (kv_dtype, mixed, counts)
@@ -221,7 +222,9 @@ def check_sharded_step_pays_its_metadata_work_once() -> None:
     from jaxattn import sharding
 
     mesh = jax.make_mesh((jax.device_count(),), ("tp",))
-    check_metadata_work_per_layer(_llama, mesh)
+    # FP8 caches only: the case where each layer's own scales made the work differ per layer
+    # (bf16 caches take the same plan path, checked unsharded above).
+    check_metadata_work_per_layer(_llama, mesh, kv_dtypes=(FP8,))
     # One custom_partitioning call built per step shape, shared by the step's layers (3: a model
     # not traced above, whose step jax has not cached).
     sharding._head_partitioned.cache_clear()
