@@ -5,6 +5,7 @@ command) picks how many processes run the tests."""
 from __future__ import annotations
 
 import gc
+import os
 import subprocess
 import sys
 import zipfile
@@ -41,9 +42,8 @@ def pytest_xdist_auto_num_workers(config):
     """``-n auto``: one process per core, up to ``MAX_WORKERS`` (each process compiles on about one
     core and holds its own JAX caches, a few GB at the heaviest tests); none on a machine with a GPU
     (0: the tests run in this process), whose GPU tests would share one device's memory."""
-    import os
-
-    return 0 if HAS_GPU else min(len(os.sched_getaffinity(0)), MAX_WORKERS)
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return 0 if HAS_GPU else min(cores, MAX_WORKERS)
 
 
 def pytest_addoption(parser):
