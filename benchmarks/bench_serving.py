@@ -82,6 +82,7 @@ from flax import nnx
 from benchmarks.common import (copy_bandwidth, device_name, gemm_rate, kernel_profile_options, trace_events,
                                write_section)
 from benchmarks.profile_step import by_kind, kind_of
+from jaxattn import choice_table
 from jaxattn.serve.cli_args import tp_mesh
 from jaxattn.serve.engine import Engine
 from jaxattn.serve.models.base import page_bytes
@@ -623,9 +624,10 @@ def main(argv: list[str] | None = None) -> None:
     if args.tp > 1:
         parallel = (f"split over {args.tp} devices (tensor parallelism"
                     + (", experts whole per device); " if args.enable_expert_parallel else "); "))
+    auto_table = f" (its table: {choice_table.describe_current_table()})" if args.backend == "auto" else ""
     header = (f"Device: {device_name()}; date {datetime.date.today()}; jax {jax.__version__}; model {args.preset} "
               f"shapes with {cfg.num_layers} layers, {cfg.dtype}{' (FP8 weights)' if args.quantization else ''}, "
-              f"random weights; {parallel}backend {args.backend}; "
+              f"random weights; {parallel}backend {args.backend}{auto_table}; "
               f"{engine_text}; warm-up (compiling every step shape) {setup['warmup_s']:.0f} s, not timed. The {rates} "
               f"({gemm} GEMM), measured in the same run.")
     trace_line = (f"Trace ({args.trace}, seed 0): {args.requests} requests, {shape}; random prompt tokens, greedy, "

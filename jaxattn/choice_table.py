@@ -241,13 +241,29 @@ def device_table_name(device_kind: str) -> str:
     return re.sub(r"[^a-z0-9]+", "_", device_kind.lower()).strip("_")
 
 
-def current_table() -> Table | None:
-    """This GPU's table: the one swept on its kind of GPU when it ships (GPUs of one arch differ in
-    their ratio of memory bandwidth to compute, the H100 and the H200 among them), else its arch's;
-    None without a GPU or a table."""
+def current_table_name() -> str | None:
+    """The name of this GPU's table (``TABLE_DIR/<name>.json``): the one swept on its kind of GPU
+    when it ships (GPUs of one arch differ in their ratio of memory bandwidth to compute, the H100
+    and the H200 among them), else its arch's; None without a GPU or a table."""
     kind, arch = current_device_kind(), current_arch()
     names = ([device_table_name(kind)] if kind else []) + ([arch] if arch else [])
-    return next((table for table in map(shipped_table, names) if table is not None), None)
+    return next((name for name in names if shipped_table(name) is not None), None)
+
+
+def current_table() -> Table | None:
+    """This GPU's table (``current_table_name``), or None."""
+    name = current_table_name()
+    return None if name is None else shipped_table(name)
+
+
+def describe_current_table() -> str:
+    """Which table ``auto`` reads here, in one line for reports: its file, entries, where and when
+    it was swept; or that there is none and the backends' ranks decide."""
+    name = current_table_name()
+    if name is None:
+        return "none (no GPU, or no table for it): the backends' ranks decide"
+    table = shipped_table(name)
+    return f"jaxattn/tuning/{name}.json ({len(table.entries)} entries; swept on {table.device}, {table.date})"
 
 
 @functools.cache

@@ -11,7 +11,7 @@ import sys
 
 import jax
 
-from jaxattn import __version__, _ffi_cudnn, backends
+from jaxattn import __version__, _ffi_cudnn, backends, choice_table
 from jaxattn.backends.base import gpu_devices
 
 # (label, distribution names tried in order)
@@ -80,6 +80,7 @@ def report() -> str:
         reason = backends.unavailable_reason(name)
         lines.append(f"  {name:<10} {'available' if reason is None else 'unavailable: ' + reason}")
         lines.append(f"  {'':<10} {backend.kernel}; runs on {', '.join(backend.archs)}")
+    lines += ["", f"auto's measured table: {choice_table.describe_current_table()}"]
     lines += ["", "Ops x backends (what each takes; auto ranks them per call):"]
     for op in backends.OPS:
         lines.append(f"  {op}:")

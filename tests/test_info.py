@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from jaxattn import backends, info
+from jaxattn import backends, choice_table, info
 from jaxattn.backends.base import NO_GPU
 from tests.conftest import HAS_GPU
 
@@ -41,6 +41,11 @@ def test_without_a_gpu_every_gpu_backend_says_so():
         assert f"  {name:<10} unavailable: {NO_GPU}" in text
     handler = next(line for line in text.splitlines() if "cuDNN handler" in line)
     assert "install" not in handler, "no install advice for the GPU handler on a machine without a GPU"
+
+
+def test_report_says_which_table_auto_reads():
+    line = next(line for line in info.report().splitlines() if line.startswith("auto's measured table: "))
+    assert line.endswith(choice_table.describe_current_table())
 
 
 def test_runs_as_a_module():

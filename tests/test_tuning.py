@@ -129,6 +129,7 @@ def test_current_arch_is_none_on_this_cpu_machine():
         pytest.skip("a GPU is visible")
     assert choice_table.current_arch() is None and choice_table.current_device_kind() is None
     assert choice_table.current_table() is None
+    assert choice_table.describe_current_table().startswith("none (no GPU, or no table for it)")
 
 
 def test_a_table_for_this_kind_of_gpu_comes_before_the_arch_table(on_sm90):
@@ -139,9 +140,13 @@ def test_a_table_for_this_kind_of_gpu_comes_before_the_arch_table(on_sm90):
     call = make_call()
     write_table(on_sm90, table_json(entry(["triton", "trtllm"])))
     assert choice_table.measured_order(call) == ("triton", "trtllm")
+    assert choice_table.current_table_name() == "sm_90"
     write_table(on_sm90, table_json(entry(["trtllm", "triton"])), name="nvidia_h100_80gb_hbm3")
     assert choice_table.measured_order(call) == ("trtllm", "triton")
     assert choice_table.current_table().entries[0].order == ("trtllm", "triton")
+    assert choice_table.current_table_name() == "nvidia_h100_80gb_hbm3"
+    assert choice_table.describe_current_table() == ("jaxattn/tuning/nvidia_h100_80gb_hbm3.json (1 entries; swept on "
+                                                     "test, today)")
 
 
 def test_a_table_reorders_auto_and_leaves_explicit_backends_alone(on_sm90):
