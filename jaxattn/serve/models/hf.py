@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxattn.checks import is_positive_int
 from jaxattn.serve.models.deepseek import DeepSeek, DeepSeekConfig
 from jaxattn.serve.models.layers import EXPERT_AXES, MoE, MoERouting, YarnRopeScaling
 from jaxattn.serve.models.llama import Llama, Llama3RopeScaling, LlamaConfig
@@ -38,6 +39,7 @@ DEEPSEEK_MODEL_TYPES = ("deepseek_v2", "deepseek_v3")
 SUPPORTED_MODEL_TYPES = (*LLAMA_MODEL_TYPES, *DEEPSEEK_MODEL_TYPES)
 SWIGLU = ("gate_proj", "up_proj", "down_proj")      # an MLP's linears, as the modules and checkpoints name them
 _REQUIRED_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size")
+_DEEPSEEK_REQUIRED_FIELDS = ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
 # Tensors some checkpoints carry that the model recomputes or does not need.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 # safetensors dtypes read from the file's bytes (safetensors' NumPy reader has no float8 dtype)
@@ -49,12 +51,35 @@ def _field(hf: dict[str, Any], name: str, expected: str) -> ValueError:
                       f"for model_type={hf.get('model_type')!r}; expected {expected}")
 
 
+def _check_sizes(hf: dict[str, Any], required: tuple[str, ...], optional: tuple[str, ...] = ()) -> None:
+    """ValueError naming the first of ``required`` that ``hf`` lacks, or the first field of
+    ``required`` + ``optional`` (when set: not null) that is not an int in [1, 2**31 - 1]."""
+    missing = [name for name in required if name not in hf]
+    if missing:
+        raise ValueError(f"from_pretrained: config.json lacks the fields {missing}")
+    for name in required + optional:
+        value = hf.get(name)
+        if (name in required or value is not None) and not is_positive_int(value):
+            raise _field(hf, name, "an int in [1, 2**31 - 1]")
+
+
+def _number(hf: dict[str, Any], name: str, value: Any, default: float) -> float:
+    """``value`` (config field ``name``; ``default`` when null) as a finite positive float."""
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+        raise _field(hf, name, "a finite number > 0")
+    return float(value)
+
+
 def _rope_parameters(hf: dict[str, Any]) -> tuple[str, dict[str, Any], float, str]:
     """``(field name, its dict, rope_theta, rope type)`` from ``rope_theta`` + ``rope_scaling``
     (transformers 4) or ``rope_parameters`` (transformers 5)."""
     name = "rope_parameters" if hf.get("rope_parameters") is not None else "rope_scaling"
     params = hf.get(name) or {}
-    theta = float(params.get("rope_theta") or hf.get("rope_theta") or 10000.0)
+    if not isinstance(params, dict):
+        raise _field(hf, name, "an object (or null)")
+    theta = _number(hf, "rope_theta", params.get("rope_theta") or hf.get("rope_theta"), 10000.0)
     return name, params, theta, params.get("rope_type", params.get("type", "default"))
 
 
@@ -107,16 +132,15 @@ def llama_config_from_hf(hf: dict[str, Any], dtype: str) -> LlamaConfig:
     # Qwen2 always has q/k/v biases and none on o_proj; elsewhere attention_bias would put one on o_proj too.
     if model_type not in ("qwen2", "qwen2_moe") and hf.get("attention_bias", False):
         raise _field(hf, "attention_bias", "false (biases on q/k/v only, as in qwen2)")
-    missing = [name for name in _REQUIRED_FIELDS if name not in hf]
-    if missing:
-        raise ValueError(f"from_pretrained: config.json lacks the fields {missing}")
+    _check_sizes(hf, _REQUIRED_FIELDS, ("num_key_value_heads", "head_dim"))
     theta, scaling = _rope(hf)
     num_q_heads = hf["num_attention_heads"]
     return _moe_config(hf, LlamaConfig(
         vocab_size=hf["vocab_size"], dim=hf["hidden_size"], num_layers=hf["num_hidden_layers"],
         num_q_heads=num_q_heads, num_kv_heads=hf.get("num_key_value_heads") or num_q_heads,
         head_dim=hf.get("head_dim") or hf["hidden_size"] // num_q_heads, hidden_dim=hf["intermediate_size"],
-        rope_theta=theta, norm_eps=hf.get("rms_norm_eps", 1e-6), dtype=dtype, rope_scaling=scaling,
+        rope_theta=theta, norm_eps=_number(hf, "rms_norm_eps", hf.get("rms_norm_eps"), 1e-6), dtype=dtype,
+        rope_scaling=scaling,
         qkv_bias=model_type in ("qwen2", "qwen2_moe"), qk_norm=model_type in ("qwen3", "qwen3_moe"),
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)), sliding_window=_sliding_window(hf)))
 
@@ -156,6 +180,8 @@ def deepseek_config_from_hf(hf: dict[str, Any], dtype: str) -> DeepSeekConfig:
         raise _field(hf, "hidden_act", "'silu'")
     if hf.get("attention_bias", False):
         raise _field(hf, "attention_bias", "false")
+    _check_sizes(hf, _REQUIRED_FIELDS + _DEEPSEEK_REQUIRED_FIELDS, ("q_lora_rank", "n_routed_experts",
+                                                                    "num_experts_per_tok", "moe_intermediate_size"))
     theta, yarn = _yarn(hf)
     if hf.get("moe_layer_freq", 1) not in (1, None):
         raise _field(hf, "moe_layer_freq", "1 (experts in every layer from first_k_dense_replace on)")
@@ -184,7 +210,7 @@ def deepseek_config_from_hf(hf: dict[str, Any], dtype: str) -> DeepSeekConfig:
         vocab_size=hf["vocab_size"], dim=hf["hidden_size"], num_layers=hf["num_hidden_layers"],
         num_q_heads=hf["num_attention_heads"], kv_lora_rank=hf["kv_lora_rank"], qk_nope_dim=hf["qk_nope_head_dim"],
         qk_rope_dim=hf["qk_rope_head_dim"], v_head_dim=hf["v_head_dim"], hidden_dim=hf["intermediate_size"],
-        rope_theta=theta, norm_eps=hf.get("rms_norm_eps", 1e-6), dtype=dtype,
+        rope_theta=theta, norm_eps=_number(hf, "rms_norm_eps", hf.get("rms_norm_eps"), 1e-6), dtype=dtype,
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)), q_lora_rank=hf.get("q_lora_rank"),
         num_experts=experts, num_experts_per_tok=hf.get("num_experts_per_tok") or 1, moe_hidden_dim=moe_hidden,
         norm_topk_prob=bool(hf.get("norm_topk_prob", False)) and model_type == "deepseek_v3",
@@ -532,6 +558,22 @@ def _dequantized(weight: np.ndarray, scale: np.ndarray, granularity: Granularity
     return dequantize(weight.T, scale, granularity).T
 
 
+def _model_dtype(hf: dict[str, Any], dtype: str | jnp.dtype | None) -> str:
+    """The parameters' dtype name: ``dtype``, else the config's ``torch_dtype`` / ``dtype``, else
+    bfloat16; ValueError naming where a name that is not a float dtype came from."""
+    field = None if dtype else next((name for name in ("torch_dtype", "dtype") if hf.get(name)), None)
+    value = dtype or (hf[field] if field else "bfloat16")
+    try:
+        name = jnp.dtype(value).name
+    except TypeError:
+        name = None
+    if name not in ("float32", "bfloat16", "float16"):
+        if field:
+            raise _field(hf, field, "float32, bfloat16 or float16")
+        raise ValueError(f"from_pretrained: dtype={value!r} is not supported; expected float32, bfloat16 or float16")
+    return name
+
+
 def from_pretrained(path: str, dtype: str | jnp.dtype | None = None, mesh: jax.sharding.Mesh | None = None,
                     quantization: str | None = None, expert_parallel: bool = False) -> Llama | DeepSeek:
     """Loads a local Hugging Face checkpoint directory (``config.json`` and ``*.safetensors``,
@@ -559,8 +601,10 @@ def from_pretrained(path: str, dtype: str | jnp.dtype | None = None, mesh: jax.s
     a stack once all its experts are read).
 
     Raises ValueError naming the config field of an unsupported model (``quantization_config``:
-    another ``quant_method``, a bad ``weight_block_size``), or the tensor that is missing,
-    unexpected or of the wrong shape."""
+    another ``quant_method``, a bad ``weight_block_size``) or a malformed one (a size that is not an
+    int in int32's range, a number that is not finite and positive, a dtype that is not a float
+    type), a ``config.json`` that is not a JSON object, or the tensor that is missing, unexpected or
+    of the wrong shape."""
     try:
         from safetensors import safe_open  # the one runtime use of safetensors, an optional dependency
     except ImportError:
@@ -568,12 +612,17 @@ def from_pretrained(path: str, dtype: str | jnp.dtype | None = None, mesh: jax.s
     config_path = os.path.join(path, "config.json")
     if not os.path.isfile(config_path):
         raise ValueError(f"from_pretrained: path={path!r} is not a local checkpoint directory with a config.json")
-    with open(config_path) as f:
-        hf = json.load(f)
+    with open(config_path, "rb") as f:
+        try:
+            hf = json.load(f)
+        except ValueError as error:                  # not JSON, or not UTF-8
+            raise ValueError(f"from_pretrained: {config_path} is not a JSON file: {error}") from None
+    if not isinstance(hf, dict):
+        raise ValueError(f"from_pretrained: {config_path} holds a JSON {type(hf).__name__}, not an object")
     fp8 = fp8_format(hf, quantization)
     if expert_parallel and mesh is None:
         raise ValueError("from_pretrained: expert_parallel splits the experts over a mesh: give mesh")
-    dtype = jnp.dtype(dtype or hf.get("torch_dtype") or hf.get("dtype") or "bfloat16").name
+    dtype = _model_dtype(hf, dtype)
     if hf.get("model_type") in DEEPSEEK_MODEL_TYPES:
         cfg = deepseek_config_from_hf(hf, dtype)
         model = nnx.eval_shape(lambda: DeepSeek(cfg, nnx.Rngs(0)))

@@ -145,9 +145,13 @@ def test_deepseek_configs(tmp_path):
                            (dict(scoring_func="sigmoid"), "scoring_func"),
                            (dict(topk_method="noaux_tc"), "topk_method"),
                            (dict(moe_layer_freq=2), "moe_layer_freq"),
+                           (dict(v_head_dim=0), "v_head_dim"),
+                           (dict(q_lora_rank="1536"), "q_lora_rank"),
                            (dict(rope_scaling=dict(type="dynamic", factor=2.0)), "rope_scaling")):
         with pytest.raises(ValueError, match=field):
             deepseek_config_from_hf({**lite, **changes}, "bfloat16")
+    with pytest.raises(ValueError, match=r"lacks the fields \['kv_lora_rank'\]"):
+        deepseek_config_from_hf({k: v for k, v in lite.items() if k != "kv_lora_rank"}, "bfloat16")
     (tmp_path / "config.json").write_text(json.dumps({**lite, "quantization_config": {"quant_method": "awq"}}))
     with pytest.raises(ValueError, match="quantization_config.quant_method='awq'"):
         from_pretrained(str(tmp_path))
@@ -204,6 +208,39 @@ def test_without_safetensors_the_error_says_what_to_install(tmp_path, monkeypatc
 def test_missing_config_fields_are_named():
     with pytest.raises(ValueError, match="intermediate_size"):
         llama_config_from_hf({k: v for k, v in _QWEN2.items() if k != "intermediate_size"}, "float32")
+
+
+@pytest.mark.parametrize("changes, field", [
+    (dict(hidden_size="64"), "hidden_size"),
+    (dict(num_attention_heads=0), "num_attention_heads"),
+    (dict(vocab_size=2**31), "vocab_size"),
+    (dict(num_key_value_heads=True), "num_key_value_heads"),
+    (dict(head_dim=2.5), "head_dim"),
+    (dict(rms_norm_eps="1e-6"), "rms_norm_eps"),
+    (dict(rope_theta=-1.0), "rope_theta"),
+    (dict(rope_theta=float("nan")), "rope_theta"),
+    (dict(rope_scaling=[1, 2]), "rope_scaling"),
+])
+def test_malformed_config_fields_are_named(changes, field):
+    """Sizes that are not ints in int32's range, numbers that are not finite and positive, and a
+    rope field that is not an object: a ValueError naming the field, not a TypeError (or a
+    ZeroDivisionError) from deep inside."""
+    with pytest.raises(ValueError, match=f"config.json field {field}="):
+        llama_config_from_hf({**_QWEN2, **changes}, "float32")
+
+
+@pytest.mark.parametrize("content, dtype, match", [
+    (b"{not json", None, "config.json is not a JSON file"),
+    (b'{"model_type": "\xff"}', None, "config.json is not a JSON file"),
+    (b"[1, 2]", None, "config.json holds a JSON list, not an object"),
+    (json.dumps({**_QWEN2, "torch_dtype": "int8"}).encode(), None, "config.json field torch_dtype='int8'"),
+    (json.dumps({**_QWEN2, "torch_dtype": "no_such_dtype"}).encode(), None, "field torch_dtype='no_such_dtype'"),
+    (json.dumps(_QWEN2).encode(), "float8_e4m3fn", "dtype='float8_e4m3fn' is not supported"),
+])
+def test_malformed_config_files_are_named(tmp_path, content, dtype, match):
+    (tmp_path / "config.json").write_bytes(content)
+    with pytest.raises(ValueError, match=match):
+        from_pretrained(str(tmp_path), dtype=dtype)
 
 
 def _write_checkpoint(path, tensors: dict[str, np.ndarray], config: dict = _QWEN2) -> str:
