@@ -561,8 +561,8 @@ def _dequantized(weight: np.ndarray, scale: np.ndarray, granularity: Granularity
 def _model_dtype(hf: dict[str, Any], dtype: str | jnp.dtype | None) -> str:
     """The parameters' dtype name: ``dtype``, else the config's ``torch_dtype`` / ``dtype``, else
     bfloat16; ValueError naming where a name that is not a float dtype came from."""
-    field = None if dtype else next((name for name in ("torch_dtype", "dtype") if hf.get(name)), None)
-    value = dtype or (hf[field] if field else "bfloat16")
+    field = None if dtype is not None else next((name for name in ("torch_dtype", "dtype") if hf.get(name)), None)
+    value = dtype if dtype is not None else hf[field] if field else "bfloat16"
     try:
         name = jnp.dtype(value).name
     except TypeError:

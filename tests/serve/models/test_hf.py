@@ -243,6 +243,14 @@ def test_malformed_config_files_are_named(tmp_path, content, dtype, match):
         from_pretrained(str(tmp_path), dtype=dtype)
 
 
+def test_the_dtype_argument_comes_before_the_config():
+    from jaxattn.serve.models.hf import _model_dtype
+
+    config = {**_QWEN2, "torch_dtype": "float32"}
+    assert _model_dtype(config, np.dtype("float16")) == "float16"
+    assert _model_dtype(config, None) == "float32" and _model_dtype(_QWEN2, None) == "bfloat16"
+
+
 def _write_checkpoint(path, tensors: dict[str, np.ndarray], config: dict = _QWEN2) -> str:
     from safetensors.numpy import save_file
 
