@@ -20,6 +20,8 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
+import json
+import os
 import time
 import weakref
 from typing import Callable, Iterator
@@ -444,8 +446,10 @@ def _draft_model(model: PagedModel, speculative: SpeculativeConfig | None, draft
         dtype = getattr(model.cfg, "dtype", None)
         if speculative.model in PRESETS:
             cfg = PRESETS[speculative.model]
+            _check_draft_vocab(cfg.vocab_size, model)            # before building its weights
             draft = Llama(cfg.replace(dtype=dtype) if dtype is not None else cfg, nnx.Rngs(0))
         else:
+            _check_draft_vocab(_checkpoint_vocab_size(speculative.model), model)   # before reading them
             try:
                 draft = from_pretrained(speculative.model, dtype=dtype)
             except (ValueError, OSError) as err:
@@ -455,11 +459,27 @@ def _draft_model(model: PagedModel, speculative: SpeculativeConfig | None, draft
         _check_model(draft)
     except ValueError as err:
         raise ValueError(f"Engine: draft_model: {err}") from None
-    if draft.cfg.vocab_size != model.cfg.vocab_size:
-        raise ValueError(f"Engine: the draft model's vocab_size must be the model's ({model.cfg.vocab_size}), got "
-                         f"{draft.cfg.vocab_size}")
+    _check_draft_vocab(draft.cfg.vocab_size, model)
     check_serves(backend, draft.attention_ops, where="Engine (draft model)")
     return draft
+
+
+def _check_draft_vocab(vocab_size: int | None, model) -> None:
+    """ValueError unless the draft model's ``vocab_size`` (None: not known yet) is ``model``'s."""
+    if vocab_size is not None and vocab_size != model.cfg.vocab_size:
+        raise ValueError(f"Engine: the draft model's vocab_size must be the model's ({model.cfg.vocab_size}), got "
+                         f"{vocab_size}")
+
+
+def _checkpoint_vocab_size(path: str) -> int | None:
+    """The ``vocab_size`` of the checkpoint directory ``path``'s ``config.json``, or None where it
+    cannot tell (``from_pretrained`` then names what is wrong)."""
+    try:
+        with open(os.path.join(path, "config.json"), "rb") as f:
+            config = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return config.get("vocab_size") if isinstance(config, dict) else None
 
 
 def _default_num_pages(models: list[PagedModel | None], max_seqs: int | None, pages_per_seq: int, page_size: int,

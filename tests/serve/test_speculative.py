@@ -78,6 +78,25 @@ def test_bad_speculative_argument_of_engine():
             Engine(model, max_seqs=2, max_seq_len=32, backend="xla", **kwargs)
 
 
+def test_a_draft_of_another_vocabulary_is_refused_before_it_is_built(tmp_path, monkeypatch):
+    """A preset's or a checkpoint's vocab_size is checked from its config: no weights are made or read."""
+    import json
+
+    from jaxattn.serve.models import llama
+
+    model = Llama(PRESETS["tiny"].replace(vocab_size=PRESETS["tiny"].vocab_size + 1), nnx.Rngs(0))
+
+    def not_built(*args, **kwargs):
+        raise AssertionError("the draft model was built")
+
+    monkeypatch.setattr(llama, "Llama", not_built)
+    (tmp_path / "config.json").write_text(json.dumps({"vocab_size": 7}))   # no weights: only its config is read
+    for name, got in (("tiny", PRESETS["tiny"].vocab_size), (str(tmp_path), 7)):
+        draft = {"method": "draft_model", "model": name, "num_speculative_tokens": 2}
+        with pytest.raises(ValueError, match=f"vocab_size must be the model's \\({model.cfg.vocab_size}\\), got {got}"):
+            Engine(model, max_seqs=2, max_seq_len=32, backend="xla", speculative=draft)
+
+
 def test_ngram_drafts():
     """The longest suffix match at its latest earlier occurrence, continued periodically; with no
     match, the last token repeated; tokens past a row's length are never read."""
