@@ -36,14 +36,22 @@ def _drop_compiled_functions():
 
 
 MAX_WORKERS = 4
+WORKER_MEMORY = 6 << 30      # a worker's peak resident memory seen on the CPU suite: 5.8 GB (2026-11-28)
 
 
 def pytest_xdist_auto_num_workers(config):
-    """``-n auto``: one process per core, up to ``MAX_WORKERS`` (each process compiles on about one
-    core and holds its own JAX caches, a few GB at the heaviest tests); none on a machine with a GPU
-    (0: the tests run in this process), whose GPU tests would share one device's memory."""
+    """``-n auto``: one process per core, up to ``MAX_WORKERS`` and as many as the machine's memory
+    holds at ``WORKER_MEMORY`` each (each process compiles on about one core and keeps its own JAX
+    caches); none on a machine with a GPU (0: the tests run in this process), whose GPU tests would
+    share one device's memory."""
+    if HAS_GPU:
+        return 0
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return 0 if HAS_GPU else min(cores, MAX_WORKERS)
+    try:
+        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):
+        memory = MAX_WORKERS * WORKER_MEMORY
+    return max(1, min(cores, MAX_WORKERS, memory // WORKER_MEMORY))
 
 
 def pytest_addoption(parser):
