@@ -1,4 +1,5 @@
-"""tests/conftest.py's ``--shard K/N``: contiguous parts of the selected tests that together run each once."""
+"""tests/conftest.py's ``--shard K/N`` (contiguous parts of the selected tests that together run
+each once) and its ``-n auto`` worker count."""
 
 from __future__ import annotations
 
@@ -32,3 +33,19 @@ def test_shards_split_the_selected_tests_into_contiguous_parts():
 def test_a_bad_shard_is_a_usage_error():
     result = _collect("--shard", "4/3")
     assert result.returncode == 4 and re.search(r"--shard K/N needs 1 <= K <= N", result.stderr)
+
+
+def test_auto_workers_follow_cores_and_memory_and_none_with_a_gpu(monkeypatch):
+    from tests import conftest
+
+    gib = 1 << 30
+    monkeypatch.setattr(conftest, "HAS_GPU", False)
+    monkeypatch.setattr(conftest.os, "sched_getaffinity", lambda pid: set(range(16)), raising=False)
+    for memory, workers in ((64 * gib, conftest.MAX_WORKERS), (13 * gib, 2), (4 * gib, 1)):
+        monkeypatch.setattr(conftest.os, "sysconf", lambda name, memory=memory: {"SC_PAGE_SIZE": 4096,
+                                                                                 "SC_PHYS_PAGES": memory // 4096}[name])
+        assert conftest.pytest_xdist_auto_num_workers(None) == workers, memory
+    monkeypatch.setattr(conftest.os, "sched_getaffinity", lambda pid: {0}, raising=False)
+    assert conftest.pytest_xdist_auto_num_workers(None) == 1
+    monkeypatch.setattr(conftest, "HAS_GPU", True)
+    assert conftest.pytest_xdist_auto_num_workers(None) == 0
