@@ -20,8 +20,6 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
-import json
-import os
 import time
 import weakref
 from typing import Callable, Iterator
@@ -474,12 +472,12 @@ def _check_draft_vocab(vocab_size: int | None, model) -> None:
 def _checkpoint_vocab_size(path: str) -> int | None:
     """The ``vocab_size`` of the checkpoint directory ``path``'s ``config.json``, or None where it
     cannot tell (``from_pretrained`` then names what is wrong)."""
+    from jaxattn.serve.models.hf import read_config
+
     try:
-        with open(os.path.join(path, "config.json"), "rb") as f:
-            config = json.load(f)
+        return read_config(path).get("vocab_size")
     except (OSError, ValueError):
         return None
-    return config.get("vocab_size") if isinstance(config, dict) else None
 
 
 def _default_num_pages(models: list[PagedModel | None], max_seqs: int | None, pages_per_seq: int, page_size: int,

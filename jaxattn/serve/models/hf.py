@@ -558,6 +558,22 @@ def _dequantized(weight: np.ndarray, scale: np.ndarray, granularity: Granularity
     return dequantize(weight.T, scale, granularity).T
 
 
+def read_config(path: str) -> dict[str, Any]:
+    """The checkpoint directory ``path``'s ``config.json`` as a dict; ValueError naming the file
+    when there is none, or it is not JSON (or not UTF-8), or not a JSON object."""
+    config_path = os.path.join(path, "config.json")
+    if not os.path.isfile(config_path):
+        raise ValueError(f"from_pretrained: path={path!r} is not a local checkpoint directory with a config.json")
+    with open(config_path, "rb") as f:
+        try:
+            hf = json.load(f)
+        except ValueError as error:                  # not JSON, or not UTF-8
+            raise ValueError(f"from_pretrained: {config_path} is not a JSON file: {error}") from None
+    if not isinstance(hf, dict):
+        raise ValueError(f"from_pretrained: {config_path} holds a JSON {type(hf).__name__}, not an object")
+    return hf
+
+
 def _model_dtype(hf: dict[str, Any], dtype: str | jnp.dtype | None) -> str:
     """The parameters' dtype name: ``dtype``, else the config's ``torch_dtype`` / ``dtype``, else
     bfloat16; ValueError naming where a name that is not a float dtype came from."""
@@ -609,16 +625,7 @@ def from_pretrained(path: str, dtype: str | jnp.dtype | None = None, mesh: jax.s
         from safetensors import safe_open  # the one runtime use of safetensors, an optional dependency
     except ImportError:
         raise ImportError("from_pretrained needs the safetensors package: pip install 'jaxattn[hf]'") from None
-    config_path = os.path.join(path, "config.json")
-    if not os.path.isfile(config_path):
-        raise ValueError(f"from_pretrained: path={path!r} is not a local checkpoint directory with a config.json")
-    with open(config_path, "rb") as f:
-        try:
-            hf = json.load(f)
-        except ValueError as error:                  # not JSON, or not UTF-8
-            raise ValueError(f"from_pretrained: {config_path} is not a JSON file: {error}") from None
-    if not isinstance(hf, dict):
-        raise ValueError(f"from_pretrained: {config_path} holds a JSON {type(hf).__name__}, not an object")
+    hf = read_config(path)
     fp8 = fp8_format(hf, quantization)
     if expert_parallel and mesh is None:
         raise ValueError("from_pretrained: expert_parallel splits the experts over a mesh: give mesh")
