@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxattn.checks import is_positive_int
+from jaxattn.checks import is_positive_float32, is_positive_int
 from jaxattn.serve.models.deepseek import DeepSeek, DeepSeekConfig
 from jaxattn.serve.models.layers import EXPERT_AXES, MoE, MoERouting, YarnRopeScaling
 from jaxattn.serve.models.llama import Llama, Llama3RopeScaling, LlamaConfig
@@ -64,11 +64,12 @@ def _check_sizes(hf: dict[str, Any], required: tuple[str, ...], optional: tuple[
 
 
 def _number(hf: dict[str, Any], name: str, value: Any, default: float) -> float:
-    """``value`` (config field ``name``; ``default`` when null) as a finite positive float."""
+    """``value`` (config field ``name``; ``default`` when null) as a float, positive and finite in
+    float32 (the model computes with it there)."""
     if value is None:
         return default
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
-        raise _field(hf, name, "a finite number > 0")
+    if not is_positive_float32(value):
+        raise _field(hf, name, "a number > 0, finite in float32")
     return float(value)
 
 
