@@ -152,11 +152,17 @@ def mixed_step(model: Llama, backend: str, rows: int, tokens: int, decodes: int,
                                                   token_src, ids, q_lens, max_q_len=max_q_len, backend=backend)
         return tok, caches, table
 
-    record = StepRecord(rows=decodes + chunks, decode_rows=decodes, tokens=used, prefill_tokens=chunks * chunk,
-                        context_tokens=decodes * context + chunks * (context - 1 + chunk),
-                        attention_pairs=decodes * context + chunks * (chunk * (context - 1) + chunk * (chunk + 1) // 2),
-                        padded_rows=rows, padded_tokens=tokens, t_start=0.0)
-    return model_step, (first, caches, table), weights, record
+    return model_step, (first, caches, table), weights, step_record(decodes, chunks, chunk, context, rows, tokens)
+
+
+def step_record(decodes: int, chunks: int, chunk: int, context: int, rows: int, tokens: int) -> StepRecord:
+    """The ``StepRecord`` counts (rows, tokens, keys read, attention pairs) of a step of ``decodes``
+    rows of one token and ``chunks`` rows of ``chunk`` prompt tokens, every sequence from
+    ``context - 1`` tokens on, compiled at ``rows`` x ``tokens``: for ``bench_serving.step_bound``."""
+    return StepRecord(rows=decodes + chunks, decode_rows=decodes, tokens=decodes + chunks * chunk,
+                      prefill_tokens=chunks * chunk, context_tokens=decodes * context + chunks * (context - 1 + chunk),
+                      attention_pairs=decodes * context + chunks * (chunk * (context - 1) + chunk * (chunk + 1) // 2),
+                      padded_rows=rows, padded_tokens=tokens, t_start=0.0)
 
 
 def step_bytes(cfg, weights: list[jax.Array], batch: int, context: int) -> tuple[float, float]:

@@ -9,21 +9,22 @@ step's GPU time goes, by kind of kernel, against what each kind must move.
 For each context: the GPU time of one step (``steps`` chained steps under the profiler, divided by
 ``steps``) per kernel name, grouped into kinds by name: GEMMs (the weight reads at decode batch
 sizes), attention, KV writes (XLA's scatters into the pools), sampling / logits (argmax over the
-vocabulary), and XLA's other fusions (norms, RoPE, residuals, page-table bookkeeping). Each kind's
-bound: GEMMs, the weight bytes over the copy rate measured in the same run; attention, the KV
-bytes; the rest, 0. Each kind also says how many kernels it launches per step: the attention
-work that is not a kernel of its own (metadata, operand preparation) shows as launches that grow
-with the layer count. Writes the step_profile section of benchmarks/RESULTS.md (``--section``: another).
+vocabulary), and XLA's other fusions (norms, RoPE, residuals, page-table bookkeeping). The step's
+roofline and each kind's bound count bytes and FLOPs (``bench_serving.step_bound``, with the copy
+rate and the matmul rate of an 8192^3 GEMM measured in the same run): GEMMs, the weight bytes or
+2 x params x the step's tokens, whichever takes longer (at 256 rows an H200's GEMMs are
+compute-bound); attention, its K/V bytes or its FLOPs; the rest, 0. Each kind also says how many
+kernels it launches per step: the attention work that is not a kernel of its own (metadata,
+operand preparation) shows as launches that grow with the layer count. Writes the step_profile
+section of benchmarks/RESULTS.md (``--section``: another).
 
 ``--mixed D+CxN,...`` profiles the engine's mixed steps instead (``engine_step.mixed_step``): D
 decodes and C prompt chunks of N tokens each in a step of ``--rows`` rows (the engine's
 ``max_seqs``) and the smallest of the engine's mixed-step token buckets that holds them
 (``step.mixed_buckets(rows, --max-step-tokens)``), its ``max_q_len`` the engine's (``min(tokens,
 --prefill-chunk)``), every sequence at each ``--contexts``, in block tables ``--max-seq-len``
-keys wide; each profiled call redoes the same step (the table is not advanced). Its
-roofline and bounds count FLOPs too (``bench_serving.step_bound``, with the matmul rate of an
-8192^3 GEMM measured in the same run): GEMMs, the weights or 2 x params x the step's tokens,
-attention, its K/V bytes or its FLOPs, over the tokens the step needed (its padding is overhead).
+keys wide; each profiled call redoes the same step (the table is not advanced). Its bounds
+count the tokens the step needed (its padding is overhead).
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ from benchmarks.common import (
     gemm_rate,
     write_section,
 )
-from benchmarks.engine_step import decode_step, mixed_step, step_bytes
+from benchmarks.engine_step import decode_step, mixed_step, step_record
 from jaxattn.serve.engine import DEFAULT_PREFILL_CHUNK
 from jaxattn.serve.models.llama import PRESETS, Llama
 from jaxattn.serve.step import mixed_buckets
@@ -108,9 +109,10 @@ def mixed_shapes(text: str, rows: int, max_step_tokens: int) -> list[tuple[int, 
     return shapes
 
 
-def mixed_bounds(model: Llama, record, copy_rate: float, matmul_rate: float,
-                 kv_dtype=None) -> tuple[float, dict[str, float]]:
-    """A mixed step's roofline (``bench_serving.step_bound``) and its GEMM and attention bounds."""
+def step_bounds(model: Llama, record, copy_rate: float, matmul_rate: float,
+                kv_dtype=None) -> tuple[float, dict[str, float]]:
+    """A step's roofline (``bench_serving.step_bound`` of its ``StepRecord``) and its GEMM and
+    attention bounds."""
     from benchmarks.bench_serving import model_costs, step_bound      # bench_serving imports this module
 
     costs = model_costs(model, PAGE, kv_dtype)
@@ -183,12 +185,13 @@ def main(argv: list[str] | None = None) -> None:
     shapes = mixed_shapes(args.mixed, args.rows, args.max_step_tokens) if args.mixed else []
     cfg = PRESETS[args.preset].replace(num_layers=args.layers)
     model = Llama(cfg, nnx.Rngs(0))
-    bandwidth = copy_bandwidth()
+    bandwidth, matmul_rate = copy_bandwidth(), gemm_rate()
     lines = [f"Device: {device_name()}; date {datetime.date.today()}; jax {jax.__version__}; {args.preset} shapes, "
              f"{cfg.num_layers} layers, {f'mixed steps of {args.rows} rows' if args.mixed else f'batch {args.batch}'}, "
              f"backend {args.backend}, "
              f"{args.kv_dtype or cfg.dtype} caches, q/k/v and gate/up projections "
-             f"{'apart' if args.unfused else 'fused'}; copy rate {bandwidth / 1e12:.2f} TB/s (same run).",
+             f"{'apart' if args.unfused else 'fused'}; copy rate {bandwidth / 1e12:.2f} TB/s, matmul rate "
+             f"{matmul_rate / 1e12:.0f} TFLOP/s (bf16 8192^3 GEMM), same run.",
              f"Command: `python -m benchmarks.profile_step --preset {args.preset} --layers {args.layers} "
              + (f"--mixed {args.mixed} --rows {args.rows} --max-step-tokens {args.max_step_tokens} "
                 f"--prefill-chunk {args.prefill_chunk} --max-seq-len {args.max_seq_len} " if args.mixed
@@ -197,14 +200,12 @@ def main(argv: list[str] | None = None) -> None:
              f"{f' --kv-dtype {args.kv_dtype}' if args.kv_dtype else ''}{' --unfused' if args.unfused else ''}`", ""]
     contexts = [int(c) for c in args.contexts.split(",")]
     if args.mixed:
-        matmul_rate = gemm_rate()
-        lines[0] += f" Matmul rate {matmul_rate / 1e12:.0f} TFLOP/s (bf16 8192^3 GEMM, same run)."
         for context in contexts:
             for decodes, chunks, chunk, tokens in shapes:
                 model_step, state, weights, record = mixed_step(model, args.backend, args.rows, tokens, decodes,
                                                                 chunks, chunk, context, args.max_seq_len, args.kv_dtype,
                                                                 not args.unfused, min(tokens, args.prefill_chunk))
-                roofline, bounds = mixed_bounds(model, record, bandwidth, matmul_rate, args.kv_dtype)
+                roofline, bounds = step_bounds(model, record, bandwidth, matmul_rate, args.kv_dtype)
                 lines += report(f"{decodes} decodes + {chunks} x {chunk} prompt tokens at context {context}, "
                                 f"a step of {args.rows} rows x {tokens} tokens ({record.tokens} needed)",
                                 profile_chain(model_step, state, args.steps), roofline, bounds, args.top)
@@ -217,9 +218,9 @@ def main(argv: list[str] | None = None) -> None:
     for context in contexts:
         events, weights = profile(model, args.backend, args.batch, context, args.steps, args.kv_dtype,
                                   not args.unfused)
-        weight_bytes, kv_bytes = step_bytes(cfg, weights, args.batch, context)
-        lines += report(f"Context {context}", events, (weight_bytes + kv_bytes) / bandwidth,
-                        {"GEMM": weight_bytes / bandwidth, "attention": kv_bytes / bandwidth}, args.top)
+        record = step_record(args.batch, 0, 1, context, args.batch, args.batch)
+        lines += report(f"Context {context}", events,
+                        *step_bounds(model, record, bandwidth, matmul_rate, args.kv_dtype), args.top)
         del weights
         gc.collect()                 # the next context's caches need this one's memory
         print("\n".join(lines[-(args.top + 16):]), flush=True)

@@ -397,8 +397,8 @@ def test_mixed_step_decodes_and_prefills_in_a_padded_step():
     import jax
     from flax import nnx
 
-    from benchmarks.engine_step import mixed_step
-    from benchmarks.profile_step import mixed_bounds, mixed_shapes, parse_mixed
+    from benchmarks.engine_step import mixed_step, step_record
+    from benchmarks.profile_step import mixed_shapes, parse_mixed, step_bounds
     from jaxattn.serve.models.llama import PRESETS, Llama
 
     model = Llama(PRESETS["tiny"].replace(num_layers=2), nnx.Rngs(0))
@@ -412,8 +412,13 @@ def test_mixed_step_decodes_and_prefills_in_a_padded_step():
     tokens, _, table = jax.block_until_ready(state)
     assert tokens.shape == (6,) and table.block_tables.shape[1] * table.page_size >= 64
     assert list(np.asarray(table.seq_lens)[:6]) == [19] * 6          # every call redoes the same step
-    roofline, bounds = mixed_bounds(model, record, copy_rate=1e12, matmul_rate=1e14)
+    roofline, bounds = step_bounds(model, record, copy_rate=1e12, matmul_rate=1e14)
     assert roofline >= max(bounds.values()) > 0
+    # a decode step's GEMMs: the weight read below the ridge, 2 x params x rows FLOPs above it
+    small, big = (step_bounds(model, step_record(b, 0, 1, 512, b, b), 1e12, 1e9)[1]["GEMM"] for b in (128, 256))
+    assert big == pytest.approx(2 * small)
+    low, high = (step_bounds(model, step_record(b, 0, 1, 512, b, b), 1e12, 1e18)[1]["GEMM"] for b in (128, 256))
+    assert low == high > 0
     assert parse_mixed("155+1x512, 124+32x16") == [(155, 1, 512), (124, 32, 16)]
     with pytest.raises(ValueError, match="--mixed"):
         parse_mixed("155x512")

@@ -310,7 +310,7 @@ def buckets(smallest: int, largest: int) -> tuple[int, ...]:
     return (*sizes, largest)
 
 
-ROWS_BUCKET_FROM = 256
+ROWS_BUCKET_FROM = 128      # the smallest decode-only step of an engine of more rows
 MIXED_TOKENS_STEP = 128       # the prompt tokens a mixed step's second bucket adds to a batch of decodes
 
 
@@ -351,11 +351,14 @@ class StepBuckets:
     @classmethod
     def default(cls, max_seqs: int, max_step_tokens: int, prefill_chunk: int | None = None,
                 draft_tokens: int = 0) -> "StepBuckets":
-        """Rows ``ROWS_BUCKET_FROM`` (256), doubling, up to ``max_seqs``; tokens ``mixed_buckets``
-        from ``max(max_seqs, 64)`` up to ``max_step_tokens``. Up to about 256 rows a decode step's
-        GEMMs read the weights in the same time whatever the rows, and padding rows cost attention
-        nothing, so smaller decode buckets would only add compiles (10-40 s each for Llama-3-8B on
-        an H100). A mixed step is mostly a full batch of decodes plus a few hundred prompt tokens
+        """Rows ``ROWS_BUCKET_FROM`` (128), doubling, up to ``max_seqs``; tokens ``mixed_buckets``
+        from ``max(max_seqs, 64)`` up to ``max_step_tokens``. Padding rows cost attention nothing,
+        and below the GPU's ridge (about 270 rows of bf16 weights on an H100, 190 on an H200) a
+        decode step's GEMMs read the weights in the same time whatever the rows; above it they grow
+        with the rows: Llama-3-8B's decode step on an H200 spent 4.36 ms in GEMMs at 128 rows and
+        5.86 ms at 256 (benchmarks/RESULTS.md, step_profile_rows), where chat-like traffic runs
+        decode-only steps of 87 rows on average. Smaller buckets would add compiles (10-70 s each
+        at 8B) for no GEMM time. A mixed step is mostly a full batch of decodes plus a few hundred prompt tokens
         (and compute-bound there): on the chat trace (benchmarks/step_padding.py, the scheduler
         replayed as the H100 run of 2026-11-27 served it) tokens doubling from ``max_seqs`` left
         29.9% of the mixed steps' tokens as padding, ``mixed_buckets`` 19.6% with one shape more.

@@ -38,12 +38,12 @@ def test_step_has_no_loops():
 
 
 def test_buckets():
-    """Decode-only steps: the smallest row bucket that holds the rows (one up to 256 rows, then
-    256, 512, ..., max_seqs); mixed steps: max_seqs rows and the smallest token bucket
+    """Decode-only steps: the smallest row bucket that holds the rows (one up to 128 rows, then
+    128, 256, 512, ..., max_seqs); mixed steps: max_seqs rows and the smallest token bucket
     (max(max_seqs, 64), doubling, ..., the budget)."""
     buckets = StepBuckets.default(max_seqs=100, max_step_tokens=1000)
     assert buckets.rows == (100,) and buckets.tokens == (100, 228, 356, 612, 1000)
-    assert StepBuckets.default(max_seqs=600, max_step_tokens=600).rows == (256, 512, 600)
+    assert StepBuckets.default(max_seqs=600, max_step_tokens=600).rows == (128, 256, 512, 600)
     assert StepBuckets.default(max_seqs=4, max_step_tokens=16) == StepBuckets((4,), (16,))
     assert len(buckets.shapes) == 6
     decode = _request(0, [1], [2], computed=1, slot=0, blocks=[0])
@@ -51,6 +51,7 @@ def test_buckets():
     assert buckets.shape(Schedule(rows, [], [], [], [])) == StepShape(100, 100, 1)
     big = StepBuckets.default(max_seqs=600, max_step_tokens=600)
     assert big.shape(Schedule(rows * 20, [], [], [], [])) == StepShape(512, 512, 1)
+    assert big.shape(Schedule(rows * 7, [], [], [], [])) == StepShape(128, 128, 1)
     chunk = Row(_request(1, list(range(300)), [], computed=0, slot=1, blocks=[]), 0, 300, True)
     assert buckets.shape(Schedule(rows + [chunk], [], [], [], [])) == StepShape(100, 356, 356)
     assert page_window(356, 16) == 24 and page_window(400, 16) == 26 and page_window(1, 16) == 1
