@@ -219,10 +219,11 @@ class Engine:
                                  prefill_chunk=prefill_chunk, layout=layout, kv_dtype=kv_dtype, mesh=mesh,
                                  backend=backend, enable_prefix_caching=enable_prefix_caching, drafter=speculative,
                                  draft=draft_model)
-        self.scheduler = Scheduler(max_seqs=max_seqs, num_pages=num_pages, page_size=page_size,
-                                   max_step_tokens=max_step_tokens, enable_prefix_caching=enable_prefix_caching,
-                                   prefill_chunk=prefill_chunk, draft_tokens=draft_tokens,
-                                   seq_capacity=pages_per_seq * page_size, draft_scratch=draft_scratch)
+        self._new_scheduler = functools.partial(
+            Scheduler, max_seqs=max_seqs, num_pages=num_pages, page_size=page_size, max_step_tokens=max_step_tokens,
+            enable_prefix_caching=enable_prefix_caching, prefill_chunk=prefill_chunk, draft_tokens=draft_tokens,
+            seq_capacity=pages_per_seq * page_size, draft_scratch=draft_scratch)
+        self.scheduler = self._new_scheduler()
         self._launched: collections.deque[_Launched] = collections.deque()
         self._previous_rows: dict[Request, int] = {}
         self.step_records: list[StepRecord] | None = [] if record_steps else None
@@ -360,7 +361,32 @@ class Engine:
     def step_events(self) -> list[tuple[Request, list[int]]]:
         """One engine step: launches the next step, if there is work for one, then waits for the
         tokens of the step before it (with ``overlap``; else of this one). Returns
-        ``(request, new_tokens)`` for each request that got tokens."""
+        ``(request, new_tokens)`` for each request that got tokens.
+
+        When a step fails (its launch or its tokens raise), the engine ends every request it
+        holds (``finish_reason`` "abort"), starts over with an empty page table and scheduler (the
+        compiled steps kept; the KV pool too unless the failure consumed it), and re-raises: the
+        requests added after it are served as by a new engine."""
+        try:
+            return self._step_events()
+        except Exception:
+            self._reset()
+            raise
+
+    def _reset(self) -> None:
+        """Ends every request and clears the host and device state (``step_events``)."""
+        for request in [*self.scheduler.waiting, *self.scheduler.running,
+                        *(row.request for launched in self._launched for row in launched.schedule.rows)]:
+            if not request.done:
+                request.finish_reason = "abort"
+        stats = self.scheduler.stats
+        self.scheduler = self._new_scheduler()
+        self.scheduler.stats = stats
+        self._launched.clear()
+        self._previous_rows = {}
+        self.runner.reset()
+
+    def _step_events(self) -> list[tuple[Request, list[int]]]:
         start = time.perf_counter()
         schedule = self.scheduler.schedule()
         if schedule is not None:

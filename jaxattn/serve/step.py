@@ -544,25 +544,43 @@ class StepRunner:
         self.max_seqs, self.backend, self.vocab_size = max_seqs, backend, model.cfg.vocab_size
         self.drafter = drafter
         self._step, self._weights = make_engine_step(model, draft)
-        self.caches = model.init_caches(num_pages, page_size, layout, kv_dtype, mesh=mesh)
-        self.table = jaxattn.PageTable.create(num_pages, max_seqs, pages_per_seq, page_size)
-        self.prev_tokens = jnp.zeros((max_seqs,), jnp.int32)
-        self.drafting = None
-        if drafter is not None:
-            self.drafting = DraftState(jnp.zeros((max_seqs, pages_per_seq * page_size), jnp.int32),
-                                       jnp.zeros((max_seqs, drafter.num_drafts + 1), jnp.int32),
-                                       None if draft is None else draft.init_caches(num_pages, page_size, layout,
-                                                                                    kv_dtype))
-        self._unpicked: StepLaunch | None = None   # a deferred step launched and not picked yet
         if mesh is not None:
-            replicated = NamedSharding(tensor_parallel_mesh(mesh)[0], PartitionSpec())
             self._weights = jax.device_put(self._weights, jax.tree.leaves(model.param_shardings(mesh)))
-            self.table, self.prev_tokens, self.drafting = jax.device_put(
-                (self.table, self.prev_tokens, self.drafting), replicated)
+        self._new_caches = functools.partial(model.init_caches, num_pages, page_size, layout, kv_dtype, mesh=mesh)
+        self._new_draft_caches = None if draft is None else functools.partial(draft.init_caches, num_pages,
+                                                                              page_size, layout, kv_dtype)
+        self._new_table = functools.partial(jaxattn.PageTable.create, num_pages, max_seqs, pages_per_seq, page_size)
+        self._mesh = mesh
+        self.caches = self.drafting = None
+        self.reset()
         self.buckets = StepBuckets.default(max_seqs, max_step_tokens, prefill_chunk,
                                            drafter.num_drafts if drafter else 0)
         # pages one step may allocate (rows of one page, plus its prompt chunks' pages) or cache
         self.step_pages = max_seqs + max_step_tokens // page_size + 1 if enable_prefix_caching else None
+
+    def reset(self) -> None:
+        """Fresh device state for the compiled step: an empty page table, no previous tokens, no
+        drafts, no step waiting for its pick (at start, and after a failed step). The KV caches
+        stay unless a failed step consumed or poisoned them: their contents mean nothing to an
+        empty table."""
+        if not _usable(self.caches):
+            self.caches = None                       # the old pool's memory goes before the new one's comes
+            self.caches = self._new_caches()
+        self.table = self._new_table()
+        self.prev_tokens = jnp.zeros((self.max_seqs,), jnp.int32)
+        if self.drafter is not None:
+            draft_caches = self.drafting and self.drafting.caches
+            if self._new_draft_caches is not None and not _usable(draft_caches):
+                self.drafting = draft_caches = None
+                draft_caches = self._new_draft_caches()
+            capacity = self.table.max_pages_per_seq * self.table.page_size
+            self.drafting = DraftState(jnp.zeros((self.max_seqs, capacity), jnp.int32),
+                                       jnp.zeros((self.max_seqs, self.drafter.num_drafts + 1), jnp.int32), draft_caches)
+        self._unpicked: StepLaunch | None = None   # a deferred step launched and not picked yet
+        if self._mesh is not None:
+            replicated = NamedSharding(tensor_parallel_mesh(self._mesh)[0], PartitionSpec())
+            self.table, self.prev_tokens, self.drafting = jax.device_put(
+                (self.table, self.prev_tokens, self.drafting), replicated)
 
     def launch(self, schedule: Schedule, previous_rows: Mapping[Request, int]) -> "StepLaunch":
         """Runs the step of ``schedule`` (``previous_rows``: ``pack_step``'s), its outputs copied to
@@ -673,6 +691,19 @@ class StepRunner:
                  inputs.prefix, self.drafting, inputs.spec),
                 dict(max_q_len=inputs.shape.max_q_len, backend=self.backend, logprobs=inputs.logprobs and not deferred,
                      deferred=deferred, drafter=self.drafter))
+
+
+def _usable(arrays) -> bool:
+    """Whether ``arrays`` (a pytree; None: no) can feed a step: none was donated to a call that
+    failed (deleted) or is the output of one (its error raised on waiting)."""
+    leaves = jax.tree.leaves(arrays)
+    if not leaves or any(leaf.is_deleted() for leaf in leaves):
+        return False
+    try:
+        jax.block_until_ready(leaves)
+    except Exception:  # noqa: BLE001 - any error of the computation that made them
+        return False
+    return True
 
 
 @functools.partial(jax.jit, donate_argnums=0)

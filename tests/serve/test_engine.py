@@ -228,6 +228,55 @@ def test_abort_of_another_engines_request_raises_and_changes_neither_engine():
     assert handles[0].finish_reason == "length"
 
 
+@pytest.mark.parametrize("failure", ["launch", "after donation", "tokens"])
+def test_a_failed_step_ends_its_requests_and_the_engine_serves_on(monkeypatch, failure):
+    """A step that fails before it runs ("launch"), after the call consumed the donated caches
+    and table ("after donation"), or when its tokens reach the host ("tokens", with overlap): the
+    error reaches the caller, every request the engine held ends with finish_reason "abort", and
+    requests added afterwards get the dense model's greedy tokens with every page back."""
+    model = _tiny_model()
+    rng = np.random.default_rng()
+    engine = Engine(model, max_seqs=2, max_seq_len=48, page_size=8, max_step_tokens=16, backend="xla",
+                    enable_prefix_caching=True)
+    held = [engine.add_request(rng.integers(0, 512, size=n), 6) for n in (9, 20, 5)]
+    engine.step()
+    engine.step()
+    step, calls = engine.runner._step, []
+    pool = jax.tree.leaves(engine.runner.caches)[0]
+
+    def failing_step(*args, **kwargs):
+        calls.append(1)
+        if failure == "after donation" and len(calls) == 1:
+            step(*args, **kwargs)
+        if len(calls) == 1:
+            raise RuntimeError("injected step failure")
+        return step(*args, **kwargs)
+
+    def failing_complete(*args, **kwargs):
+        raise RuntimeError("injected step failure")
+
+    if failure == "tokens":
+        monkeypatch.setattr(engine.scheduler, "complete", failing_complete)
+    else:
+        monkeypatch.setattr(engine.runner, "_step", failing_step)
+    with pytest.raises(RuntimeError, match="injected step failure"):
+        engine.step()
+    assert [r.finish_reason for r in held] == ["abort"] * 3 and not engine.has_work
+    # the pool is kept unless the failed call consumed it
+    assert not jax.tree.leaves(engine.runner.caches)[0].is_deleted()
+    if failure == "launch":
+        assert jax.tree.leaves(engine.runner.caches)[0] is pool
+    if failure == "after donation":
+        assert pool.is_deleted()
+    prompts = [rng.integers(0, 512, size=n) for n in (7, 17, 3)]
+    handles = [engine.add_request(p, 5) for p in prompts]
+    engine.run()
+    for handle, prompt in zip(handles, prompts):
+        assert handle.finish_reason == "length" and handle.output == dense_greedy(model, prompt, 5)
+    engine.step()
+    check_drained(engine)
+
+
 def test_warmup_out_of_memory_names_the_pool(monkeypatch):
     """A step that runs out of device memory in warm-up (its temporaries beside a pool sized from
     free memory: seen on an H200 with DeepSeek-V2-Lite's shapes) is a RuntimeError naming the

@@ -415,7 +415,8 @@ def test_command_line(capsys):
 
 class _FailingEngine:
     """An Engine whose add_choices (the server's way in) raises (not a ValueError) for prompts
-    starting with FAIL, and whose next step raises after ``fail_next_step`` is set."""
+    starting with FAIL, and whose next step's jitted call raises after ``fail_next_step`` is set
+    (inside the engine, which recovers: ``Engine.step_events``)."""
 
     FAIL = 13
 
@@ -432,9 +433,14 @@ class _FailingEngine:
         return self._engine.add_choices(prompt, *args, **kwargs)
 
     def step_events(self):
+        runner, step = self._engine.runner, self._engine.runner._step
         if self.fail_next_step:
             self.fail_next_step = False
-            raise RuntimeError("injected step fault")
+
+            def failing_step(*args, **kwargs):
+                runner._step = step                  # once
+                raise RuntimeError("injected step fault")
+            runner._step = failing_step
         return self._engine.step_events()
 
 
