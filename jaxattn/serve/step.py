@@ -358,10 +358,11 @@ class StepBuckets:
         with the rows: Llama-3-8B's decode step on an H200 spent 4.36 ms in GEMMs at 128 rows and
         5.86 ms at 256 (benchmarks/RESULTS.md, step_profile_rows), where chat-like traffic runs
         decode-only steps of 87 rows on average. Smaller buckets would add compiles (10-70 s each
-        at 8B) for no GEMM time. A mixed step is mostly a full batch of decodes plus a few hundred prompt tokens
-        (and compute-bound there): on the chat trace (benchmarks/step_padding.py, the scheduler
-        replayed as the H100 run of 2026-11-27 served it) tokens doubling from ``max_seqs`` left
-        29.9% of the mixed steps' tokens as padding, ``mixed_buckets`` 19.6% with one shape more.
+        at 8B) for no GEMM time. A mixed step is mostly a full batch of decodes plus a few hundred
+        prompt tokens (and compute-bound there): on the chat trace (benchmarks/step_padding.py, the
+        scheduler replayed as the H100 run of 2026-11-27 served it) tokens doubling from
+        ``max_seqs`` left 29.9% of the mixed steps' tokens as padding, ``mixed_buckets`` 19.6% with
+        one shape more.
         With ``draft_tokens`` K, a decode step of b rows has room for b (K + 1) tokens."""
         return cls(buckets(ROWS_BUCKET_FROM, max_seqs) if max_seqs > ROWS_BUCKET_FROM else (max_seqs,),
                    mixed_buckets(max(max_seqs, 64), max_step_tokens), prefill_chunk, draft_tokens)
@@ -569,9 +570,9 @@ class StepRunner:
         self.table = self._new_table()
         self.prev_tokens = jnp.zeros((self.max_seqs,), jnp.int32)
         if self.drafter is not None:
-            draft_caches = self.drafting and self.drafting.caches
+            draft_caches = None if self.drafting is None else self.drafting.caches
             if self._new_draft_caches is not None and not _usable(draft_caches):
-                self.drafting = draft_caches = None
+                self.drafting = None                 # as the pool's: the old caches' memory first
                 draft_caches = self._new_draft_caches()
             capacity = self.table.max_pages_per_seq * self.table.page_size
             self.drafting = DraftState(jnp.zeros((self.max_seqs, capacity), jnp.int32),

@@ -228,21 +228,28 @@ def test_abort_of_another_engines_request_raises_and_changes_neither_engine():
     assert handles[0].finish_reason == "length"
 
 
-@pytest.mark.parametrize("failure", ["launch", "after donation", "tokens"])
-def test_a_failed_step_ends_its_requests_and_the_engine_serves_on(monkeypatch, failure):
+@pytest.mark.parametrize("failure, speculating", [("launch", False), ("after donation", False), ("tokens", False),
+                                                   ("after donation", True)])
+def test_a_failed_step_ends_its_requests_and_the_engine_serves_on(monkeypatch, failure, speculating):
     """A step that fails before it runs ("launch"), after the call consumed the donated caches
-    and table ("after donation"), or when its tokens reach the host ("tokens", with overlap): the
-    error reaches the caller, every request the engine held ends with finish_reason "abort", and
-    requests added afterwards get the dense model's greedy tokens with every page back."""
+    and table ("after donation"; also with a draft model's caches), or when its tokens reach the
+    host ("tokens", with overlap): the error reaches the caller, every request the engine held
+    ends with finish_reason "abort", and requests added afterwards get the dense model's greedy
+    tokens with every page back."""
     model = _tiny_model()
     rng = np.random.default_rng()
+    speculative = {}
+    if speculating:
+        speculative = dict(speculative={"method": "draft_model", "model": "tiny", "num_speculative_tokens": 2},
+                           draft_model=Llama(PRESETS["tiny"].replace(num_layers=1), nnx.Rngs(1)))
     engine = Engine(model, max_seqs=2, max_seq_len=48, page_size=8, max_step_tokens=16, backend="xla",
-                    enable_prefix_caching=True)
+                    enable_prefix_caching=True, **speculative)
     held = [engine.add_request(rng.integers(0, 512, size=n), 6) for n in (9, 20, 5)]
     engine.step()
     engine.step()
     step, calls = engine.runner._step, []
     pool = jax.tree.leaves(engine.runner.caches)[0]
+    draft_pool = jax.tree.leaves(engine.runner.drafting.caches)[0] if speculating else None
 
     def failing_step(*args, **kwargs):
         calls.append(1)
@@ -268,6 +275,8 @@ def test_a_failed_step_ends_its_requests_and_the_engine_serves_on(monkeypatch, f
         assert jax.tree.leaves(engine.runner.caches)[0] is pool
     if failure == "after donation":
         assert pool.is_deleted()
+    if speculating:
+        assert draft_pool.is_deleted() and not jax.tree.leaves(engine.runner.drafting.caches)[0].is_deleted()
     prompts = [rng.integers(0, 512, size=n) for n in (7, 17, 3)]
     handles = [engine.add_request(p, 5) for p in prompts]
     engine.run()
