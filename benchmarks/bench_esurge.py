@@ -164,8 +164,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--layers", type=int, default=None, help="number of layers (default: the preset's)")
     parser.add_argument("--requests", type=int, default=None, help="requests in the trace (default: the trace's)")
     parser.add_argument("--max-seqs", type=int, default=None,
-                        help="sequences in flight (default: those of jaxattn's row, else 156: what jaxattn's Engine "
-                             "took for Llama-3-8B on an H100)")
+                        help="sequences in flight (default: those of jaxattn's row when it exists at the start, else "
+                             "156: what jaxattn's Engine took for Llama-3-8B on an H100)")
     parser.add_argument("--max-step-tokens", type=int, default=2048, help="tokens per step")
     parser.add_argument("--page-size", type=int, default=64)
     parser.add_argument("--hbm-utilization", type=float, default=0.85, help="eSurge's share of GPU memory")
@@ -187,8 +187,9 @@ def main(argv: list[str] | None = None) -> None:
     cfg = PRESETS["tiny" if args.smoke else args.preset]
     section, heading = SECTIONS[args.trace], HEADINGS[args.trace]
     against = args.against or os.path.join(os.environ.get("OUT", ""), f"{section}_results.md")
-    ours = jaxattn_row(against, "on" if args.trace == "shared-prefix" else None)   # bench_serving's caching-on row
+    label = "on" if args.trace == "shared-prefix" else None                  # bench_serving's caching-on row
     if args.max_seqs is None:
+        ours = jaxattn_row(against, label)
         args.max_seqs = (ours and sequences_in_flight(ours[0])) or 156
     if args.smoke:
         args.page_size, args.max_seqs, args.max_step_tokens = 8, 4, 32
@@ -222,6 +223,7 @@ def main(argv: list[str] | None = None) -> None:
 
     shape = describe(args.trace, trace, spec)
     cut = served.finished < len(trace)
+    ours = jaxattn_row(against, label)       # read again: a bench_serving run beside this one may end after it began
     import easydel
 
     tokens_per_s = served.generated / served.wall_s
