@@ -123,7 +123,7 @@ def serve(engine, trace: Sequence[TraceRequest], time_limit_s: float | None = No
     wanted = {f"trace-{i}": item.new_tokens for i, item in enumerate(trace)}
     tpot = [(out.processing_time - out.first_token_time) / (generated[rid] - 1)
             for rid, out in outputs.items() if generated[rid] > 1 and out.first_token_time is not None]
-    wall_s = time_limit_s if partial or len(outputs) < len(trace) else max(ends) - start
+    wall_s = time_limit_s if len(outputs) < len(trace) else max(ends) - start
     return Served(wall_s=wall_s, prompt_tokens=sum(r.prompt.size for r in trace),
                   generated=sum(generated.values()) + sum(partial.values()),
                   short=sum(generated[rid] < wanted[rid] for rid in outputs), finished=len(outputs),
