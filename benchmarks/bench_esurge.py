@@ -180,6 +180,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--smoke", action="store_true", help="a tiny model and trace (CPU, about a minute); "
                                                               "RESULTS.md is left alone")
     args = parser.parse_args(argv)
+    if args.time_limit_s is not None and not args.time_limit_s > 0:
+        parser.error(f"--time-limit-s must be a number of seconds > 0, got {args.time_limit_s}")
 
     import jax
 

@@ -453,11 +453,11 @@ def test_tune_triton_decode_points():
                    for decode, reduce in launches)
 
 
-def test_esurge_table_takes_jaxattn_row_from_bench_serving_section(tmp_path):
+def test_esurge_table_takes_jaxattn_row_from_bench_serving_section(tmp_path, capsys):
     """bench_esurge reads the row to compare with from bench_serving's section of the same call:
     the first row (published rows come after it), or shared-prefix's caching-on row; and the
-    sequences in flight its header names (eSurge's default)."""
-    from benchmarks.bench_esurge import jaxattn_row, sequences_in_flight
+    sequences in flight its header names (eSurge's default); a time limit that is not > 0 is a usage error."""
+    from benchmarks.bench_esurge import jaxattn_row, main, sequences_in_flight
 
     section = tmp_path / "serving_chat_results.md"
     section.write_text("<!-- serving_chat:begin -->\nDevice: H100; date 2026-11-28\n\n"
@@ -473,3 +473,7 @@ def test_esurge_table_takes_jaxattn_row_from_bench_serving_section(tmp_path):
     assert jaxattn_row(str(tmp_path / "missing.md")) is None
     assert sequences_in_flight("Device: NVIDIA H200; backend auto; 256 sequences in flight, 2048 tokens") == 256
     assert sequences_in_flight("Device: cpu") is None
+    for limit in ("0", "-5", "nan"):
+        with pytest.raises(SystemExit):
+            main(["--trace", "chat", "--time-limit-s", limit])
+    assert "--time-limit-s must be a number of seconds > 0, got nan" in capsys.readouterr().err
