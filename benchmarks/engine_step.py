@@ -60,7 +60,7 @@ def _engine_step(model: Llama, mesh: Mesh | None, fuse_projections: bool):
 
 
 def decode_step(model: Llama, backend: str, batch: int, context: int, steps: int, mesh: Mesh | None = None,
-                kv_dtype=None, draft_tokens: int = 0, fuse_projections: bool = True):
+                kv_dtype=None, draft_tokens: int = 0, fuse_projections: bool = True, width: int = 0):
     """``(model_step, state, weights, plan)``: one greedy decode step of the engine as a function
     of its state (next tokens, caches, table, drafting), chained calls of which decode ``batch``
     sequences from ``context - 1`` tokens on (room for ``7 * steps + 8`` steps); the first state;
@@ -70,12 +70,13 @@ def decode_step(model: Llama, backend: str, batch: int, context: int, steps: int
     speculating engine's step instead (n-gram drafts, vLLM's default lookup): every row verifies
     its K drafts in K + 1 query tokens and keeps what it accepts (random weights: about none).
     ``fuse_projections``: the model's q/k/v and gate/up projections fused first, in place, for the
-    ``mesh``'s shard count, as the ``Engine`` fuses them (``jaxattn.serve.models.fusion``)."""
+    ``mesh``'s shard count, as the ``Engine`` fuses them (``jaxattn.serve.models.fusion``).
+    ``width``: the block table's keys at least (an engine's ``max_seq_len``; ``fill``)."""
     cfg = model.cfg
     step, weights = _engine_step(model, mesh, fuse_projections)
     row_tokens = draft_tokens + 1
     caches, table = fill(model, batch, context, row_tokens * (7 * steps + 8), seed=batch + context, mesh=mesh,
-                         kv_dtype=kv_dtype)
+                         kv_dtype=kv_dtype, width=width)
     ids = jnp.arange(batch, dtype=jnp.int32)
     q_lens = jnp.full((batch,), row_tokens, jnp.int32)
     no_release = jnp.full((batch,), -1, jnp.int32)

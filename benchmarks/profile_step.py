@@ -2,7 +2,7 @@
 step's GPU time goes, by kind of kernel, against what each kind must move.
 
     python -m benchmarks.profile_step [--layers 32] [--batch 64] [--contexts 1024,4096] [--backend auto]
-                                      [--kv-dtype float8_e4m3fn] [--section NAME]
+                                      [--kv-dtype float8_e4m3fn] [--max-seq-len 2048] [--section NAME]
     python -m benchmarks.profile_step --mixed 155+1x512,124+32x16 [--rows 156] [--max-step-tokens 2048]
                                       [--contexts 512] --section step_profile_mixed
 
@@ -15,8 +15,10 @@ rate and the matmul rate of an 8192^3 GEMM measured in the same run): GEMMs, the
 2 x params x the step's tokens, whichever takes longer (at 256 rows an H200's GEMMs are
 compute-bound); attention, its K/V bytes or its FLOPs; the rest, 0. Each kind also says how many
 kernels it launches per step: the attention work that is not a kernel of its own (metadata,
-operand preparation) shows as launches that grow with the layer count. Writes the step_profile
-section of benchmarks/RESULTS.md (``--section``: another).
+operand preparation) shows as launches that grow with the layer count. The block tables are as
+wide as the context needs, or ``--max-seq-len`` keys when given (the engine's tables: what
+``auto`` chooses by). Writes the step_profile section of benchmarks/RESULTS.md (``--section``:
+another).
 
 ``--mixed D+CxN,...`` profiles the engine's mixed steps instead (``engine_step.mixed_step``): D
 decodes and C prompt chunks of N tokens each in a step of ``--rows`` rows (the engine's
@@ -78,10 +80,11 @@ def by_kind(events: dict[str, tuple[float, float]]) -> dict[str, tuple[float, fl
 
 
 def profile(model: Llama, backend: str, batch: int, context: int, steps: int, kv_dtype=None,
-            fuse_projections: bool = True) -> tuple[dict[str, tuple[float, float]], list]:
-    """((GPU seconds, launches) per step by kernel name, the step's weights)."""
+            fuse_projections: bool = True, width: int = 0) -> tuple[dict[str, tuple[float, float]], list]:
+    """((GPU seconds, launches) per step by kernel name, the step's weights; ``width``:
+    ``decode_step``'s)."""
     model_step, state, weights, _ = decode_step(model, backend, batch, context, steps, kv_dtype=kv_dtype,
-                                                fuse_projections=fuse_projections)
+                                                fuse_projections=fuse_projections, width=width)
     return profile_chain(model_step, state, steps), weights
 
 
@@ -177,10 +180,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-step-tokens", type=int, default=2048, help="the engine's largest mixed step")
     parser.add_argument("--prefill-chunk", type=int, default=DEFAULT_PREFILL_CHUNK,
                         help="the engine's prefill_chunk: a mixed step's max_q_len is min(its tokens, this)")
-    parser.add_argument("--max-seq-len", type=int, default=2048,
-                        help="the engine's max_seq_len: a mixed step's block tables are this many keys wide "
-                             "(bench_serving's chat and decode-heavy engines: 2048)")
+    parser.add_argument("--max-seq-len", type=int, default=None,
+                        help="the engine's max_seq_len: the block tables are this many keys wide (bench_serving's "
+                             "chat and decode-heavy engines: 2048; default: 2048 for --mixed, else as the context "
+                             "needs)")
     args = parser.parse_args(argv)
+    width = args.max_seq_len
+    if width is not None and width < 1:
+        parser.error(f"--max-seq-len: expected a positive number of keys, got {width}")
+    if args.mixed:
+        args.max_seq_len = args.max_seq_len or 2048
     # checked before anything is measured: a bad spec must not cost the device time of the good ones
     shapes = mixed_shapes(args.mixed, args.rows, args.max_step_tokens) if args.mixed else []
     cfg = PRESETS[args.preset].replace(num_layers=args.layers)
@@ -195,7 +204,7 @@ def main(argv: list[str] | None = None) -> None:
              f"Command: `python -m benchmarks.profile_step --preset {args.preset} --layers {args.layers} "
              + (f"--mixed {args.mixed} --rows {args.rows} --max-step-tokens {args.max_step_tokens} "
                 f"--prefill-chunk {args.prefill_chunk} --max-seq-len {args.max_seq_len} " if args.mixed
-                else f"--batch {args.batch} ")
+                else f"--batch {args.batch} " + (f"--max-seq-len {width} " if width else ""))
              + f"--contexts {args.contexts} --backend {args.backend}"
              f"{f' --kv-dtype {args.kv_dtype}' if args.kv_dtype else ''}{' --unfused' if args.unfused else ''}`", ""]
     contexts = [int(c) for c in args.contexts.split(",")]
@@ -217,7 +226,7 @@ def main(argv: list[str] | None = None) -> None:
         return
     for context in contexts:
         events, weights = profile(model, args.backend, args.batch, context, args.steps, args.kv_dtype,
-                                  not args.unfused)
+                                  not args.unfused, width or 0)
         record = step_record(args.batch, 0, 1, context, args.batch, args.batch)
         lines += report(f"Context {context}", events,
                         *step_bounds(model, record, bandwidth, matmul_rate, args.kv_dtype), args.top)

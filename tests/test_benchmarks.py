@@ -435,6 +435,26 @@ def test_mixed_step_decodes_and_prefills_in_a_padded_step():
         mixed_step(model, "xla", rows=6, tokens=40, decodes=3, chunks=2, chunk=16, context=20, max_seq_len=32)
 
 
+def test_decode_step_tables_as_wide_as_asked():
+    """engine_step.decode_step (profile_step's decode path): block tables as wide as the context
+    needs, or ``width`` keys (an engine's max_seq_len, what ``auto`` chooses by); profile_step
+    refuses a non-positive --max-seq-len before measuring anything."""
+    from flax import nnx
+
+    from benchmarks import profile_step
+    from benchmarks.engine_step import decode_step
+    from jaxattn.serve.models.llama import PRESETS, Llama
+
+    model = Llama(PRESETS["tiny"].replace(num_layers=1), nnx.Rngs(0))
+    widths = []
+    for width in (0, 4096):
+        _, (_, _, table, _), _, _ = decode_step(model, "xla", batch=2, context=20, steps=1, width=width)
+        widths.append(table.block_tables.shape[1] * table.page_size)
+    assert widths[0] < 4096 <= widths[1]
+    with pytest.raises(SystemExit):
+        profile_step.main(["--max-seq-len", "0"])
+
+
 def test_tune_triton_decode_points():
     """tune_triton --decode-points: BxKV points parse (a bad one names the flag), and each point's
     plan times decode + reduce launches over 1 to 32 KV segments at B <= 4."""

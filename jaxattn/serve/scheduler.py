@@ -106,6 +106,8 @@ class Request:
         n = self.prompt.size
         if stop <= n:
             return self.prompt[start:stop]
+        if start >= n:
+            return np.asarray(self.output[start - n:stop - n], np.int32)
         return np.concatenate([self.prompt[start:], np.asarray(self.output[max(start - n, 0):stop - n], np.int32)])
 
     def _append(self, token: int) -> None:
@@ -334,11 +336,11 @@ class Scheduler:
         for request in list(self.running):
             if request.sampled_all and self._registered_all(request):
                 self._finish(request)                 # its last token is in flight: free its slot now
-        rows: list[tuple[Request, int, int]] = []          # (request, tokens, drafts)
+        rows: list[tuple[Request, int, int, int]] = []          # (request, tokens, drafts, new pages)
         budget = self.max_step_tokens - sum(todo(r) == 1 for r in self.running)
         need, preempted = 0, False
         for request in list(self.running):
-            if request not in self.running:          # preempted by an earlier row
+            if request.slot < 0:                     # preempted by an earlier row
                 break
             left = todo(request)
             count = left if left <= 1 else min(left, budget, self.prefill_chunk)
@@ -347,16 +349,17 @@ class Scheduler:
             drafts = self.draft_tokens if left == 1 and budget >= self.draft_tokens and \
                 self._can_speculate(request) else 0
             count += drafts
-            while self._new_pages(request, count, drafts) > self.pool.available - need:
+            pages = self._new_pages(request, count, drafts)
+            while pages > self.pool.available - need:
                 victim = self.running[-1]
                 self._preempt(victim)
                 preempted = True
                 if victim is request:
                     break
-            if request not in self.running:
+            if request.slot < 0:
                 break
-            rows.append((request, count, drafts))
-            need += self._new_pages(request, count, drafts)
+            rows.append((request, count, drafts, pages))
+            need += pages
             budget -= count if left > 1 else drafts
         admitted, held_back = [], []
         while not preempted and self.waiting and self._free_slots and budget > 0:
@@ -369,7 +372,8 @@ class Scheduler:
             request.blocks = self.pool.lookup(keys[:(request.num_tokens - 1) // self.page_size])
             request.computed = len(request.blocks) * self.page_size
             count = min(request.num_tokens - request.computed, budget, self.prefill_chunk)
-            if self._new_pages(request, count) > self.pool.available - need:
+            pages = self._new_pages(request, count)
+            if pages > self.pool.available - need:
                 self.pool.release(request.blocks)
                 request.blocks, request.computed = [], 0
                 break
@@ -377,8 +381,8 @@ class Scheduler:
             request.slot, request.keys, request.registered = self._free_slots.pop(), keys, len(request.blocks)
             self.running.append(request)
             admitted.append(request)
-            rows.append((request, count, 0))
-            need += self._new_pages(request, count)
+            rows.append((request, count, 0, pages))
+            need += pages
             budget -= count
             self.stats["cached_tokens"] += min(request.computed, request.prompt.size)
         self.waiting.extendleft(reversed(held_back))
@@ -386,16 +390,16 @@ class Scheduler:
             return None
         # a row under a grammar that samples defers the step's picks, which verify no drafts
         deferred = any(r.grammar is not None and r.computed + count - drafts == r.num_tokens
-                       for r, count, drafts in rows)
-        if deferred and any(drafts for _, _, drafts in rows):
-            rows = [(r, count - drafts, 0) for r, count, drafts in rows]
-            need = sum(self._new_pages(r, count) for r, count, _ in rows)
+                       for r, count, drafts, _ in rows)
+        if deferred and any(drafts for _, _, drafts, _ in rows):
+            rows = [(r, count - drafts, 0, self._new_pages(r, count - drafts)) for r, count, drafts, _ in rows]
+            need = sum(pages for *_, pages in rows)
         evicted = self.pool.allocate(need)
         self.stats["evicted_pages"] += len(evicted)
         step_rows = []
         # one-token rows (decodes) first, then decodes with drafts, then prompt chunks
-        for request, count, drafts in sorted(rows, key=lambda row: (row[1] - row[2] > 1, row[2] > 0)):
-            request.blocks += [0] * self._new_pages(request, count, drafts)
+        for request, count, drafts, pages in sorted(rows, key=lambda row: (row[1] - row[2] > 1, row[2] > 0)):
+            request.blocks += [0] * pages
             start = request.computed
             request.computed += count - drafts
             samples = request.computed == request.num_tokens
@@ -485,7 +489,7 @@ class Scheduler:
                     break
             events.append((r, r.output[appended:]))
             if r.done:
-                if r in self.running:
+                if r.slot >= 0:                      # running
                     self._finish(r)
                 elif r in self.waiting:              # preempted while this row ran
                     self.waiting.remove(r)

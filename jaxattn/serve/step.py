@@ -455,7 +455,8 @@ def pack_step(schedule: Schedule, shape: StepShape, *, max_seqs: int, page_size:
             offset += row.count
             continue
         known = min(row.start + row.count, r.num_known) - row.start
-        tokens[offset:offset + known] = r.tokens_between(row.start, row.start + known)
+        if known > 0:
+            tokens[offset:offset + known] = r.tokens_between(row.start, row.start + known)
         if known < row.count:       # the token the previous step sampled, still on the device
             token_src[offset + known] = previous_rows[r]
         offset += row.count
