@@ -258,7 +258,7 @@ def main(argv: list[str] | None = None) -> None:
         "|" + "---|" * len(COLUMNS.split(" | ")),
         *rows,
         "",
-        (f"jaxattn's row: {against} ({ours[0][:160]})." if ours else
+        (f"jaxattn's row: {against} ({'; '.join(ours[0].split('; ')[:3])})." if ours else
          f"No jaxattn row beside it: {against} is missing or has no table (run bench_serving first, same call)."),
     ]
     if cut:

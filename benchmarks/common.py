@@ -88,6 +88,13 @@ class Case:
                    (context,) * decodes + (context - 1 + chunk,) * chunks + (0,) * pad,
                    tokens=tokens, capacity=capacity, q_len_bound=min(tokens, prefill_chunk))
 
+    @classmethod
+    def engine_decode(cls, decodes: int, context: int, rows: int, capacity: int) -> Case:
+        """An engine's decode-only step: ``decodes`` decodes at ``context`` keys, padded to
+        ``rows`` rows of one token (``max_q_len`` 1), block tables ``capacity`` keys wide."""
+        case = cls.engine_mixed(decodes, 0, 0, context, rows, rows, capacity, prefill_chunk=1)
+        return dataclasses.replace(case, name=f"{decodes} decodes at {context}, {rows} rows, {capacity} keys wide")
+
     @property
     def batch(self) -> int:
         return len(self.q_lens)

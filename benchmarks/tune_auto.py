@@ -48,6 +48,10 @@ rows (``--merge``, same machine) and writes the table:
 writes them into the table already at its path (their buckets replaced or added, the other entries kept):
 
     python -m benchmarks.tune_auto --only "engine mixed" --device-table --extend --section auto-table-engine
+
+A bucket holds every workload measured into it, its plans ranked by their summed times: to weigh the
+engine's decode-only steps against the grid's full-length decodes of the same bucket, measure both
+(``--only "engine decode,decode B=256 kv=2048"``).
 """
 
 from __future__ import annotations
@@ -145,11 +149,17 @@ MORE = [
 ]
 # The engine's mixed steps as Llama-3-8B serves chat (bench_serving): 156 rows (max_seqs), the
 # token buckets of ``jaxattn.serve.step.mixed_buckets(156, 2048)`` with max_q_len min(T, 512),
-# tables 2048 keys wide (max_seq_len), decodes and prompt chunks at chat's contexts.
+# tables 2048 keys wide (max_seq_len), decodes and prompt chunks at chat's contexts. Then its
+# decode-only steps (rows 128 and 256, ``StepBuckets.default``): the same 2048-key tables, whose
+# rows read far fewer keys than the grid's decodes of the same bucket (every row as long as the
+# table), the case where the backends part (RESULTS.md, step_profile_width).
 ENGINE = [Workload("engine mixed", Case.engine_mixed(decodes, chunks, chunk, context, 156, tokens, 2048))
           for decodes, chunks, chunk, context, tokens in (
               (155, 1, 128, 512, 284), (150, 2, 64, 256, 412), (155, 1, 512, 512, 668), (124, 32, 16, 512, 668),
-              (28, 4, 256, 512, 1180), (36, 60, 32, 256, 2048))]
+              (28, 4, 256, 512, 1180), (36, 60, 32, 256, 2048))] + [
+    Workload("engine decode", Case.engine_decode(decodes, context, rows, 2048))
+    for decodes, context, rows in ((100, 256, 128), (100, 512, 128), (200, 256, 256), (200, 512, 256),
+                                   (256, 1024, 256))]
 SMOKE = [decode(2, 128), decode(2, 128, layout="NHD"), Workload("prefill", Case.prefill(1, 64)),
          Workload("mixed", Case("1 decode + 64 prefill", (1, 64), (128, 64))), mla_prefill(4, 1, 64)]
 

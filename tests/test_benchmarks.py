@@ -170,6 +170,9 @@ def test_engine_mixed_case_pads_like_the_engine():
     assert x.meta.kv_lens.tolist() == [100] * 3 + [115] * 2 + [0] * 3
     with pytest.raises(ValueError, match="does not fit"):
         Case.engine_mixed(7, 2, 16, 100, rows=8, tokens=48, capacity=512)
+    decode = make_inputs(Case.engine_decode(5, 100, rows=8, capacity=512))
+    assert decode.q.shape[0] == 8 and decode.meta.block_tables.shape == (8, 8) and decode.meta.max_q_len == 1
+    assert decode.meta.kv_lens.tolist() == [100] * 5 + [0] * 3 and int(decode.meta.num_decodes) == 5
 
 
 @pytest.mark.parametrize("shard", ["0/2", "3/2", "1", "a/b"])
