@@ -185,11 +185,10 @@ def main(argv: list[str] | None = None) -> None:
                              "chat and decode-heavy engines: 2048; default: 2048 for --mixed, else as the context "
                              "needs)")
     args = parser.parse_args(argv)
-    width = args.max_seq_len
-    if width is not None and width < 1:
-        parser.error(f"--max-seq-len: expected a positive number of keys, got {width}")
-    if args.mixed:
-        args.max_seq_len = args.max_seq_len or 2048
+    if args.max_seq_len is not None and args.max_seq_len < 1:
+        parser.error(f"--max-seq-len: expected a positive number of keys, got {args.max_seq_len}")
+    if args.mixed and args.max_seq_len is None:
+        args.max_seq_len = 2048
     # checked before anything is measured: a bad spec must not cost the device time of the good ones
     shapes = mixed_shapes(args.mixed, args.rows, args.max_step_tokens) if args.mixed else []
     cfg = PRESETS[args.preset].replace(num_layers=args.layers)
@@ -204,7 +203,7 @@ def main(argv: list[str] | None = None) -> None:
              f"Command: `python -m benchmarks.profile_step --preset {args.preset} --layers {args.layers} "
              + (f"--mixed {args.mixed} --rows {args.rows} --max-step-tokens {args.max_step_tokens} "
                 f"--prefill-chunk {args.prefill_chunk} --max-seq-len {args.max_seq_len} " if args.mixed
-                else f"--batch {args.batch} " + (f"--max-seq-len {width} " if width else ""))
+                else f"--batch {args.batch} " + (f"--max-seq-len {args.max_seq_len} " if args.max_seq_len else ""))
              + f"--contexts {args.contexts} --backend {args.backend}"
              f"{f' --kv-dtype {args.kv_dtype}' if args.kv_dtype else ''}{' --unfused' if args.unfused else ''}`", ""]
     contexts = [int(c) for c in args.contexts.split(",")]
@@ -226,7 +225,7 @@ def main(argv: list[str] | None = None) -> None:
         return
     for context in contexts:
         events, weights = profile(model, args.backend, args.batch, context, args.steps, args.kv_dtype,
-                                  not args.unfused, width or 0)
+                                  not args.unfused, args.max_seq_len or 0)
         record = step_record(args.batch, 0, 1, context, args.batch, args.batch)
         lines += report(f"Context {context}", events,
                         *step_bounds(model, record, bandwidth, matmul_rate, args.kv_dtype), args.top)
