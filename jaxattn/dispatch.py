@@ -136,8 +136,9 @@ def split_route(call: Call, main: str) -> Route | None:
     step that is not decode-only, the leading decodes to the backend ``auto`` picks for a
     decode-only step, when that is another backend and the step is a prefill step (``meta.max_q_len``
     None or above ``SPEC_DECODE_MAX_Q_LEN``) or ``main`` does not rank decodes (cudnn); None when
-    there is none (a speculative-decode kernel serves its step whole)."""
-    if call.phase == "decode":
+    there is none (a speculative-decode kernel serves its step whole; a call of one sequence, which
+    is a decode or a prefill, never both, so a split only adds an empty launch)."""
+    if call.phase == "decode" or call.meta.batch_size == 1:
         return None
     decodes = decode_call(call)
     decode = choose(decodes, "auto")

@@ -295,3 +295,13 @@ def test_no_split_is_weighed_for_decode_steps_or_one_backend(on_sm90, monkeypatc
     write_table(on_sm90, table_json(prefill_entry(["xla+xla", "xla"])))
     assert dispatch.split_route(prefill_call(), "xla") is None                  # decodes would go to xla too
     assert dispatch.auto_route(prefill_call(), "xla") == dispatch.Route("xla")
+
+
+def test_no_split_is_weighed_for_one_sequence(monkeypatch):
+    """One sequence is a decode or a prefill, never both: the prefill backend serves it whole even
+    where a decode-only call of its size goes to another backend (the split would launch it empty)."""
+    monkeypatch.setattr(backends, "unavailable_reason", lambda name: None if name in ("xla", "trtllm") else "off")
+    assert dispatch.split_route(prefill_call(), "xla") == dispatch.Route("xla", "trtllm")
+    one = make_call(batch=1, tokens=40, max_q_len=None)
+    assert dispatch.split_route(one, "xla") is None
+    assert dispatch.route(one) == dispatch.Route("xla")
