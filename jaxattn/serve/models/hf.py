@@ -46,8 +46,11 @@ _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 _RAW_DTYPES = {"F8_E4M3": FP8_DTYPE, "F32": np.float32, "F16": np.float16, "BF16": jnp.bfloat16}
 
 
-def _field(hf: dict[str, Any], name: str, expected: str) -> ValueError:
-    return ValueError(f"from_pretrained: config.json field {name}={hf.get(name)!r} is not supported "
+def _field(hf: dict[str, Any], name: str, expected: str, value: Any = None) -> ValueError:
+    """The error for config field ``name`` (``value``, when given: a field inside an object, as
+    ``rope_scaling.factor``)."""
+    value = hf.get(name) if value is None else value
+    return ValueError(f"from_pretrained: config.json field {name}={value!r} is not supported "
                       f"for model_type={hf.get('model_type')!r}; expected {expected}")
 
 
@@ -69,8 +72,17 @@ def _number(hf: dict[str, Any], name: str, value: Any, default: float) -> float:
     if value is None:
         return default
     if not is_positive_float32(value):
-        raise _field(hf, name, "a number > 0, finite in float32")
+        raise _field(hf, name, "a number > 0, finite in float32", value)
     return float(value)
+
+
+def _flag(hf: dict[str, Any], name: str) -> bool:
+    """Config field ``name`` as a bool (False when absent or null); JSON's true or false only (a
+    string "false" would otherwise read as true)."""
+    value = hf.get(name)
+    if value is not None and not isinstance(value, bool):
+        raise _field(hf, name, "true or false")
+    return bool(value)
 
 
 def _rope_parameters(hf: dict[str, Any]) -> tuple[str, dict[str, Any], float, str]:
@@ -93,14 +105,17 @@ def _rope(hf: dict[str, Any]) -> tuple[float, Llama3RopeScaling | None]:
         return theta, None
     if rope_type != "llama3":
         raise _field(hf, name, "rope_type 'default' or 'llama3'")
-    try:
-        return theta, Llama3RopeScaling(
-            factor=float(params["factor"]), low_freq_factor=float(params["low_freq_factor"]),
-            high_freq_factor=float(params["high_freq_factor"]),
-            original_max_position_embeddings=int(params.get("original_max_position_embeddings")
-                                                 or hf["max_position_embeddings"]))
-    except KeyError as missing:
-        raise _field(hf, name, f"llama3 rope scaling with {missing}") from None
+    factors = ("factor", "low_freq_factor", "high_freq_factor")
+    missing = [key for key in factors if params.get(key) is None]
+    if missing:
+        raise _field(hf, name, f"llama3 rope scaling with {missing}")
+    factor, low, high = (_number(hf, f"{name}.{key}", params[key], 0.0) for key in factors)
+    original = params.get("original_max_position_embeddings") or hf.get("max_position_embeddings")
+    if not is_positive_int(original):
+        raise _field(hf, f"{name}.original_max_position_embeddings", "an int in [1, 2**31 - 1] (or "
+                     "max_position_embeddings)", original)
+    return theta, Llama3RopeScaling(factor=factor, low_freq_factor=low, high_freq_factor=high,
+                                    original_max_position_embeddings=original)
 
 
 def _sliding_window(hf: dict[str, Any]) -> int | None:
@@ -143,7 +158,7 @@ def llama_config_from_hf(hf: dict[str, Any], dtype: str) -> LlamaConfig:
         rope_theta=theta, norm_eps=_number(hf, "rms_norm_eps", hf.get("rms_norm_eps"), 1e-6), dtype=dtype,
         rope_scaling=scaling,
         qkv_bias=model_type in ("qwen2", "qwen2_moe"), qk_norm=model_type in ("qwen3", "qwen3_moe"),
-        tie_embeddings=bool(hf.get("tie_word_embeddings", False)), sliding_window=_sliding_window(hf)))
+        tie_embeddings=_flag(hf, "tie_word_embeddings"), sliding_window=_sliding_window(hf)))
 
 
 def _moe_config(hf: dict[str, Any], cfg: LlamaConfig) -> LlamaConfig:
@@ -166,7 +181,7 @@ def _moe_config(hf: dict[str, Any], cfg: LlamaConfig) -> LlamaConfig:
     shared = hf.get("shared_expert_intermediate_size", 0) if model_type == "qwen2_moe" else 0
     return cfg.replace(num_experts=experts, num_experts_per_tok=hf["num_experts_per_tok"],
                        moe_hidden_dim=hf.get("moe_intermediate_size") or hf["intermediate_size"],
-                       norm_topk_prob=bool(hf.get("norm_topk_prob", False)), shared_expert_dim=shared or 0)
+                       norm_topk_prob=_flag(hf, "norm_topk_prob"), shared_expert_dim=shared or 0)
 
 
 def deepseek_config_from_hf(hf: dict[str, Any], dtype: str) -> DeepSeekConfig:
@@ -212,9 +227,9 @@ def deepseek_config_from_hf(hf: dict[str, Any], dtype: str) -> DeepSeekConfig:
         num_q_heads=hf["num_attention_heads"], kv_lora_rank=hf["kv_lora_rank"], qk_nope_dim=hf["qk_nope_head_dim"],
         qk_rope_dim=hf["qk_rope_head_dim"], v_head_dim=hf["v_head_dim"], hidden_dim=hf["intermediate_size"],
         rope_theta=theta, norm_eps=_number(hf, "rms_norm_eps", hf.get("rms_norm_eps"), 1e-6), dtype=dtype,
-        tie_embeddings=bool(hf.get("tie_word_embeddings", False)), q_lora_rank=hf.get("q_lora_rank"),
+        tie_embeddings=_flag(hf, "tie_word_embeddings"), q_lora_rank=hf.get("q_lora_rank"),
         num_experts=experts, num_experts_per_tok=hf.get("num_experts_per_tok") or 1, moe_hidden_dim=moe_hidden,
-        norm_topk_prob=bool(hf.get("norm_topk_prob", False)) and model_type == "deepseek_v3",
+        norm_topk_prob=_flag(hf, "norm_topk_prob") and model_type == "deepseek_v3",
         shared_expert_dim=(hf.get("n_shared_experts") or 0) * moe_hidden,
         first_k_dense_replace=hf.get("first_k_dense_replace") or 0, routing=routing, rope_scaling=yarn)
 
@@ -619,9 +634,9 @@ def from_pretrained(path: str, dtype: str | jnp.dtype | None = None, mesh: jax.s
 
     Raises ValueError naming the config field of an unsupported model (``quantization_config``:
     another ``quant_method``, a bad ``weight_block_size``) or a malformed one (a size that is not an
-    int in int32's range, a number that is not finite and positive, a dtype that is not a float
-    type), a ``config.json`` that is not a JSON object, or the tensor that is missing, unexpected or
-    of the wrong shape."""
+    int in int32's range, a number that is not finite and positive, a flag that is not true or
+    false, a dtype that is not a float type), a ``config.json`` that is not a JSON object, or the
+    tensor that is missing, unexpected or of the wrong shape."""
     try:
         from safetensors import safe_open  # the one runtime use of safetensors, an optional dependency
     except ImportError:

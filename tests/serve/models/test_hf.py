@@ -220,6 +220,11 @@ def test_missing_config_fields_are_named():
     (dict(rope_theta=-1.0), "rope_theta"),
     (dict(rope_theta=float("nan")), "rope_theta"),
     (dict(rope_scaling=[1, 2]), "rope_scaling"),
+    (dict(rope_scaling=dict(rope_type="llama3", factor="x", low_freq_factor=1.0, high_freq_factor=4.0)),
+     "rope_scaling.factor"),
+    (dict(rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                            original_max_position_embeddings="8192")), "rope_scaling.original_max_position_embeddings"),
+    (dict(tie_word_embeddings="false"), "tie_word_embeddings"),
 ])
 def test_malformed_config_fields_are_named(changes, field):
     """Sizes that are not ints in int32's range, numbers that are not finite and positive, and a
