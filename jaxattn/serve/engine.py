@@ -20,6 +20,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
+import os
 import time
 import weakref
 from typing import Callable, Iterator
@@ -89,7 +90,8 @@ class Engine:
         device's free memory (a device that does not report it: ``MAX_SEQS_WITHOUT_MEMORY_STATS``
         sequences). It must hold at least one sequence of ``max_seq_len``.
       max_step_tokens: tokens one step computes at most, decodes included (>= max_seqs); prompt
-        chunks take what decodes leave. None: ``max(DEFAULT_MAX_STEP_TOKENS, max_seqs)``.
+        chunks take what decodes leave. None: ``max(DEFAULT_MAX_STEP_TOKENS, max_seqs)``. Either is
+        capped at what ``max_seqs`` sequences hold (the attribute holds the value used).
       prefill_chunk: prompt tokens one request computes in a step, at most (the static
         ``max_q_len`` of mixed steps; ``step.StepBuckets``). None: ``max_step_tokens``.
       backend: "auto" or one backend that runs every op of ``model.attention_ops`` (checked here).
@@ -196,7 +198,8 @@ class Engine:
         # a speculating row may start up to K tokens past the host's count, and writes K + 1 tokens
         # (and a draft model K more, past the kept ones)
         pages_per_seq = -(-(max_seq_len + 2 * draft_tokens + draft_scratch) // page_size)
-        if num_pages is None:
+        derived = num_pages is None
+        if derived:
             num_pages = _default_num_pages([model, draft_model], max_seqs, pages_per_seq, page_size, layout, kv_dtype,
                                            mesh, kv_memory_fraction)
         if num_pages < 1 + pages_per_seq:
@@ -205,11 +208,17 @@ class Engine:
                              f"of max_seq_len={max_seq_len}{drafts}), got {num_pages}")
         if max_seqs is None:
             max_seqs = min(MAX_SEQS_FROM_POOL, (num_pages - 1) // pages_per_seq)
+        # no step holds more tokens than its sequences: a larger budget would only size step
+        # shapes (and their buffers) that no step fills
+        step_capacity = max_seqs * pages_per_seq * page_size
         if max_step_tokens is None:
             max_step_tokens = max(DEFAULT_MAX_STEP_TOKENS, max_seqs)
+        max_step_tokens = min(max_step_tokens, step_capacity)
         if max_step_tokens < max_seqs:
             raise ValueError(f"Engine: max_step_tokens must be >= max_seqs={max_seqs} (every decode fits in a "
                              f"step), got {max_step_tokens}")
+        _check_pool_fits([model, draft_model], num_pages, "max_seqs" if derived else "num_pages", page_size, layout,
+                         kv_dtype, mesh)
         self.model = model
         self.max_seqs, self.max_seq_len, self.max_step_tokens = max_seqs, max_seq_len, max_step_tokens
         self.page_size, self.num_pages, self.backend, self.overlap = page_size, num_pages, backend, overlap
@@ -513,13 +522,40 @@ def _default_num_pages(models: list[PagedModel | None], max_seqs: int | None, pa
     the model and its draft model, if any)."""
     if max_seqs is not None:
         return 1 + max_seqs * pages_per_seq
-    device = mesh.devices.flat[0] if mesh is not None else jax.local_devices()[0]
+    device = _first_local_device(mesh)
     stats = device.memory_stats()
     if not stats or "bytes_limit" not in stats:
         return 1 + MAX_SEQS_WITHOUT_MEMORY_STATS * pages_per_seq
     free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
     per_page = sum(page_bytes(m, page_size, layout, kv_dtype, mesh) for m in models if m is not None)
     return max(1 + pages_per_seq, int(fraction * free) // per_page)
+
+
+def _check_pool_fits(models: list[PagedModel | None], num_pages: int, param: str, page_size: int, layout: str,
+                     kv_dtype, mesh: Mesh | None) -> None:
+    """ValueError naming ``param`` (what set ``num_pages``) when a pool of ``num_pages`` pages
+    would not fit in the (first) device's free memory: its memory stats, or on a CPU the host's
+    physical memory (a pool that large is refused here, not by the allocator)."""
+    device = _first_local_device(mesh)
+    stats = device.memory_stats()
+    if stats and "bytes_limit" in stats:
+        free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
+    elif device.platform == "cpu":
+        free = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    else:
+        return
+    per_page = sum(page_bytes(m, page_size, layout, kv_dtype, mesh) for m in models if m is not None)
+    if num_pages * per_page > free:
+        raise ValueError(f"Engine: a pool of {num_pages:,} pages ({param}) takes {num_pages * per_page:,} bytes per "
+                         f"device, more than the {free:,} free on {device.platform}:{device.id}; give fewer pages")
+
+
+def _first_local_device(mesh: Mesh | None) -> jax.Device:
+    """This process's first device of ``mesh`` (or of all devices): the one whose memory it can
+    ask about (under ``jax.distributed`` the mesh's first device may be another process's)."""
+    if mesh is None:
+        return jax.local_devices()[0]
+    return next(d for d in mesh.devices.flat if d.process_index == jax.process_index())
 
 
 def _check_model(model) -> None:

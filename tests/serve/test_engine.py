@@ -865,6 +865,24 @@ def test_gpu_engine_on_two_gpus(backend):
     assert max(sizes.get("all-gather", [0])) < sharded.runner.caches[0].k_pages.addressable_shards[0].data.size, sizes
 
 
+@pytest.mark.parametrize("sizes, param", [(dict(num_pages=2**31 - 1), "num_pages"), (dict(max_seqs=2**28), "max_seqs")])
+def test_a_pool_larger_than_memory_is_refused_before_it_is_allocated(sizes, param):
+    """A pool the device (here the host's memory) cannot hold: a ValueError naming what set its size,
+    not the allocator's RESOURCE_EXHAUSTED or a host out of memory."""
+    with pytest.raises(ValueError, match=rf"Engine: a pool of [\d,]+ pages \({param}\) takes [\d,]+ bytes per device, "
+                                         r"more than the [\d,]+ free on cpu:0"):
+        Engine(_tiny_model(), **{**_ARGS, "max_step_tokens": None, **sizes})
+
+
+@pytest.mark.parametrize("max_step_tokens", [None, 64, 2**31 - 1])
+def test_the_step_budget_is_capped_at_what_the_sequences_hold(max_step_tokens):
+    """2 sequences of 2 pages of 8 hold 32 tokens: a larger budget (DEFAULT_MAX_STEP_TOKENS, or one
+    that would size a step's buffers past memory) is taken as 32."""
+    engine = Engine(_tiny_model(), **{**_ARGS, "max_step_tokens": max_step_tokens})
+    assert engine.max_step_tokens == 32 and engine.scheduler.max_step_tokens == 32
+    assert max(engine.buckets.tokens) <= 32
+
+
 def test_numpy_sizes_and_kv_dtype_are_checked_as_python_ints():
     """Sizes given as NumPy ints (uint64, int8) are used as Python ints (arithmetic on them wrapped:
     a page count of 2**64 - 32); a kv_dtype the caches cannot hold is named."""
