@@ -198,8 +198,9 @@ class Engine:
         # a speculating row may start up to K tokens past the host's count, and writes K + 1 tokens
         # (and a draft model K more, past the kept ones)
         pages_per_seq = -(-(max_seq_len + 2 * draft_tokens + draft_scratch) // page_size)
-        derived = num_pages is None
-        if derived:
+        # what set the pool's size, for the error when it does not fit
+        pool_sized_by = "num_pages" if num_pages is not None else "max_seqs" if max_seqs is not None else "max_seq_len"
+        if num_pages is None:
             num_pages = _default_num_pages([model, draft_model], max_seqs, pages_per_seq, page_size, layout, kv_dtype,
                                            mesh, kv_memory_fraction)
         if num_pages < 1 + pages_per_seq:
@@ -217,8 +218,7 @@ class Engine:
         if max_step_tokens < max_seqs:
             raise ValueError(f"Engine: max_step_tokens must be >= max_seqs={max_seqs} (every decode fits in a "
                              f"step), got {max_step_tokens}")
-        _check_pool_fits([model, draft_model], num_pages, "max_seqs" if derived else "num_pages", page_size, layout,
-                         kv_dtype, mesh)
+        _check_pool_fits([model, draft_model], num_pages, pool_sized_by, page_size, layout, kv_dtype, mesh)
         self.model = model
         self.max_seqs, self.max_seq_len, self.max_step_tokens = max_seqs, max_seq_len, max_step_tokens
         self.page_size, self.num_pages, self.backend, self.overlap = page_size, num_pages, backend, overlap

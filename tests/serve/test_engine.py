@@ -865,7 +865,8 @@ def test_gpu_engine_on_two_gpus(backend):
     assert max(sizes.get("all-gather", [0])) < sharded.runner.caches[0].k_pages.addressable_shards[0].data.size, sizes
 
 
-@pytest.mark.parametrize("sizes, param", [(dict(num_pages=2**31 - 1), "num_pages"), (dict(max_seqs=2**28), "max_seqs")])
+@pytest.mark.parametrize("sizes, param", [(dict(num_pages=2**31 - 1), "num_pages"), (dict(max_seqs=2**28), "max_seqs"),
+                                          (dict(max_seqs=None, max_seq_len=2**31 - 1), "max_seq_len")])
 def test_a_pool_larger_than_memory_is_refused_before_it_is_allocated(sizes, param):
     """A pool the device (here the host's memory) cannot hold: a ValueError naming what set its size,
     not the allocator's RESOURCE_EXHAUSTED or a host out of memory."""
