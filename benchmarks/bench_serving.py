@@ -24,9 +24,9 @@ qwen1.5-moe-a2.7b, qwen3-30b-a3b, mixtral-8x7b) and deepseek-v2-lite (MLA + 64 e
 token). ``--tp N`` serves on N devices (tensor parallelism; with ``--enable-expert-parallel``
 the experts whole per device); ``--quantization fp8`` serves FP8 linears and experts; ``--moe-gemm`` fixes how
 the experts are computed (``jaxattn.serve.models.experts``; default: per step shape). A preset, mesh,
-quantization or expert GEMM other than the defaults writes a section of its own. ``--profile-at``
-adds the GPU kernels of a few steps from those steps of the trace, by kind (``StepWindow``):
-where a mixed or a decode step's time goes inside the engine's own buckets.
+quantization or expert GEMM other than the defaults writes a section of its own (``--section`` names
+any run's). ``--profile-at`` adds the GPU kernels of a few steps from those steps of the trace, by
+kind (``StepWindow``): where a mixed or a decode step's time goes inside the engine's own buckets.
 ``--requests`` scales a trace down (for quick runs); ``--smoke`` serves a tiny model on tiny traces
 (seconds on a CPU) and writes only ``$OUT``. Each trace writes its section of benchmarks/RESULTS.md
 ("serving_<trace>"; shared-prefix: "serving").
@@ -538,6 +538,9 @@ def main(argv: list[str] | None = None) -> None:
                         help="profile the GPU's kernels of --profile-steps steps from each of these steps of the "
                              "trace (e.g. 40,1500: a mixed and a decode-only window of the throughput trace)")
     parser.add_argument("--profile-steps", type=int, default=8, help="steps per profiled window")
+    parser.add_argument("--section", default=None,
+                        help="the RESULTS.md section to write (default: the trace's, with a suffix for a preset, "
+                             "mesh, quantization or expert GEMM other than the defaults)")
     parser.add_argument("--smoke", action="store_true", help="a tiny model and trace (CPU, seconds); RESULTS.md "
                                                               "is left alone")
     args = parser.parse_args(argv)
@@ -676,6 +679,8 @@ def main(argv: list[str] | None = None) -> None:
                           f"_{args.quantization}" if args.quantization else "",
                           f"_{args.moe_gemm}" if args.moe_gemm != "auto" else ""])
         section, heading = f"{section}_{suffix}", f"{heading}: {suffix}"
+    if args.section:
+        section, heading = args.section, f"{heading}: {args.section}"
     print(write_section(section, "\n".join(lines), heading=heading, update=not args.smoke))
 
 

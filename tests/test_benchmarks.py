@@ -15,7 +15,8 @@ import pytest
 from tests.xla_dump import REPO
 
 
-@pytest.mark.parametrize("module", ["bench_tp", "bench_serving --trace shared-prefix", "bench_mla", "profile_calls",
+@pytest.mark.parametrize("module", ["bench_tp", "bench_serving --trace shared-prefix --section serving_named",
+                                    "bench_mla", "profile_calls",
                                     "bench_step_variants", "bench_speculative",
                                     "bench_serving --trace throughput --preset deepseek-v2-lite --moe-gemm dense "
                                     "--profile-at 2", "bench_moe", "bench_moe --fp8", "tune_grouped_gemm --tokens 1",
@@ -26,6 +27,8 @@ def test_smoke_run(module, tmp_path):
     result = subprocess.run([sys.executable, "-m", f"benchmarks.{module}", *args, "--smoke"], check=False, cwd=REPO,
                             env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    if "--section" in args:                          # the section it was told to write, in $OUT
+        assert (tmp_path / f"{args[args.index('--section') + 1]}_results.md").exists()
 
 
 def test_serving_profile_window_groups_kernels_by_kind():
