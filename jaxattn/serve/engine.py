@@ -200,9 +200,12 @@ class Engine:
         pages_per_seq = -(-(max_seq_len + 2 * draft_tokens + draft_scratch) // page_size)
         # what set the pool's size, for the error when it does not fit
         pool_sized_by = "num_pages" if num_pages is not None else "max_seqs" if max_seqs is not None else "max_seq_len"
+        device = _first_local_device(mesh)
+        free_bytes = _free_bytes(device)
+        # a page: the K/V of the model and of its draft model, on one device
+        per_page = sum(page_bytes(m, page_size, layout, kv_dtype, mesh) for m in (model, draft_model) if m is not None)
         if num_pages is None:
-            num_pages = _default_num_pages([model, draft_model], max_seqs, pages_per_seq, page_size, layout, kv_dtype,
-                                           mesh, kv_memory_fraction)
+            num_pages = _default_num_pages(max_seqs, pages_per_seq, per_page, free_bytes, kv_memory_fraction)
         if num_pages < 1 + pages_per_seq:
             drafts = f" and 2 x {draft_tokens} draft tokens" if draft_tokens else ""
             raise ValueError(f"Engine: num_pages must be >= {1 + pages_per_seq} (the null page and one sequence "
@@ -218,7 +221,7 @@ class Engine:
         if max_step_tokens < max_seqs:
             raise ValueError(f"Engine: max_step_tokens must be >= max_seqs={max_seqs} (every decode fits in a "
                              f"step), got {max_step_tokens}")
-        _check_pool_fits([model, draft_model], num_pages, pool_sized_by, page_size, layout, kv_dtype, mesh)
+        _check_pool_fits(num_pages, per_page, pool_sized_by, device, free_bytes)
         self.model = model
         self.max_seqs, self.max_seq_len, self.max_step_tokens = max_seqs, max_seq_len, max_step_tokens
         self.page_size, self.num_pages, self.backend, self.overlap = page_size, num_pages, backend, overlap
@@ -515,39 +518,36 @@ def _checkpoint_vocab_size(path: str) -> int | None:
         return None
 
 
-def _default_num_pages(models: list[PagedModel | None], max_seqs: int | None, pages_per_seq: int, page_size: int,
-                       layout: str, kv_dtype, mesh: Mesh | None, fraction: float) -> int:
+def _default_num_pages(max_seqs: int | None, pages_per_seq: int, per_page: int, free_bytes: int | None,
+                       fraction: float) -> int:
     """Pages for ``max_seqs`` sequences of ``pages_per_seq`` pages, or, without ``max_seqs``,
-    what ``fraction`` of the (first) device's free memory holds (a page: the K/V of ``models``,
-    the model and its draft model, if any)."""
+    what ``fraction`` of the device's ``free_bytes`` holds in pages of ``per_page`` bytes (a device
+    that does not report it: ``MAX_SEQS_WITHOUT_MEMORY_STATS`` sequences)."""
     if max_seqs is not None:
         return 1 + max_seqs * pages_per_seq
-    device = _first_local_device(mesh)
+    if free_bytes is None:
+        return 1 + MAX_SEQS_WITHOUT_MEMORY_STATS * pages_per_seq
+    return max(1 + pages_per_seq, int(fraction * free_bytes) // per_page)
+
+
+def _check_pool_fits(num_pages: int, per_page: int, param: str, device: jax.Device, free_bytes: int | None) -> None:
+    """ValueError naming ``param`` (what set ``num_pages``) when a pool of ``num_pages`` pages of
+    ``per_page`` bytes would not fit in ``device``'s ``free_bytes``, or on a CPU that reports none
+    the host's physical memory (a pool that large is refused here, not by the allocator)."""
+    if free_bytes is None and device.platform == "cpu":
+        free_bytes = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    if free_bytes is not None and num_pages * per_page > free_bytes:
+        raise ValueError(f"Engine: a pool of {num_pages:,} pages ({param}) takes {num_pages * per_page:,} bytes per "
+                         f"device, more than the {free_bytes:,} free on {device.platform}:{device.id}; give fewer "
+                         f"pages")
+
+
+def _free_bytes(device: jax.Device) -> int | None:
+    """The memory ``device`` reports free (its memory stats' limit less what is in use), or None."""
     stats = device.memory_stats()
     if not stats or "bytes_limit" not in stats:
-        return 1 + MAX_SEQS_WITHOUT_MEMORY_STATS * pages_per_seq
-    free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
-    per_page = sum(page_bytes(m, page_size, layout, kv_dtype, mesh) for m in models if m is not None)
-    return max(1 + pages_per_seq, int(fraction * free) // per_page)
-
-
-def _check_pool_fits(models: list[PagedModel | None], num_pages: int, param: str, page_size: int, layout: str,
-                     kv_dtype, mesh: Mesh | None) -> None:
-    """ValueError naming ``param`` (what set ``num_pages``) when a pool of ``num_pages`` pages
-    would not fit in the (first) device's free memory: its memory stats, or on a CPU the host's
-    physical memory (a pool that large is refused here, not by the allocator)."""
-    device = _first_local_device(mesh)
-    stats = device.memory_stats()
-    if stats and "bytes_limit" in stats:
-        free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
-    elif device.platform == "cpu":
-        free = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    else:
-        return
-    per_page = sum(page_bytes(m, page_size, layout, kv_dtype, mesh) for m in models if m is not None)
-    if num_pages * per_page > free:
-        raise ValueError(f"Engine: a pool of {num_pages:,} pages ({param}) takes {num_pages * per_page:,} bytes per "
-                         f"device, more than the {free:,} free on {device.platform}:{device.id}; give fewer pages")
+        return None
+    return stats["bytes_limit"] - stats.get("bytes_in_use", 0)
 
 
 def _first_local_device(mesh: Mesh | None) -> jax.Device:
