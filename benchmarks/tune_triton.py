@@ -20,7 +20,7 @@ Points (bf16, Hq=32, Hkv=8, page 64, HND pool randomly permuted, causal):
   short    (``--short``, instead of the above) B=64 and B=8 sequences verifying 4 or 16 draft
            tokens at kv 4096: the 2D kernel's tiles for speculative-decode steps.
   decode   (``--decode-points BxKV,...``, instead of the above) decode-only batches of B sequences
-           at KV length KV: the decode + reduce kernels' tiles and KV segments (at B <= 4, 1 to 32
+           at KV length KV: the decode + reduce kernels' tiles and KV segments (at B <= 4, 1 to 128
            segments of 16- to 64-key tiles: the tiny decodes whose split ``decode_config`` sets by
            a rule, at least 8 tiles a segment).
 Writes the triton-tiles (``--short``: triton-short-tiles; ``--decode-points``: triton-decode-tiles)
@@ -250,7 +250,7 @@ def decode_candidates(head_dim: int, batch: int, quick: bool):
     if quick:
         return [(64, 2, 4, 2), (64, 2, 4, 3)]
     if batch <= 4:
-        return list(itertools.product((16, 32, 64), (1, 2, 4, 8, 16, 32), (4,), (2, 3)))
+        return list(itertools.product((16, 32, 64), (1, 2, 4, 8, 16, 32, 64, 128), (4,), (2, 3)))
     if batch < 32:
         return list(itertools.product((32, 64), (4, 8, 16), (4,), (2, 3)))
     block_ns = (32, 64, 128) if head_dim <= 128 else (16, 32, 64)
@@ -383,6 +383,9 @@ def main() -> None:
     parser.add_argument("--short", action="store_true", help="only the short-query (speculative decode) tables")
     parser.add_argument("--decode-points", type=parse_decode_points, default=None, metavar="BxKV,...",
                         help="only decode tables, at these batches x KV lengths")
+    parser.add_argument("--section", default=None,
+                        help="the TUNING.md section it writes (default: the mode's: triton-tiles, triton-short-tiles, "
+                             "triton-decode-tiles); another device's run keeps the first's")
     args = parser.parse_args()
 
     import torch
@@ -400,6 +403,8 @@ def main() -> None:
                          "Triton short-query tiles (speculative decode; `benchmarks/tune_triton.py --short`)")
     else:
         name, heading = "triton-tiles", "Triton block sizes (benchmarks/tune_triton.py)"
+    if args.section:
+        name, heading = args.section, f"{heading}: {args.section}"
 
     def save(update: bool = False) -> str:
         return write_section(name, "\n".join(lines), heading=heading, path=TUNING, update=update)

@@ -54,7 +54,14 @@ _MIN_TILES_PER_SEGMENT = 8
 # segments"; do_bench, decode + reduce): B=1 x kv 512, 16-key tiles x 32 segments 11.9 us (the rule
 # above: one segment of 64-key tiles, 20.6 us); kv 1024 13.3 us (21.2); kv 4096 19.1 us (24.2);
 # kv 16384 41.5 us (46.7); B=2 x kv 4096 26.5 us (30.0); B=4 x kv 4096 41.9 us (42.2; best 41.7).
+# Pipeline stages: 2 for 16-key tiles, 3 for 32-key tiles; 64-key tiles take 3 only while the launch
+# has at most _DEEP_PIPELINE_PROGRAMS programs (about 2 per SM, latency not hidden by other programs),
+# else 2. The H200 sweep (TUNING.md, "...: triton-decode-tiles-h200"), 64-key tiles x 32 segments,
+# 2 stages against 3: B=2 x kv 16384 50.6 us (57.2), B=2 x kv 65536 140.9 us (171.8), B=4 x kv 16384
+# 82.8 us (85.2); B=1 (256 programs) x kv 16384 32.9 us (32.5), and in bench_jax_peers 2 stages lost
+# 2-4% at B=1 x kv 32k and 128k.
 _FEW_DECODE_PAIRS = 32
+_DEEP_PIPELINE_PROGRAMS = 256
 _FEW_PAIRS_MAX_SEGMENTS = 32
 # Short-query steps (speculative decode): the 2D kernel takes one small query tile per (sequence,
 # KV head) up to this many rows, and longer key tiles below this many (sequence, KV head) pairs.
@@ -124,7 +131,8 @@ def decode_config(head_dim: int, batch: int, num_kv_heads: int, max_kv_len: int)
                               _pow2_floor(max(1, max_kv_len // 16))))
         keys = -(-max_kv_len // segments)
         block_n = 16 if keys <= 16 else 32 if keys <= 256 else 64
-        return DecodeConfig(block_n=block_n, num_segments=segments, num_warps=4, num_stages=2 if block_n == 16 else 3)
+        deep = block_n == 32 or (block_n == 64 and batch * num_kv_heads * segments <= _DEEP_PIPELINE_PROGRAMS)
+        return DecodeConfig(block_n=block_n, num_segments=segments, num_warps=4, num_stages=3 if deep else 2)
     block_n = 64 if head_dim <= 128 else 32
     segments = _pow2_ceil(-(-_DECODE_PROGRAMS // (batch * num_kv_heads)))
     most = max(1, -(-max_kv_len // (_MIN_TILES_PER_SEGMENT * block_n)))

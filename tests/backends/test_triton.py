@@ -184,6 +184,7 @@ def test_decode_tiles_for_few_pairs(monkeypatch):
     assert config(1, 4096) == tb.DecodeConfig(block_n=32, num_segments=32, num_warps=4, num_stages=3)
     assert config(4, 4096) == tb.DecodeConfig(block_n=32, num_segments=32, num_warps=4, num_stages=3)
     assert config(1, 16384) == tb.DecodeConfig(block_n=64, num_segments=32, num_warps=4, num_stages=3)
+    assert config(2, 16384) == tb.DecodeConfig(block_n=64, num_segments=32, num_warps=4, num_stages=2)
     assert config(1, 64).num_segments == 4 and config(1, 8).num_segments == 1
     assert config(8, 4096) == tb.DecodeConfig(block_n=64, num_segments=8, num_warps=4, num_stages=3)
     assert config(64, 4096).num_segments == 2 and config(1, 4096, head_dim=64).block_n == 64
