@@ -463,7 +463,7 @@ def test_decode_step_tables_as_wide_as_asked():
 
 def test_tune_triton_decode_points():
     """tune_triton --decode-points: BxKV points parse (a bad one names the flag), and each point's
-    plan times decode + reduce launches over 1 to 32 KV segments at B <= 4."""
+    plan times decode + reduce launches over 1 to 128 KV segments at B <= 4."""
     from benchmarks.tune_triton import decode_plans, parse_decode_points
 
     points = parse_decode_points("1x4096, 4x512")
@@ -473,8 +473,8 @@ def test_tune_triton_decode_points():
     plans = decode_plans(128, points, quick=False)
     for (_, batch, _), (_, _, _, num_decodes, rows, _) in zip(points, plans):
         launches = [launches for _, launches in rows]
-        assert num_decodes == batch and len(rows) == 36
-        assert {dict(decode.constants)["NSEG"] for decode, _ in launches} == {1, 2, 4, 8, 16, 32}
+        assert num_decodes == batch and len(rows) == 48
+        assert {dict(decode.constants)["NSEG"] for decode, _ in launches} == {1, 2, 4, 8, 16, 32, 64, 128}
         assert all(decode.grid == (batch, 8, dict(decode.constants)["NSEG"]) and reduce.kernel.endswith("reduce_kernel")
                    for decode, reduce in launches)
 
