@@ -4,6 +4,7 @@
 #
 #   scripts/device_fa4.sh stash      # copies the carried parts and wheels of DIR to /tmp/fa4_stash
 #   scripts/device_fa4.sh install    # joins the cu13 parts, installs everything to /tmp/site_fa4
+#                                    # (its import check needs apache-tvm-ffi, from .whl, on PYTHONPATH)
 #   scripts/device_fa4.sh path       # prints what PYTHONPATH needs (cutlass's .pth is not read there)
 set -euo pipefail
 dir=${FA4_DIR:-.whl/fa4}

@@ -53,6 +53,9 @@ MAX_SEQS_FROM_POOL = 256
 MAX_SEQS_WITHOUT_MEMORY_STATS = 8
 DEFAULT_MAX_STEP_TOKENS = 2048
 DEFAULT_PREFILL_CHUNK = 512
+# add_choices queues n requests at once: a bound far above use (RL rollouts sample tens to hundreds
+# per prompt; the HTTP layer takes OpenAI's 128) that a mistyped n (2**31 - 1) cannot pass.
+MAX_CHOICES = 1 << 16
 
 
 def _shared_entropy() -> int:
@@ -300,13 +303,13 @@ class Engine:
 
     def add_choices(self, prompt, max_new_tokens: int, n: int, *,
                     sampling: SamplingParams | None = None) -> list[Request]:
-        """Queues ``n`` requests (an int >= 1) for ``prompt``, as ``add_request`` each, whose
+        """Queues ``n`` requests (an int in ``[1, MAX_CHOICES]``) for ``prompt``, as ``add_request`` each, whose
         prompt is computed once: with prefix caching the others are admitted when the first's full
         prompt pages are cached and start on them (each still computes the rest of its last page);
         without, each computes it. Each has its own random stream: ``sampling.seed + i`` (mod
         2**32) when the seed is set, else one the engine draws. Returns them in order."""
-        if not is_positive_int(n):
-            raise ValueError(f"Engine.add_choices: n must be an int >= 1, got {n!r}")
+        if not is_positive_int(n) or n > MAX_CHOICES:
+            raise ValueError(f"Engine.add_choices: n must be an int in [1, {MAX_CHOICES}], got {n!r}")
         if sampling is None:
             sampling = SamplingParams()
         first = self.add_request(prompt, max_new_tokens, sampling=sampling)

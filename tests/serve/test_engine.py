@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 import jaxattn
 from jaxattn import attention as attention_module
 from jaxattn import dispatch
-from jaxattn.serve.engine import Engine, Request
+from jaxattn.serve.engine import MAX_CHOICES, Engine, Request
 from jaxattn.serve.models.deepseek import PRESETS as DEEPSEEK_PRESETS
 from jaxattn.serve.models.deepseek import DeepSeek
 from jaxattn.serve.models.llama import PRESETS, Llama, forward_paged
@@ -502,8 +502,11 @@ def test_choices_of_one_prompt_compute_it_once(prefix_caching):
     engine.abort(first)
     engine.run()
     assert all(c.finish_reason == "length" for c in sampled + rest) and first.finish_reason == "abort"
-    with pytest.raises(ValueError, match="Engine.add_choices: n must be an int >= 1"):
-        engine.add_choices(prompt, 2, 0)
+    queued = len(engine.scheduler.waiting)
+    for n in (0, MAX_CHOICES + 1, 2**31 - 1, 2.0):
+        with pytest.raises(ValueError, match=r"Engine.add_choices: n must be an int in \[1, 65536\]"):
+            engine.add_choices(prompt, 2, n)
+    assert len(engine.scheduler.waiting) == queued          # refused before anything is queued
 
 
 request_st = st.tuples(st.sampled_from([None, "a", "b"]), st.integers(1, 10), st.integers(1, 8), st.booleans())
