@@ -61,8 +61,8 @@ _MIN_TILES_PER_SEGMENT = 8
 # 82.8 us (85.2); B=1 (256 programs) x kv 16384 32.9 us (32.5), and in bench_jax_peers 2 stages lost
 # 2-4% at B=1 x kv 32k and 128k.
 _FEW_DECODE_PAIRS = 32
-_DEEP_PIPELINE_PROGRAMS = 256
 _FEW_PAIRS_MAX_SEGMENTS = 32
+_DEEP_PIPELINE_PROGRAMS = 256
 # Short-query steps (speculative decode): the 2D kernel takes one small query tile per (sequence,
 # KV head) up to this many rows, and longer key tiles below this many (sequence, KV head) pairs.
 _SHORT_QUERY_ROWS = 64
