@@ -24,7 +24,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from jaxattn.serve.engine import Engine
 from jaxattn.serve.http.logprobs import chat_logprobs, completion_logprobs, token_id_text
-from jaxattn.serve.http.loop import Admitted, EngineLoop, Event, Failed, Job
+from jaxattn.serve.http.loop import Admitted, EngineLoop, Event, Failed, Job, hand_over_gil
 from jaxattn.serve.http.metrics import CONTENT_TYPE_LATEST, Metrics
 from jaxattn.serve.http.protocol import APIError, Body, ChatRequest, CompletionRequest, error_body, parse_body
 from jaxattn.serve.http.text import TextStream, TextTokenizer
@@ -81,6 +81,7 @@ class Generation:
     async def chunks(self) -> AsyncIterator[Chunk]:
         while self.finish_reason is None:
             events, self._pending = self._pending or await self.job.take(), []
+            hand_over_gil()
             ids: list[int] = []
             logprobs: list[TokenLogprobs] | None = [] if self.job.sampling.logprobs is not None else None
             finish = failed = None

@@ -21,7 +21,7 @@ from jaxattn.serve.http.metrics import Metrics
 from jaxattn.serve.sampling import SamplingParams
 from jaxattn.serve.scheduler import TokenLogprobs
 
-__all__ = ["Admitted", "EngineLoop", "Failed", "Job", "Tokens"]
+__all__ = ["Admitted", "EngineLoop", "Failed", "Job", "Tokens", "hand_over_gil"]
 
 log = logging.getLogger("jaxattn.serve")
 # After a step that raised: a pause before the next, so an engine that keeps failing does not spin.
@@ -79,6 +79,17 @@ class Job:
                 self._waiter = None
         events, self._events = self._events, []
         return events
+
+
+def hand_over_gil() -> None:
+    """(On the event loop.) Lets the engine thread run now if it waits for the GIL. CPython takes
+    the GIL from a running thread only after its switch interval (5 ms), and the engine thread
+    needs it after each device wait of a step (a launch, a copy back, the host work of grammar
+    rows between a step and its token pick) while the event loop streams the step before's chunks
+    (~25 us each on a CPU: 128 streams hold it for ~3 ms): called once per stream and step, a
+    sleep of 0 releases the GIL for a moment, so the engine waits for one chunk's work, not the
+    whole step's."""
+    time.sleep(0)
 
 
 def _dispatch(outbox: list[tuple[Job, Event]]) -> None:

@@ -331,6 +331,10 @@ def parse_body(raw: bytes, request_type: type[Body]) -> Body:
         raise APIError(400, message, param=param) from None
 
 
+# Values that hold no text and no float (a list of only these needs no walk).
+_PLAIN_TYPES = {int, bool}
+
+
 def _check_values(body: dict) -> None:
     """APIError naming the field of the first lone surrogate (in a string or a key) or non-finite
     number in ``body`` (``json.loads`` takes ``NaN``, ``Infinity`` and ``1e999`` as floats). Keys
@@ -349,7 +353,7 @@ def _check_values(body: dict) -> None:
             for key, item in value.items():
                 _check_text(f"{path} (a key)", key)
                 pending.append((f"{path}.{key}", item))
-        elif isinstance(value, list):
+        elif isinstance(value, list) and not set(map(type, value)) <= _PLAIN_TYPES:   # token ids: nothing to check
             pending += [(f"{path}[{i}]", item) for i, item in enumerate(value)]
 
 

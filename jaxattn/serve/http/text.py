@@ -55,6 +55,7 @@ class TextTokenizer:
         if self.eos_token is not None and (token_id := self.tokenizer.token_to_id(self.eos_token)) is not None:
             eos_ids.append(token_id)
         self.stop_token_ids: tuple[int, ...] = tuple(sorted(set(eos_ids)))
+        self._token_texts: dict[int, str] = {}        # token_text's, at most one per vocabulary entry
 
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
         # encode_batch releases the GIL while it tokenizes (encode holds it): a long prompt
@@ -65,8 +66,12 @@ class TextTokenizer:
         return self.tokenizer.decode(list(ids), skip_special_tokens=True)
 
     def token_text(self, token: int) -> str:
-        """One token's text alone (a special token's too), for logprobs."""
-        return self.tokenizer.decode([token], skip_special_tokens=False)
+        """One token's text alone (a special token's too), for logprobs; each token decoded once
+        (a logprobs stream asks for 1 + top_logprobs texts per token, on the event loop)."""
+        text = self._token_texts.get(token)
+        if text is None:
+            text = self._token_texts[token] = self.tokenizer.decode([token], skip_special_tokens=False)
+        return text
 
     @functools.cached_property
     def _template(self):

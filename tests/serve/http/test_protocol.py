@@ -109,6 +109,9 @@ MALFORMED = [
     ("completions", '"text"', 400, None, "got a string"),
     ("completions", '{"model": "tiny", "prompt": "a", "top_k": 4294967296}', 400, "top_k", "less than"),
     ("completions", '{"model": "tiny", "prompt": [1, 4294967296]}', 400, "prompt", "less than"),
+    # token ids with one value that is no int: the list is walked (a list of ints alone is not)
+    ("completions", '{"model": "tiny", "prompt": [1, 2, NaN]}', 400, "prompt", "prompt[2]"),
+    ("completions", '{"model": "tiny", "prompt": [1, true, "\\ud800"]}', 400, "prompt", "surrogate"),
     ("completions", '{"model": "tiny", "prompt": "a", "stop_token_ids": [-1]}', 400, "stop_token_ids", ""),
 ]
 
