@@ -35,6 +35,7 @@ import threading
 import time
 
 from benchmarks.common import write_section
+from jaxattn.serve.cli_args import positive_int
 
 SECTION, HEADING = "server-host", "The HTTP server's host work on a CPU (benchmarks/bench_server_host.py)"
 
@@ -161,13 +162,24 @@ def run_once(argv: list[str], handover: bool) -> dict:
             return json.load(f)
 
 
+def share(text: str) -> float:
+    """argparse type: a fraction of the requests, in [0, 1]."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"must be a number in [0, 1], got {text!r}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--pairs", type=int, default=3, help="handover off / on pairs")
-    parser.add_argument("--streams", type=int, default=64, help="requests, all in flight at once")
-    parser.add_argument("--new-tokens", type=int, default=96, help="greedy tokens per request")
-    parser.add_argument("--logprobs-share", type=float, default=0.25)
-    parser.add_argument("--json-share", type=float, default=0.25)
+    parser.add_argument("--pairs", type=positive_int, default=3, help="handover off / on pairs")
+    parser.add_argument("--streams", type=positive_int, default=64, help="requests, all in flight at once")
+    parser.add_argument("--new-tokens", type=positive_int, default=96, help="greedy tokens per request")
+    parser.add_argument("--logprobs-share", type=share, default=0.25)
+    parser.add_argument("--json-share", type=share, default=0.25)
     parser.add_argument("--no-tokenizer", action="store_true", help="token ids only (no text, no structured output)")
     parser.add_argument("--section", default=SECTION, help="the RESULTS.md section to write (default: %(default)s)")
     parser.add_argument("--smoke", action="store_true", help="one short pair; RESULTS.md is left alone")

@@ -503,3 +503,13 @@ def test_esurge_table_takes_jaxattn_row_from_bench_serving_section(tmp_path, cap
         with pytest.raises(SystemExit):
             main(["--trace", "chat", "--time-limit-s", limit])
     assert "--time-limit-s must be a number of seconds > 0, got nan" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flags", [["--pairs", "0"], ["--streams", "-1"], ["--new-tokens", "x"],
+                                   ["--logprobs-share", "1.5"], ["--json-share", "nan"]])
+def test_bench_server_host_bad_flags_are_usage_errors(flags, capsys):
+    from benchmarks.bench_server_host import build_parser
+
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(flags)
+    assert flags[0] in capsys.readouterr().err
