@@ -4,7 +4,7 @@ same engine settings.
     python -m benchmarks.bench_http [--preset llama3-8b] [--layers N] [--requests 512] [--prompt-len 256]
         [--new-tokens 128] [--rate 0] [--max-seqs 128] [--max-seq-len 2048] [--max-step-tokens N]
         [--num-pages N] [--page-size 64] [--backend auto] [--clients 4] [--logprobs-share 0]
-        [--top-logprobs 5] [--json-share 0] [--smoke]
+        [--top-logprobs 5] [--json-share 0] [--engine-modes process] [--section http] [--smoke]
 
 The trace (random weights and prompts, seed 0): ``requests`` prompts of lognormal lengths (sigma 1,
 mean ``prompt-len`` before clipping to [4, 4 x prompt-len]), ``new-tokens`` greedy tokens each,
@@ -15,7 +15,9 @@ synthetic tokenizer of the preset's vocabulary: ``synthetic_tokenizer``). Two ru
 process of its own (the device holds one engine at a time), both after the engine's warm-up:
   * engine: this module in a subprocess serves the trace through ``Engine.step_events``, arrival
     to token on the host;
-  * http: ``python -m jaxattn.serve --preset ...`` with the same engine arguments, and ``clients``
+  * http, once per ``--engine-modes`` entry (``process``: the server's default, the engine in a
+    process of its own; ``thread``: ``--engine-in-thread``): ``python -m jaxattn.serve --preset ...``
+    with the same engine arguments, and ``clients``
     processes as its clients over loopback (the trace dealt round-robin; one asyncio httpx process
     reads only about 7k streamed tokens/s on a 2-core CPU): one streamed ``/v1/completions``
     request of token ids per trace request at its arrival time, all processes timed from one start
@@ -26,7 +28,8 @@ Reported per run: generated tokens/s (over the wall time from the first arrival 
 token), TTFT (arrival to first token) and TPOT ((last - first token) / (tokens - 1), per request)
 p50 / p90 / p99; the HTTP / engine tokens/s ratio, and how many requests got the same tokens in
 both. ``--smoke`` serves a tiny model on a tiny trace (seconds on a CPU) and writes only ``$OUT``.
-Writes the http section of benchmarks/RESULTS.md. This process never touches the device.
+Writes the ``--section`` section (default http) of benchmarks/RESULTS.md. This process never
+touches the device.
 """
 
 from __future__ import annotations
@@ -51,7 +54,10 @@ from benchmarks.bench_serving import lognormal_lengths, percentiles
 from benchmarks.common import write_section
 from jaxattn.serve.http.process import free_port, wait_healthy
 
-SECTION, HEADING = "http", "HTTP serving vs the in-process engine (benchmarks/bench_http.py)"
+HEADING = "HTTP serving vs the in-process engine (benchmarks/bench_http.py)"
+# --engine-modes: where the server runs its engine, as python -m jaxattn.serve flags, and as the report says it
+ENGINE_MODES = {"process": ([], "engine in a process of its own"),
+                "thread": (["--engine-in-thread"], "engine in a thread of the server")}
 # What the structured-output requests ask for: an object with free strings and numbers, as tool
 # arguments are (a random model fills it until its tokens run out, or closes it early).
 JSON_SCHEMA = {"type": "object", "properties": {
@@ -261,10 +267,12 @@ def run_clients(base_url: str, trace: list[TraceRequest], processes: int) -> lis
     return results
 
 
-def run_http(args: argparse.Namespace, trace: list[TraceRequest], env: dict) -> dict:
-    """The trace through ``python -m jaxattn.serve`` (a subprocess) from ``clients`` client processes."""
+def run_http(args: argparse.Namespace, trace: list[TraceRequest], env: dict, mode: str) -> dict:
+    """The trace through ``python -m jaxattn.serve`` (a subprocess, its engine where ``mode`` says)
+    from ``clients`` client processes."""
     port = free_port()
-    command = [sys.executable, "-m", "jaxattn.serve", *engine_arguments(args), "--served-model-name", MODEL_NAME,
+    command = [sys.executable, "-m", "jaxattn.serve", *engine_arguments(args), *ENGINE_MODES[mode][0],
+               "--served-model-name", MODEL_NAME,
                "--port", str(port), "--log-level", "warning", "--max-logprobs", str(max_logprobs(args)),
                *(["--tokenizer", args.tokenizer] * bool(args.tokenizer))]
     server = subprocess.Popen(command, env=env)
@@ -296,11 +304,16 @@ def command(args: argparse.Namespace) -> str:
         flags += ["--logprobs-share", f"{args.logprobs_share:g}", "--top-logprobs", str(args.top_logprobs)]
     if args.json_share > 0:
         flags += ["--json-share", f"{args.json_share:g}"]
+    if args.engine_modes != ["process"]:
+        flags += ["--engine-modes", ",".join(args.engine_modes)]
     return "python -m benchmarks.bench_http " + " ".join(flags)
 
 
-def report(args: argparse.Namespace, trace: list[TraceRequest], engine: dict, http: dict) -> str:
-    same = sum(a == b for a, b in zip(engine["outputs"], http["outputs"]))
+def http_label(mode: str) -> str:
+    return f"HTTP (python -m jaxattn.serve, {ENGINE_MODES[mode][1]})"
+
+
+def report(args: argparse.Namespace, trace: list[TraceRequest], engine: dict, https: dict[str, dict]) -> str:
     prompts = np.asarray([len(r.prompt) for r in trace])
     arrivals = "all at once" if args.rate <= 0 else f"Poisson, {args.rate:g} requests/s"
     settings = (f"Device: {engine['device']}; date {datetime.date.today()}; jax {engine['jax']}; model {args.preset} "
@@ -317,7 +330,6 @@ def report(args: argparse.Namespace, trace: list[TraceRequest], engine: dict, ht
                 f"(mean {prompts.mean():.0f}), {args.new_tokens} greedy tokens each{logprobs}. HTTP: streamed "
                 f"/v1/completions over loopback, one connection per request, from {args.clients} asyncio client "
                 f"processes.")
-    ratio = http["tokens_per_s"] / engine["tokens_per_s"]
     lines = [
         settings,
         workload,
@@ -326,13 +338,26 @@ def report(args: argparse.Namespace, trace: list[TraceRequest], engine: dict, ht
         "| run | generated tokens/s | TTFT ms p50 / p90 / p99 | TPOT ms p50 / p90 / p99 | wall s |",
         "|---|---|---|---|---|",
         row("Engine in process", engine),
-        row("HTTP (python -m jaxattn.serve)", http),
+        *(row(http_label(mode), http) for mode, http in https.items()),
         "",
-        (f"HTTP / engine generated tokens/s: {ratio:.3f}x. Requests with the same tokens in both runs: "
-         f"{same}/{args.requests} (greedy; a different batch mix rounds differently in bf16, and greedy tokens "
-         f"may part after a near tie)."),
     ]
+    for mode, http in https.items():
+        same = sum(a == b for a, b in zip(engine["outputs"], http["outputs"]))
+        lines.append(f"HTTP ({ENGINE_MODES[mode][1]}) / engine generated tokens/s: "
+                     f"{http['tokens_per_s'] / engine['tokens_per_s']:.3f}x; requests with the same tokens in both "
+                     f"runs: {same}/{args.requests}.")
+    lines.append("Greedy tokens may differ between runs: a different batch mix rounds differently in bf16, and "
+                 "greedy tokens part after a near tie.")
     return "\n".join(lines)
+
+
+def engine_modes(text: str) -> list[str]:
+    """argparse type: a comma-separated list of ``ENGINE_MODES``."""
+    modes = text.split(",")
+    if not modes or any(mode not in ENGINE_MODES for mode in modes) or len(set(modes)) < len(modes):
+        raise argparse.ArgumentTypeError(f"must be distinct entries of {', '.join(ENGINE_MODES)}, comma-separated, "
+                                         f"got {text!r}")
+    return modes
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -360,6 +385,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--tokenizer", help=argparse.SUPPRESS)    # set by main when --json-share > 0
     parser.add_argument("--smoke", action="store_true", help="a tiny model and trace (CPU, seconds); RESULTS.md "
                                                               "is left alone")
+    parser.add_argument("--engine-modes", type=engine_modes, default=["process"], metavar="MODES",
+                        help="one HTTP run per entry, in order: process (the server's engine in a process of its "
+                             "own, its default), thread (--engine-in-thread); default: process")
+    parser.add_argument("--section", default="http", help="the RESULTS.md section written (default: %(default)s)")
     parser.add_argument("--engine-run", metavar="JSON", help=argparse.SUPPRESS)   # the engine run's subprocess
     return parser
 
@@ -396,9 +425,12 @@ def main(argv: list[str] | None = None) -> None:
         with open(path) as f:
             engine = json.load(f)
         print(row("Engine in process", engine), flush=True)
-        http = run_http(args, trace, env)
-        print(row("HTTP (python -m jaxattn.serve)", http), flush=True)
-    print(write_section(SECTION, report(args, trace, engine, http), heading=HEADING, update=not args.smoke))
+        https = {}
+        for mode in args.engine_modes:
+            https[mode] = run_http(args, trace, env, mode)
+            print(row(http_label(mode), https[mode]), flush=True)
+    heading = HEADING if args.section == "http" else f"{HEADING}: {args.section}"
+    print(write_section(args.section, report(args, trace, engine, https), heading=heading, update=not args.smoke))
 
 
 if __name__ == "__main__":

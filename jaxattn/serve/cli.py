@@ -4,8 +4,9 @@ Serves a local Hugging Face checkpoint directory (``--model DIR``:
 ``jaxattn.serve.models.from_pretrained``, its ``tokenizer.json`` and chat template) or a random-weight
 preset (``--preset NAME``, for benchmarks: prompts as token ids only, unless ``--tokenizer DIR``
 gives it a tokenizer). With a tokenizer and llguidance installed, requests may ask for
-structured output. One process serves one engine on ``--tp`` devices of this process, as
-``python -m jaxattn.serve.demo --tp`` does. SIGTERM (or Ctrl-C) stops accepting connections, lets
+structured output. The engine runs in a process of its own (``--engine-in-thread``: in a thread of
+the server's) on ``--tp`` devices of that process, as ``python -m jaxattn.serve.demo --tp`` does;
+the server's process touches no device. SIGTERM (or Ctrl-C) stops accepting connections, lets
 requests in flight finish for up to ``--shutdown-timeout`` seconds, then aborts the rest (their
 clients get a 503 error) and exits with status 0.
 """
@@ -13,9 +14,11 @@ clients get a 503 error) and exits with status 0.
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
 import os
 import signal
+import sys
 import threading
 
 import jax
@@ -26,6 +29,7 @@ from jaxattn.serve.cli_args import (DTYPES, add_compilation_cache_argument, posi
                                    use_compilation_cache)
 from jaxattn.serve.engine import Engine
 from jaxattn.serve.http.app import MAX_REQUEST_BYTES, build_app
+from jaxattn.serve.http.engine_process import EngineProcess
 from jaxattn.serve.http.loop import EngineLoop
 from jaxattn.serve.http.text import TextTokenizer
 from jaxattn.serve.models import from_pretrained
@@ -34,14 +38,14 @@ from jaxattn.serve.models.quantization import METHODS
 from jaxattn.serve.sampling import MAX_LOGPROBS
 from jaxattn.serve.structured_output import GrammarCompiler
 
-__all__ = ["GracefulServer", "build_parser", "main"]
+__all__ = ["GracefulServer", "build_engine", "build_parser", "main"]
 
 # Seconds uvicorn waits, after the requests in flight were aborted, for their answers to close
 # before it cancels their tasks.
 CLOSE_S = 5.0
 
 
-def build_parser(on_gpu: bool) -> argparse.ArgumentParser:
+def build_parser() -> argparse.ArgumentParser:
     summary, *details = __doc__.replace("``", "").split("\n\n")
     parser = argparse.ArgumentParser(prog="python -m jaxattn.serve", description=summary.split(": ", 1)[1],
                                      epilog="\n\n".join(details))
@@ -64,10 +68,10 @@ def build_parser(on_gpu: bool) -> argparse.ArgumentParser:
     engine.add_argument("--max-seqs", type=positive_int, metavar="N",
                         help="sequences in flight (default: as many as the KV cache holds at max-seq-len, "
                              "at most 256)")
-    engine.add_argument("--max-seq-len", type=positive_int, metavar="N", default=4096 if on_gpu else 512,
-                        help="longest prompt + generated tokens of a request (default: %(default)s)")
-    engine.add_argument("--page-size", type=positive_int, metavar="N", default=64 if on_gpu else 16,
-                        help="tokens per KV cache page (default: %(default)s)")
+    engine.add_argument("--max-seq-len", type=positive_int, metavar="N",
+                        help="longest prompt + generated tokens of a request (default: 4096 on a GPU, else 512)")
+    engine.add_argument("--page-size", type=positive_int, metavar="N",
+                        help="tokens per KV cache page (default: 64 on a GPU, else 16)")
     engine.add_argument("--num-pages", type=positive_int, metavar="N",
                         help="KV cache pages (default: enough for max-seqs sequences of max-seq-len; without "
                              "--max-seqs, 90%% of the device's free memory)")
@@ -90,6 +94,9 @@ def build_parser(on_gpu: bool) -> argparse.ArgumentParser:
                         help="with --tp: each device holds whole experts of a mixture of experts instead of a slice "
                              "of every expert")
     add_compilation_cache_argument(engine)
+    engine.add_argument("--engine-in-thread", action="store_true",
+                        help="run the engine in a thread of the server's process instead of a process of its own "
+                             "(the event loop and the engine's host work then share one GIL)")
     server = parser.add_argument_group("server")
     server.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
     server.add_argument("--port", type=int, default=8000, help="port to listen on (default: %(default)s)")
@@ -103,38 +110,73 @@ def build_parser(on_gpu: bool) -> argparse.ArgumentParser:
     return parser
 
 
-def load_model(args: argparse.Namespace, parser: argparse.ArgumentParser,
-               mesh) -> tuple[object, str, TextTokenizer | None]:
-    """(model, served name, tokenizer or None) of ``--model`` or ``--preset`` (and ``--tokenizer``)."""
+def served_name(args: argparse.Namespace) -> str:
+    """The model name clients ask for."""
+    return args.served_model_name or args.preset or os.path.basename(os.path.normpath(args.model))
+
+
+def load_model(args: argparse.Namespace, mesh):
+    """The model of ``--model`` or ``--preset``; ValueError naming the flag."""
     expert_parallel = args.enable_expert_parallel
     if expert_parallel and mesh is None:
-        parser.error("--enable-expert-parallel splits the experts over the --tp devices: give --tp 2 or more")
+        raise ValueError("--enable-expert-parallel splits the experts over the --tp devices: give --tp 2 or more")
     if args.model is None:
         try:
             model = random_model(args.preset, layers=args.layers, dtype=args.dtype, mesh=mesh,
                                  expert_parallel=expert_parallel, quantization=args.quantization)
         except ValueError as err:
-            parser.error(f"--preset {args.preset}: {err}")
-        name = args.preset
-    else:
-        if args.layers is not None:
-            parser.error("--layers changes a preset: not with --model")
-        try:
-            model = from_pretrained(args.model, dtype=args.dtype, mesh=mesh, expert_parallel=expert_parallel,
-                                    quantization=args.quantization)
-        except (ValueError, OSError, ImportError) as err:
-            parser.error(f"--model {args.model}: {err}")
-        name = os.path.basename(os.path.normpath(args.model))
-    tokenizer, flag = None, "--tokenizer" if args.tokenizer else "--model"
+            raise ValueError(f"--preset {args.preset}: {err}") from None
+        return model
+    if args.layers is not None:
+        raise ValueError("--layers changes a preset: not with --model")
+    try:
+        return from_pretrained(args.model, dtype=args.dtype, mesh=mesh, expert_parallel=expert_parallel,
+                               quantization=args.quantization)
+    except (ValueError, OSError, ImportError) as err:
+        raise ValueError(f"--model {args.model}: {err}") from None
+
+
+def load_tokenizer(args: argparse.Namespace) -> TextTokenizer | None:
+    """``--tokenizer``'s, else ``--model``'s tokenizer (None without a tokenizer.json); ValueError
+    naming the flag."""
+    flag = "--tokenizer" if args.tokenizer else "--model"
     directory = args.tokenizer or args.model
-    if directory is not None and (args.tokenizer or os.path.isfile(os.path.join(directory, "tokenizer.json"))):
-        try:
-            tokenizer = TextTokenizer(directory)
-        except ImportError as err:
-            parser.error(f"{flag} {directory} has a tokenizer.json: {err} (pip install -e \".[serve]\")")
-        except (OSError, ValueError) as err:
-            parser.error(f"{flag} {directory}: {err}")
-    return model, name, tokenizer
+    if directory is None or not (args.tokenizer or os.path.isfile(os.path.join(directory, "tokenizer.json"))):
+        return None
+    try:
+        return TextTokenizer(directory)
+    except ImportError as err:
+        raise ValueError(f"{flag} {directory} has a tokenizer.json: {err} (pip install -e \".[serve]\")") from None
+    except (OSError, ValueError) as err:
+        raise ValueError(f"{flag} {directory}: {err}") from None
+
+
+def build_engine(args: argparse.Namespace) -> Engine:
+    """The engine ``args`` ask for, compiled (``Engine.warmup``), each phase logged; ValueError
+    naming the flag that does not fit. Runs where the engine will (the engine process)."""
+    configure_logging(args.log_level)
+    log = logging.getLogger("jaxattn.serve")
+    on_gpu = jax.default_backend() == "gpu"
+    if args.tp > jax.local_device_count():
+        raise ValueError(f"--tp {args.tp}: there are only {jax.local_device_count()} devices")
+    use_compilation_cache(args.compilation_cache_dir)
+    mesh = tp_mesh(jax.local_devices()[:args.tp])
+    log.info("loading the model")
+    model = load_model(args, mesh)
+    tokenizer = load_tokenizer(args)
+    engine = Engine(model, max_seqs=args.max_seqs, max_seq_len=args.max_seq_len or (4096 if on_gpu else 512),
+                    page_size=args.page_size or (64 if on_gpu else 16), num_pages=args.num_pages,
+                    max_step_tokens=args.max_step_tokens, backend=args.backend,
+                    enable_prefix_caching=not args.no_prefix_caching, mesh=mesh, max_logprobs=args.max_logprobs,
+                    speculative=args.speculative_config,
+                    grammar_compiler=grammar_compiler(tokenizer, model.cfg.vocab_size, log))
+    log.info("compiling the engine's steps (%d sequences in flight, %d pages)", engine.max_seqs, engine.num_pages)
+    log.info("compiled in %.1f s", engine.warmup())
+    return engine
+
+
+def configure_logging(level: str) -> None:
+    logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
 
 def grammar_compiler(tokenizer: TextTokenizer | None, vocab_size: int, log: logging.Logger) -> GrammarCompiler | None:
@@ -153,7 +195,7 @@ class GracefulServer(uvicorn.Server):
     """uvicorn's server that, ``grace`` seconds after a shutdown signal, aborts the requests still
     in flight: their clients get a 503 error (a stream: as its last event) instead of a cut."""
 
-    def __init__(self, config: uvicorn.Config, engine_loop: EngineLoop, grace: float):
+    def __init__(self, config: uvicorn.Config, engine_loop: EngineLoop | EngineProcess, grace: float):
         super().__init__(config)
         self.engine_loop, self.grace = engine_loop, grace
 
@@ -166,27 +208,23 @@ class GracefulServer(uvicorn.Server):
 
 
 def main(argv: list[str] | None = None) -> None:
-    on_gpu = jax.default_backend() == "gpu"
-    parser = build_parser(on_gpu)
+    parser = build_parser()
     args = parser.parse_args(argv)
-    if args.tp > jax.local_device_count():
-        parser.error(f"--tp {args.tp}: there are only {jax.local_device_count()} devices")
-    use_compilation_cache(args.compilation_cache_dir)
-    mesh = tp_mesh(jax.local_devices()[:args.tp])
-    model, name, tokenizer = load_model(args, parser, mesh)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging(args.log_level)
     log = logging.getLogger("jaxattn.serve")
     try:
-        engine = Engine(model, max_seqs=args.max_seqs, max_seq_len=args.max_seq_len, page_size=args.page_size,
-                        num_pages=args.num_pages, max_step_tokens=args.max_step_tokens, backend=args.backend,
-                        enable_prefix_caching=not args.no_prefix_caching, mesh=mesh,
-                        max_logprobs=args.max_logprobs, speculative=args.speculative_config,
-                        grammar_compiler=grammar_compiler(tokenizer, model.cfg.vocab_size, log))
+        tokenizer = load_tokenizer(args)
+        if args.engine_in_thread:
+            engine = build_engine(args)
+        else:
+            engine = EngineProcess(functools.partial(build_engine, args))
+            engine.grammar_compiler = grammar_compiler(tokenizer, engine.vocab_size, log)
     except ValueError as err:
         parser.error(str(err))
-    log.info("compiling the engine's steps (%d sequences in flight, %d pages)", engine.max_seqs, engine.num_pages)
-    log.info("compiled in %.1f s", engine.warmup())
-    app = build_app(engine, model_name=args.served_model_name or name, tokenizer=tokenizer,
+    except RuntimeError as err:                      # the engine process died (its error is in the log)
+        log.error("%s", err)
+        sys.exit(1)
+    app = build_app(engine, model_name=served_name(args), tokenizer=tokenizer,
                     max_request_bytes=args.max_request_bytes)
     # uvicorn re-raises the signal that stopped it once it has shut down: a handler of ours makes
     # that a no-op, so a SIGTERM'd server exits with status 0.
@@ -195,4 +233,3 @@ def main(argv: list[str] | None = None) -> None:
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             timeout_graceful_shutdown=args.shutdown_timeout + CLOSE_S)
     GracefulServer(config, app.state.engine_loop, args.shutdown_timeout).run()
-

@@ -99,7 +99,7 @@ def save_chat_checkpoint(path: pathlib.Path) -> None:
 
 
 @contextlib.contextmanager
-def running_server(args: list[str], port: int, *, timeout: float = 120.0,
+def running_server(args: list[str], port: int, *, timeout: float = 300.0,
                    log: pathlib.Path | None = None) -> Iterator[subprocess.Popen]:
     """A server subprocess (``args`` without ``--port``) that answers /health; killed at exit if
     it still runs. Its output goes to ``log`` (default: discarded)."""

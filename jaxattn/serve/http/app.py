@@ -1,5 +1,6 @@
 """The FastAPI application: OpenAI-compatible completions and chat completions (plain or streamed
-as server-sent events), the model list, health and Prometheus metrics, over an ``EngineLoop``.
+as server-sent events), the model list, health and Prometheus metrics, over an engine handle
+(``EngineLoop``: a thread of this process; ``EngineProcess``: a process of its own).
 
 Every request is checked before it reaches the engine; what a client can get wrong is a 4xx with
 an OpenAI-style error body naming the field (``param``): a body over ``max_request_bytes`` is a
@@ -24,8 +25,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from jaxattn.serve.engine import Engine
 from jaxattn.serve.http.logprobs import chat_logprobs, completion_logprobs, token_id_text
+from jaxattn.serve.http.engine_process import EngineProcess
 from jaxattn.serve.http.loop import Admitted, EngineLoop, Event, Failed, Job, hand_over_gil
-from jaxattn.serve.http.metrics import CONTENT_TYPE_LATEST, Metrics
+from jaxattn.serve.http.metrics import CONTENT_TYPE_LATEST
 from jaxattn.serve.http.protocol import APIError, Body, ChatRequest, CompletionRequest, error_body, parse_body
 from jaxattn.serve.http.text import TextStream, TextTokenizer
 from jaxattn.serve.http.tools import ToolPlan, plan_tools
@@ -40,7 +42,7 @@ CLIENT_CLOSED = 499
 # The default bound on a request body (413 above it): a prompt of 128k tokens as JSON token ids or
 # as text escaped to \uXXXX is well under it.
 MAX_REQUEST_BYTES = 8 * 2**20
-# Seconds the app's end waits for the engine thread to finish its step and abort what is left.
+# Seconds the app's end waits for the engine to finish its step and abort what is left.
 ENGINE_STOP_S = 60.0
 
 
@@ -60,7 +62,7 @@ class Generation:
     falls behind), ``stop`` strings applied (the request is aborted at the first). ``close``
     aborts the request if it has not finished, and counts it in the metrics."""
 
-    def __init__(self, engine_loop: EngineLoop, job: Job, tokenizer: TextTokenizer | None, stop: tuple[str, ...]):
+    def __init__(self, engine_loop: EngineLoop | EngineProcess, job: Job, tokenizer: TextTokenizer | None, stop: tuple[str, ...]):
         self.engine_loop, self.job = engine_loop, job
         self.text = None if tokenizer is None else TextStream(tokenizer, job.prompt, stop, job.sampling.min_tokens)
         self.token_ids: list[int] = []
@@ -200,15 +202,16 @@ def _sse(data: dict | str) -> str:
     return f"data: {data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)}\n\n"
 
 
-def build_app(engine: Engine, *, model_name: str, tokenizer: TextTokenizer | None = None,
+def build_app(engine: Engine | EngineLoop | EngineProcess, *, model_name: str, tokenizer: TextTokenizer | None = None,
               max_request_bytes: int = MAX_REQUEST_BYTES) -> FastAPI:
-    """The server's app over ``engine`` (its thread starts and stops with the app's lifespan),
+    """The server's app over ``engine`` (an Engine is run in a thread of this process: an
+    ``EngineLoop``; the handle's thread or process starts and stops with the app's lifespan),
     serving it as ``model_name``; without ``tokenizer``, prompts are token ids only; bodies over
     ``max_request_bytes`` get a 413."""
-    metrics = Metrics()
-    engine_loop = EngineLoop(engine, metrics)
+    engine_loop = engine if isinstance(engine, (EngineLoop, EngineProcess)) else EngineLoop(engine)
+    metrics = engine_loop.metrics
     created = int(time.time())
-    vocab_size = engine.model.cfg.vocab_size
+    vocab_size, max_seq_len = engine_loop.vocab_size, engine_loop.max_seq_len
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI):
@@ -267,11 +270,11 @@ def build_app(engine: Engine, *, model_name: str, tokenizer: TextTokenizer | Non
         if found is None:
             return None
         spec, param = found
-        if engine.grammar_compiler is None:
+        if engine_loop.grammar_compiler is None:
             raise APIError(400, f"{param}: structured output needs the model's tokenizer and llguidance, and this "
                            "server has no grammar compiler", param=param)
         try:
-            await asyncio.to_thread(engine.grammar_compiler.grammar, spec)
+            await asyncio.to_thread(engine_loop.grammar_compiler.grammar, spec)
         except ValueError as err:
             raise APIError(400, f"{param}: does not compile: {err}", param=param) from None
         return spec
@@ -280,7 +283,6 @@ def build_app(engine: Engine, *, model_name: str, tokenizer: TextTokenizer | Non
                   max_tokens_param: str, constraint: StructuredOutputs | None) -> list[Job]:
         """The checked jobs of the ``n`` choices: prompt ids in the vocabulary, the length in
         max_seq_len, the sampling (``constraint``: the output's grammar)."""
-        max_seq_len = engine.max_seq_len
         if not prompt:
             raise APIError(400, f"{prompt_param}: the prompt encodes to no tokens", param=prompt_param)
         if max(prompt) >= vocab_size:
@@ -467,13 +469,13 @@ def build_app(engine: Engine, *, model_name: str, tokenizer: TextTokenizer | Non
     @app.get("/v1/models")
     async def models() -> dict:
         return {"object": "list", "data": [{"id": model_name, "object": "model", "created": created,
-                                            "owned_by": "jaxattn", "max_model_len": engine.max_seq_len}]}
+                                            "owned_by": "jaxattn", "max_model_len": max_seq_len}]}
 
     @app.get("/health")
     async def health() -> Response:
         if engine_loop.healthy:
             return JSONResponse({"status": "ok"})
-        return JSONResponse({"status": "unhealthy: the engine thread stopped or its last step failed"},
+        return JSONResponse({"status": "unhealthy: the engine stopped or its last step failed"},
                             status_code=503)
 
     @app.get("/metrics")

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-
 from prometheus_client import (
     CollectorRegistry,
     Counter,
@@ -58,12 +56,19 @@ class Metrics:
         self.kv_pages_cached = Gauge("jaxattn_kv_pages_cached", "KV cache pages holding a cached prompt prefix "
                                      "(held by live sequences or not)", registry=r)
 
-    def observe_engine(self, stats: Mapping[str, int]) -> None:
-        """Advances the counters that mirror ``Engine.stats`` to its current counts."""
+    def observe_state(self, state) -> None:
+        """The gauges of ``state`` (an ``EngineState``), and the counters that mirror ``Engine.stats``
+        advanced to its counts."""
+        self.requests_waiting.set(state.waiting)
+        self.requests_running.set(state.running)
+        self.kv_pages_in_use.set(state.pages.in_use)
+        self.kv_pages_free.set(state.pages.free)
+        self.kv_pages_cached.set(state.pages.cached)
         for name, counter in self._engine_counters.items():
-            if stats[name] > self._engine_seen[name]:
-                counter.inc(stats[name] - self._engine_seen[name])
-                self._engine_seen[name] = stats[name]
+            count = state.stats.get(name, 0)
+            if count > self._engine_seen[name]:
+                counter.inc(count - self._engine_seen[name])
+                self._engine_seen[name] = count
 
     def render(self) -> bytes:
         """The Prometheus text format."""

@@ -398,7 +398,7 @@ def test_command_line(capsys):
     """Every option has a help; a model is required, one of --model and --preset."""
     from jaxattn.serve import cli
 
-    assert all(action.help for action in cli.build_parser(on_gpu=False)._actions)
+    assert all(action.help for action in cli.build_parser()._actions)
     for argv, message in (([], "one of the arguments --model --preset is required"),
                           (["--preset", "tiny", "--model", "x"], "not allowed with argument"),
                           (["--model", "/nonexistent"], "is not a local checkpoint directory"),
@@ -574,12 +574,15 @@ def test_readme_http_serving_section(checkpoint, tmp_path, capsys):
 
 
 def test_bench_http_smoke(tmp_path):
-    """benchmarks/bench_http.py --smoke: the engine run and the HTTP run of a tiny trace (CPU)."""
+    """benchmarks/bench_http.py --smoke: the engine run and an HTTP run per engine mode of a tiny
+    trace (CPU), the same greedy tokens in each."""
     from tests.serve.helpers import JAX_CACHE, REPO
 
     env = {**os.environ, "OUT": str(tmp_path), "JAX_PLATFORMS": "cpu", "JAX_COMPILATION_CACHE_DIR": JAX_CACHE}
-    result = subprocess.run([sys.executable, "-m", "benchmarks.bench_http", "--smoke"], check=False, cwd=REPO, env=env,
-                            capture_output=True, text=True, timeout=300)
+    result = subprocess.run([sys.executable, "-m", "benchmarks.bench_http", "--smoke", "--engine-modes", "process,thread"],
+                            check=False, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     section = (tmp_path / "http_results.md").read_text()
-    assert "HTTP / engine generated tokens/s" in section and "Requests with the same tokens in both runs: 8/8" in section
+    for mode in ("engine in a process of its own", "engine in a thread of the server"):
+        assert f"HTTP ({mode}) / engine generated tokens/s" in section, section
+    assert section.count("requests with the same tokens in both runs: 8/8") == 2, section

@@ -1,0 +1,203 @@
+"""The Engine in a process of its own (as vLLM's EngineCore), so that the server's event loop and
+the engine's host work share no GIL: ``EngineProcess`` is the server's handle on it, with
+``loop.EngineLoop``'s interface.
+
+The child process (``spawn``: the parent may have started threads) builds the engine with the
+``build`` it is given (loading and compiling: the parent waits), then runs an ``EngineRunner``
+whose commands come over a pipe and whose events, keyed by ints, go back over it with the
+engine's state, one message per iteration. A thread of the parent hands each message's events to
+their jobs on the event loop. The child ignores SIGINT and SIGTERM (a Ctrl-C reaches the whole
+process group, systemd signals every process of the service: the parent shuts down gracefully and
+then stops it) and stops when the pipe closes (the parent died).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import itertools
+import logging
+import multiprocessing
+import signal
+import threading
+from collections.abc import Callable
+from multiprocessing.connection import Connection
+
+from jaxattn.serve.engine import Engine
+from jaxattn.serve.http.loop import EngineRunner, EngineState, Event, Failed, Job, dispatch, is_last
+from jaxattn.serve.http.metrics import Metrics
+from jaxattn.serve.structured_output import GrammarCompiler
+
+__all__ = ["EngineFacts", "EngineProcess"]
+
+log = logging.getLogger("jaxattn.serve")
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineFacts:
+    """What the server needs to know of the child's engine."""
+
+    max_seq_len: int
+    max_seqs: int
+    num_pages: int
+    vocab_size: int
+
+
+def _serve(conn: Connection, build: Callable[[], Engine]) -> None:
+    """(The child's main.) Builds the engine, says ``("ready", EngineFacts)`` (or ``("failed",
+    message)`` for a ``ValueError``: the parent's usage error), runs it until ``("stop",)``."""
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
+    try:
+        engine = build()
+    except ValueError as err:
+        conn.send(("failed", str(err)))
+        return
+    conn.send(("ready", EngineFacts(engine.max_seq_len, engine.max_seqs, engine.num_pages,
+                                    engine.model.cfg.vocab_size)))
+    runner = EngineRunner(engine, lambda outbox, state: conn.send(("events", outbox, state)))
+
+    def read() -> None:
+        while True:
+            try:
+                command = conn.recv()
+            except (EOFError, OSError):              # the parent is gone
+                command = ("stop",)
+            runner.commands.put(command)
+            if command[0] == "stop":
+                return
+
+    threading.Thread(target=read, name="jaxattn-engine-commands", daemon=True).start()
+    runner.run()
+    conn.send(("stopped",))
+
+
+class EngineProcess:
+    """The server's handle on an Engine that ``build`` (picklable, no arguments) makes in a child
+    process; returns once the engine is built and compiled. ``ValueError`` with the child's
+    message when ``build`` raised one, ``RuntimeError`` when the child exited before it was ready.
+    ``start``, ``stop``, ``submit``, ``abort``, ``abort_all``, ``healthy``, ``metrics``,
+    ``max_seq_len``, ``vocab_size`` and ``grammar_compiler`` (the parent's own, for the handlers'
+    checks: the child's engine has its own) as ``EngineLoop``'s."""
+
+    def __init__(self, build: Callable[[], Engine], grammar_compiler: GrammarCompiler | None = None,
+                 metrics: Metrics | None = None):
+        self.metrics = metrics or Metrics()
+        self.grammar_compiler = grammar_compiler
+        context = multiprocessing.get_context("spawn")
+        self._conn, child = context.Pipe()
+        self._process = context.Process(target=_serve, args=(child, build), name="jaxattn-engine", daemon=True)
+        self._process.start()
+        child.close()
+        try:
+            kind, detail = self._conn.recv()
+        except EOFError:
+            self._process.join()
+            raise RuntimeError(f"the engine process exited with status {self._process.exitcode} before it was "
+                               "ready") from None
+        if kind == "failed":
+            self._process.join()
+            raise ValueError(detail)
+        self.facts: EngineFacts = detail
+        self.max_seq_len, self.vocab_size = self.facts.max_seq_len, self.facts.vocab_size
+        self._send_lock = threading.Lock()
+        self._keys = itertools.count()
+        self._jobs: dict[int, Job] = {}              # jobs in flight by key (event loop)
+        self._job_keys: dict[Job, int] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._reader = threading.Thread(target=self._read, name="jaxattn-engine-events", daemon=True)
+        self._running = True
+        self._stopping = False
+        self._step_failed = False
+
+    @property
+    def healthy(self) -> bool:
+        return self._running and not self._step_failed and self._process.is_alive()
+
+    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Starts the thread that delivers the engine's events on ``loop`` (the handlers')."""
+        self._loop = loop
+        self._reader.start()
+
+    def stop(self, timeout: float | None = None) -> None:
+        """Aborts the requests still in flight and ends the child process."""
+        self._stopping = True
+        self._send(("stop",))
+        if self._reader.is_alive():
+            self._reader.join(timeout)
+        self._process.join(timeout)
+        if self._process.is_alive():
+            log.warning("the engine process did not stop within %s s: killing it", timeout)
+            self._process.kill()
+            self._process.join()
+        self._conn.close()
+
+    def abort_all(self) -> None:
+        """Ends every request in flight at the next step: each fails with 503 (shutting down)."""
+        self._send(("abort_all",))
+
+    def submit(self, jobs: list[Job]) -> None:
+        """(On the event loop.) Adds ``jobs``, the choices of one prompt."""
+        keys = [next(self._keys) for _ in jobs]
+        for key, job in zip(keys, jobs):
+            self._jobs[key], self._job_keys[job] = job, key
+        first = jobs[0]
+        self._send(("add", keys, first.prompt, first.max_tokens, first.sampling))
+
+    def abort(self, job: Job) -> None:
+        """(On the event loop.) Ends ``job``'s request at the next step; no more events come for it."""
+        key = self._job_keys.pop(job, None)
+        if key is not None:
+            del self._jobs[key]
+            self._send(("abort", key))
+
+    def _send(self, command: tuple) -> None:
+        with self._send_lock:
+            try:
+                self._conn.send(command)
+            except OSError:                          # the child is gone: _read fails the jobs
+                pass
+
+    def _read(self) -> None:
+        """(The reader thread.) The child's messages until it stops or dies."""
+        while True:
+            try:
+                message = self._conn.recv()
+            except (EOFError, OSError):
+                message = ("stopped",)
+            if message[0] != "events":
+                break
+            _, outbox, state = message
+            self._observe(state)
+            if outbox:
+                self._call_soon(self._deliver, outbox)
+        self._running = False
+        if not self._stopping:
+            log.error("the engine process exited (status %s)", self._process.exitcode)
+            self._call_soon(self._fail_all, Failed(500, "the engine process exited"))
+
+    def _observe(self, state: EngineState) -> None:
+        self.metrics.observe_state(state)
+        self._step_failed = state.step_failed
+
+    def _call_soon(self, callback: Callable, *args) -> None:
+        try:
+            self._loop.call_soon_threadsafe(callback, *args)
+        except RuntimeError:                         # the event loop closed
+            pass
+
+    def _deliver(self, outbox: list[tuple[int, Event]]) -> None:
+        """(On the event loop.) The events of the jobs still in flight to them."""
+        delivered = []
+        for key, event in outbox:
+            job = self._jobs.get(key)
+            if job is None:                          # aborted meanwhile
+                continue
+            if is_last(event):
+                del self._jobs[key], self._job_keys[job]
+            delivered.append((job, event))
+        dispatch(delivered, self.metrics)
+
+    def _fail_all(self, failure: Failed) -> None:
+        jobs, self._jobs, self._job_keys = list(self._jobs.values()), {}, {}
+        dispatch([(job, failure) for job in jobs], self.metrics)
