@@ -4,7 +4,8 @@ completions, chats and streams equal the greedy tokens of the checkpoint's model
 paging, no cache), their text the tokenizer's decoding; bad input gets a 4xx naming the field; 64
 concurrent streams with a quarter of the clients leaving mid-stream all end well and free their
 pages (the pool short, so requests are preempted); SIGTERM during load exits 0, the streams
-finished within the grace period and ended by a 503 event after it; the README's section runs as
+finished within the grace period and ended by a 503 event after it; logprobs and a JSON schema
+cross the engine process's pipe; the README's section runs as
 written; the benchmark's smoke mode runs. In process (no checkpoint): a request, or a step, that fails in the
 engine fails alone; the command line's usage errors."""
 
@@ -124,6 +125,26 @@ def test_completions_equal_the_dense_greedy_tokens(server, checkpoint):
         assert choice.text == expected_text(tokenizer, prompt, expected)
         assert choice.finish_reason == ("stop" if expected[-1] == EOS else "length")
         assert (out.usage.prompt_tokens, out.usage.completion_tokens) == (len(prompt), len(expected))
+
+
+def test_logprobs_and_json_schema_through_the_engine_process(server):
+    """The server's default engine process answers what crosses its pipe beside token ids:
+    logprobs (the chosen token most likely, greedy) and a JSON schema's grammar (valid JSON,
+    ended by the grammar)."""
+    import jsonschema
+
+    from tests.serve.http.test_protocol import YES_NO
+
+    out = client(server).completions.create(model="tiny-llama", prompt="Hi", max_tokens=4, temperature=0,
+                                            logprobs=2).choices[0].logprobs
+    assert len(out.tokens) == len(out.token_logprobs) == len(out.top_logprobs) == 4
+    for token, logprob, top in zip(out.tokens, out.token_logprobs, out.top_logprobs):
+        assert len(top) == 2 and top[token] == logprob == max(top.values())
+    chat = client(server).chat.completions.create(
+        model="tiny-llama", messages=[{"role": "user", "content": "Hi"}], max_tokens=40, temperature=0.8, seed=3,
+        response_format={"type": "json_schema", "json_schema": {"name": "yes_no", "schema": YES_NO}}).choices[0]
+    jsonschema.validate(json.loads(chat.message.content), YES_NO)
+    assert chat.finish_reason == "stop"
 
 
 def test_streamed_completion_is_the_completion(server, checkpoint):

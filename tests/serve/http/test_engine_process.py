@@ -3,7 +3,8 @@ process, as the server's would be: the handle touches no device (no JAX backend 
 it); a request's greedy tokens equal the dense model's; an aborted request gets no more events and
 its pages are freed; SIGTERM to the engine process is ignored (the server stops it); when it dies,
 the requests in flight fail with a 500 and the handle is unhealthy. A ``ValueError`` of the
-engine's build is the handle's, with its message."""
+engine's build is the handle's, with its message; events and state cross the pipe unchanged; a
+server's process that exits without stopping its engine process ends it (and does not hang)."""
 
 from __future__ import annotations
 
@@ -101,3 +102,41 @@ def test_a_build_error_is_the_handles_value_error():
     args = cli.build_parser().parse_args([*ARGS, "--tp", "64"])
     with pytest.raises(ValueError, match="--tp 64: there are only"):
         EngineProcess(functools.partial(cli.build_engine, args))
+
+
+def test_events_cross_the_pipe_unchanged():
+    """What the engine process packs for the pipe unpacks to the same events and state."""
+    from jaxattn.serve.http.engine_process import _pack, _unpack
+    from jaxattn.serve.http.loop import Admitted, EngineState, Failed, Tokens
+    from jaxattn.serve.scheduler import PageUsage, TokenLogprobs
+
+    outbox = [(0, Admitted()), (1, Tokens([5, 6], None)), (2, Tokens([7], "stop", [TokenLogprobs(-0.5, ((7, -0.5),))])),
+              (3, Failed(503, "the server is shutting down"))]
+    state = EngineState(1, 2, PageUsage(3, 4, 5), {"preemptions": 1}, True)
+    assert _unpack(*_pack(outbox, state)) == (outbox, state)
+
+
+def test_a_server_process_that_exits_without_stopping_ends_its_engine_process():
+    """However the server's process ends (here: it exits with its engine process running, never
+    stopped), its exit does not hang on the child (which ignores SIGTERM), and the child is gone."""
+    import time
+
+    script = ("import functools, json, sys\n"
+              "from jaxattn.serve import cli\n"
+              "from jaxattn.serve.http.engine_process import EngineProcess\n"
+              "handle = EngineProcess(functools.partial(cli.build_engine, cli.build_parser().parse_args("
+              "json.loads(sys.argv[1]))))\n"
+              "print(handle._process.pid, flush=True)\n"
+              "sys.exit(3)\n")
+    proc = subprocess.run([sys.executable, "-c", script, json.dumps(ARGS)], cwd=REPO, capture_output=True, text=True,
+                          timeout=300, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert proc.returncode == 3, proc.stderr[-3000:]
+    child = int(proc.stdout.split()[-1])
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            os.kill(child, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"the engine process {child} outlived the server's")
