@@ -4,7 +4,7 @@ same engine settings.
     python -m benchmarks.bench_http [--preset llama3-8b] [--layers N] [--requests 512] [--prompt-len 256]
         [--new-tokens 128] [--rate 0] [--max-seqs 128] [--max-seq-len 2048] [--max-step-tokens N]
         [--num-pages N] [--page-size 64] [--backend auto] [--clients 4] [--logprobs-share 0]
-        [--top-logprobs 5] [--json-share 0] [--engine-modes process] [--section http] [--smoke]
+        [--top-logprobs 5] [--json-share 0] [--engine-modes process] [--repeats 1] [--section http] [--smoke]
 
 The trace (random weights and prompts, seed 0): ``requests`` prompts of lognormal lengths (sigma 1,
 mean ``prompt-len`` before clipping to [4, 4 x prompt-len]), ``new-tokens`` greedy tokens each,
@@ -24,6 +24,9 @@ process of its own (the device holds one engine at a time), both after the engin
     on ``time.monotonic()`` (the host's one clock), tokens read from the stream
     (``return_token_ids``), after one request per process that warms the server's and the
     client's code paths up.
+With ``--repeats R`` each run serves the trace R times in turn (one engine, one server start),
+each repeat with other prompt tokens of the same lengths (``make_trace``), and reports its median
+repeat; the ratio is the median of the repeats' ratios (run-to-run spread is a few percent).
 Reported per run: generated tokens/s (over the wall time from the first arrival to the last
 token), TTFT (arrival to first token) and TPOT ((last - first token) / (tokens - 1), per request)
 p50 / p90 / p99; the HTTP / engine tokens/s ratio, and how many requests got the same tokens in
@@ -52,6 +55,7 @@ import numpy as np
 
 from benchmarks.bench_serving import lognormal_lengths, percentiles
 from benchmarks.common import write_section
+from jaxattn.serve.cli_args import positive_int
 from jaxattn.serve.http.process import free_port, wait_healthy
 
 HEADING = "HTTP serving vs the in-process engine (benchmarks/bench_http.py)"
@@ -76,13 +80,16 @@ class TraceRequest:
     json: bool = False           # the output is JSON of JSON_SCHEMA
 
 
-def make_trace(args: argparse.Namespace, vocab: int) -> list[TraceRequest]:
+def make_trace(args: argparse.Namespace, vocab: int, repeat: int = 0) -> list[TraceRequest]:
+    """The trace; ``repeat`` r > 0 draws other prompt tokens (seed 100 + r) of the same lengths, so
+    that it finds nothing of the repeats before it in the prefix cache."""
     rng = np.random.default_rng(0)
     lengths = lognormal_lengths(rng, args.prompt_len, args.requests, 4 * args.prompt_len)
     arrivals = np.cumsum(rng.exponential(1 / args.rate, args.requests)) if args.rate > 0 else np.zeros(args.requests)
     asks = np.random.default_rng(1).random(args.requests) < args.logprobs_share
     json_asks = np.random.default_rng(2).random(args.requests) < args.json_share
-    return [TraceRequest(float(t), rng.integers(0, vocab, size=n).tolist(), args.new_tokens,
+    tokens = rng if repeat == 0 else np.random.default_rng(100 + repeat)
+    return [TraceRequest(float(t), tokens.integers(0, vocab, size=n).tolist(), args.new_tokens,
                          args.top_logprobs if ask else None, bool(in_json))
             for t, n, ask, in_json in zip(arrivals, lengths, asks, json_asks)]
 
@@ -141,17 +148,16 @@ def engine_arguments(args: argparse.Namespace) -> list[str]:
     return flags
 
 
-def run_engine(args: argparse.Namespace, trace: list[TraceRequest]) -> dict:
-    """(In the subprocess.) The trace through the in-process Engine, in real time (with
-    ``--tokenizer``, that tokenizer's grammar compiler)."""
+def run_engine(args: argparse.Namespace, traces: list[list[TraceRequest]]) -> dict:
+    """(In the subprocess.) Each trace through the in-process Engine in turn, in real time (with
+    ``--tokenizer``, that tokenizer's grammar compiler): ``repeats``, one summary per trace."""
     import jax
     from flax import nnx
 
     from benchmarks.common import device_name
     from jaxattn.serve.engine import Engine
     from jaxattn.serve.models.llama import PRESETS, Llama
-    from jaxattn.serve.sampling import SamplingParams
-    from jaxattn.serve.structured_output import GrammarCompiler, StructuredOutputs
+    from jaxattn.serve.structured_output import GrammarCompiler
 
     cfg = PRESETS[args.preset] if args.layers is None else PRESETS[args.preset].replace(num_layers=args.layers)
     compiler = None
@@ -161,6 +167,15 @@ def run_engine(args: argparse.Namespace, trace: list[TraceRequest]) -> dict:
                     page_size=args.page_size, num_pages=args.num_pages, max_step_tokens=args.max_step_tokens,
                     backend=args.backend, grammar_compiler=compiler, max_logprobs=max_logprobs(args))
     engine.warmup()
+    repeats = [_serve_engine(engine, trace) for trace in traces]
+    return dict(repeats=repeats, device=device_name(), jax=jax.__version__, dtype=str(cfg.dtype),
+                layers=cfg.num_layers, max_seqs=engine.max_seqs, num_pages=engine.num_pages)
+
+
+def _serve_engine(engine, trace: list[TraceRequest]) -> dict:
+    from jaxattn.serve.sampling import SamplingParams
+    from jaxattn.serve.structured_output import StructuredOutputs
+
     index, pending = {}, list(enumerate(trace))
     first, last = [0.0] * len(trace), [0.0] * len(trace)
     start = time.perf_counter()
@@ -183,9 +198,7 @@ def run_engine(args: argparse.Namespace, trace: list[TraceRequest]) -> dict:
     outputs = [None] * len(trace)
     for request, i in index.items():
         outputs[i] = request.output
-    result = summarize([r.arrival for r in trace], first, last, outputs)
-    return dict(result, device=device_name(), jax=jax.__version__, dtype=str(cfg.dtype), layers=cfg.num_layers,
-                max_seqs=engine.max_seqs, num_pages=engine.num_pages)
+    return summarize([r.arrival for r in trace], first, last, outputs)
 
 
 # -------------------------------------------------------------------------------- the HTTP run
@@ -267,9 +280,9 @@ def run_clients(base_url: str, trace: list[TraceRequest], processes: int) -> lis
     return results
 
 
-def run_http(args: argparse.Namespace, trace: list[TraceRequest], env: dict, mode: str) -> dict:
-    """The trace through ``python -m jaxattn.serve`` (a subprocess, its engine where ``mode`` says)
-    from ``clients`` client processes."""
+def run_http(args: argparse.Namespace, traces: list[list[TraceRequest]], env: dict, mode: str) -> dict:
+    """Each trace in turn through one ``python -m jaxattn.serve`` (a subprocess, its engine where
+    ``mode`` says) from ``clients`` client processes: ``repeats``, one summary per trace."""
     port = free_port()
     command = [sys.executable, "-m", "jaxattn.serve", *engine_arguments(args), *ENGINE_MODES[mode][0],
                "--served-model-name", MODEL_NAME,
@@ -282,17 +295,26 @@ def run_http(args: argparse.Namespace, trace: list[TraceRequest], env: dict, mod
             wait_healthy(base_url, server, SERVER_START_S)
         except (RuntimeError, TimeoutError) as err:
             sys.exit(str(err))
-        results = run_clients(base_url, trace, args.clients)
+        repeats = []
+        for trace in traces:
+            first, last, outputs = zip(*run_clients(base_url, trace, args.clients))
+            repeats.append(summarize([r.arrival for r in trace], first, last, outputs))
     finally:
         server.send_signal(signal.SIGTERM)
         server.wait(timeout=120)
-    first, last, outputs = zip(*results)
-    return summarize([r.arrival for r in trace], first, last, outputs)
+    return {"repeats": repeats}
 
 
 # -------------------------------------------------------------------------------------- report
 
-def row(label: str, r: dict) -> str:
+def median_repeat(run: dict) -> dict:
+    """The repeat of ``run`` with the median tokens/s (the lower middle one of an even count)."""
+    repeats = sorted(run["repeats"], key=lambda r: r["tokens_per_s"])
+    return repeats[(len(repeats) - 1) // 2]
+
+
+def row(label: str, run: dict) -> str:
+    r = median_repeat(run)
     return (f"| {label} | {r['tokens_per_s']:,.0f} | {percentiles(r['ttft_ms'], 1)} | {percentiles(r['tpot_ms'], 2)} "
             f"| {r['wall_s']:.2f} |")
 
@@ -306,6 +328,8 @@ def command(args: argparse.Namespace) -> str:
         flags += ["--json-share", f"{args.json_share:g}"]
     if args.engine_modes != ["process"]:
         flags += ["--engine-modes", ",".join(args.engine_modes)]
+    if args.repeats > 1:
+        flags += ["--repeats", str(args.repeats)]
     return "python -m benchmarks.bench_http " + " ".join(flags)
 
 
@@ -326,10 +350,13 @@ def report(args: argparse.Namespace, trace: list[TraceRequest], engine: dict, ht
     if in_json:
         logprobs += (f", {in_json} for JSON of a schema ({json.dumps(JSON_SCHEMA)}; tokenizer: "
                      f"`synthetic_tokenizer`, {args.tokenizer_tokens:,} tokens)")
+    repeats = (f" Each run served the trace {args.repeats} times in turn (one engine, one server; each repeat "
+               "other prompt tokens of the same lengths); a row is its run's median repeat by tokens/s."
+               if args.repeats > 1 else "")
     workload = (f"Trace: {args.requests} requests ({arrivals}), prompts of {prompts.min()}..{prompts.max()} tokens "
                 f"(mean {prompts.mean():.0f}), {args.new_tokens} greedy tokens each{logprobs}. HTTP: streamed "
                 f"/v1/completions over loopback, one connection per request, from {args.clients} asyncio client "
-                f"processes.")
+                f"processes.{repeats}")
     lines = [
         settings,
         workload,
@@ -342,10 +369,11 @@ def report(args: argparse.Namespace, trace: list[TraceRequest], engine: dict, ht
         "",
     ]
     for mode, http in https.items():
-        same = sum(a == b for a, b in zip(engine["outputs"], http["outputs"]))
-        lines.append(f"HTTP ({ENGINE_MODES[mode][1]}) / engine generated tokens/s: "
-                     f"{http['tokens_per_s'] / engine['tokens_per_s']:.3f}x; requests with the same tokens in both "
-                     f"runs: {same}/{args.requests}.")
+        same = sum(a == b for a, b in zip(engine["repeats"][0]["outputs"], http["repeats"][0]["outputs"]))
+        ratios = [h["tokens_per_s"] / e["tokens_per_s"] for h, e in zip(http["repeats"], engine["repeats"])]
+        by_repeat = f" (median of the repeats' ratios: {', '.join(f'{r:.3f}' for r in ratios)})" if len(ratios) > 1 else ""
+        lines.append(f"HTTP ({ENGINE_MODES[mode][1]}) / engine generated tokens/s: {float(np.median(ratios)):.3f}x"
+                     f"{by_repeat}; requests with the same tokens in both runs: {same}/{args.requests}.")
     lines.append("Greedy tokens may differ between runs: a different batch mix rounds differently in bf16, and "
                  "greedy tokens part after a near tie.")
     return "\n".join(lines)
@@ -388,6 +416,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--engine-modes", type=engine_modes, default=["process"], metavar="MODES",
                         help="one HTTP run per entry, in order: process (the server's engine in a process of its "
                              "own, its default), thread (--engine-in-thread); default: process")
+    parser.add_argument("--repeats", type=positive_int, default=1, help="serve the trace this many times in each run, "
+                        "each with other prompt tokens; the report takes the median (default: %(default)s)")
     parser.add_argument("--section", default="http", help="the RESULTS.md section written (default: %(default)s)")
     parser.add_argument("--engine-run", metavar="JSON", help=argparse.SUPPRESS)   # the engine run's subprocess
     return parser
@@ -400,10 +430,11 @@ def main(argv: list[str] | None = None) -> None:
     if args.smoke:
         args.preset, args.layers, args.requests, args.prompt_len, args.new_tokens = "tiny", 1, 8, 8, 6
         args.max_seqs, args.max_seq_len, args.max_step_tokens, args.page_size, args.clients = 4, 64, 8, 8, 2
-    trace = make_trace(args, PRESETS[args.preset].vocab_size)
+    traces = [make_trace(args, PRESETS[args.preset].vocab_size, repeat) for repeat in range(args.repeats)]
+    trace = traces[0]
     if args.engine_run:
         with open(args.engine_run, "w") as f:
-            json.dump(run_engine(args, trace), f)
+            json.dump(run_engine(args, traces), f)
         return
     # This process only sends requests: it keeps off the device the runs need (whatever an import
     # might ask JAX for). Both runs compile the same steps: the server finds the engine run's in
@@ -427,7 +458,7 @@ def main(argv: list[str] | None = None) -> None:
         print(row("Engine in process", engine), flush=True)
         https = {}
         for mode in args.engine_modes:
-            https[mode] = run_http(args, trace, env, mode)
+            https[mode] = run_http(args, traces, env, mode)
             print(row(http_label(mode), https[mode]), flush=True)
     heading = HEADING if args.section == "http" else f"{HEADING}: {args.section}"
     print(write_section(args.section, report(args, trace, engine, https), heading=heading, update=not args.smoke))

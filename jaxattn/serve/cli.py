@@ -217,6 +217,9 @@ def main(argv: list[str] | None = None) -> None:
         if args.engine_in_thread:
             engine = build_engine(args)
         else:
+            # Whatever this process might ask JAX for lands on the CPU, never on the engine's
+            # devices (the child, a fresh interpreter, does not inherit this).
+            jax.config.update("jax_platforms", "cpu")
             engine = EngineProcess(functools.partial(build_engine, args))
             engine.grammar_compiler = grammar_compiler(tokenizer, engine.vocab_size, log)
     except ValueError as err:

@@ -33,7 +33,7 @@ from jaxattn.serve.sampling import SamplingParams
 
 args = cli.build_parser().parse_args(json.loads(sys.argv[1]))
 handle = EngineProcess(functools.partial(cli.build_engine, args))
-out = {"parent_backends": xla_bridge.backends_are_initialized(), "max_seq_len": handle.max_seq_len}
+out = {"max_seq_len": handle.max_seq_len}
 
 
 async def events_of(job):
@@ -74,6 +74,7 @@ async def main():
     out["healthy_after_kill"] = handle.healthy
 
 asyncio.run(main())
+out["parent_backends"] = xla_bridge.backends_are_initialized()
 handle.stop(10)
 model = cli.load_model(args, None)
 from tests.serve.models.test_llama import dense_greedy
