@@ -38,7 +38,7 @@ log = logging.getLogger("jaxattn.serve")
 
 @dataclasses.dataclass(frozen=True)
 class EngineFacts:
-    """What the server needs to know of the child's engine."""
+    """What the child says of its engine once it is ready."""
 
     max_seq_len: int
     max_seqs: int
