@@ -513,3 +513,13 @@ def test_bench_server_host_bad_flags_are_usage_errors(flags, capsys):
     with pytest.raises(SystemExit):
         build_parser().parse_args(flags)
     assert flags[0] in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flags", [["--engine-modes", "proces"], ["--engine-modes", "thread,thread"],
+                                   ["--engine-modes", ""], ["--repeats", "0"]])
+def test_bench_http_bad_flags_are_usage_errors(flags, capsys):
+    from benchmarks.bench_http import build_parser
+
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(flags)
+    assert flags[0] in capsys.readouterr().err

@@ -151,9 +151,10 @@ def load_tokenizer(args: argparse.Namespace) -> TextTokenizer | None:
         raise ValueError(f"{flag} {directory}: {err}") from None
 
 
-def build_engine(args: argparse.Namespace) -> Engine:
+def build_engine(args: argparse.Namespace, tokenizer: TextTokenizer | None = None) -> Engine:
     """The engine ``args`` ask for, compiled (``Engine.warmup``), each phase logged; ValueError
-    naming the flag that does not fit. Runs where the engine will (the engine process)."""
+    naming the flag that does not fit. Runs where the engine will (the engine process).
+    ``tokenizer``: the one of ``args`` where it is already loaded (None: ``load_tokenizer``)."""
     configure_logging(args.log_level)
     log = logging.getLogger("jaxattn.serve")
     on_gpu = jax.default_backend() == "gpu"
@@ -163,7 +164,7 @@ def build_engine(args: argparse.Namespace) -> Engine:
     mesh = tp_mesh(jax.local_devices()[:args.tp])
     log.info("loading the model")
     model = load_model(args, mesh)
-    tokenizer = load_tokenizer(args)
+    tokenizer = tokenizer or load_tokenizer(args)
     engine = Engine(model, max_seqs=args.max_seqs, max_seq_len=args.max_seq_len or (4096 if on_gpu else 512),
                     page_size=args.page_size or (64 if on_gpu else 16), num_pages=args.num_pages,
                     max_step_tokens=args.max_step_tokens, backend=args.backend,
@@ -215,7 +216,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         tokenizer = load_tokenizer(args)
         if args.engine_in_thread:
-            engine = build_engine(args)
+            engine = build_engine(args, tokenizer)
         else:
             # Whatever this process might ask JAX for lands on the CPU, never on the engine's
             # devices (the child, a fresh interpreter, does not inherit this).

@@ -38,11 +38,9 @@ log = logging.getLogger("jaxattn.serve")
 
 @dataclasses.dataclass(frozen=True)
 class EngineFacts:
-    """What the child says of its engine once it is ready."""
+    """What the child says of its engine once it is ready: what the handlers check requests against."""
 
     max_seq_len: int
-    max_seqs: int
-    num_pages: int
     vocab_size: int
 
 
@@ -91,8 +89,7 @@ def _serve(conn: Connection, build: Callable[[], Engine]) -> None:
     except ValueError as err:
         conn.send(("failed", str(err)))
         return
-    conn.send(("ready", EngineFacts(engine.max_seq_len, engine.max_seqs, engine.num_pages,
-                                    engine.model.cfg.vocab_size)))
+    conn.send(("ready", EngineFacts(engine.max_seq_len, engine.model.cfg.vocab_size)))
 
     def send(message: tuple) -> None:
         try:
@@ -159,8 +156,7 @@ class EngineProcess:
         if kind == "failed":
             self._process.join()
             raise ValueError(detail)
-        self.facts: EngineFacts = detail
-        self.max_seq_len, self.vocab_size = self.facts.max_seq_len, self.facts.vocab_size
+        self.max_seq_len, self.vocab_size = detail.max_seq_len, detail.vocab_size
         self._send_lock = threading.Lock()
         self._keys = itertools.count()
         self._jobs: dict[int, Job] = {}              # jobs in flight by key (event loop)
