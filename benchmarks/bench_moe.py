@@ -2,7 +2,7 @@
 against the copy and matmul rates measured in the same run.
 
     python -m benchmarks.bench_moe [--models deepseek-v2-lite,qwen1.5-moe-a2.7b,qwen3-30b-a3b,mixtral-8x7b]
-        [--tokens 1,8,32,128,512,2048] [--trials 20] [--fp8] [--smoke]
+        [--tokens 1,8,32,128,512,2048] [--trials 20] [--fp8] [--table PATH] [--section NAME] [--smoke]
 
 One MoE layer's routed experts (no router, no shared expert), random bf16 weights, each token routed
 to k distinct experts drawn uniformly (seed 0; the timed calls cycle through ``ROUTINGS`` routings,
@@ -16,9 +16,12 @@ variant and the one ``choose_gemm`` takes for the models ("auto"), the fastest's
 weight bytes over its time as a share of the copy rate and its routed FLOPs (2 x 3 x dim x F x k per
 token) over its time as a share of the matmul rate, and the fastest against ragged_dot. ``--fp8``
 runs the same on FP8 expert stacks (per-channel scales; the Triton kernel reads FP8, dense converts
-them and scales its products, ragged_dot dequantizes first). Writes the "moe_grouped_gemm"
-(``--fp8``: "moe_grouped_gemm_fp8") section of benchmarks/RESULTS.md; ``--smoke`` runs tiny shapes
-(CPU, seconds) and writes only ``$OUT``.
+them and scales its products, ragged_dot dequantizes first). Writes the ``--section`` section of
+benchmarks/RESULTS.md (default "moe_grouped_gemm", with ``--fp8`` "moe_grouped_gemm_fp8");
+``--smoke`` runs tiny shapes (CPU, seconds) and writes only ``$OUT``. ``--table PATH`` also writes
+the measured table that ``choose_gemm`` reads (``jaxattn.serve.models.expert_gemm_table``;
+``jaxattn/tuning/moe_sm_90.json`` for an H100 or H200), keeping the entries of other keys that PATH
+holds (a ``--fp8`` run adds its entries to a bf16 run's).
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ import datetime
 import functools
 import importlib.util
 import itertools
+import os
 from typing import Callable
 
 import jax
@@ -36,6 +40,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.common import copy_bandwidth, device_name, device_seconds, gemm_rate, rel_error, write_section
+from jaxattn.choice_table import current_arch
+from jaxattn.serve.models import expert_gemm_table
 from jaxattn.serve.models.experts import GEMMS, Fp8Stack, choose_gemm, routed_experts
 from jaxattn.serve.models.quantization import quantize_stack
 
@@ -91,8 +97,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--trials", type=int, default=20)
     parser.add_argument("--fp8", action="store_true", help="FP8 experts (per-channel scales, experts.Fp8Stack): "
                                                            "the section moe_grouped_gemm_fp8")
+    parser.add_argument("--table", metavar="PATH", help="also write the measured table choose_gemm reads there "
+                                                        "(jaxattn/tuning/moe_sm_90.json), keeping its other entries")
+    parser.add_argument("--section", help="the RESULTS.md section written (default: moe_grouped_gemm, with --fp8 "
+                                          "moe_grouped_gemm_fp8)")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes (CPU, seconds); RESULTS.md is left alone")
     args = parser.parse_args(argv)
+    section = args.section or ("moe_grouped_gemm_fp8" if args.fp8 else "moe_grouped_gemm")
     shapes = SMOKE if args.smoke else {name: SHAPES[name] for name in args.models.split(",")}
     tokens = [1, 4] if args.smoke else [int(t) for t in args.tokens.split(",")]
     if args.smoke:
@@ -105,7 +116,7 @@ def main(argv: list[str] | None = None) -> None:
     compiled = {name: jax.jit(fn) for name, fn in variants.items()}
     columns = ["model", "tokens", "experts touched", *[f"{name} us" for name in variants], "fastest", "auto takes",
                "fastest % of copy rate", "fastest % of matmul rate", "fastest vs ragged_dot"]
-    rows, errors = [], []
+    rows, errors, entries = [], [], []
     for model, shape in shapes.items():
         expert_bytes = 3 * shape.dim * shape.hidden * (1 if args.fp8 else 2)
         for count in tokens:
@@ -122,16 +133,23 @@ def main(argv: list[str] | None = None) -> None:
                 errors.append(rel_error(fn(*operands), reference))
                 seconds[name] = device_seconds(lambda: fn(*operands[:2], next(routings), *operands[3:]), args.trials)
             fastest = min(seconds, key=seconds.get)
+            key = expert_gemm_table.Key("fp8" if args.fp8 else "bf16", shape.experts, shape.k, shape.dim, shape.hidden,
+                                        count)
+            entries.append(expert_gemm_table.Entry(key, tuple(sorted(seconds, key=seconds.get)),
+                                                   {name: round(1e6 * s, 1) for name, s in seconds.items()}))
             flops = 2 * 3 * shape.dim * shape.hidden * shape.k * count
             cells = [model, str(count), f"{touched} / {shape.experts}", *[f"{1e6 * s:.1f}" for s in seconds.values()],
-                     fastest, choose_gemm(count, shape.experts, shape.k),
+                     fastest, choose_gemm(count, shape.experts, shape.k, shape.dim, shape.hidden, args.fp8),
                      f"{100 * touched * expert_bytes / seconds[fastest] / copy_rate:.0f}%",
                      f"{100 * flops / seconds[fastest] / matmul_rate:.0f}%",
                      f"{seconds['ragged_dot'] / seconds[fastest]:.2f}x"]
             rows.append("| " + " | ".join(cells) + " |")
             print(rows[-1], flush=True)
     command = (f"python -m benchmarks.bench_moe --models {','.join(shapes)} --tokens {','.join(map(str, tokens))} "
-               f"--trials {args.trials}" + (" --fp8" if args.fp8 else "") + (" --smoke" if args.smoke else ""))
+               f"--trials {args.trials}" + (" --fp8" if args.fp8 else "") + (" --smoke" if args.smoke else "")
+               + (f" --table {args.table}" if args.table else "") + (f" --section {section}" if args.section else ""))
+    if args.table:
+        write_table(args.table, command, entries)
     lines = [
         f"Device: {device_name()}; date {datetime.date.today()}; jax {jax.__version__}; "
         f"{'FP8 experts (per-channel scales), bf16 activations' if args.fp8 else 'bf16'}; one MoE layer's routed "
@@ -147,9 +165,19 @@ def main(argv: list[str] | None = None) -> None:
         "over the copy rate; % of matmul rate: 2 x 3 x "
         f"dim x F x k FLOPs per token / time. Largest relative difference from ragged_dot's output: {max(errors):.1e}.",
     ]
-    print(write_section("moe_grouped_gemm_fp8" if args.fp8 else "moe_grouped_gemm", "\n".join(lines),
+    print(write_section(section, "\n".join(lines),
                         update=not args.smoke, heading="Grouped GEMMs of a mixture of experts (benchmarks/bench_moe.py)"
                         + (": FP8 experts" if args.fp8 else "")))
+
+
+def write_table(path: str, command: str, entries: list[expert_gemm_table.Entry]) -> None:
+    """Writes ``path``: this run's entries, then those of other keys that ``path`` holds."""
+    new = expert_gemm_table.Table(arch=current_arch() or "cpu", command=command, device=device_name(),
+                                  date=str(datetime.date.today()), jax=jax.__version__, comment="",
+                                  entries=tuple(entries))
+    old = expert_gemm_table.load(path) if os.path.exists(path) else None
+    expert_gemm_table.dump(expert_gemm_table.merged(old, new), path)
+    print(f"wrote {path}")
 
 
 if __name__ == "__main__":

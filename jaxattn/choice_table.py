@@ -176,7 +176,12 @@ class Table:
 
 def dump(table: Table, path: str) -> None:
     """Writes ``table`` to ``path`` as JSON, one entry a line."""
-    data = table.to_json()
+    dump_entries(table.to_json(), path)
+
+
+def dump_entries(data: dict, path: str) -> None:
+    """Writes a table's JSON form ``data`` to ``path``, its header indented and one entry a line."""
+    data = dict(data)
     entries = ",\n".join(f"  {json.dumps(entry)}" for entry in data.pop("entries"))
     header = json.dumps(data, indent=1)[:-2]              # without its closing "\n}"
     with open(path, "w") as f:

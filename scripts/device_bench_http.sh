@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # On the GPU machine: benchmarks/bench_http.py across device calls (a 32-layer engine's first
 # warm-up compiles for about 500 s, longer than a call), its compilation cache kept in /tmp for the
-# next call of a warm machine. Carry .whl_serve (scripts/fetch_serve_wheels.sh).
+# next call of a warm machine; its log unbuffered, so a run still going shows how far it got. Carry
+# .whl_serve (scripts/fetch_serve_wheels.sh).
 #
 #   scripts/device_bench_http.sh start NAME [bench_http flags...]   # installs the serve wheels once,
 #                                      # runs bench_http in the background (log /tmp/NAME.log)
@@ -19,7 +20,7 @@ case "$step" in
     shift 2
     [ -d "$site" ] || python3 -m pip install -q --no-index --no-deps --no-compile --target "$site" .whl_serve/*.whl
     rm -f "/tmp/$name.done"
-    setsid nohup bash -c "python3 -m benchmarks.bench_http $* --section $name > /tmp/$name.log 2>&1; \
+    setsid nohup bash -c "PYTHONUNBUFFERED=1 python3 -m benchmarks.bench_http $* --section $name > /tmp/$name.log 2>&1; \
       echo \$? > /tmp/$name.done" > /dev/null 2>&1 &
     echo "bench_http started: /tmp/$name.log" ;;
   wait)

@@ -13,10 +13,10 @@ of 8 routings; four MoE shapes, 1 to 2,048 tokens): dense beat ragged_dot at eve
 6.3x); the Triton kernel beat dense at 1 token (3.5x to 8.5x), at 8 tokens (1.07x to 2.0x), at
 128-2,048 tokens of the shapes with 60-128 experts (1.06x to 3.7x) and at Mixtral's 2,048 (2.0x),
 was level at 32 tokens (0.96x to 1.07x) and lost at Mixtral's 32-512 (0.94x down to 0.35x: 8
-experts of 14336 columns). The GPU still takes dense: a served DeepSeek-V2-Lite trace with the
-Triton experts compiled its 5 step shapes in 355 s (dense: 329 s) and was then cut by the device's
-time limit; no served trace with them is measured yet. Off the GPU (tests, CPU serving)
-ragged_dot does the exact work.
+experts of 14336 columns); on FP8 stacks dense also won at 8-128 tokens of most shapes. On a GPU
+``choose_gemm`` takes the fastest strategy of the nearest shape in that measured table
+(``expert_gemm_table``: ``jaxattn/tuning/moe_sm_90.json``, written by ``bench_moe --table``), and
+"dense" where no entry is near. Off the GPU (tests, CPU serving) ragged_dot does the exact work.
 """
 
 from __future__ import annotations
@@ -26,6 +26,8 @@ from typing import Callable, Union
 
 import jax
 import jax.numpy as jnp
+
+from jaxattn.serve.models import expert_gemm_table
 
 GEMMS = ("ragged_dot", "dense", "triton")
 
@@ -69,11 +71,17 @@ class Fp8Stack:
 Stack = Union[jax.Array, Fp8Stack]      # an expert weight stack: in the model's dtype, or FP8
 
 
-def choose_gemm(tokens: int, experts: int, k: int) -> str:
-    """The strategy ``routed_experts`` takes for ``gemm="auto"`` at ``tokens`` tokens, ``experts``
-    local experts and ``k`` experts per token (static: a compiled step shape)."""
-    del tokens, experts, k       # dense until a served trace with "triton" is measured (module docstring)
-    return "dense" if jax.default_backend() == "gpu" else "ragged_dot"
+def choose_gemm(tokens: int, experts: int, k: int, dim: int, hidden: int, fp8: bool = False) -> str:
+    """The strategy ``routed_experts`` takes for ``gemm="auto"`` at ``tokens`` tokens of ``dim``
+    features, ``experts`` local experts of hidden size ``hidden`` (FP8 stacks with ``fp8``) and
+    ``k`` experts per token (static: a compiled step shape): on a GPU the fastest of the nearest
+    measured shape (``expert_gemm_table``; "dense" without one), elsewhere "ragged_dot"."""
+    if jax.default_backend() != "gpu":
+        return "ragged_dot"
+    table = expert_gemm_table.current_table()
+    key = expert_gemm_table.Key("fp8" if fp8 else "bf16", experts, k, dim, hidden, tokens)
+    entry = None if table is None else table.nearest(key)
+    return next((name for name in (entry.order if entry else ()) if name in GEMMS), "dense")
 
 
 def routed_experts(x: jax.Array, weights: jax.Array, chosen: jax.Array, gate_proj: Stack, up_proj: Stack,
@@ -88,7 +96,8 @@ def routed_experts(x: jax.Array, weights: jax.Array, chosen: jax.Array, gate_pro
     ``Fp8Stack``: "triton" reads its FP8 values and scales in the kernel, "dense" converts them
     and scales its products (``_expert_einsum``), "ragged_dot" dequantizes the stack first."""
     if gemm == "auto":
-        gemm = choose_gemm(x.shape[0], gate_proj.shape[0], chosen.shape[1])
+        gemm = choose_gemm(x.shape[0], gate_proj.shape[0], chosen.shape[1], x.shape[1], gate_proj.shape[2],
+                           isinstance(gate_proj, Fp8Stack))
     if gemm == "triton":
         return _triton(x, weights, chosen, gate_proj, up_proj, down_proj, first)
     if gemm == "dense":
