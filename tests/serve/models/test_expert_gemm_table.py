@@ -24,13 +24,13 @@ def table(*entries: Entry) -> Table:
 
 
 @pytest.fixture
-def on_sm90_gpu(monkeypatch, tmp_path):
-    """This machine looks like an sm_90 GPU whose tables are in ``tmp_path``."""
+def on_sm90_gpu(monkeypatch):
+    """This machine looks like an sm_90 GPU (its tables: the shipped ones, unless a test points
+    ``choice_table.TABLE_DIR`` elsewhere before it reads one)."""
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     monkeypatch.setattr(choice_table, "current_arch", lambda: "sm_90")
-    monkeypatch.setattr(choice_table, "TABLE_DIR", str(tmp_path))
     expert_gemm_table.current_table.cache_clear()
-    yield tmp_path
+    yield
     expert_gemm_table.current_table.cache_clear()
 
 
@@ -55,33 +55,29 @@ def test_the_shipped_tables_load_and_are_named_after_their_arch():
         assert name == f"moe_{expert_gemm_table.load(os.path.join(choice_table.TABLE_DIR, name)).arch}.json"
 
 
-def test_choose_gemm_takes_the_fastest_of_the_shipped_table_on_a_gpu(monkeypatch):
-    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-    monkeypatch.setattr(choice_table, "current_arch", lambda: "sm_90")
-    expert_gemm_table.current_table.cache_clear()
-    try:
-        shipped = expert_gemm_table.current_table()
-        assert {e.key.weights for e in shipped.entries} == {"bf16", "fp8"}
-        for measured in shipped.entries:
-            key = measured.key
-            assert set(measured.order) == set(experts.GEMMS) == set(measured.us)
-            assert measured.us[measured.order[0]] == min(measured.us.values())
-            assert experts.choose_gemm(key.tokens, key.experts, key.k, key.dim, key.hidden,
-                                       key.weights == "fp8") == measured.order[0]
-        assert experts.choose_gemm(1, 64, 6, 2048, 1408) == "triton"                    # 7x dense in the table
-        assert experts.choose_gemm(256, 8, 2, 4096, 14336) == "dense"                   # Mixtral's mid sizes
-        assert experts.choose_gemm(1, 1024, 6, 2048, 1408) == "dense"                   # nothing near: dense
-    finally:
-        expert_gemm_table.current_table.cache_clear()
+def test_choose_gemm_takes_the_fastest_of_the_shipped_table_on_a_gpu(on_sm90_gpu):
+    shipped = expert_gemm_table.current_table()
+    assert {e.key.weights for e in shipped.entries} == {"bf16", "fp8"}
+    for measured in shipped.entries:
+        key = measured.key
+        assert set(measured.order) == set(experts.GEMMS) == set(measured.us)
+        assert measured.us[measured.order[0]] == min(measured.us.values())
+        assert experts.choose_gemm(key.tokens, key.experts, key.k, key.dim, key.hidden,
+                                   key.weights == "fp8") == measured.order[0]
+    assert experts.choose_gemm(1, 64, 6, 2048, 1408) == "triton"                    # 7x dense in the table
+    assert experts.choose_gemm(256, 8, 2, 4096, 14336) == "dense"                   # Mixtral's mid sizes
+    assert experts.choose_gemm(1, 1024, 6, 2048, 1408) == "dense"                   # nothing near: dense
 
 
-def test_choose_gemm_is_dense_on_a_gpu_without_a_table_and_ragged_dot_off_it(on_sm90_gpu, monkeypatch):
+def test_choose_gemm_is_dense_on_a_gpu_without_a_table_and_ragged_dot_off_it(on_sm90_gpu, monkeypatch, tmp_path):
+    monkeypatch.setattr(choice_table, "TABLE_DIR", str(tmp_path))
     assert experts.choose_gemm(1, 64, 6, 2048, 1408) == "dense"
     monkeypatch.setattr(jax, "default_backend", lambda: "cpu")
     assert experts.choose_gemm(1, 64, 6, 2048, 1408) == "ragged_dot"
 
 
-def test_a_table_entry_of_another_strategy_is_passed_over(on_sm90_gpu):
+def test_a_table_entry_of_another_strategy_is_passed_over(on_sm90_gpu, monkeypatch, tmp_path):
+    monkeypatch.setattr(choice_table, "TABLE_DIR", str(tmp_path))
     expert_gemm_table.dump(table(entry(["tokamax", "triton", "dense"])), expert_gemm_table.table_path("sm_90"))
     assert experts.choose_gemm(1, 64, 6, 2048, 1408) == "triton"
 
