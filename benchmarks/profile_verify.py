@@ -23,7 +23,7 @@ import gc
 import jax
 from flax import nnx
 
-from benchmarks.common import device_name, wall_seconds, write_section
+from benchmarks.common import device_name, profiled, wall_seconds, write_section
 from benchmarks.engine_step import decode_step
 from benchmarks.profile_step import by_kind, profile_chain
 from jaxattn.serve.models.llama import PRESETS, Llama
@@ -38,13 +38,7 @@ def step_seconds(model: Llama, backend: str, batch: int, context: int, draft_tok
     if jax.devices()[0].platform != "gpu":
         for _ in range(3):
             state = jax.block_until_ready(model_step(state))
-        box = [state]
-
-        def call():
-            box[0] = model_step(box[0])
-            return box[0]
-
-        return wall_seconds(call, steps), plan, {}
+        return profiled(model_step, state, steps, measure=wall_seconds)[1], plan, {}
     events = profile_chain(model_step, state, steps)
     return sum(seconds for seconds, _ in events.values()), plan, events
 

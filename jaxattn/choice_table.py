@@ -44,7 +44,8 @@ import json
 import math
 import os
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import TypeVar
 
 from jaxattn import backends
 from jaxattn.backends.base import Call, compute_capability, gpu_devices
@@ -56,6 +57,7 @@ MAX_DOUBLINGS = 2
 # Joins a split plan's decode backend and main backend in its label: "trtllm+fa4".
 SPLIT_SEPARATOR = "+"
 _HEADER = ("arch", "command", "device", "date", "jax")
+T = TypeVar("T")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -146,16 +148,51 @@ class Entry:
 
 
 @dataclasses.dataclass(frozen=True)
-class Table:
-    """A choice table and what produced it (``_HEADER``'s fields)."""
+class Provenance:
+    """What wrote a measured table (``_HEADER``'s fields) and a free-text ``comment``: the header
+    this module's tables and ``jaxattn.serve.models.expert_gemm_table``'s share."""
 
     arch: str
     command: str
     device: str
     date: str
     jax: str
-    entries: tuple[Entry, ...]
     comment: str = ""
+
+    def header_json(self, format: int) -> dict:
+        """The JSON header: ``format``, ``_HEADER``'s fields, the comment when there is one."""
+        return {"format": format, **{name: getattr(self, name) for name in _HEADER},
+                **({"comment": self.comment} if self.comment else {})}
+
+
+def parse_header(data: object, format: int) -> dict[str, str]:
+    """A table's JSON header as ``Provenance``'s fields, ``data``'s format checked against
+    ``format`` and its ``entries`` checked to be a list; ValueError (or KeyError) where it is
+    malformed."""
+    if not isinstance(data, dict) or data.get("format") != format:
+        raise ValueError(f"expected an object with \"format\": {format}")
+    for name in _HEADER:
+        _expect(isinstance(data[name], str), f"{name!r} must be a string")
+    _expect(isinstance(data.get("comment", ""), str), "'comment' must be a string")
+    _expect(isinstance(data["entries"], list), "'entries' must be a list")
+    return {**{name: data[name] for name in _HEADER}, "comment": data.get("comment", "")}
+
+
+def load_json(path: str, parse: Callable[[object], T], what: str, rewrite: str) -> T:
+    """``parse`` of the JSON in ``path``, a ``what``; ValueError naming the file, what is wrong and
+    the ``rewrite`` command when it is malformed."""
+    try:
+        with open(path) as f:
+            return parse(json.load(f))
+    except (ValueError, TypeError, KeyError) as err:
+        raise ValueError(f"malformed {what} {path}: {err} (rewrite it with {rewrite})") from err
+
+
+@dataclasses.dataclass(frozen=True)
+class Table(Provenance):
+    """A choice table and what produced it."""
+
+    entries: tuple[Entry, ...] = ()
 
     def nearest(self, key: Key) -> Entry | None:
         """The entry of the nearest bucket to ``key`` (module docstring), or None."""
@@ -169,9 +206,7 @@ class Table:
         return best
 
     def to_json(self) -> dict:
-        header = {name: getattr(self, name) for name in _HEADER}
-        return {"format": FORMAT, **header, **({"comment": self.comment} if self.comment else {}),
-                "entries": [entry.to_json() for entry in self.entries]}
+        return {**self.header_json(FORMAT), "entries": [entry.to_json() for entry in self.entries]}
 
 
 def dump(table: Table, path: str) -> None:
@@ -281,25 +316,12 @@ def shipped_table(name: str) -> Table | None:
 
 def load(path: str) -> Table:
     """The table in ``path``; ValueError naming the file and what is wrong when it is malformed."""
-    try:
-        with open(path) as f:
-            data = json.load(f)
-        return parse(data)
-    except (ValueError, TypeError, KeyError) as err:
-        raise ValueError(f"malformed choice table {path}: {err} (rewrite it with python -m benchmarks.tune_auto)") \
-            from err
+    return load_json(path, parse, "choice table", "python -m benchmarks.tune_auto")
 
 
 def parse(data: object) -> Table:
     """A ``Table`` from its JSON form; ValueError (or TypeError/KeyError) where it is malformed."""
-    if not isinstance(data, dict) or data.get("format") != FORMAT:
-        raise ValueError(f"expected an object with \"format\": {FORMAT}")
-    for name in _HEADER:
-        _expect(isinstance(data[name], str), f"{name!r} must be a string")
-    _expect(isinstance(data.get("comment", ""), str), "'comment' must be a string")
-    _expect(isinstance(data["entries"], list), "'entries' must be a list")
-    return Table(**{name: data[name] for name in _HEADER}, comment=data.get("comment", ""),
-                 entries=tuple(_entry(i, e) for i, e in enumerate(data["entries"])))
+    return Table(**parse_header(data, FORMAT), entries=tuple(_entry(i, e) for i, e in enumerate(data["entries"])))
 
 
 def _entry(index: int, data: dict) -> Entry:

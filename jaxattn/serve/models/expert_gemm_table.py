@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 import math
 import os
 
@@ -34,7 +33,6 @@ FORMAT = 1
 MAX_DOUBLINGS = 2
 WEIGHTS = ("bf16", "fp8")
 _SHAPE = ("experts", "k", "dim", "hidden")
-_HEADER = ("arch", "command", "device", "date", "jax")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,14 +58,8 @@ class Entry:
 
 
 @dataclasses.dataclass(frozen=True)
-class Table:
-    arch: str
-    command: str
-    device: str
-    date: str
-    jax: str
-    comment: str
-    entries: tuple[Entry, ...]
+class Table(choice_table.Provenance):
+    entries: tuple[Entry, ...] = ()
 
     def nearest(self, key: Key) -> Entry | None:
         """The entry nearest ``key`` (module docstring), or None."""
@@ -84,7 +76,7 @@ class Table:
         return best
 
     def to_json(self) -> dict:
-        return {"format": FORMAT, **{name: getattr(self, name) for name in _HEADER}, "comment": self.comment,
+        return {**self.header_json(FORMAT),
                 "entries": [{"key": dataclasses.asdict(e.key), "order": list(e.order), "us": e.us}
                             for e in self.entries]}
 
@@ -104,22 +96,12 @@ def current_table() -> Table | None:
 
 def load(path: str) -> Table:
     """The table in ``path``; ValueError naming the file and what is wrong when it is malformed."""
-    try:
-        with open(path) as f:
-            return parse(json.load(f))
-    except (ValueError, TypeError, KeyError) as err:
-        raise ValueError(f"malformed expert GEMM table {path}: {err} (rewrite it with python -m "
-                         f"benchmarks.bench_moe --table {path})") from err
+    return choice_table.load_json(path, parse, "expert GEMM table", f"python -m benchmarks.bench_moe --table {path}")
 
 
 def parse(data: object) -> Table:
     """A ``Table`` from its JSON form; ValueError (or TypeError/KeyError) where it is malformed."""
-    if not isinstance(data, dict) or data.get("format") != FORMAT:
-        raise ValueError(f"expected an object with \"format\": {FORMAT}")
-    for name in (*_HEADER, "comment"):
-        if not isinstance(data[name], str):
-            raise ValueError(f"{name!r} must be a string")
-    return Table(**{name: data[name] for name in (*_HEADER, "comment")},
+    return Table(**choice_table.parse_header(data, FORMAT),
                  entries=tuple(_entry(i, e) for i, e in enumerate(data["entries"])))
 
 
