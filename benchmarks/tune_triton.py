@@ -108,9 +108,9 @@ def decode_launches(batch: Batch, block_n: int, nseg: int, warps: int, stages: i
     """Decode kernel + reduce for the leading decodes (``mixed``) or a decode-only batch."""
     c = shared_constants(batch)
     b, group = len(batch.q_lens), HQ // HKV
-    decode = dict(c, BLOCK_H=max(16, pow2_ceil(group)), BLOCK_N=block_n, NSEG=nseg)
+    decode = dict(c, G_P=pow2_ceil(group), QT=1, BLOCK_M=max(16, pow2_ceil(group)), BLOCK_N=block_n, NSEG=nseg)
     reduce = {k: c[k] for k in "T B HQ G D D_P FP8".split()}
-    reduce.update(LOG_B=(b + 1).bit_length() + 1, G_P=pow2_ceil(group), NSEG=nseg, HAS_SINKS=False,
+    reduce.update(LOG_B=(b + 1).bit_length() + 1, G_P=pow2_ceil(group), QT=1, NSEG=nseg, HAS_SINKS=False,
                   WRITE_ALL=not mixed)
     ptr = ("bfloat16",) * 3 + ("int32",) * 4 + ("float32",) * 4
     return [Launch("paged_decode_kernel", (b, HKV, nseg), ptr, tuple(sorted(decode.items())), warps, stages),

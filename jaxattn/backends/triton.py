@@ -63,8 +63,12 @@ _MIN_TILES_PER_SEGMENT = 8
 _FEW_DECODE_PAIRS = 32
 _FEW_PAIRS_MAX_SEGMENTS = 32
 _DEEP_PIPELINE_PROGRAMS = 256
-# Short-query steps (speculative decode): the 2D kernel takes one small query tile per (sequence,
-# KV head) up to this many rows, and longer key tiles below this many (sequence, KV head) pairs.
+# Short-query steps (speculative decode) run in the split-KV kernels while a sequence's query
+# tokens x its group's heads fit in this many rows (split_query_tokens).
+_SPLIT_QUERY_ROWS = 64
+# Short-query steps the split-KV kernels do not take (launch="single", or more rows than those):
+# the 2D kernel takes one small query tile per (sequence, KV head) up to this many rows, and longer
+# key tiles below this many (sequence, KV head) pairs.
 _SHORT_QUERY_ROWS = 64
 _FEW_PAIRS = 256
 # MLA: KV segments are chosen to give about this many programs (query tokens x head blocks x
@@ -192,11 +196,26 @@ def short_query_config(head_dim: int, dtype, max_q_len: int | None, group: int, 
     return PrefillConfig(block_m=block_m, block_n=block_n, num_warps=4, num_stages=2)
 
 
+def split_query_tokens(max_q_len: int | None, group: int) -> int | None:
+    """Query tokens per sequence of the split-KV kernels' M tile when a step runs whole in them:
+    1 for a decode-only step; ``pow2(max_q_len)`` for a short-query (speculative) step whose tile
+    of that many tokens x ``pow2(group)`` heads is at most ``_SPLIT_QUERY_ROWS`` rows; None
+    otherwise (the split launch's decodes, then the 2D kernel)."""
+    if max_q_len == 1:
+        return 1
+    if max_q_len is None or max_q_len > SPEC_DECODE_MAX_Q_LEN:
+        return None
+    tokens = _pow2_ceil(max_q_len)
+    return tokens if tokens * _pow2_ceil(group) <= _SPLIT_QUERY_ROWS else None
+
+
 def prepare(call: Call) -> jax.Array | None:
     """The per-step operand of a split launch over a step that is not decode-only: its decode count
     (``meta.checked_num_decodes``, int32[1]); None for a decode-only step, whose count is the batch
     (a constant)."""
-    return None if call.meta.max_q_len == 1 else call.meta.checked_num_decodes.reshape(1)
+    group = call.q.shape[1] // call.cache.num_kv_heads
+    return None if split_query_tokens(call.meta.max_q_len, group) is not None else \
+        call.meta.checked_num_decodes.reshape(1)
 
 
 def attention(q: jax.Array, cache: KVCache, meta: AttentionMetadata, params: AttentionParams,
@@ -232,34 +251,36 @@ def attention(q: jax.Array, cache: KVCache, meta: AttentionMetadata, params: Att
     log_b = (batch + 1).bit_length() + 1
     out_type = jax.ShapeDtypeStruct(q.shape, q.dtype)
 
-    decode_only = meta.max_q_len == 1 and launch == "split"
+    # A short-query step (every query at most split_query_tokens tokens) runs whole in the split-KV
+    # kernels, its query tokens in the M tile; a decode-only step is the one-token case.
+    query_tokens = split_query_tokens(meta.max_q_len, group) if launch == "split" else None
     out = None
     if launch == "split":
-        if decode_only:
+        if query_tokens is not None:
             num_decodes = np.full((1,), batch, np.int32)
         elif prepared is not None:
             num_decodes = prepared
         else:
             num_decodes = meta.checked_num_decodes.reshape(1)
         cfg = decode or decode_config(head_dim, batch, cache.num_kv_heads, width * cache.page_size)
-        nseg = cfg.num_segments
+        nseg, qt = cfg.num_segments, query_tokens or 1
         seg_acc, seg_ml = triton_call(
             q, cache.k_pages, cache.v_pages, meta.block_tables, meta.kv_lens, meta.cu_q_lens, num_decodes, k_scale,
             v_scale,
             kernel=kernels.paged_decode_kernel,
-            out_shape=[jax.ShapeDtypeStruct((batch, num_q_heads, nseg, head_dim), jnp.float32),
-                       jax.ShapeDtypeStruct((batch, num_q_heads, nseg, 2), jnp.float32)],
+            out_shape=[jax.ShapeDtypeStruct((batch * qt, num_q_heads, nseg, head_dim), jnp.float32),
+                       jax.ShapeDtypeStruct((batch * qt, num_q_heads, nseg, 2), jnp.float32)],
             grid=(batch, cache.num_kv_heads, nseg), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-            BLOCK_H=max(16, _pow2_ceil(group)), BLOCK_N=cfg.block_n, NSEG=nseg,
+            G_P=_pow2_ceil(group), QT=qt, BLOCK_M=max(16, qt * _pow2_ceil(group)), BLOCK_N=cfg.block_n, NSEG=nseg,
             **_subset(shared, "T B P HQ G D D_P PAGE NUM_PAGES SK_P SK_H SK_T SCALE SOFTCAP WINDOW CAUSAL FP8 "
                               "DOT_F32 PRECISION"))
         (out,) = triton_call(
             meta.cu_q_lens, num_decodes, sinks_arg, k_scale, v_scale, seg_acc, seg_ml,
             kernel=kernels.paged_decode_reduce_kernel,
-            out_shape=[out_type], grid=(num_tokens if decode_only else batch, cache.num_kv_heads), num_warps=4,
-            num_stages=1, LOG_B=log_b, G_P=_pow2_ceil(group), NSEG=nseg, HAS_SINKS=sinks is not None,
-            WRITE_ALL=decode_only, **_subset(shared, "T B HQ G D D_P FP8"))
-        if decode_only:
+            out_shape=[out_type], grid=(batch if query_tokens is None else num_tokens, cache.num_kv_heads),
+            num_warps=4, num_stages=1, LOG_B=log_b, G_P=_pow2_ceil(group), QT=qt, NSEG=nseg,
+            HAS_SINKS=sinks is not None, WRITE_ALL=query_tokens is not None, **_subset(shared, "T B HQ G D D_P FP8"))
+        if query_tokens is not None:
             return out
     else:
         num_decodes = np.zeros((1,), np.int32)

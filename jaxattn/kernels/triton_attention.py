@@ -200,47 +200,66 @@ def paged_prefill_kernel(
 @triton.jit
 def paged_decode_kernel(
         q_ptr, k_ptr, v_ptr, tables_ptr, kv_lens_ptr, cu_ptr, nd_ptr, k_scale_ptr, v_scale_ptr, seg_acc_ptr, seg_ml_ptr,
-        T: tl.constexpr, B: tl.constexpr, P: tl.constexpr, HQ: tl.constexpr, G: tl.constexpr, BLOCK_H: tl.constexpr,
-        D: tl.constexpr, D_P: tl.constexpr, PAGE: tl.constexpr, NUM_PAGES: tl.constexpr,
-        SK_P: tl.constexpr, SK_H: tl.constexpr, SK_T: tl.constexpr, BLOCK_N: tl.constexpr,
+        T: tl.constexpr, B: tl.constexpr, P: tl.constexpr, HQ: tl.constexpr, G: tl.constexpr, G_P: tl.constexpr,
+        QT: tl.constexpr, BLOCK_M: tl.constexpr, D: tl.constexpr, D_P: tl.constexpr, PAGE: tl.constexpr,
+        NUM_PAGES: tl.constexpr, SK_P: tl.constexpr, SK_H: tl.constexpr, SK_T: tl.constexpr, BLOCK_N: tl.constexpr,
         NSEG: tl.constexpr, SCALE: tl.constexpr, SOFTCAP: tl.constexpr, WINDOW: tl.constexpr,
         CAUSAL: tl.constexpr, FP8: tl.constexpr, DOT_F32: tl.constexpr, PRECISION: tl.constexpr):
-    """3D split-KV decode, grid ``(B, HKV, NSEG)``: program (b, h, s) attends the one query token
-    of sequence b < nd (heads of KV head h, ``BLOCK_H >= G`` rows) over the s-th of NSEG equal runs
-    of its KV tiles. Writes unnormalized ``seg_acc: [B, HQ, NSEG, D]`` and ``seg_ml: [B, HQ, NSEG, 2]``
-    (running max in base 2, and sum); other programs exit at once."""
+    """3D split-KV decode, grid ``(B, HKV, NSEG)``: program (b, h, s) attends the query tokens of
+    sequence b (rows: ``QT`` tokens x ``G_P`` heads of KV head h, ``BLOCK_M >= QT * G_P``) over the
+    s-th of NSEG equal runs of its KV tiles. ``QT == 1``: the one token of each sequence b < nd
+    whose query is one token; ``QT > 1`` (a short-query step, every query at most QT tokens): the
+    first QT tokens of every sequence. Writes unnormalized ``seg_acc: [B * QT, HQ, NSEG, D]`` and
+    ``seg_ml: [B * QT, HQ, NSEG, 2]`` (running max in base 2, and sum) at slot ``b * QT + i`` for
+    the sequence's token i; other programs exit at once."""
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     seg = tl.program_id(2)
     q_start = tl.load(cu_ptr + b)
-    if (b >= tl.load(nd_ptr)) | (tl.load(cu_ptr + b + 1) - q_start != 1) | (q_start >= T):
+    q_end = tl.minimum(tl.load(cu_ptr + b + 1), T)
+    if QT == 1:
+        if (b >= tl.load(nd_ptr)) | (q_end - q_start != 1):
+            return
+    if q_start >= q_end:
         return
+    q_len = q_end - q_start
     kv_len = tl.minimum(tl.maximum(tl.load(kv_lens_ptr + b), 0), P * PAGE)
     if FP8:
         scales_ok, k_scale, _ = _fp8_scales(k_scale_ptr, v_scale_ptr)
         kv_len = tl.where(scales_ok, kv_len, 0)
-    offs_h = tl.arange(0, BLOCK_H)
+    offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, D_P)
-    head = kvh * G + offs_h
-    h_ok = offs_h < G
-    io_mask = h_ok[:, None] & (offs_d < D)[None, :]
-    q = tl.load(q_ptr + q_start.to(tl.int64) * (HQ * D) + head[:, None] * D + offs_d[None, :], mask=io_mask,
-                other=0.0)
+    i = offs_m // G_P
+    head = kvh * G + offs_m % G_P
+    row_ok = (i < QT) & (i < q_len) & (offs_m % G_P < G)
+    io_mask = row_ok[:, None] & (offs_d < D)[None, :]
+    q = tl.load(q_ptr + (q_start + i).to(tl.int64)[:, None] * (HQ * D) + head[:, None] * D + offs_d[None, :],
+                mask=io_mask, other=0.0)
     if DOT_F32:
         q = q.to(tl.float32)
-    pos = tl.zeros([BLOCK_H], tl.int32) + (kv_len - 1)
+    pos = kv_len - q_len + i
+    # Keys any row may see, and the tiles every row sees whole (as in paged_prefill_kernel).
+    p_first = kv_len - q_len
+    p_last = kv_len - q_len + tl.minimum(q_len, QT) - 1
+    hi_key = kv_len
+    full_hi = kv_len // BLOCK_N
+    if CAUSAL or WINDOW > 0:
+        hi_key = tl.minimum(hi_key, p_last + 1)
+        full_hi = tl.minimum(full_hi, tl.maximum(p_first + 1, 0) // BLOCK_N)
     lo_key = 0
+    full_lo = 0
     if WINDOW > 0:
-        lo_key = tl.maximum(kv_len - WINDOW, 0)
+        lo_key = tl.maximum(p_first - WINDOW + 1, 0)
+        full_lo = (tl.maximum(p_last - WINDOW + 1, 0) + BLOCK_N - 1) // BLOCK_N
     tile_lo = lo_key // BLOCK_N
-    tile_hi = (kv_len + BLOCK_N - 1) // BLOCK_N
+    tile_hi = (tl.maximum(hi_key, 0) + BLOCK_N - 1) // BLOCK_N
     per_seg = (tile_hi - tile_lo + NSEG - 1) // NSEG
     seg_lo = tile_lo + seg * per_seg
     seg_hi = tl.minimum(seg_lo + per_seg, tile_hi)
 
-    m_i = tl.full([BLOCK_H], NEG_INIT, tl.float32)
-    l_i = tl.zeros([BLOCK_H], tl.float32)
-    acc = tl.zeros([BLOCK_H, D_P], tl.float32)
+    m_i = tl.full([BLOCK_M], NEG_INIT, tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, D_P], tl.float32)
     qk_scale = SCALE
     if FP8:
         qk_scale = SCALE * k_scale
@@ -248,24 +267,24 @@ def paged_decode_kernel(
     for tile in range(seg_lo, seg_hi):
         acc, m_i, l_i = _attend_tile(
             q, acc, m_i, l_i, k_ptr, v_ptr, table_row, kvh * SK_H, tile, kv_len, pos, qk_scale,
-            ((tile + 1) * BLOCK_N > kv_len) | (tile * BLOCK_N < lo_key), BLOCK_N, D, D_P, PAGE, NUM_PAGES,
-            SK_P, SK_T, SOFTCAP, WINDOW, CAUSAL, PRECISION)
-    row = (b * HQ + head) * NSEG + seg
+            (tile < full_lo) | (tile >= full_hi), BLOCK_N, D, D_P, PAGE, NUM_PAGES, SK_P, SK_T, SOFTCAP,
+            WINDOW, CAUSAL, PRECISION)
+    row = ((b * QT + i) * HQ + head) * NSEG + seg
     tl.store(seg_acc_ptr + row.to(tl.int64)[:, None] * D + offs_d[None, :], acc, mask=io_mask)
-    tl.store(seg_ml_ptr + row * 2, m_i, mask=h_ok)
-    tl.store(seg_ml_ptr + row * 2 + 1, l_i, mask=h_ok)
+    tl.store(seg_ml_ptr + row * 2, m_i, mask=row_ok)
+    tl.store(seg_ml_ptr + row * 2 + 1, l_i, mask=row_ok)
 
 
 @triton.jit
 def paged_decode_reduce_kernel(
         cu_ptr, nd_ptr, sinks_ptr, k_scale_ptr, v_scale_ptr, seg_acc_ptr, seg_ml_ptr, out_ptr,
         T: tl.constexpr, B: tl.constexpr, LOG_B: tl.constexpr, HQ: tl.constexpr, G: tl.constexpr, G_P: tl.constexpr,
-        D: tl.constexpr, D_P: tl.constexpr, NSEG: tl.constexpr, HAS_SINKS: tl.constexpr, FP8: tl.constexpr,
-        WRITE_ALL: tl.constexpr):
-    """Merges the decode segments of sequences b < nd: ``out = sum_s 2^(m_s - m) acc_s /
-    (sum_s 2^(m_s - m) l_s + 2^(sink - m))``. Grid ``(B, HKV)`` over sequences (token ``cu[b]``),
-    or with ``WRITE_ALL`` (decode-only steps) ``(T, HKV)`` over tokens, every other token getting
-    zeros."""
+        QT: tl.constexpr, D: tl.constexpr, D_P: tl.constexpr, NSEG: tl.constexpr, HAS_SINKS: tl.constexpr,
+        FP8: tl.constexpr, WRITE_ALL: tl.constexpr):
+    """Merges ``paged_decode_kernel``'s segments: ``out = sum_s 2^(m_s - m) acc_s /
+    (sum_s 2^(m_s - m) l_s + 2^(sink - m))``. Grid ``(B, HKV)`` over sequences b < nd (token
+    ``cu[b]``; ``QT == 1`` only), or with ``WRITE_ALL`` (decode-only and short-query steps) ``(T,
+    HKV)`` over tokens, every token the decode kernel did not attend getting zeros."""
     r = tl.program_id(0)
     kvh = tl.program_id(1)
     if WRITE_ALL:
@@ -276,7 +295,9 @@ def paged_decode_reduce_kernel(
         t = tl.load(cu_ptr + b)
     q_start = tl.load(cu_ptr + b)
     q_end = tl.load(cu_ptr + b + 1)
-    active = (t >= q_start) & (t < q_end) & (t < T) & (q_end - q_start == 1) & (b < tl.load(nd_ptr))
+    active = (t >= q_start) & (t < q_end) & (t < T) & (t - q_start < QT)
+    if QT == 1:
+        active = active & (q_end - q_start == 1) & (b < tl.load(nd_ptr))
     if not WRITE_ALL:
         if not active:
             return
@@ -285,7 +306,7 @@ def paged_decode_reduce_kernel(
     offs_d = tl.arange(0, D_P)
     head = kvh * G + offs_h
     h_ok = (offs_h < G) & active
-    row = (b * HQ + head)[:, None] * NSEG + offs_s[None, :]                         # [G_P, NSEG]
+    row = ((b * QT + t - q_start) * HQ + head)[:, None] * NSEG + offs_s[None, :]     # [G_P, NSEG]
     m_s = tl.load(seg_ml_ptr + row * 2, mask=h_ok[:, None], other=NEG_INIT)
     l_s = tl.load(seg_ml_ptr + row * 2 + 1, mask=h_ok[:, None], other=0.0)
     m = tl.max(m_s, 1)

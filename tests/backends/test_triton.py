@@ -207,6 +207,25 @@ def test_calls_trace_to_the_kernels_alone(launch, q_lens):
     assert jaxpr.consts and all(np.size(const) == 1 for const in jaxpr.consts)
 
 
+@pytest.mark.parametrize("options", [{}, dict(sliding_window=5), dict(softcap=4.0), dict(causal=False),
+                                     dict(sinks=True)], ids=str)
+def test_short_query_steps_run_whole_in_the_split_kernels(options):
+    """A speculative step (every q_len <= max_q_len, its tokens x the group's heads one M tile):
+    the split-KV kernel and its reduction alone, each query token masked at its own position;
+    padding tokens and the empty sequence exact zeros."""
+    rng = np.random.default_rng(11)
+    problem = make_problem(rng, q_lens=[3, 1, 4, 0, 2], kv_lens=[30, 9, 17, 0, 2], num_q_heads=8, num_kv_heads=2,
+                           head_dim=32, page_size=8, dtype=BF16, max_q_len=4)
+    assert tb.split_query_tokens(4, group=4) == 4 and tb.split_query_tokens(16, group=8) is None
+    options = dict(options)
+    jaxpr = jax.make_jaxpr(lambda q, c, m: tb.attention(q, c, m, _params(32), None))(
+        problem.q, problem.cache, problem.meta)
+    assert [eqn.primitive.name for eqn in jaxpr.jaxpr.eqns] == ["jaxattn_triton_call"] * 2
+    if options.pop("sinks", False):
+        options["sinks"] = jnp.asarray(rng.normal(size=8), jnp.float32)
+    _check(problem, _run(problem, **options), **options)
+
+
 def test_unsupported_configurations_raise():
     problem = make_problem(np.random.default_rng(6), q_lens=[2], kv_lens=[4], num_q_heads=2, num_kv_heads=2,
                            head_dim=8, page_size=4)
