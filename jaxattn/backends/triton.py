@@ -4,8 +4,9 @@ Launch plans, all inside one jitted call with static grids (everything per-step 
 metadata's device arrays):
 
 * ``launch="split"`` (default): a decode-only step (``meta.max_q_len == 1``) runs the 3D split-KV
-  decode kernel and its reduction; a mixed step runs those for its leading decodes, then the 2D
-  kernel for the rest, writing in place into the same output buffer (aliased).
+  decode kernel and its reduction, and so does a short-query (speculative) step whose tokens fit
+  the kernel's M tile (``split_query_tokens``); a mixed step runs those for its leading decodes,
+  then the 2D kernel for the rest, writing in place into the same output buffer (aliased).
 * ``launch="single"``: the 2D kernel alone serves every sequence (one launch), for comparison.
 
 ``mla_attention`` runs absorbed multi-head latent attention (``jaxattn.mla``) with
