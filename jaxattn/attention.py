@@ -80,16 +80,11 @@ def paged_attention(
 def run(q: jax.Array, cache: KVCache, plan: AttentionPlan, sinks: jax.Array | None) -> jax.Array:
     """The kernels of ``plan``'s backends on ``q: [T, Hq, D]`` (all heads, or one head shard's)
     -> ``[T, Hq, D]``."""
-    op, options = "paged_attention", (plan.params, sinks)
+    options = (plan.params, sinks)
     if plan.decode is None:
-        return plan.main.run(op, (q, cache), options)
-    out_dec = plan.decode.run(op, (q[:plan.decode_rows.shape[0]], cache), options)
-    out = plan.main.run(op, (q, cache), options)
-    # Decode b is token b: only the decodes' rows are rewritten, in place (a select over all T rows
-    # would cost a pass over a prefill's whole output). A scatter, not a dynamic_update_slice of
-    # the first rows: XLA's GPU DynamicSliceFusion rewriter (jax 0.11) fails on a DUS into a
-    # custom call's output ("DUS target must be a fusion parameter").
-    return out.at[plan.decode_rows].set(out_dec, mode="drop", indices_are_sorted=True)
+        return plan.main.run((q, cache), options)
+    out_dec = plan.decode.run((q[:plan.decode_rows.shape[0]], cache), options)
+    return attention_plan.with_decodes(plan, plan.main.run((q, cache), options), out_dec)
 
 
 def backend_for(q: jax.Array, cache: KVCache, meta: AttentionMetadata, *, backend: str = "auto",

@@ -45,17 +45,19 @@ _Q_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class PhasePlan:
-    """One backend's part of a call: the sanitized metadata it runs on and its prepared operands
+    """One backend's part of a call: the op it runs (an ``mla_prefill`` call's decodes run
+    ``mla_paged_attention``), the sanitized metadata it runs on and its prepared operands
     (``OpSupport.prepare``'s pytree, or None)."""
 
     meta: AttentionMetadata
     prepared: Any
     backend: str = dataclasses.field(metadata=dict(static=True))
+    op: str = dataclasses.field(metadata=dict(static=True))
 
-    def run(self, op: str, before: tuple, after: tuple) -> jax.Array:
+    def run(self, before: tuple, after: tuple) -> jax.Array:
         """Backend ``backend``'s ``op`` kernel entry: ``run(*before, meta, *after)`` (the op's
         signature, ``jaxattn.backends.base``), given the prepared operands when it prepares any."""
-        support = backends.REGISTRY[self.backend].ops[op]
+        support = backends.REGISTRY[self.backend].ops[self.op]
         if support.prepare is None:
             return support.run(*before, self.meta, *after)
         return support.run(*before, self.meta, *after, prepared=self.prepared)
@@ -161,6 +163,8 @@ def build(call: Call, backend: str, route: dispatch.Route | None = None) -> Atte
     else:
         decodes = dispatch.decode_call(call)
         meta_dec, meta_rest, decode_rows = split_decodes(meta, call.q.shape[0], decodes.q.shape[0])
+        if call.op == "mla_prefill" and meta.max_prefill_seqs is not None:
+            meta_rest = prefill_part(meta_rest, meta_dec.num_decodes, meta.max_prefill_seqs)
         decode = _phase(dataclasses.replace(decodes, meta=meta_dec), route.decode)
         main = _phase(dataclasses.replace(call, meta=meta_rest), route.main)
     return AttentionPlan(meta=meta, valid=valid, main=main, decode=decode, decode_rows=decode_rows, op=call.op,
@@ -169,7 +173,7 @@ def build(call: Call, backend: str, route: dispatch.Route | None = None) -> Atte
 
 def _phase(call: Call, name: str) -> PhasePlan:
     prepare = backends.REGISTRY[name].ops[call.op].prepare
-    return PhasePlan(meta=call.meta, prepared=None if prepare is None else prepare(call), backend=name)
+    return PhasePlan(meta=call.meta, prepared=None if prepare is None else prepare(call), backend=name, op=call.op)
 
 
 def signature(call: Call) -> tuple:
@@ -256,7 +260,7 @@ def with_scales_checked(plan_: AttentionPlan, cache: KVCache | MLACache, out: ja
     if ok is None:
         return out, plan_.valid
     phases = [phase for phase in (plan_.decode, plan_.main) if phase is not None]
-    if not all(backends.REGISTRY[phase.backend].ops[plan_.op].checks_fp8_scales for phase in phases):
+    if not all(backends.REGISTRY[phase.backend].ops[phase.op].checks_fp8_scales for phase in phases):
         out = jnp.where(ok, out, jnp.zeros((), out.dtype))
     return out, plan_.valid & ok
 
@@ -290,6 +294,31 @@ def split_decodes(meta: AttentionMetadata, num_tokens: int, num_decode_rows: int
     )
     rows = jnp.arange(num_decode_rows, dtype=jnp.int32)
     return meta_dec, meta_rest, jnp.where(rows < num_decodes, rows, num_tokens)
+
+
+def with_decodes(plan_: AttentionPlan, out: jax.Array, out_dec: jax.Array) -> jax.Array:
+    """The main phase's ``out`` ``[T, ...]`` with the decode phase's rows ``out_dec`` written in."""
+    # Decode b is token b: only the decodes' rows are rewritten, in place (a select over all T rows
+    # would cost a pass over a prefill's whole output). A scatter, not a dynamic_update_slice of
+    # the first rows: XLA's GPU DynamicSliceFusion rewriter (jax 0.11) fails on a DUS into a
+    # custom call's output ("DUS target must be a fusion parameter").
+    return out.at[plan_.decode_rows].set(out_dec, mode="drop", indices_are_sorted=True)
+
+
+def prefill_part(meta_rest: AttentionMetadata, num_decodes: jax.Array, count: int) -> AttentionMetadata:
+    """``meta_rest`` (``split_decodes``' second part, sanitized with ``max_prefill_seqs = count``)
+    as the ``count`` sequences from ``num_decodes`` on, the only ones in it with query tokens;
+    itself when ``count`` is not below B. Their offsets keep pointing into the step's tokens (the
+    first starts past the decodes'); the part's kernels run over ``count`` sequences, not B."""
+    if count >= meta_rest.batch_size:
+        return meta_rest
+    # dynamic_slice moves a start past B - count back to it: the sequences added in front are
+    # decodes, empty in meta_rest.
+    rows = functools.partial(jax.lax.dynamic_slice_in_dim, start_index=num_decodes, axis=0)
+    return dataclasses.replace(meta_rest, cu_q_lens=rows(meta_rest.cu_q_lens, slice_size=count + 1),
+                               kv_lens=rows(meta_rest.kv_lens, slice_size=count),
+                               block_tables=rows(meta_rest.block_tables, slice_size=count),
+                               num_decodes=jnp.zeros((), jnp.int32), max_prefill_seqs=None)
 
 
 def abstract(x) -> jax.ShapeDtypeStruct | None:

@@ -16,7 +16,9 @@ a ``paged_attention`` step splits its decodes off is read from the same entry wh
 plans, else a rule (``auto_route``).
 
 ``route`` is what a call runs: one backend, or for ``paged_attention`` under ``auto`` the leading
-decodes of a mixed batch on one backend and the rest on another (``Route``). ``jaxattn.plan`` asks
+decodes of a mixed batch on one backend and the rest on another (``Route``); an ``mla_prefill`` call
+under ``auto`` always serves its leading decodes absorbed, as ``mla_paged_attention`` on the backend
+``auto`` picks for that op, and the rest expanded. ``jaxattn.plan`` asks
 for it once per step; a call given bare metadata asks per call.
 
 Choices use static information only (shapes, dtypes, options, ``meta.max_q_len``, what is
@@ -116,7 +118,15 @@ def route(call: Call, backend: str = "auto") -> Route:
     backend.
     """
     main = choose(call, backend)
-    return Route(main) if backend != "auto" or call.op != "paged_attention" else auto_route(call, main)
+    if backend != "auto":
+        return Route(main)
+    if call.op == "paged_attention":
+        return auto_route(call, main)
+    if call.op == "mla_prefill" and call.phase != "decode" and call.meta.batch_size > 1:
+        # Decodes absorbed read each latent once for all heads; expanded, their whole contexts'
+        # K and V of every head would be written and read back (the bulk of a mixed step's work).
+        return Route(main, choose(decode_call(call), "auto"))
+    return Route(main)
 
 
 def auto_route(call: Call, main: str) -> Route:
@@ -149,7 +159,16 @@ def split_route(call: Call, main: str) -> Route | None:
 
 def decode_call(call: Call) -> Call:
     """``call``'s leading decodes as a decode-only call: the first ``min(T, B)`` query tokens (decode
-    b is token b), ``meta.max_q_len`` 1."""
+    b is token b), ``meta.max_q_len`` 1; an ``mla_prefill`` call's as the ``mla_paged_attention``
+    call that serves them absorbed (``q_latent`` ``[., Hq, R]``, ``q_rope`` ``[., Hq, Dr]``)."""
     num_tokens, num_q_heads, head_dim = call.q.shape
-    q = jax.ShapeDtypeStruct((min(num_tokens, call.meta.batch_size), num_q_heads, head_dim), call.q.dtype)
-    return dataclasses.replace(call, q=q, meta=dataclasses.replace(call.meta, max_q_len=1))
+    rows = min(num_tokens, call.meta.batch_size)
+    meta = dataclasses.replace(call.meta, max_q_len=1)
+    if call.op == "mla_prefill":
+        def part(width: int) -> jax.ShapeDtypeStruct:
+            return jax.ShapeDtypeStruct((rows, num_q_heads, width), call.q.dtype)
+
+        return dataclasses.replace(call, op="mla_paged_attention", q=part(call.cache.kv_lora_rank),
+                                   q_rope=part(call.cache.rope_dim), w_uv=None, meta=meta)
+    q = jax.ShapeDtypeStruct((rows, num_q_heads, head_dim), call.q.dtype)
+    return dataclasses.replace(call, q=q, meta=meta)

@@ -29,6 +29,11 @@ class AttentionMetadata:
         decode-only step; 2..``SPEC_DECODE_MAX_Q_LEN``: a speculative-decode step). Backends use
         it to size their work and choose kernels. A sequence with more query tokens breaks the
         step's contract (see ``validate``).
+      max_prefill_seqs: static bound on the sequences with query tokens past the leading decodes
+        (None: any number). Sequences ``[d, d + max_prefill_seqs)``, ``d`` the checked decode count
+        (``checked_num_decodes``), may hold longer queries; a sequence after them with query tokens
+        breaks the step's contract. A mixed step's prefill part then runs over that many
+        sequences, not B (``mla_prefill`` expands K/V for those alone).
       page_size, num_pages: static, the page size and pool size of the ``PageTable`` that built
         it (None: not known, e.g. built directly). The attention ops raise ``ValueError`` when
         they differ from the cache's: page ids of one pool read in another are wrong answers.
@@ -42,6 +47,7 @@ class AttentionMetadata:
     block_tables: jax.Array
     num_decodes: jax.Array
     max_q_len: int | None = dataclasses.field(default=None, metadata=dict(static=True))
+    max_prefill_seqs: int | None = dataclasses.field(default=None, metadata=dict(static=True))
     page_size: int | None = dataclasses.field(default=None, metadata=dict(static=True))
     num_pages: int | None = dataclasses.field(default=None, metadata=dict(static=True))
 
@@ -76,7 +82,8 @@ class AttentionMetadata:
 
         Sequence b keeps the contract when its offsets are in order (``cu_q_lens[b]`` and
         ``cu_q_lens[b+1]`` in ``[0, T]``, neither below an earlier offset), its query is at most
-        ``max_q_len`` tokens, ``q_len <= kv_lens[b] <= P * page_size``, and the pages covering its
+        ``max_q_len`` tokens, it is a decode or one of the ``max_prefill_seqs`` sequences after the
+        decodes when it has tokens, ``q_len <= kv_lens[b] <= P * page_size``, and the pages covering its
         ``kv_lens[b]`` keys are in ``[1, num_pages)``. Padding sequences (no tokens, no keys)
         keep it. Returns ``(meta, valid)``: ``valid`` bool[B]; in ``meta`` the offsets are made
         non-decreasing within ``[0, T]`` (tokens keep their owner where it is unambiguous), a
@@ -98,6 +105,10 @@ class AttentionMetadata:
         valid &= (self.kv_lens >= q_lens) & (self.kv_lens <= capacity)
         if self.max_q_len is not None:
             valid &= q_lens <= self.max_q_len
+        if self.max_prefill_seqs is not None:
+            decodes = dataclasses.replace(self, cu_q_lens=cu).checked_num_decodes
+            seq = jnp.arange(self.batch_size, dtype=jnp.int32)
+            valid &= (q_lens == 0) | (seq < decodes + self.max_prefill_seqs)
         pages_used = pages_for(jnp.minimum(self.kv_lens, capacity), page_size)
         used = jnp.arange(self.max_pages_per_seq, dtype=jnp.int32)[None, :] < pages_used[:, None]
         tables = self.block_tables
@@ -176,7 +187,7 @@ def check_metadata(where: str, meta: AttentionMetadata, cache) -> None:
         dtype = getattr(meta, field).dtype
         if dtype != jnp.int32:
             raise ValueError(f"{where}: meta.{field} must be int32, got {dtype}")
-    for field in ("max_q_len", "page_size", "num_pages"):
+    for field in ("max_q_len", "max_prefill_seqs", "page_size", "num_pages"):
         value = getattr(meta, field)
         if value is not None and not is_positive_int(value):
             raise ValueError(f"{where}: meta.{field} must be None or an int >= 1, got {value!r} (below 2**31)")

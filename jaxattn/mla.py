@@ -70,7 +70,7 @@ def mla_paged_attention(
     """
     where = "mla_paged_attention"
     plan, params = _plan(where, q_latent, q_rope, cache, meta, None, scale, causal, backend, return_status)
-    out = plan.main.run(where, (q_latent, q_rope, cache), (params,))
+    out = plan.main.run((q_latent, q_rope, cache), (params,))
     out, valid = attention_plan.with_scales_checked(plan, cache, out)
     return (out, valid) if return_status else out
 
@@ -89,7 +89,10 @@ def mla_prefill(
     return_status: bool = False,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
     """MLA over per-head K/V expanded from the latent pool: the new tokens and the cached context
-    of each sequence (all its ``kv_lens[b]`` keys), packed ragged, bottom-right causal.
+    of each sequence (all its ``kv_lens[b]`` keys), packed ragged, bottom-right causal. Under
+    ``auto``, a mixed batch's leading decodes run absorbed (``mla_paged_attention``'s kernels,
+    ``W_UK`` and ``W_UV`` applied around them), the rest expanded; with ``meta.max_prefill_seqs``,
+    over that many sequences past the decodes rather than B.
 
     Args:
       q: the whole query ``[T, Hq, Dn + Dr]`` (no-RoPE part first, RoPE'd part last; 128 + 64 in
@@ -113,7 +116,13 @@ def mla_prefill(
     plan, params = _plan(where, q, q_rope, cache, meta, (w_uk, w_uv), scale, causal, backend, return_status)
     if q_rope is not None:
         q = jnp.concatenate([q, q_rope], axis=-1)
-    out = plan.main.run(where, (q, cache), (w_uk, w_uv, params))
+    out = plan.main.run((q, cache), (w_uk, w_uv, params))
+    if plan.decode is not None:
+        q_dec = q[:plan.decode_rows.shape[0]]
+        nope_dim = w_uk.shape[2]
+        out_latent = plan.decode.run((absorb_query(q_dec[..., :nope_dim], w_uk), q_dec[..., nope_dim:], cache),
+                                     (params,))
+        out = attention_plan.with_decodes(plan, out, project_values(out_latent, w_uv))
     out, valid = attention_plan.with_scales_checked(plan, cache, out)
     return (out, valid) if return_status else out
 

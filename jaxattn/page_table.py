@@ -300,7 +300,8 @@ class PageTable:
 
     # -- step inputs ------------------------------------------------------------------------
 
-    def metadata(self, seq_ids: jax.Array, q_lens: jax.Array, max_q_len: int | None = None) -> AttentionMetadata:
+    def metadata(self, seq_ids: jax.Array, q_lens: jax.Array, max_q_len: int | None = None,
+                 max_prefill_seqs: int | None = None) -> AttentionMetadata:
         """``AttentionMetadata`` for a step over sequences ``seq_ids`` with ``q_lens`` new tokens
         each (already counted in ``seq_lens`` by ``extend``), packed in this order.
 
@@ -308,11 +309,12 @@ class PageTable:
         set to -1) keeps its tokens' place in the packing but has no keys: its rows come out
         zero and ``paged_attention``'s status flags them when it has tokens. Put decodes (q_len
         1) first: ``num_decodes`` counts the leading run of them, so a batch in another order is
-        still correct, just served by the general path. ``max_q_len``: None or an int >= 1
-        (``AttentionMetadata.max_q_len``).
+        still correct, just served by the general path. ``max_q_len``, ``max_prefill_seqs``: None
+        or an int >= 1 (``AttentionMetadata``'s static bounds).
         """
-        if max_q_len is not None and not is_positive_int(max_q_len):
-            raise ValueError(f"PageTable.metadata: max_q_len must be None or an int >= 1, got {max_q_len!r}")
+        for name, bound in (("max_q_len", max_q_len), ("max_prefill_seqs", max_prefill_seqs)):
+            if bound is not None and not is_positive_int(bound):
+                raise ValueError(f"PageTable.metadata: {name} must be None or an int >= 1, got {bound!r}")
         seq_ids, q_lens = self._check_requests("metadata", seq_ids, q_lens=q_lens)
         valid, row, q_lens = self._step_rows(seq_ids, q_lens)
         kv_lens = jnp.where(valid, self.seq_lens[row], 0)
@@ -320,7 +322,8 @@ class PageTable:
         cu_q_lens = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(q_lens, dtype=jnp.int32)])
         num_decodes = count_leading_decodes(q_lens)
         return AttentionMetadata(cu_q_lens, kv_lens, block_tables, num_decodes, max_q_len=max_q_len,
-                                 page_size=self.page_size, num_pages=self.num_pages)
+                                 max_prefill_seqs=max_prefill_seqs, page_size=self.page_size,
+                                 num_pages=self.num_pages)
 
     def slot_mapping(self, seq_ids: jax.Array, q_lens: jax.Array, num_tokens: int) -> SlotMapping:
         """The cache slot of each packed new token (``SlotMapping``: int32[num_tokens] ``slots``,

@@ -58,6 +58,7 @@ BAD_CALLS = [
     (dict(meta=_with(meta0, kv_lens=jnp.zeros((2,), jnp.int64 if jax.config.x64_enabled else jnp.float32))),
      "meta.kv_lens must be int32"),
     (dict(meta=_with(meta0, max_q_len=0)), "meta.max_q_len must be None or an int >= 1"),
+    (dict(meta=_with(meta0, max_prefill_seqs=0)), "meta.max_prefill_seqs must be None or an int >= 1"),
     (dict(scale=-1.0), "scale must be a positive finite float"),
     (dict(scale=float("nan")), "scale must be a positive finite float"),
     (dict(causal=1), "causal must be a bool"),

@@ -69,6 +69,21 @@ def test_lengths_pages_and_max_q_len_are_flagged():
                                   [False, True, False, True])          # kv_len < q_len; page 0 in use (5 keys)
 
 
+def test_sequences_past_max_prefill_seqs_are_flagged():
+    tables = [[1, 2], [3, 0], [4, 0], [5, 0], [6, 0]]
+    meta = dataclasses.replace(_meta([0, 1, 2, 5, 7, 9], [1, 1, 3, 2, 2], tables), num_decodes=jnp.asarray(2, jnp.int32),
+                               max_prefill_seqs=2)
+    # decodes 0, 1; prefill part 2, 3; 4 has tokens past it.
+    np.testing.assert_array_equal(meta.validate(9, 8, 4), [True, True, True, True, False])
+    # num_decodes is checked: a count above the leading one-token run moves the part no further.
+    meta = dataclasses.replace(meta, num_decodes=jnp.asarray(5, jnp.int32), max_prefill_seqs=1)
+    np.testing.assert_array_equal(meta.validate(9, 8, 4), [True, True, True, False, False])
+    # sequences without tokens keep the contract wherever they are
+    padded = _meta([0, 1, 3, 3], [1, 2, 0], [[1, 0], [2, 0], [0, 0]])
+    padded = dataclasses.replace(padded, num_decodes=jnp.asarray(1, jnp.int32), max_prefill_seqs=1)
+    np.testing.assert_array_equal(padded.validate(3, 8, 4), [True, True, True])
+
+
 def test_non_finite_fp8_scales_flag_every_sequence():
     cache = jaxattn.KVCache.create(4, 4, 1, 16, dtype=jnp.float8_e4m3fn)
     meta = _meta([0, 1, 1], [3, 0], [[1], [0]])

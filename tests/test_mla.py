@@ -131,6 +131,28 @@ def test_broken_sequences_are_zero_and_flagged(max_q_len):
         np.testing.assert_allclose(out, ref, rtol=2e-4, atol=2e-4, err_msg=name)
 
 
+@pytest.mark.parametrize("max_prefill_seqs", [None, 1, 2, 3, 8])
+def test_prefill_of_a_mixed_batch_runs_decodes_absorbed_and_a_bounded_prefill_part(max_prefill_seqs):
+    """``auto`` serves a mixed batch's leading decodes absorbed and the rest expanded, over
+    ``meta.max_prefill_seqs`` sequences past the decodes; a sequence with tokens after them breaks
+    the bound: zero rows, flagged. The same as the xla backend's whole call on the metadata."""
+    batch = dict(q_lens=[1, 1, 1, 6, 13, 2], kv_lens=[5, 33, 9, 6, 40, 2], max_q_len=None)
+    problem = make_mla_problem(np.random.default_rng(12), **DIMS, **batch)
+    meta = dataclasses.replace(problem.meta, max_prefill_seqs=max_prefill_seqs)
+    plan = jaxattn.plan(meta, problem.cache, problem.q, op="mla_prefill", w_uk=problem.w_uk, w_uv=problem.w_uv,
+                        scale=problem.scale)
+    assert plan.decode is not None and plan.decode.op == "mla_paged_attention" and plan.main.op == "mla_prefill"
+    assert plan.main.meta.batch_size == min(max_prefill_seqs or 7, 7)
+    kept = np.array([b < 3 + (max_prefill_seqs or 6) for b in range(6)])
+    expected = problem.without(~kept).expanded_reference()
+    for backend, given in (("auto", meta), ("auto", plan), ("xla", meta)):
+        out, valid = jax.jit(lambda m, backend=backend: jaxattn.mla_prefill(
+            problem.q_nope, problem.q_rope, problem.cache, m, problem.w_uk, problem.w_uv, scale=problem.scale,
+            backend=backend, return_status=True))(given)
+        np.testing.assert_array_equal(np.asarray(valid)[:6], kept, err_msg=backend)
+        np.testing.assert_allclose(np.asarray(out, np.float64), expected, rtol=2e-5, atol=2e-5, err_msg=backend)
+
+
 def test_non_causal():
     problem = make_mla_problem(np.random.default_rng(4), **DIMS, **SPEC)
     out = jax.jit(lambda *a: jaxattn.mla_paged_attention(*a, scale=problem.scale, causal=False))(

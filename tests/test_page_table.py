@@ -488,11 +488,12 @@ def test_attach_and_slot_mapping_name_their_bad_arguments():
         table.slot_mapping(jnp.zeros((0,), jnp.int32), jnp.zeros((0,), jnp.int32), 4)
 
 
-@pytest.mark.parametrize("max_q_len", [0, -1, True, 2.0])
-def test_metadata_rejects_a_bad_max_q_len(max_q_len):
+@pytest.mark.parametrize("name", ["max_q_len", "max_prefill_seqs"])
+@pytest.mark.parametrize("bound", [0, -1, True, 2.0])
+def test_metadata_rejects_a_bad_static_bound(name, bound):
     table = PageTable.create(8, 2, 2, 4)
-    with pytest.raises(ValueError, match="PageTable.metadata: max_q_len must be None or an int >= 1"):
-        table.metadata(jnp.asarray([0, 1]), jnp.asarray([1, 1]), max_q_len=max_q_len)
+    with pytest.raises(ValueError, match=f"PageTable.metadata: {name} must be None or an int >= 1"):
+        table.metadata(jnp.asarray([0, 1]), jnp.asarray([1, 1]), **{name: bound})
 
 
 def test_create_rejects_a_bool_page_size():

@@ -53,6 +53,10 @@ MAX_SEQS_FROM_POOL = 256
 MAX_SEQS_WITHOUT_MEMORY_STATS = 8
 DEFAULT_MAX_STEP_TOKENS = 2048
 DEFAULT_PREFILL_CHUNK = 512
+# Prompt chunks of a mixed step of a model that serves them with mla_prefill, at most: its K/V are
+# expanded per head for this many sequences (past the step's decodes, which run absorbed), not for
+# all max_seqs; 2,048 tokens of 512-token chunks make four.
+DEFAULT_MLA_PREFILL_SEQS = 8
 # add_choices queues n requests at once: a bound far above use (RL rollouts sample tens to hundreds
 # per prompt; the HTTP layer takes OpenAI's 128) that a mistyped n (2**31 - 1) cannot pass.
 MAX_CHOICES = 1 << 16
@@ -97,6 +101,12 @@ class Engine:
         capped at what ``max_seqs`` sequences hold (the attribute holds the value used).
       prefill_chunk: prompt tokens one request computes in a step, at most (the static
         ``max_q_len`` of mixed steps; ``step.StepBuckets``). None: ``max_step_tokens``.
+      max_prefill_seqs: prompt chunks of more than one token one step computes, at most (the
+        static ``AttentionMetadata.max_prefill_seqs`` of mixed steps: a mixed step's prefill part
+        runs over that many sequences, not ``max_seqs``); requests past them wait a step. None:
+        ``DEFAULT_MLA_PREFILL_SEQS`` for a model served with ``mla_prefill`` (its K/V expanded
+        per sequence), else any number. Not with ``speculative`` (its verify rows ride in mixed
+        steps beside the chunks).
       backend: "auto" or one backend that runs every op of ``model.attention_ops`` (checked here).
       enable_prefix_caching: a request starts on the cached pages of its longest cached prompt
         prefix and prefills only the rest (see ``jaxattn.serve.scheduler``).
@@ -145,14 +155,14 @@ class Engine:
                  kv_memory_fraction: float = 0.9, record_steps: bool = False, max_logprobs: int = MAX_LOGPROBS,
                  grammar_compiler: GrammarCompiler | None = None,
                  speculative: SpeculativeConfig | dict | str | None = None, draft_model: PagedModel | None = None,
-                 fuse_projections: bool = True):
+                 fuse_projections: bool = True, max_prefill_seqs: int | None = None):
         _check_model(model)
         check_serves(backend, model.attention_ops, where="Engine")
         for name, value in (("max_seq_len", max_seq_len), ("page_size", page_size)):
             if not is_positive_int(value):
                 raise ValueError(f"Engine: {name} must be an int >= 1, got {value!r}")
         for name, value in (("max_seqs", max_seqs), ("num_pages", num_pages), ("max_step_tokens", max_step_tokens),
-                            ("prefill_chunk", prefill_chunk)):
+                            ("prefill_chunk", prefill_chunk), ("max_prefill_seqs", max_prefill_seqs)):
             if value is not None and not is_positive_int(value):
                 raise ValueError(f"Engine: {name} must be None or an int >= 1, got {value!r}")
         # NumPy sizes (uint64, int8) as Python ints: arithmetic on them below would wrap
@@ -191,6 +201,12 @@ class Engine:
         if prefill_chunk is not None and prefill_chunk < draft_tokens + 1:
             raise ValueError(f"Engine: prefill_chunk must be >= num_speculative_tokens + 1 = {draft_tokens + 1} "
                              f"(a mixed step's rows hold a token and its drafts), got {prefill_chunk}")
+        if speculative is not None and max_prefill_seqs is not None:
+            raise ValueError("Engine: max_prefill_seqs is not taken with speculative (a mixed step's verify rows "
+                             "ride beside its prompt chunks); give one or the other")
+        if max_prefill_seqs is None and speculative is None and "mla_prefill" in model.attention_ops:
+            max_prefill_seqs = DEFAULT_MLA_PREFILL_SEQS
+        max_prefill_seqs = None if max_prefill_seqs is None else int(max_prefill_seqs)
         draft_model = _draft_model(model, speculative, draft_model, backend, mesh)
         draft_scratch = draft_tokens if draft_model is not None else 0
         if fuse_projections:
@@ -229,15 +245,16 @@ class Engine:
         self.max_seqs, self.max_seq_len, self.max_step_tokens = max_seqs, max_seq_len, max_step_tokens
         self.page_size, self.num_pages, self.backend, self.overlap = page_size, num_pages, backend, overlap
         self.max_logprobs, self.grammar_compiler, self.speculative = max_logprobs, grammar_compiler, speculative
+        self.max_prefill_seqs = max_prefill_seqs
         self.runner = StepRunner(model, max_seqs=max_seqs, num_pages=num_pages, page_size=page_size,
                                  pages_per_seq=pages_per_seq, max_step_tokens=max_step_tokens,
                                  prefill_chunk=prefill_chunk, layout=layout, kv_dtype=kv_dtype, mesh=mesh,
                                  backend=backend, enable_prefix_caching=enable_prefix_caching, drafter=speculative,
-                                 draft=draft_model)
+                                 draft=draft_model, max_prefill_seqs=max_prefill_seqs)
         self._new_scheduler = functools.partial(
             Scheduler, max_seqs=max_seqs, num_pages=num_pages, page_size=page_size, max_step_tokens=max_step_tokens,
             enable_prefix_caching=enable_prefix_caching, prefill_chunk=prefill_chunk, draft_tokens=draft_tokens,
-            seq_capacity=pages_per_seq * page_size, draft_scratch=draft_scratch)
+            seq_capacity=pages_per_seq * page_size, draft_scratch=draft_scratch, max_prefill_seqs=max_prefill_seqs)
         self.scheduler = self._new_scheduler()
         self._launched: collections.deque[_Launched] = collections.deque()
         self._previous_rows: dict[Request, int] = {}

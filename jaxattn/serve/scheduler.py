@@ -250,7 +250,8 @@ class Scheduler:
     """Requests waiting and running over ``max_seqs`` sequence slots and a pool of ``num_pages``
     pages of ``page_size`` tokens, at most ``max_step_tokens`` tokens per step (``>= max_seqs``, so
     every decode fits), and at most ``prefill_chunk`` prompt tokens of one request per step
-    (default: ``max_step_tokens``).
+    (default: ``max_step_tokens``) in at most ``max_prefill_seqs`` prompt chunks of more than one
+    token (default: any number; requests past them wait for the next step).
 
     With ``draft_tokens`` K > 0 (speculation, ``jaxattn.serve.speculative``), a decode row carries K
     drafts when the request can take them (``_can_speculate``) and the step's token budget has
@@ -268,12 +269,13 @@ class Scheduler:
 
     def __init__(self, *, max_seqs: int, num_pages: int, page_size: int, max_step_tokens: int,
                  enable_prefix_caching: bool, prefill_chunk: int | None = None, draft_tokens: int = 0,
-                 seq_capacity: int | None = None, draft_scratch: int = 0):
+                 seq_capacity: int | None = None, draft_scratch: int = 0, max_prefill_seqs: int | None = None):
         if max_step_tokens < max_seqs:
             raise ValueError(f"Scheduler: max_step_tokens must be >= max_seqs={max_seqs} (every decode fits in a "
                              f"step), got {max_step_tokens}")
         self.page_size, self.max_step_tokens = page_size, max_step_tokens
         self.prefill_chunk = prefill_chunk or max_step_tokens
+        self.max_prefill_seqs = max_prefill_seqs or max_seqs
         self.enable_prefix_caching = enable_prefix_caching
         self.draft_tokens, self.seq_capacity, self.draft_scratch = draft_tokens, seq_capacity, draft_scratch
         self.pool = PagePool(num_pages)
@@ -339,11 +341,15 @@ class Scheduler:
         rows: list[tuple[Request, int, int, int]] = []          # (request, tokens, drafts, new pages)
         budget = self.max_step_tokens - sum(todo(r) == 1 for r in self.running)
         need, preempted = 0, False
+        chunks = 0                                   # rows of more than one prompt token
         for request in list(self.running):
             if request.slot < 0:                     # preempted by an earlier row
                 break
             left = todo(request)
             count = left if left <= 1 else min(left, budget, self.prefill_chunk)
+            if count > 1 and chunks == self.max_prefill_seqs:
+                continue
+            chunks += count > 1
             if count == 0:
                 continue
             drafts = self.draft_tokens if left == 1 and budget >= self.draft_tokens and \
@@ -372,6 +378,9 @@ class Scheduler:
             request.blocks = self.pool.lookup(keys[:(request.num_tokens - 1) // self.page_size])
             request.computed = len(request.blocks) * self.page_size
             count = min(request.num_tokens - request.computed, budget, self.prefill_chunk)
+            if count > 1 and chunks == self.max_prefill_seqs:
+                break
+            chunks += count > 1
             pages = self._new_pages(request, count)
             if pages > self.pool.available - need:
                 self.pool.release(request.blocks)

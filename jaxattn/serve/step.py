@@ -110,7 +110,7 @@ def make_engine_step(model: PagedModel, draft: PagedModel | None = None) -> tupl
 
     ``step(weights, caches, table, prev_tokens, release_ids, tokens, token_src, seq_ids, q_lens,
     sampling=None, prefix=None, drafting=None, spec=None, *, max_q_len, backend, logprobs=False,
-    deferred=False, drafter=None)`` frees ``release_ids`` (int32[max_seqs], -1 padding), appends
+    deferred=False, drafter=None, max_prefill_seqs=None)`` frees ``release_ids`` (int32[max_seqs], -1 padding), appends
     ``q_lens`` tokens to sequences ``seq_ids`` (int32[R], decodes first, -1 padding) and returns
     ``(picked, ok, pages, caches, table, drafting)``; caches, table and drafting are donated.
     ``picked`` is ``pick_tokens``' ``(next_tokens, step_logprobs)``, or with ``deferred`` what it
@@ -147,11 +147,12 @@ def _jitted_step(graphdef: nnx.GraphDef, treedef, draft_graphdef: nnx.GraphDef |
     """One jitted step per model structure (and draft model's), shared by engines (and their
     compile caches)."""
 
-    @functools.partial(jax.jit, static_argnames=("max_q_len", "backend", "logprobs", "deferred", "drafter"),
+    @functools.partial(jax.jit, static_argnames=("max_q_len", "max_prefill_seqs", "backend", "logprobs", "deferred",
+                                                 "drafter"),
                        donate_argnames=("caches", "table", "drafting"))
     def step(weights, caches, table, prev_tokens, release_ids, tokens, token_src, seq_ids, q_lens, sampling=None,
              prefix=None, drafting=None, spec=None, *, max_q_len: int, backend: str, logprobs: bool = False,
-             deferred: bool = False, drafter: SpeculativeConfig | None = None):
+             deferred: bool = False, drafter: SpeculativeConfig | None = None, max_prefill_seqs: int | None = None):
         model = nnx.merge(graphdef, jax.tree.unflatten(treedef, weights[:treedef.num_leaves]))
         draft = None
         if draft_graphdef is not None:
@@ -170,7 +171,7 @@ def _jitted_step(graphdef: nnx.GraphDef, treedef, draft_graphdef: nnx.GraphDef |
         if prefix is not None:
             ok &= attached | (attach_ids < 0)
         seq_ids = jnp.where(ok, seq_ids, -1)        # refused: its tokens stay in place as padding
-        meta = table.metadata(seq_ids, q_lens, max_q_len=max_q_len)
+        meta = table.metadata(seq_ids, q_lens, max_q_len=max_q_len, max_prefill_seqs=max_prefill_seqs)
         slots = table.slot_mapping(seq_ids, q_lens, tokens.shape[0])
         hidden, caches = model.forward_paged(tokens, caches, meta, slots, backend)
         pages = _row_pages(table, seq_ids, q_lens, page_window(max_q_len, table.page_size))
@@ -327,12 +328,14 @@ def mixed_buckets(decodes: int, largest: int, step: int = MIXED_TOKENS_STEP) -> 
 
 @dataclasses.dataclass(frozen=True)
 class StepShape:
-    """A compiled step's static shape: ``rows`` (R), ``tokens`` (T) and ``max_q_len`` (1:
-    decode-only)."""
+    """A compiled step's static shape: ``rows`` (R), ``tokens`` (T), ``max_q_len`` (1:
+    decode-only) and ``max_prefill_seqs`` (the rows of more than one token a mixed step may hold,
+    ``AttentionMetadata.max_prefill_seqs``; None: any)."""
 
     rows: int
     tokens: int
     max_q_len: int
+    max_prefill_seqs: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -347,10 +350,11 @@ class StepBuckets:
     tokens: tuple[int, ...]
     prefill_chunk: int | None = None      # the longest row of a mixed step (its max_q_len); None: its tokens
     draft_tokens: int = 0                 # K of a speculating engine: its decode steps have rows of K + 1 tokens
+    max_prefill_seqs: int | None = None   # the prompt chunks of a mixed step, at most; None: any number
 
     @classmethod
     def default(cls, max_seqs: int, max_step_tokens: int, prefill_chunk: int | None = None,
-                draft_tokens: int = 0) -> "StepBuckets":
+                draft_tokens: int = 0, max_prefill_seqs: int | None = None) -> "StepBuckets":
         """Rows ``ROWS_BUCKET_FROM`` (128), doubling, up to ``max_seqs``; tokens ``mixed_buckets``
         from ``max(max_seqs, 64)`` up to ``max_step_tokens``. Padding rows cost attention nothing,
         and below the GPU's ridge (about 270 rows of bf16 weights on an H100, 190 on an H200) a
@@ -365,12 +369,12 @@ class StepBuckets:
         one shape more.
         With ``draft_tokens`` K, a decode step of b rows has room for b (K + 1) tokens."""
         return cls(buckets(ROWS_BUCKET_FROM, max_seqs) if max_seqs > ROWS_BUCKET_FROM else (max_seqs,),
-                   mixed_buckets(max(max_seqs, 64), max_step_tokens), prefill_chunk, draft_tokens)
+                   mixed_buckets(max(max_seqs, 64), max_step_tokens), prefill_chunk, draft_tokens, max_prefill_seqs)
 
     def _shape(self, rows: int, tokens: int, max_q_len: int) -> StepShape:
         if max_q_len > 1 and self.prefill_chunk:
             max_q_len = min(max_q_len, self.prefill_chunk)
-        return StepShape(rows, tokens, max_q_len)
+        return StepShape(rows, tokens, max_q_len, self.max_prefill_seqs)
 
     def shape(self, schedule: Schedule) -> StepShape:
         """The shape that runs ``schedule``: the smallest bucket that holds it."""
@@ -542,7 +546,7 @@ class StepRunner:
     def __init__(self, model: PagedModel, *, max_seqs: int, num_pages: int, page_size: int, pages_per_seq: int,
                  max_step_tokens: int, prefill_chunk: int | None, layout: str, kv_dtype, mesh: Mesh | None,
                  backend: str, enable_prefix_caching: bool, drafter: SpeculativeConfig | None = None,
-                 draft: PagedModel | None = None):
+                 draft: PagedModel | None = None, max_prefill_seqs: int | None = None):
         self.max_seqs, self.backend, self.vocab_size = max_seqs, backend, model.cfg.vocab_size
         self.drafter = drafter
         self._step, self._weights = make_engine_step(model, draft)
@@ -556,7 +560,7 @@ class StepRunner:
         self.caches = self.drafting = None
         self.reset()
         self.buckets = StepBuckets.default(max_seqs, max_step_tokens, prefill_chunk,
-                                           drafter.num_drafts if drafter else 0)
+                                           drafter.num_drafts if drafter else 0, max_prefill_seqs)
         # pages one step may allocate (rows of one page, plus its prompt chunks' pages) or cache
         self.step_pages = max_seqs + max_step_tokens // page_size + 1 if enable_prefix_caching else None
 
@@ -691,8 +695,9 @@ class StepRunner:
         return ((self._weights, self.caches, self.table, self.prev_tokens, inputs.release_ids, inputs.tokens,
                  inputs.token_src, inputs.seq_ids, inputs.q_lens, None if deferred else inputs.sampling,
                  inputs.prefix, self.drafting, inputs.spec),
-                dict(max_q_len=inputs.shape.max_q_len, backend=self.backend, logprobs=inputs.logprobs and not deferred,
-                     deferred=deferred, drafter=self.drafter))
+                dict(max_q_len=inputs.shape.max_q_len, max_prefill_seqs=inputs.shape.max_prefill_seqs,
+                     backend=self.backend, logprobs=inputs.logprobs and not deferred, deferred=deferred,
+                     drafter=self.drafter))
 
 
 def _usable(arrays) -> bool:

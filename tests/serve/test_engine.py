@@ -607,6 +607,7 @@ def test_add_request_takes_int_sequences_and_numpy_ints():
     ("fuse_projections", "no", "a bool, got 'no'"),
     ("kv_memory_fraction", 0.0, r"a number in \(0, 1\], got 0.0"),
     ("prefill_chunk", 0, "None or an int >= 1, got 0"),
+    ("max_prefill_seqs", 0, "None or an int >= 1, got 0"),
     ("mesh", ("tp",), "None or a jax.sharding.Mesh, got tuple"),
     ("backend", "fastest", r"'auto' or one of \(.*\), got 'fastest'"),
     ("backend", None, r"'auto' or one of \(.*\), got None"),
@@ -614,6 +615,12 @@ def test_add_request_takes_int_sequences_and_numpy_ints():
 def test_engine_argument_errors(name, value, match):
     with pytest.raises(ValueError, match=f"Engine: {name} must be {match}"):
         Engine(_tiny_model(), **{**_ARGS, name: value})
+
+
+def test_max_prefill_seqs_is_not_taken_with_speculation():
+    with pytest.raises(ValueError, match="Engine: max_prefill_seqs is not taken with speculative"):
+        Engine(_tiny_model(), **_ARGS, max_prefill_seqs=2,
+               speculative={"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 2})
 
 
 @pytest.mark.parametrize("model, backend, match", [

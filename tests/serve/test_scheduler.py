@@ -59,6 +59,17 @@ def test_chunked_prefill_beside_decodes_decodes_first():
     assert scheduler.stats["computed_tokens"] == 17 and scheduler.stats["prompt_tokens"] == 15
 
 
+def test_max_prefill_seqs_bounds_a_steps_prompt_chunks():
+    """At most one prompt chunk of more than one token a step: the second prompt waits, and a
+    one-token prompt row is not a chunk; decodes are not held back."""
+    scheduler = Scheduler(max_seqs=3, num_pages=16, page_size=4, max_step_tokens=8, enable_prefix_caching=False,
+                          max_prefill_seqs=1)
+    _add(scheduler, 0, 3), _add(scheduler, 1, 2), _add(scheduler, 2, 1)
+    assert _run(scheduler) == [(0, 3)]
+    assert _run(scheduler) == [(0, 1), (2, 1), (1, 2)]
+    assert _run(scheduler) == [(0, 1), (1, 1), (2, 1)]
+
+
 def test_a_short_pool_preempts_the_latest_admitted_request():
     """5 usable pages of 4 tokens: two requests of 8-token prompts hold 5 pages after their first
     decode; when the later one needs a sixth, it is preempted (pages freed, first in line), and it

@@ -91,12 +91,18 @@ def dense_greedy(model: DeepSeek, prompt: np.ndarray, new_tokens: int, max_len: 
     return seq[prompt.size:prompt.size + new_tokens].tolist()
 
 
-def test_engine_greedy_tokens_match_dense_forward():
+@pytest.mark.parametrize("backend, max_prefill_seqs", [("xla", None), ("auto", None), ("auto", 1)])
+def test_engine_greedy_tokens_match_dense_forward(backend, max_prefill_seqs):
+    """auto serves a mixed step's decodes absorbed and its prompt chunks expanded over at most
+    ``max_prefill_seqs`` sequences (the engine's default for an MLA model: 8); xla serves it whole."""
     model = DeepSeek(PRESETS["tiny"], nnx.Rngs(1))
     rng = np.random.default_rng(1)
-    prompts = [rng.integers(0, 512, size=n).astype(np.int32) for n in (13, 21)]
-    engine = Engine(model, max_seqs=2, max_seq_len=32, page_size=8, max_step_tokens=8, backend="xla")
+    prompts = [rng.integers(0, 512, size=n).astype(np.int32) for n in (13, 21, 5, 9)]
+    engine = Engine(model, max_seqs=3, max_seq_len=32, page_size=8, max_step_tokens=12, prefill_chunk=6,
+                    backend=backend, max_prefill_seqs=max_prefill_seqs, record_steps=True)
+    assert engine.max_prefill_seqs == (max_prefill_seqs or 8)
     requests = [engine.add_request(p, max_new_tokens=6) for p in prompts]
     engine.run()
     for prompt, request in zip(prompts, requests):
         assert request.output == dense_greedy(model, prompt, 6)
+    assert any(record.decode_rows and record.prefill_tokens for record in engine.step_records)
