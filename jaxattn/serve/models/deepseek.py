@@ -77,7 +77,7 @@ PRESETS: dict[str, DeepSeekConfig] = {
     "v2-lite": DeepSeekConfig(vocab_size=102400, dim=2048, num_layers=27, num_q_heads=16, kv_lora_rank=512,
                               qk_nope_dim=128, qk_rope_dim=64, v_head_dim=128, hidden_dim=8 * 1408),
     # ... and its mixture of experts: 64 routed experts of 1408 (6 per token), 2 shared, layer 0 dense
-    # (10944); not yet measured on a GPU, so "v2-lite" keeps the dense stand-in for the benchmarks.
+    # (10944): benchmarks/bench_serving.py's deepseek-v2-lite; "v2-lite" keeps the dense stand-in.
     "v2-lite-moe": DeepSeekConfig(vocab_size=102400, dim=2048, num_layers=27, num_q_heads=16, kv_lora_rank=512,
                                   qk_nope_dim=128, qk_rope_dim=64, v_head_dim=128, hidden_dim=10944, num_experts=64,
                                   num_experts_per_tok=6, moe_hidden_dim=1408, shared_expert_dim=2 * 1408,
