@@ -71,8 +71,8 @@ def test_lengths_pages_and_max_q_len_are_flagged():
 
 def test_sequences_past_max_prefill_seqs_are_flagged():
     tables = [[1, 2], [3, 0], [4, 0], [5, 0], [6, 0]]
-    meta = dataclasses.replace(_meta([0, 1, 2, 5, 7, 9], [1, 1, 3, 2, 2], tables), num_decodes=jnp.asarray(2, jnp.int32),
-                               max_prefill_seqs=2)
+    meta = dataclasses.replace(_meta([0, 1, 2, 5, 7, 9], [1, 1, 3, 2, 2], tables),
+                               num_decodes=jnp.asarray(2, jnp.int32), max_prefill_seqs=2)
     # decodes 0, 1; prefill part 2, 3; 4 has tokens past it.
     np.testing.assert_array_equal(meta.validate(9, 8, 4), [True, True, True, True, False])
     # num_decodes is checked: a count above the leading one-token run moves the part no further.
