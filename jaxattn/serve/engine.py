@@ -167,8 +167,9 @@ class Engine:
                 raise ValueError(f"Engine: {name} must be None or an int >= 1, got {value!r}")
         # NumPy sizes (uint64, int8) as Python ints: arithmetic on them below would wrap
         max_seq_len, page_size = int(max_seq_len), int(page_size)
-        max_seqs, num_pages, max_step_tokens, prefill_chunk = (
-            None if value is None else int(value) for value in (max_seqs, num_pages, max_step_tokens, prefill_chunk))
+        max_seqs, num_pages, max_step_tokens, prefill_chunk, max_prefill_seqs = (
+            None if value is None else int(value)
+            for value in (max_seqs, num_pages, max_step_tokens, prefill_chunk, max_prefill_seqs))
         if layout not in LAYOUTS:
             raise ValueError(f"Engine: layout must be one of {LAYOUTS}, got {layout!r}")
         if kv_dtype is not None and not _is_dtype(kv_dtype):
@@ -206,7 +207,6 @@ class Engine:
                              "ride beside its prompt chunks); give one or the other")
         if max_prefill_seqs is None and speculative is None and "mla_prefill" in model.attention_ops:
             max_prefill_seqs = DEFAULT_MLA_PREFILL_SEQS
-        max_prefill_seqs = None if max_prefill_seqs is None else int(max_prefill_seqs)
         draft_model = _draft_model(model, speculative, draft_model, backend, mesh)
         draft_scratch = draft_tokens if draft_model is not None else 0
         if fuse_projections:
