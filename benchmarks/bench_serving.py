@@ -79,8 +79,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from benchmarks.common import (copy_bandwidth, device_name, gemm_rate, kernel_profile_options, trace_events,
-                               write_section)
+from benchmarks.common import (copy_bandwidth, device_name, gemm_rate, kernel_profile_options, show_engine_log,
+                               trace_events, write_section)
 from benchmarks.profile_step import by_kind, kind_of
 from jaxattn import choice_table
 from jaxattn.serve.cli_args import tp_mesh
@@ -544,6 +544,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--smoke", action="store_true", help="a tiny model and trace (CPU, seconds); RESULTS.md "
                                                               "is left alone")
     args = parser.parse_args(argv)
+    show_engine_log()
     if args.enable_expert_parallel and args.tp < 2:
         parser.error("--enable-expert-parallel needs --tp N with N >= 2")
     starts = sorted(int(step) for step in args.profile_at.split(",") if step)

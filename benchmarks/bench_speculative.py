@@ -36,7 +36,7 @@ import numpy as np
 from flax import nnx
 
 from benchmarks.bench_serving import TraceRequest, serve
-from benchmarks.common import device_name, write_section
+from benchmarks.common import device_name, show_engine_log, write_section
 from jaxattn.serve.engine import Engine
 from jaxattn.serve.models.llama import PRESETS, Llama
 
@@ -109,6 +109,7 @@ def main(argv: list[str] | None = None) -> None:
                         help="RESULTS.md section to write (runs split over several calls write one each)")
     parser.add_argument("--smoke", action="store_true", help="a tiny model (CPU, seconds); RESULTS.md is left alone")
     args = parser.parse_args(argv)
+    show_engine_log()
     if args.smoke:
         args.preset, args.context, args.output, args.page_size = "tiny", 24, 12, 8
         args.batches, args.ks, args.ngram_batch, args.max_step_tokens = "2", "2", 2, 64

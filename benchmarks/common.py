@@ -9,6 +9,7 @@ import dataclasses
 import datetime
 import glob
 import json
+import logging
 import math
 import os
 import statistics
@@ -557,6 +558,18 @@ def require_backend(backend: str) -> None:
     reason = jaxattn.backends.unavailable_reason(backend)
     if reason:
         sys.exit(f"backend {backend} unavailable: {reason}")
+
+
+def show_engine_log() -> None:
+    """Prints the engine's INFO log on stderr (``jaxattn.serve.engine``: each step the warm-up
+    compiles, its shape and seconds): a large model's warm-up runs for minutes and would
+    otherwise print nothing until it ends."""
+    logger = logging.getLogger("jaxattn.serve.engine")
+    if not logger.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(asctime)s %(message)s", "%H:%M:%S"))
+        logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
 
 
 def device_name() -> str:

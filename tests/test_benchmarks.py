@@ -27,6 +27,8 @@ def test_smoke_run(module, tmp_path):
     result = subprocess.run([sys.executable, "-m", f"benchmarks.{module}", *args, "--smoke"], check=False, cwd=REPO,
                             env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    if module in ("bench_serving", "bench_speculative"):       # the warm-up's compiles, one line each
+        assert "compiled step 1/" in result.stderr, result.stderr[-3000:]
     if "--section" in args:                          # the section it was told to write, in $OUT
         assert (tmp_path / f"{args[args.index('--section') + 1]}_results.md").exists()
 
