@@ -564,7 +564,8 @@ def show_engine_log() -> None:
     """Prints the engine's INFO log on stderr (``jaxattn.serve.engine``: each step the warm-up
     compiles, its shape and seconds): a large model's warm-up runs for minutes and would
     otherwise print nothing until it ends."""
-    logger = logging.getLogger("jaxattn.serve.engine")
+    from jaxattn.serve.step import logger
+
     if not logger.handlers:
         handler = logging.StreamHandler(sys.stderr)
         handler.setFormatter(logging.Formatter("%(asctime)s %(message)s", "%H:%M:%S"))
