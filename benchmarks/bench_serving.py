@@ -507,6 +507,7 @@ def command(args: argparse.Namespace, layers: int) -> str:
     parts += [f"--profile-at {args.profile_at} --profile-steps {args.profile_steps}"] if args.profile_at else []
     parts += ["--no-overlap"] if args.no_overlap else []
     parts += ["--unfused"] if args.unfused else []
+    parts += [f"--compile-threads {args.compile_threads}"] if args.compile_threads != 1 else []
     return " ".join(parts + (["--smoke"] if args.smoke else []))
 
 
@@ -538,6 +539,7 @@ def main(argv: list[str] | None = None) -> None:
                         help="profile the GPU's kernels of --profile-steps steps from each of these steps of the "
                              "trace (e.g. 40,1500: a mixed and a decode-only window of the throughput trace)")
     parser.add_argument("--profile-steps", type=int, default=8, help="steps per profiled window")
+    parser.add_argument("--compile-threads", type=int, default=1, help="steps XLA compiles at a time in the warm-up")
     parser.add_argument("--section", default=None,
                         help="the RESULTS.md section to write (default: the trace's, with a suffix for a preset, "
                              "mesh, quantization or expert GEMM other than the defaults)")
@@ -545,6 +547,8 @@ def main(argv: list[str] | None = None) -> None:
                                                               "is left alone")
     args = parser.parse_args(argv)
     show_engine_log()
+    if args.compile_threads < 1:
+        parser.error("--compile-threads must be >= 1")
     if args.enable_expert_parallel and args.tp < 2:
         parser.error("--enable-expert-parallel needs --tp N with N >= 2")
     starts = sorted(int(step) for step in args.profile_at.split(",") if step)
@@ -585,10 +589,11 @@ def main(argv: list[str] | None = None) -> None:
         engine = Engine(model, max_seqs=args.max_seqs, max_seq_len=max_seq_len, page_size=args.page_size,
                         num_pages=args.num_pages, max_step_tokens=args.max_step_tokens, backend=args.backend,
                         enable_prefix_caching=prefix_caching, overlap=not args.no_overlap, record_steps=True,
-                        mesh=mesh, fuse_projections=not args.unfused)
+                        mesh=mesh, fuse_projections=not args.unfused, max_logprobs=0)   # no request asks
         print(f"warm-up: compiling {len(engine.buckets.shapes)} step shapes", file=sys.stderr, flush=True)
+        warmup_s = engine.warmup(sampled=False, compile_threads=args.compile_threads)
         setup.update(max_seqs=engine.max_seqs, num_pages=engine.num_pages, max_step_tokens=engine.max_step_tokens,
-                     warmup_s=max(setup.get("warmup_s", 0.0), engine.warmup(sampled=False)))
+                     warmup_s=max(setup.get("warmup_s", 0.0), warmup_s))
         print(f"warm-up done in {setup['warmup_s']:.0f} s; serving {len(trace)} requests", file=sys.stderr, flush=True)
         profile_at = [int(step) for step in args.profile_at.split(",") if step]
         result = summarize(serve(engine, trace, profile_at, args.profile_steps), costs, copy_rate, matmul_rate)
@@ -632,8 +637,8 @@ def main(argv: list[str] | None = None) -> None:
     header = (f"Device: {device_name()}; date {datetime.date.today()}; jax {jax.__version__}; model {args.preset} "
               f"shapes with {cfg.num_layers} layers, {cfg.dtype}{' (FP8 weights)' if args.quantization else ''}, "
               f"random weights; {parallel}backend {args.backend}{auto_table}; "
-              f"{engine_text}; warm-up (compiling every step shape) {setup['warmup_s']:.0f} s, not timed. The {rates} "
-              f"({gemm} GEMM), measured in the same run.")
+              f"{engine_text}; warm-up (compiling every step shape, {args.compile_threads} at a time) "
+              f"{setup['warmup_s']:.0f} s, not timed. The {rates} ({gemm} GEMM), measured in the same run.")
     trace_line = (f"Trace ({args.trace}, seed 0): {args.requests} requests, {shape}; random prompt tokens, greedy, "
                   f"every request runs to its output length; {trace_text}.")
     lines = [

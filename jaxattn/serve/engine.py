@@ -461,18 +461,20 @@ class Engine:
         return self.scheduler.complete(launched.schedule, next_tokens, lambda: np.asarray(step.pages), logprobs,
                                        drafts)
 
-    def warmup(self, *, sampled: bool = True) -> float:
+    def warmup(self, *, sampled: bool = True, compile_threads: int = 1) -> float:
         """Compiles the step for every shape in ``buckets`` (greedy; with ``sampled`` the sampling
         variant too, and with a ``grammar_compiler`` the deferred step and its token picks, as
         structured output runs them; each also with logprobs unless ``max_logprobs`` is 0) by
-        running it on padding rows, before serving;
-        returns the seconds it took. Call it before adding requests."""
+        running it on padding rows, before serving, XLA compiling ``compile_threads`` steps at a
+        time; returns the seconds it took. Call it before adding requests."""
+        if not is_positive_int(compile_threads):
+            raise ValueError(f"Engine.warmup: compile_threads must be an int >= 1, got {compile_threads!r}")
         if self.has_work:
             raise RuntimeError("Engine.warmup: call it before adding requests")
         start = time.perf_counter()
         try:
             self.runner.warmup(sampled=sampled, logprobs=self.max_logprobs > 0,
-                               masked=self.grammar_compiler is not None)
+                               masked=self.grammar_compiler is not None, compile_threads=int(compile_threads))
         except jax.errors.JaxRuntimeError as error:
             if "RESOURCE_EXHAUSTED" not in str(error):
                 raise

@@ -22,6 +22,7 @@ once per shape for this, and ``pick_tokens`` once per row count and sampling mod
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import functools
 import logging
@@ -639,29 +640,51 @@ class StepRunner:
         launch.drafts = drafts or None
         self.prev_tokens, self._unpicked = next_tokens, None
 
-    def warmup(self, *, sampled: bool = True, logprobs: bool = False, masked: bool = False) -> None:
+    def warmup(self, *, sampled: bool = True, logprobs: bool = False, masked: bool = False,
+               compile_threads: int = 1) -> None:
         """Compiles the step for every shape in ``buckets`` (greedy; with ``sampled`` the sampling
         variant too; with ``logprobs`` each of those with logprobs; with ``masked`` the deferred
         step and its picks, structured output's) by running it on padding rows, which changes no
-        state. Logs one INFO line per step compiled (its shape and seconds) and one for the total
-        on the ``jaxattn.serve.engine`` logger."""
+        state. With ``compile_threads`` > 1 the steps are traced one by one, then XLA compiles
+        that many at a time (it releases the GIL), before each runs once. Logs one INFO line per
+        step compiled (its shape and seconds) and one for the total on the
+        ``jaxattn.serve.engine`` logger."""
         variants = [(sampling, with_masks, with_logprobs) for with_masks in (False, True)[:1 + masked]
                     for with_logprobs in (False, True)[:1 + logprobs] for sampling in (False, True)[:1 + sampled]]
         steps = [(shape, variant) for shape in self.buckets.shapes for variant in variants]
         start = time.perf_counter()
         if self.drafter is not None:            # a free slot's history is never read: its write changes nothing
             self.drafting = _write_history(self.drafting, 0, np.zeros(self.drafting.history.shape[1], np.int32))
-        for i, (shape, (sampling, with_masks, with_logprobs)) in enumerate(steps, 1):
+        inputs = [self.padding_inputs(shape, sampled=sampling, masked=with_masks, logprobs=with_logprobs)
+                  for shape, (sampling, with_masks, with_logprobs) in steps]
+
+        def log(i: int, seconds: float) -> None:
+            shape, (sampling, with_masks, with_logprobs) = steps[i]
+            logger.info("compiled step %d/%d (%s, %d rows, %d tokens, max_q_len %d, %s%s%s) in %.1f s", i + 1,
+                        len(steps), "decode" if shape.max_q_len == 1 else "mixed", shape.rows, shape.tokens,
+                        shape.max_q_len, "sampled" if sampling else "greedy",
+                        " with logprobs" if with_logprobs else "",
+                        ", picked apart with token masks" if with_masks else "", seconds)
+
+        if compile_threads > 1:
+            # the step's jit cache is XLA's: a step compiled ahead here runs below without compiling again
+            lowered = [self.trace(step_inputs).lower() for step_inputs in inputs]
+
+            def compile_step(i: int) -> None:
+                compile_start = time.perf_counter()
+                lowered[i].compile()
+                log(i, time.perf_counter() - compile_start)
+
+            with concurrent.futures.ThreadPoolExecutor(compile_threads) as pool:
+                list(pool.map(compile_step, range(len(steps))))
+        for i, step_inputs in enumerate(inputs):
             step_start = time.perf_counter()
-            launch = self._launch(self.padding_inputs(shape, sampled=sampling, masked=with_masks,
-                                                      logprobs=with_logprobs))
-            if with_masks:
+            launch = self._launch(step_inputs)
+            if step_inputs.deferred:
                 self.pick(launch)
             jax.block_until_ready((self.table, launch.next_tokens))
-            logger.info("compiled step %d/%d (%s, %d rows, %d tokens, max_q_len %d, %s%s%s) in %.1f s", i, len(steps),
-                        "decode" if shape.max_q_len == 1 else "mixed", shape.rows, shape.tokens, shape.max_q_len,
-                        "sampled" if sampling else "greedy", " with logprobs" if with_logprobs else "",
-                        ", picked apart with token masks" if with_masks else "", time.perf_counter() - step_start)
+            if compile_threads <= 1:
+                log(i, time.perf_counter() - step_start)
         logger.info("compiled %d steps in %.1f s", len(steps), time.perf_counter() - start)
 
     def trace(self, inputs: StepInputs) -> jax.stages.Traced:

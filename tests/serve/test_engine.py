@@ -341,6 +341,26 @@ def test_warmup_compiles_every_step_shape_and_records_steps(caplog):
     assert [len(r.output) for r in handles] == [4, 3, 6, 2]
 
 
+def test_warmup_compiles_steps_on_threads(caplog):
+    """With ``compile_threads`` the steps compile ahead, several at a time: each logged once, and
+    serving afterwards (with and without logprobs) compiles nothing more; 0 threads is a ValueError."""
+    engine = Engine(_tiny_model(), max_seqs=2, max_seq_len=40, page_size=8, max_step_tokens=24, backend="xla")
+    with pytest.raises(ValueError, match="compile_threads must be an int >= 1, got 0"):
+        engine.warmup(compile_threads=0)
+    with caplog.at_level(logging.INFO, logger="jaxattn.serve.engine"):
+        engine.warmup(sampled=False, compile_threads=3)
+    lines = [r.getMessage() for r in caplog.records if r.name == "jaxattn.serve.engine"]
+    steps = 2 * len(engine.buckets.shapes)
+    assert sorted(int(re.match(r"compiled step (\d+)/", line)[1]) for line in lines[:-1]) == list(range(1, steps + 1))
+    assert re.fullmatch(rf"compiled {steps} steps in \d+\.\d s", lines[-1])
+    compiled = engine.runner._step._cache_size()
+    rng = np.random.default_rng()
+    handles = [engine.add_request(rng.integers(0, 512, size=n), m, sampling=SamplingParams(logprobs=i or None))
+               for i, (n, m) in enumerate(((7, 3), (30, 2)))]
+    engine.run()
+    assert engine.runner._step._cache_size() == compiled and [len(r.output) for r in handles] == [3, 2]
+
+
 def _rounds(engine: Engine, rounds: list[list[tuple[np.ndarray, SamplingParams | None]]]) -> list[list[int]]:
     """Serves each round's requests (6 new tokens each) to the end before the next round starts."""
     outputs = []
