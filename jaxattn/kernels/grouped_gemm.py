@@ -8,8 +8,9 @@ that some row uses have their weights read (a decode batch that touches 6 of 64 
 and at large batches each expert's tile is reused across its blocks from L2. With ``swiglu`` the
 kernel takes two weight stacks (gate, up) and writes ``silu(rows @ gate) * (rows @ up)``: the
 rows are read once for both. FP8 weights are read as FP8 and converted to the rows' dtype for the
-dot (weight-only FP8); their scales (per expert, output channel or block) multiply each tile's
-product per column where a scale block is at least a tile deep, else every weight before the dot.
+dot (weight-only FP8); scales per expert or output channel multiply the accumulated product once,
+block scales each tile's product per column where a scale block is at least a tile deep, else
+every weight before the dot.
 The launch configuration is ``default_tiles``.
 """
 
@@ -53,14 +54,17 @@ def default_tiles(block_m: int, swiglu: bool, fp8: bool, scale_depth: int | None
 
 @triton.jit
 def grouped_gemm_kernel(rows_ptr, block_expert_ptr, w_ptr, w2_ptr, s_ptr, s2_ptr, out_ptr, N: tl.constexpr,
-                        K: tl.constexpr, SWIGLU: tl.constexpr, SCALED: tl.constexpr, TILE_SCALES: tl.constexpr,
+                        K: tl.constexpr, SWIGLU: tl.constexpr, SCALED: tl.constexpr, K_SCALES: tl.constexpr,
+                        TILE_SCALES: tl.constexpr,
                         SCALE_ROWS: tl.constexpr, SCALE_COLS: tl.constexpr, BI: tl.constexpr, BO: tl.constexpr,
                         DOT_F32: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """``out[block] = rows[block] @ w[e]`` (``SWIGLU``: ``silu(rows @ w[e]) * (rows @ w2[e])``),
     ``e = block_expert[block]``; ``w, w2: [E, K, N]``, ``rows: [R, K]``, ``out: [R, N]``. With
     ``SCALED``, ``w`` and ``w2`` are FP8 with scales ``s, s2: [E, SCALE_ROWS, SCALE_COLS]`` (one per
-    block of ``BI`` rows and ``BO`` columns): with ``TILE_SCALES`` (each ``BLOCK_K`` rows of a
-    tile share their scales) the tile's dot is scaled per column, otherwise every weight is."""
+    block of ``BI`` rows and ``BO`` columns). Scales that vary along K (``K_SCALES``) scale each
+    tile's dot per column with ``TILE_SCALES`` (each ``BLOCK_K`` rows of a tile share their
+    scales), otherwise every weight; scales constant along K (per expert or output channel) scale
+    the accumulated product once, so the dots chain in one accumulator."""
     block = tl.program_id(0)
     expert = tl.load(block_expert_ptr + block)
     if expert >= 0:
@@ -77,13 +81,18 @@ def grouped_gemm_kernel(rows_ptr, block_expert_ptr, w_ptr, w2_ptr, s_ptr, s2_ptr
             k_in = (k0 + offs_k) < K
             w_mask = k_in[:, None] & n_in[None, :]
             a = tl.load(a_ptrs, mask=k_in[None, :], other=0.0)
-            acc = _tile_dot(a, w_ptr + w_offsets, w_mask, s_ptr, s_base, k0, offs_k, n_in, acc, SCALED, TILE_SCALES,
-                            SCALE_COLS, BI, DOT_F32)
+            acc = _tile_dot(a, w_ptr + w_offsets, w_mask, s_ptr, s_base, k0, offs_k, n_in, acc, K_SCALES,
+                            TILE_SCALES, SCALE_COLS, BI, DOT_F32)
             if SWIGLU:
-                acc2 = _tile_dot(a, w2_ptr + w_offsets, w_mask, s2_ptr, s_base, k0, offs_k, n_in, acc2, SCALED,
+                acc2 = _tile_dot(a, w2_ptr + w_offsets, w_mask, s2_ptr, s_base, k0, offs_k, n_in, acc2, K_SCALES,
                                  TILE_SCALES, SCALE_COLS, BI, DOT_F32)
             a_ptrs += BLOCK_K
             w_offsets += BLOCK_K * N
+        if SCALED:
+            if not K_SCALES:
+                acc = acc * tl.load(s_ptr + s_base, mask=n_in, other=0.0)[None, :]
+                if SWIGLU:
+                    acc2 = acc2 * tl.load(s2_ptr + s_base, mask=n_in, other=0.0)[None, :]
         if SWIGLU:
             acc = acc * tl.sigmoid(acc) * acc2
         tl.store(out_ptr + offs_m[:, None] * N + offs_n[None, :], acc.to(out_ptr.dtype.element_ty),
@@ -91,19 +100,19 @@ def grouped_gemm_kernel(rows_ptr, block_expert_ptr, w_ptr, w2_ptr, s_ptr, s2_ptr
 
 
 @triton.jit
-def _tile_dot(a, w_ptrs, w_mask, s_ptr, s_base, k0, offs_k, n_in, acc, SCALED: tl.constexpr,
+def _tile_dot(a, w_ptrs, w_mask, s_ptr, s_base, k0, offs_k, n_in, acc, K_SCALES: tl.constexpr,
               TILE_SCALES: tl.constexpr, SCALE_COLS: tl.constexpr, BI: tl.constexpr, DOT_F32: tl.constexpr):
     """``acc + a @ w`` over the ``BLOCK_K x BLOCK_N`` weight tile at rows ``k0 + offs_k`` (columns
-    ``n_in`` inside N), FP8 weights times their scales."""
+    ``n_in`` inside N), FP8 weights times their scales where these vary along K (``K_SCALES``)."""
     b = tl.load(w_ptrs, mask=w_mask, other=0.0)
-    if SCALED and not TILE_SCALES:
+    if K_SCALES and not TILE_SCALES:
         b = b.to(tl.float32) * tl.load(s_ptr + s_base[None, :] + ((k0 + offs_k) // BI)[:, None] * SCALE_COLS,
                                        mask=w_mask, other=0.0)
     b = b.to(a.dtype)
     if DOT_F32:       # Triton's interpreter (CPU tests) multiplies float32 only
         a = a.to(tl.float32)
         b = b.to(tl.float32)
-    if SCALED and TILE_SCALES:
+    if K_SCALES and TILE_SCALES:
         return acc + tl.dot(a, b) * tl.load(s_ptr + s_base + (k0 // BI) * SCALE_COLS, mask=n_in, other=0.0)[None, :]
     return tl.dot(a, b, acc)
 
@@ -149,6 +158,6 @@ def grouped_gemm(rows: jax.Array, block_expert: jax.Array, weights: jax.Array, u
         kernel=grouped_gemm_kernel, out_shape=[jax.ShapeDtypeStruct((num_rows, n), rows.dtype)],
         grid=(num_rows // block_m, triton.cdiv(n, tiles.block_n)), num_warps=tiles.num_warps,
         num_stages=tiles.num_stages, N=n, K=k, SWIGLU=up is not None, SCALED=scale is not None,
-        TILE_SCALES=tile_scales, SCALE_ROWS=scale_rows, SCALE_COLS=scale_cols, BI=bi, BO=bo,
+        K_SCALES=scale_rows > 1, TILE_SCALES=tile_scales, SCALE_ROWS=scale_rows, SCALE_COLS=scale_cols, BI=bi, BO=bo,
         DOT_F32=jax.default_backend() == "cpu", BLOCK_M=block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k)
     return out

@@ -39,7 +39,7 @@ def test_blocks_take_their_experts(on_platform, swiglu, block_m, k, n):
 
 
 @pytest.mark.parametrize("scale_block, tiles", [
-    ((100, 1), Tiles()),                        # per output channel: one scale row, scaled per tile
+    ((100, 1), Tiles()),                        # per output channel: one scale row, scaled after the dots
     ((32, 16), Tiles(block_n=32, block_k=32)),  # blocks a whole number of tiles deep: scaled per tile
     ((8, 8), Tiles()),                          # blocks finer than a tile: every weight scaled
 ])
