@@ -34,18 +34,13 @@ class Tiles(NamedTuple):
 
 def default_tiles(block_m: int, swiglu: bool, fp8: bool, scale_depth: int | None = None) -> Tiles:
     """The launch configuration measured fastest on an H100 at DeepSeek-V2-Lite's expert shapes
-    (``K x N`` 2048 x 1408 with SwiGLU, 1408 x 2048 without; 1 and 512 tokens, 8 configurations;
-    benchmarks/TUNING.md, "grouped-gemm-tiles", from ``benchmarks.tune_grouped_gemm``): bf16 weights
-    take 128 x 64 tiles, FP8 weights at decode blocks (16 rows) deeper tiles. With block scales
-    ``scale_depth`` weight rows deep, the tile is made no deeper than a block, so that each tile's
-    rows share their scales (scaled once per tile, not per weight)."""
-    if not fp8:
-        return Tiles(128, 64, 4, 4)
-    if block_m <= 16:
-        tiles = Tiles(64, 256, 8, 3) if swiglu else Tiles(32, 128, 4, 4)
-    else:
-        tiles = Tiles(64, 64, 4, 3) if swiglu else Tiles(128, 64, 4, 4)
-    if scale_depth is not None and scale_depth % tiles.block_k:
+    (``K x N`` 2048 x 1408 with SwiGLU, 1408 x 2048 without; 32 to 512 tokens, 8 configurations;
+    benchmarks/TUNING.md, "grouped-gemm-tiles", from ``benchmarks.tune_grouped_gemm``): 128 x 64
+    tiles, 4 warps, 4 stages, for bf16 and FP8 weights alike. With block scales ``scale_depth``
+    weight rows deep, the tile is made no deeper than a block, so that each tile's rows share
+    their scales (scaled once per tile, not per weight)."""
+    tiles = Tiles(128, 64, 4, 4)
+    if fp8 and scale_depth is not None and scale_depth % tiles.block_k:
         depth = scale_depth & -scale_depth             # the largest power of two dividing a block's rows
         if depth >= 16:
             tiles = tiles._replace(block_k=min(tiles.block_k, depth))
