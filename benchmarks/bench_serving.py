@@ -84,7 +84,7 @@ from benchmarks.common import (copy_bandwidth, device_name, gemm_rate, kernel_pr
 from benchmarks.profile_step import by_kind, kind_of
 from jaxattn import choice_table
 from jaxattn.serve.cli_args import tp_mesh
-from jaxattn.serve.engine import Engine
+from jaxattn.serve.engine import Engine, default_compile_threads
 from jaxattn.serve.models.base import page_bytes
 from jaxattn.serve.models.deepseek import PRESETS as DEEPSEEK_PRESETS
 from jaxattn.serve.models.deepseek import DeepSeek
@@ -507,7 +507,7 @@ def command(args: argparse.Namespace, layers: int) -> str:
     parts += [f"--profile-at {args.profile_at} --profile-steps {args.profile_steps}"] if args.profile_at else []
     parts += ["--no-overlap"] if args.no_overlap else []
     parts += ["--unfused"] if args.unfused else []
-    parts += [f"--compile-threads {args.compile_threads}"] if args.compile_threads != 1 else []
+    parts += [f"--compile-threads {args.compile_threads}"] if args.compile_threads is not None else []
     return " ".join(parts + (["--smoke"] if args.smoke else []))
 
 
@@ -539,7 +539,8 @@ def main(argv: list[str] | None = None) -> None:
                         help="profile the GPU's kernels of --profile-steps steps from each of these steps of the "
                              "trace (e.g. 40,1500: a mixed and a decode-only window of the throughput trace)")
     parser.add_argument("--profile-steps", type=int, default=8, help="steps per profiled window")
-    parser.add_argument("--compile-threads", type=int, default=1, help="steps XLA compiles at a time in the warm-up")
+    parser.add_argument("--compile-threads", type=int, default=None,
+                        help="steps XLA compiles at a time in the warm-up (default: Engine.warmup's)")
     parser.add_argument("--section", default=None,
                         help="the RESULTS.md section to write (default: the trace's, with a suffix for a preset, "
                              "mesh, quantization or expert GEMM other than the defaults)")
@@ -547,7 +548,7 @@ def main(argv: list[str] | None = None) -> None:
                                                               "is left alone")
     args = parser.parse_args(argv)
     show_engine_log()
-    if args.compile_threads < 1:
+    if args.compile_threads is not None and args.compile_threads < 1:
         parser.error("--compile-threads must be >= 1")
     if args.enable_expert_parallel and args.tp < 2:
         parser.error("--enable-expert-parallel needs --tp N with N >= 2")
@@ -591,9 +592,10 @@ def main(argv: list[str] | None = None) -> None:
                         enable_prefix_caching=prefix_caching, overlap=not args.no_overlap, record_steps=True,
                         mesh=mesh, fuse_projections=not args.unfused, max_logprobs=0)   # no request asks
         print(f"warm-up: compiling {len(engine.buckets.shapes)} step shapes", file=sys.stderr, flush=True)
-        warmup_s = engine.warmup(sampled=False, compile_threads=args.compile_threads)
-        setup.update(max_seqs=engine.max_seqs, num_pages=engine.num_pages, max_step_tokens=engine.max_step_tokens,
-                     warmup_s=max(setup.get("warmup_s", 0.0), warmup_s))
+        threads = args.compile_threads or default_compile_threads()
+        warmup_s = engine.warmup(sampled=False, compile_threads=threads)
+        setup.update(compile_threads=threads, max_seqs=engine.max_seqs, num_pages=engine.num_pages,
+                     max_step_tokens=engine.max_step_tokens, warmup_s=max(setup.get("warmup_s", 0.0), warmup_s))
         print(f"warm-up done in {setup['warmup_s']:.0f} s; serving {len(trace)} requests", file=sys.stderr, flush=True)
         profile_at = [int(step) for step in args.profile_at.split(",") if step]
         result = summarize(serve(engine, trace, profile_at, args.profile_steps), costs, copy_rate, matmul_rate)
@@ -637,7 +639,7 @@ def main(argv: list[str] | None = None) -> None:
     header = (f"Device: {device_name()}; date {datetime.date.today()}; jax {jax.__version__}; model {args.preset} "
               f"shapes with {cfg.num_layers} layers, {cfg.dtype}{' (FP8 weights)' if args.quantization else ''}, "
               f"random weights; {parallel}backend {args.backend}{auto_table}; "
-              f"{engine_text}; warm-up (compiling every step shape, {args.compile_threads} at a time) "
+              f"{engine_text}; warm-up (compiling every step shape, {setup['compile_threads']} at a time) "
               f"{setup['warmup_s']:.0f} s, not timed. The {rates} ({gemm} GEMM), measured in the same run.")
     trace_line = (f"Trace ({args.trace}, seed 0): {args.requests} requests, {shape}; random prompt tokens, greedy, "
                   f"every request runs to its output length; {trace_text}.")

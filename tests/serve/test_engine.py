@@ -361,6 +361,14 @@ def test_warmup_compiles_steps_on_threads(caplog):
     assert engine.runner._step._cache_size() == compiled and [len(r.output) for r in handles] == [3, 2]
 
 
+def test_default_compile_threads_are_half_the_cpus(monkeypatch):
+    from jaxattn.serve import engine as engine_module
+
+    for cpus, threads in ((None, 1), (1, 1), (6, 3), (16, 8), (64, engine_module.MAX_COMPILE_THREADS)):
+        monkeypatch.setattr(engine_module.os, "cpu_count", lambda: cpus)
+        assert engine_module.default_compile_threads() == threads
+
+
 def _rounds(engine: Engine, rounds: list[list[tuple[np.ndarray, SamplingParams | None]]]) -> list[list[int]]:
     """Serves each round's requests (6 new tokens each) to the end before the next round starts."""
     outputs = []
