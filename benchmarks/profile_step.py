@@ -54,7 +54,7 @@ from jaxattn.serve.step import mixed_buckets
 
 # (kind, pattern of kernel names), first match wins
 KINDS = [
-    ("attention", r"xqa|fmha|attn|attention|mha|flash|paged|cudnn"),
+    ("attention", r"xqa|fmha|attn|attention|mha|flash|paged|cudnn|mla_"),
     ("GEMM", r"gemm|nvjet|cutlass|xmma|cublas|matmul|dot"),
     ("KV writes", r"scatter|dynamic.update.slice|dynamic_update_slice"),
     ("argmax / logits", r"argmax|reduce.*(max|select)|select.*reduce"),
