@@ -86,7 +86,7 @@ def main(argv: list[str] | None = None) -> None:
                     turns = itertools.cycle(placements)
                     times[tiles] = device_seconds(lambda: run(rows, next(turns), *stacks), args.trials)
                 fastest = min(times, key=times.get)
-                chosen = default_tiles(block_m, swiglu, fp8)
+                chosen = default_tiles()     # per-channel FP8 scales: no scale depth
                 cells = [str(tokens), "bf16" if not fp8 else "FP8", f"{k} x {n}" + (" SwiGLU" if swiglu else ""),
                          str(block_m), str(block_expert.size),
                          *[f"{1e6 * times[t]:.1f}" if t in times else "smem" for t in configs],

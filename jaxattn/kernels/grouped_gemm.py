@@ -32,15 +32,15 @@ class Tiles(NamedTuple):
     num_stages: int = 3
 
 
-def default_tiles(block_m: int, swiglu: bool, fp8: bool, scale_depth: int | None = None) -> Tiles:
+def default_tiles(scale_depth: int | None = None) -> Tiles:
     """The launch configuration measured fastest on an H100 at DeepSeek-V2-Lite's expert shapes
     (``K x N`` 2048 x 1408 with SwiGLU, 1408 x 2048 without; 32 to 512 tokens, 8 configurations;
     benchmarks/TUNING.md, "grouped-gemm-tiles", from ``benchmarks.tune_grouped_gemm``): 128 x 64
-    tiles, 4 warps, 4 stages, for bf16 and FP8 weights alike. With block scales ``scale_depth``
-    weight rows deep, the tile is made no deeper than a block, so that each tile's rows share
-    their scales (scaled once per tile, not per weight)."""
+    tiles, 4 warps, 4 stages, for bf16 and FP8 weights alike, at every block size. With FP8 block
+    scales ``scale_depth`` weight rows deep, the tile is made no deeper than a block, so that each
+    tile's rows share their scales (scaled once per tile, not per weight)."""
     tiles = Tiles(128, 64, 4, 4)
-    if fp8 and scale_depth is not None and scale_depth % tiles.block_k:
+    if scale_depth is not None and scale_depth % tiles.block_k:
         depth = scale_depth & -scale_depth             # the largest power of two dividing a block's rows
         if depth >= 16:
             tiles = tiles._replace(block_k=min(tiles.block_k, depth))
@@ -142,7 +142,7 @@ def grouped_gemm(rows: jax.Array, block_expert: jax.Array, weights: jax.Array, u
     scales = (weights, weights) if scale is None else (scale, scale if up_scale is None else up_scale)
     scale_rows, scale_cols = (1, 1) if scale is None else scale.shape[1:]
     if tiles is None:
-        tiles = default_tiles(block_m, up is not None, scale is not None, bi if scale_rows > 1 else None)
+        tiles = default_tiles(bi if scale_rows > 1 else None)
     elif not all(size >= 16 and size & (size - 1) == 0 for size in (tiles.block_n, tiles.block_k)) or \
             tiles.num_warps < 1 or tiles.num_stages < 1:
         raise ValueError(f"grouped_gemm: tiles need block_n and block_k powers of two >= 16 and positive warps and "

@@ -85,8 +85,7 @@ def test_misshapen_blocks_are_named():
 def test_default_tiles_keep_a_tile_inside_a_scale_block():
     """Block scales cap the tile's depth at the largest power of two dividing a block's rows, so
     each tile's rows share one row of scales; blocks shallower than 16 rows leave it alone."""
-    assert default_tiles(16, True, True) == Tiles(128, 64, 4, 4)
-    assert default_tiles(16, True, True, scale_depth=128).block_k == 64
-    assert default_tiles(16, True, True, scale_depth=96).block_k == 32
-    assert default_tiles(16, True, True, scale_depth=8).block_k == 64
-    assert default_tiles(64, True, False) == Tiles(128, 64, 4, 4)
+    assert default_tiles() == Tiles(128, 64, 4, 4)
+    assert default_tiles(scale_depth=128).block_k == 64
+    assert default_tiles(scale_depth=96).block_k == 32
+    assert default_tiles(scale_depth=8).block_k == 64
