@@ -147,7 +147,7 @@ def grouped_gemm(rows: jax.Array, block_expert: jax.Array, weights: jax.Array, u
             tiles.num_warps < 1 or tiles.num_stages < 1:
         raise ValueError(f"grouped_gemm: tiles need block_n and block_k powers of two >= 16 and positive warps and "
                          f"stages, got {tiles}")
-    tile_scales = scale_rows == 1 or bi % tiles.block_k == 0
+    tile_scales = bi % tiles.block_k == 0           # read only for scales that vary along K
     (out,) = triton_call(
         rows, block_expert.astype(jnp.int32), weights, weights if up is None else up, *scales,
         kernel=grouped_gemm_kernel, out_shape=[jax.ShapeDtypeStruct((num_rows, n), rows.dtype)],
