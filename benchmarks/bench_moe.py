@@ -15,8 +15,10 @@ time per call (the profiler; median wall time on a CPU), the experts the tokens 
 variant and the one ``choose_gemm`` takes for the models ("auto"), the fastest's touched experts'
 weight bytes over its time as a share of the copy rate and its routed FLOPs (2 x 3 x dim x F x k per
 token) over its time as a share of the matmul rate, and the fastest against ragged_dot. ``--fp8``
-runs the same on FP8 expert stacks (per-channel scales; the Triton kernel reads FP8, dense converts
-them and scales its products, ragged_dot dequantizes first). Writes the ``--section`` section of
+runs the same on FP8 expert stacks as the model holds them (per-channel scales, each kernel
+transposed: ``quantization.Fp8Experts``; the Triton kernel reads FP8 and multiplies FP8 rows,
+quantized per row, on FP8 tensor cores, dense converts them and scales its products, ragged_dot
+dequantizes first). Writes the ``--section`` section of
 benchmarks/RESULTS.md (default "moe_grouped_gemm", with ``--fp8`` "moe_grouped_gemm_fp8");
 ``--smoke`` runs tiny shapes (CPU, seconds) and writes only ``$OUT``. ``--table PATH`` also writes
 the measured table that ``choose_gemm`` reads (``jaxattn.serve.models.expert_gemm_table``;
@@ -42,8 +44,8 @@ import numpy as np
 from benchmarks.common import copy_bandwidth, device_name, device_seconds, gemm_rate, rel_error, write_section
 from jaxattn.choice_table import current_arch
 from jaxattn.serve.models import expert_gemm_table
-from jaxattn.serve.models.experts import GEMMS, Fp8Stack, choose_gemm, routed_experts
-from jaxattn.serve.models.quantization import quantize_stack
+from jaxattn.serve.models.experts import GEMMS, choose_gemm, routed_experts
+from jaxattn.serve.models.quantization import Fp8Experts
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,7 +127,9 @@ def main(argv: list[str] | None = None) -> None:
             routings = itertools.cycle([operands[2], *(jnp.asarray(routing(shape, count, seed)[1])
                                                        for seed in range(1, ROUTINGS))])
             if args.fp8:
-                operands = (*operands[:3], *(Fp8Stack(*quantize_stack(w)) for w in operands[3:]))
+                # the model's FP8 stacks, as its Fp8Experts hold them
+                operands = (*operands[:3], *(Fp8Experts.from_stack(w, (None, None, None)).stack()
+                                             for w in operands[3:]))
             touched = len(np.unique(np.asarray(operands[2])))
             reference = compiled["ragged_dot"](*operands)
             seconds = {}
@@ -150,9 +154,10 @@ def main(argv: list[str] | None = None) -> None:
                + (f" --table {args.table}" if args.table else "") + (f" --section {section}" if args.section else ""))
     if args.table:
         write_table(args.table, command, entries)
+    weights = "FP8 experts (per-channel scales; triton: FP8 rows, per-row scales)" if args.fp8 else "bf16"
     lines = [
         f"Device: {device_name()}; date {datetime.date.today()}; jax {jax.__version__}; "
-        f"{'FP8 experts (per-channel scales), bf16 activations' if args.fp8 else 'bf16'}; one MoE layer's routed "
+        f"{weights}; one MoE layer's routed "
         f"experts, uniform random routing (seed 0; timed over {ROUTINGS} routings in turn); copy rate "
         f"{copy_rate / 1e9:,.0f} GB/s (read + write), matmul "
         f"rate {matmul_rate / 1e12:.3g} TFLOP/s, measured in the same run. tokamax "

@@ -48,11 +48,12 @@ def default_tiles(scale_depth: int | None = None) -> Tiles:
 
 
 @triton.jit
-def grouped_gemm_kernel(rows_ptr, block_expert_ptr, w_ptr, w2_ptr, s_ptr, s2_ptr, out_ptr, N: tl.constexpr,
-                        K: tl.constexpr, SWIGLU: tl.constexpr, SCALED: tl.constexpr, K_SCALES: tl.constexpr,
-                        TILE_SCALES: tl.constexpr,
+def grouped_gemm_kernel(rows_ptr, row_scale_ptr, block_expert_ptr, w_ptr, w2_ptr, s_ptr, s2_ptr, out_ptr,
+                        N: tl.constexpr, K: tl.constexpr, SWIGLU: tl.constexpr, SCALED: tl.constexpr,
+                        ROW_SCALED: tl.constexpr, K_SCALES: tl.constexpr, TILE_SCALES: tl.constexpr,
                         SCALE_ROWS: tl.constexpr, SCALE_COLS: tl.constexpr, BI: tl.constexpr, BO: tl.constexpr,
-                        DOT_F32: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                        W_NK: tl.constexpr, DOT_F32: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                        BLOCK_K: tl.constexpr):
     """``out[block] = rows[block] @ w[e]`` (``SWIGLU``: ``silu(rows @ w[e]) * (rows @ w2[e])``),
     ``e = block_expert[block]``; ``w, w2: [E, K, N]``, ``rows: [R, K]``, ``out: [R, N]``. With
     ``SCALED``, ``w`` and ``w2`` are FP8 with scales ``s, s2: [E, SCALE_ROWS, SCALE_COLS]`` (one per
@@ -67,7 +68,12 @@ def grouped_gemm_kernel(rows_ptr, block_expert_ptr, w_ptr, w2_ptr, s_ptr, s2_ptr
         offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         offs_k = tl.arange(0, BLOCK_K)
         a_ptrs = rows_ptr + offs_m[:, None] * K + offs_k[None, :]
-        w_offsets = expert.to(tl.int64) * K * N + offs_k[:, None] * N + offs_n[None, :]
+        if W_NK:
+            w_offsets = expert.to(tl.int64) * K * N + offs_n[None, :] * K + offs_k[:, None]
+            w_step = BLOCK_K
+        else:
+            w_offsets = expert.to(tl.int64) * K * N + offs_k[:, None] * N + offs_n[None, :]
+            w_step = BLOCK_K * N
         s_base = expert.to(tl.int64) * SCALE_ROWS * SCALE_COLS + offs_n // BO
         acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
         acc2 = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
@@ -82,12 +88,17 @@ def grouped_gemm_kernel(rows_ptr, block_expert_ptr, w_ptr, w2_ptr, s_ptr, s2_ptr
                 acc2 = _tile_dot(a, w2_ptr + w_offsets, w_mask, s2_ptr, s_base, k0, offs_k, n_in, acc2, K_SCALES,
                                  TILE_SCALES, SCALE_COLS, BI, DOT_F32)
             a_ptrs += BLOCK_K
-            w_offsets += BLOCK_K * N
+            w_offsets += w_step
         if SCALED:
             if not K_SCALES:
                 acc = acc * tl.load(s_ptr + s_base, mask=n_in, other=0.0)[None, :]
                 if SWIGLU:
                     acc2 = acc2 * tl.load(s2_ptr + s_base, mask=n_in, other=0.0)[None, :]
+        if ROW_SCALED:
+            row_scale = tl.load(row_scale_ptr + offs_m)[:, None]
+            acc = acc * row_scale
+            if SWIGLU:
+                acc2 = acc2 * row_scale
         if SWIGLU:
             acc = acc * tl.sigmoid(acc) * acc2
         tl.store(out_ptr + offs_m[:, None] * N + offs_n[None, :], acc.to(out_ptr.dtype.element_ty),
@@ -114,7 +125,8 @@ def _tile_dot(a, w_ptrs, w_mask, s_ptr, s_base, k0, offs_k, n_in, acc, K_SCALES:
 
 def grouped_gemm(rows: jax.Array, block_expert: jax.Array, weights: jax.Array, up: jax.Array | None = None, *,
                  block_m: int, scale: jax.Array | None = None, up_scale: jax.Array | None = None,
-                 scale_block: tuple[int, int] = (1, 1), tiles: Tiles | None = None) -> jax.Array:
+                 scale_block: tuple[int, int] = (1, 1), row_scale: jax.Array | None = None,
+                 weight_layout: str = "ekn", out_dtype=None, tiles: Tiles | None = None) -> jax.Array:
     """``[R, N]``: each ``block_m``-row block of ``rows [R, K]`` times its expert's ``weights
     [E, K, N]`` (with ``up``: ``silu(rows @ weights) * (rows @ up)``, SwiGLU's gate and up), the
     experts given by ``block_expert int32[R / block_m]`` (-1: a block no group uses, its output
@@ -127,9 +139,13 @@ def grouped_gemm(rows: jax.Array, block_expert: jax.Array, weights: jax.Array, u
     num_rows, k = rows.shape
     if num_rows % block_m or block_expert.shape != (num_rows // block_m,):
         raise ValueError(f"grouped_gemm: rows {rows.shape} must be {block_expert.shape[0]} blocks of {block_m} rows")
-    if weights.shape[1] != k or (up is not None and up.shape != weights.shape):
-        raise ValueError(f"grouped_gemm: weights {weights.shape} (and up) must be [E, {k}, N]")
-    experts, _, n = weights.shape
+    if weight_layout not in ("ekn", "enk"):
+        raise ValueError(f"grouped_gemm: weight_layout must be 'ekn' or 'enk', got {weight_layout!r}")
+    w_nk = weight_layout == "enk"
+    if weights.ndim != 3 or weights.shape[1 + w_nk] != k or (up is not None and up.shape != weights.shape):
+        layout = "[E, N, K]" if w_nk else "[E, K, N]"
+        raise ValueError(f"grouped_gemm: weights {weights.shape} (and up) must be {layout} with K = {k}")
+    experts, n = weights.shape[0], weights.shape[2 - w_nk]
     bi, bo = scale_block
     if scale is not None:
         expected = (experts, -(-k // bi), -(-n // bo))
@@ -138,6 +154,11 @@ def grouped_gemm(rows: jax.Array, block_expert: jax.Array, weights: jax.Array, u
                              f"{scale.shape}")
     elif weights.dtype != rows.dtype:
         raise ValueError(f"grouped_gemm: weights of {weights.dtype} need a scale (rows are {rows.dtype})")
+    if row_scale is not None and (row_scale.shape != (num_rows,) or rows.dtype != weights.dtype or
+                                  -(-k // bi) > 1):
+        raise ValueError(f"grouped_gemm: row_scale must be [{num_rows}] for rows in the weights' dtype "
+                         f"({weights.dtype}) with scales constant along K, got {row_scale.shape} for {rows.dtype} rows "
+                         f"and scale blocks {scale_block}")
     # unscaled: the weights stand in for the scale pointers, which the kernel then never reads
     scales = (weights, weights) if scale is None else (scale, scale if up_scale is None else up_scale)
     scale_rows, scale_cols = (1, 1) if scale is None else scale.shape[1:]
@@ -149,10 +170,20 @@ def grouped_gemm(rows: jax.Array, block_expert: jax.Array, weights: jax.Array, u
                          f"stages, got {tiles}")
     tile_scales = bi % tiles.block_k == 0           # read only for scales that vary along K
     (out,) = triton_call(
-        rows, block_expert.astype(jnp.int32), weights, weights if up is None else up, *scales,
-        kernel=grouped_gemm_kernel, out_shape=[jax.ShapeDtypeStruct((num_rows, n), rows.dtype)],
+        rows, rows if row_scale is None else row_scale, block_expert.astype(jnp.int32), weights,
+        weights if up is None else up, *scales,
+        kernel=grouped_gemm_kernel, out_shape=[jax.ShapeDtypeStruct((num_rows, n), out_dtype or rows.dtype)],
         grid=(num_rows // block_m, triton.cdiv(n, tiles.block_n)), num_warps=tiles.num_warps,
         num_stages=tiles.num_stages, N=n, K=k, SWIGLU=up is not None, SCALED=scale is not None,
-        K_SCALES=scale_rows > 1, TILE_SCALES=tile_scales, SCALE_ROWS=scale_rows, SCALE_COLS=scale_cols, BI=bi, BO=bo,
-        DOT_F32=jax.default_backend() == "cpu", BLOCK_M=block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k)
+        ROW_SCALED=row_scale is not None, K_SCALES=scale_rows > 1, TILE_SCALES=tile_scales, SCALE_ROWS=scale_rows,
+        SCALE_COLS=scale_cols, BI=bi, BO=bo, W_NK=w_nk, DOT_F32=jax.default_backend() == "cpu", BLOCK_M=block_m,
+        BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k)
     return out
+
+
+def quantize_rows(rows: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``(float8_e4m3fn [R, K], float32 scales [R])`` of ``rows [R, K]``: each row over its largest
+    magnitude / 448 (1 for a zero row), the FP8 activations of a ``row_scale``d ``grouped_gemm``."""
+    amax = jnp.max(jnp.abs(rows.astype(jnp.float32)), axis=1)
+    scale = jnp.where(amax > 0, amax / 448.0, 1.0)
+    return jnp.clip(rows / scale[:, None], -448.0, 448.0).astype(jnp.float8_e4m3fn), scale

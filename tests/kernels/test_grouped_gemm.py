@@ -11,21 +11,27 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxattn.kernels.grouped_gemm import Tiles, default_tiles, grouped_gemm
+from jaxattn.kernels.grouped_gemm import Tiles, default_tiles, grouped_gemm, quantize_rows
 from tests.paged_inputs import rel_error
 
 
+def _laid_out(stack, layout: str) -> jax.Array:
+    """``stack [E, K, N]`` as ``grouped_gemm`` takes it for ``weight_layout``."""
+    return jnp.asarray(stack if layout == "ekn" else np.swapaxes(stack, 1, 2))
+
+
+@pytest.mark.parametrize("layout", ["ekn", "enk"])
 @pytest.mark.parametrize("swiglu", [False, True])
 @pytest.mark.parametrize("block_m, k, n", [(16, 64, 64), (32, 100, 72), (16, 256, 200)])
-def test_blocks_take_their_experts(on_platform, swiglu, block_m, k, n):
+def test_blocks_take_their_experts(on_platform, swiglu, block_m, k, n, layout):
     rng = np.random.default_rng()
     dtype = jnp.float32 if on_platform == "cpu" else jnp.bfloat16
     block_expert = np.array([2, 0, 0, 3, -1, -1], np.int32)
     rows = rng.normal(size=(block_expert.size * block_m, k)).astype(np.float32)
     gate, up = (rng.normal(size=(4, k, n)).astype(np.float32) / np.sqrt(k) for _ in range(2))
-    run = jax.jit(functools.partial(grouped_gemm, block_m=block_m))
-    out = run(jnp.asarray(rows, dtype), jnp.asarray(block_expert), jnp.asarray(gate, dtype),
-              jnp.asarray(up, dtype) if swiglu else None)
+    run = jax.jit(functools.partial(grouped_gemm, block_m=block_m, weight_layout=layout))
+    out = run(jnp.asarray(rows, dtype), jnp.asarray(block_expert), _laid_out(jnp.asarray(gate, dtype), layout),
+              _laid_out(jnp.asarray(up, dtype), layout) if swiglu else None)
     assert out.shape == (rows.shape[0], n) and out.dtype == dtype
     used = 4 * block_m
     expert = np.repeat(block_expert[:4], block_m)
@@ -65,10 +71,34 @@ def test_fp8_weights_are_scaled_in_the_kernel(on_platform, scale_block, tiles):
     g, u = (np.einsum("rk,rkn->rn", rows[:used], dequantized(w, s)[expert]) for w, s in ((gate, scale), (up, up_scale)))
     assert rel_error(out[:used], g / (1 + np.exp(-g)) * u) < (1e-5 if dtype == jnp.float32 else 2e-2)
 
+@pytest.mark.parametrize("layout", ["ekn", "enk"])
+def test_fp8_rows_are_scaled_per_row(on_platform, layout):
+    """FP8 activations (``quantize_rows``) times FP8 weights with per-channel scales: each output
+    row times its row's scale, close to the bf16 rows' product (FP8 rounding of the rows)."""
+    rng = np.random.default_rng()
+    block_m, k, n = 16, 96, 72
+    block_expert = np.array([1, 0, 1, -1], np.int32)
+    rows = rng.normal(size=(block_expert.size * block_m, k)).astype(np.float32) * rng.uniform(
+        0.01, 10.0, size=(block_expert.size * block_m, 1)).astype(np.float32)
+    gate, up = (np.asarray(jnp.asarray(rng.normal(size=(2, k, n)) * 8, jnp.float8_e4m3fn)) for _ in range(2))
+    scale, up_scale = (rng.uniform(0.5, 2.0, size=(2, 1, n)).astype(np.float32) / 8 for _ in range(2))
+    fp8_rows, row_scale = quantize_rows(jnp.asarray(rows, jnp.bfloat16))
+    run = jax.jit(functools.partial(grouped_gemm, block_m=block_m, scale_block=(k, 1), weight_layout=layout,
+                                    out_dtype=jnp.bfloat16))
+    out = run(fp8_rows, jnp.asarray(block_expert), _laid_out(gate, layout), _laid_out(up, layout),
+              scale=jnp.asarray(scale), up_scale=jnp.asarray(up_scale), row_scale=row_scale)
+    assert out.dtype == jnp.bfloat16
+    used = 3 * block_m
+    expert = np.repeat(block_expert[:3], block_m)
+    g, u = (np.einsum("rk,rkn->rn", rows[:used], (w.astype(np.float32) * s)[expert])
+            for w, s in ((gate, scale), (up, up_scale)))
+    assert rel_error(out[:used], g / (1 + np.exp(-g)) * u) < 0.1      # e4m3 rows: 3 mantissa bits
+
+
 def test_misshapen_blocks_are_named():
     with pytest.raises(ValueError, match="blocks of 16 rows"):
         grouped_gemm(jnp.zeros((40, 8)), jnp.zeros((3,), jnp.int32), jnp.zeros((2, 8, 4)), block_m=16)
-    with pytest.raises(ValueError, match=r"must be \[E, 8, N\]"):
+    with pytest.raises(ValueError, match=r"must be \[E, K, N\] with K = 8"):
         grouped_gemm(jnp.zeros((32, 8)), jnp.zeros((2,), jnp.int32), jnp.zeros((2, 6, 4)), block_m=16)
     rows, blocks, fp8 = jnp.zeros((32, 8)), jnp.zeros((2,), jnp.int32), jnp.zeros((2, 8, 4), jnp.float8_e4m3fn)
     with pytest.raises(ValueError, match="weights of float8_e4m3fn need a scale"):
@@ -77,6 +107,13 @@ def test_misshapen_blocks_are_named():
         grouped_gemm(rows, blocks, fp8, block_m=16, scale=jnp.ones((2, 1, 1)), scale_block=(4, 4))
     with pytest.raises(ValueError, match=r"scale \(and up_scale\) must be"):
         grouped_gemm(rows, blocks, fp8, fp8, block_m=16, scale=jnp.ones((2, 2, 1)), scale_block=(4, 4))
+    with pytest.raises(ValueError, match="weight_layout must be 'ekn' or 'enk'"):
+        grouped_gemm(rows, blocks, jnp.zeros((2, 8, 4)), block_m=16, weight_layout="kn")
+    with pytest.raises(ValueError, match=r"must be \[E, N, K\] with K = 8"):
+        grouped_gemm(rows, blocks, jnp.zeros((2, 8, 4)), block_m=16, weight_layout="enk")
+    with pytest.raises(ValueError, match="row_scale must be \\[32\\] for rows in the weights' dtype"):
+        grouped_gemm(rows, blocks, fp8, block_m=16, scale=jnp.ones((2, 1, 4)), scale_block=(8, 1),
+                     row_scale=jnp.ones((32,)))
     for tiles in (Tiles(block_n=24), Tiles(block_k=8), Tiles(num_warps=0)):
         with pytest.raises(ValueError, match="grouped_gemm: tiles need block_n and block_k powers of two >= 16"):
             grouped_gemm(rows, blocks, jnp.zeros((2, 8, 4)), block_m=16, tiles=tiles)

@@ -35,22 +35,30 @@ GEMMS = ("ragged_dot", "dense", "triton")
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class Fp8Stack:
-    """A stack of E FP8 expert kernels, ``W[e] = values[e] * scale[e]`` broadcast
+    """A stack of E FP8 expert kernels ``[in, out]``, ``W[e] = values[e] * scale[e]`` broadcast
     (``jaxattn.serve.models.quantization.Fp8Experts`` holds one): ``values`` float8_e4m3fn ``[E, in,
-    out]``, ``scale`` float32 ``[E]`` (per expert), ``[E, out]`` (per output channel) or, with
-    ``block = (bi, bo)``, ``[E, ceil(in / bi), ceil(out / bo)]``."""
+    out]`` (``layout`` "ekn") or each kernel transposed, ``[E, out, in]`` ("enk": the layout FP8
+    tensor-core dots read, inputs contiguous), ``scale`` float32 ``[E]`` (per expert), ``[E, out]``
+    (per output channel) or, with ``block = (bi, bo)``, ``[E, ceil(in / bi), ceil(out / bo)]``."""
     values: jax.Array
     scale: jax.Array
     block: tuple[int, int] | None = dataclasses.field(default=None, metadata=dict(static=True))
+    layout: str = dataclasses.field(default="ekn", metadata=dict(static=True))
 
     @property
     def shape(self) -> tuple[int, ...]:
-        return self.values.shape
+        """``(E, in, out)`` whatever the layout."""
+        experts, first, second = self.values.shape
+        return (experts, first, second) if self.layout == "ekn" else (experts, second, first)
+
+    def kernels(self) -> jax.Array:
+        """The values ``[E, in, out]`` (a transpose of an "enk" stack)."""
+        return self.values if self.layout == "ekn" else jnp.swapaxes(self.values, 1, 2)
 
     def blocks(self) -> tuple[jax.Array, int, int]:
         """The scales as blocks of any granularity: ``(scale [E, KB, NB], bi, bo)``, block (kb, nb)
         covering rows ``kb*bi ..`` and columns ``nb*bo ..`` of each ``[in, out]`` kernel."""
-        experts, rows, cols = self.values.shape
+        experts, rows, cols = self.shape
         if self.block is not None:
             return self.scale, *self.block
         if self.scale.ndim == 1:
@@ -64,7 +72,7 @@ class Fp8Stack:
         from jaxattn.serve.models.quantization import dequantize
 
         granularity = self.block or ("tensor", "channel")[self.scale.ndim - 1]
-        return jax.vmap(lambda values, scale: dequantize(values, scale, granularity))(self.values,
+        return jax.vmap(lambda values, scale: dequantize(values, scale, granularity))(self.kernels(),
                                                                                        self.scale).astype(dtype)
 
 
@@ -162,6 +170,10 @@ def _expert_einsum(spec: str, lhs: jax.Array, stack: Stack) -> jax.Array:
         return jnp.einsum(spec, lhs, stack)
     if stack.block is not None:
         return jnp.einsum(spec, lhs, stack.dequantize(lhs.dtype))
+    if stack.layout == "enk":                           # the stack's kernels transposed: "...,eio->" as "...,eoi->"
+        operands, out = spec.split("->")
+        lhs_spec, (e, i, o) = operands.split(",")
+        spec = f"{lhs_spec},{e}{o}{i}->{out}"
     product = jnp.einsum(spec, lhs, stack.values.astype(lhs.dtype))
     return (product * stack.scale.reshape(stack.shape[0], 1, -1)).astype(lhs.dtype)
 
@@ -178,8 +190,16 @@ def num_blocks(tokens: int, experts: int, k: int, block_m: int) -> int:
     return -(-(tokens * k + min(experts, tokens * k) * (block_m - 1)) // block_m)
 
 
+def fp8_rows(stack: Stack) -> bool:
+    """Whether the Triton path multiplies ``stack`` with FP8 rows (each row over its own scale,
+    ``grouped_gemm.quantize_rows``) on FP8 tensor cores: an "enk" FP8 stack whose scales are
+    constant along the contraction (per expert or output channel); other stacks take the rows in
+    the model's dtype."""
+    return isinstance(stack, Fp8Stack) and stack.layout == "enk" and stack.block is None
+
+
 def _triton(x, weights, chosen, gate_proj, up_proj, down_proj, first):
-    from jaxattn.kernels.grouped_gemm import grouped_gemm
+    from jaxattn.kernels.grouped_gemm import grouped_gemm, quantize_rows
 
     tokens, k = chosen.shape
     experts = gate_proj.shape[0]
@@ -189,12 +209,25 @@ def _triton(x, weights, chosen, gate_proj, up_proj, down_proj, first):
     padded = -(-counts[:experts] // block_m) * block_m
     ends = jnp.cumsum(padded)
     place = jnp.where(here, (ends - padded)[jnp.minimum(group, experts - 1)] + rank, blocks * block_m)
-    rows = jnp.zeros((blocks * block_m, x.shape[1]), x.dtype).at[place].set(jnp.repeat(x, k, axis=0), mode="drop")
+
+    def grouped(values: jax.Array) -> jax.Array:
+        """``[blocks * block_m, ...]``: each token's ``values`` at its copies' places (0 elsewhere)."""
+        rows = jnp.zeros((blocks * block_m, *values.shape[1:]), values.dtype)
+        return rows.at[place].set(jnp.repeat(values, k, axis=0), mode="drop")
+
     block_expert = jnp.searchsorted(ends, jnp.arange(blocks) * block_m, side="right", method="scan_unrolled")
     block_expert = jnp.where(block_expert < experts, block_expert, -1).astype(jnp.int32)
     stacks, scales = _operands(gate_proj, up_proj)
-    hidden = grouped_gemm(rows, block_expert, *stacks, block_m=block_m, **scales)
+    if fp8_rows(gate_proj):        # quantized per token before the copies are made (they share its scale)
+        values, row_scale = quantize_rows(x)
+        scales.update(row_scale=grouped(row_scale), out_dtype=x.dtype)
+        hidden = grouped_gemm(grouped(values), block_expert, *stacks, block_m=block_m, **scales)
+    else:
+        hidden = grouped_gemm(grouped(x), block_expert, *stacks, block_m=block_m, **scales)
     stacks, scales = _operands(down_proj)
+    if fp8_rows(down_proj):
+        hidden, row_scale = quantize_rows(hidden)
+        scales.update(row_scale=row_scale, out_dtype=x.dtype)
     out = grouped_gemm(hidden, block_expert, *stacks, block_m=block_m, **scales)
     return _combine(out, place, here, weights)
 
@@ -204,10 +237,11 @@ def _operands(weights: Stack, up: Stack | None = None) -> tuple[tuple, dict]:
     if not isinstance(weights, Fp8Stack):
         return (weights, up), {}
     scale, bi, bo = weights.blocks()
+    common = dict(scale_block=(bi, bo), weight_layout=weights.layout)
     if up is None:
-        return (weights.values, None), dict(scale=scale, scale_block=(bi, bo))
+        return (weights.values, None), dict(scale=scale, **common)
     up_scale, *up_block = up.blocks()
-    if tuple(up_block) != (bi, bo):
-        raise ValueError(f"routed_experts: gate_proj and up_proj must be scaled alike, got blocks {(bi, bo)} and "
-                         f"{tuple(up_block)}")
-    return (weights.values, up.values), dict(scale=scale, up_scale=up_scale, scale_block=(bi, bo))
+    if (*up_block, up.layout) != (bi, bo, weights.layout):
+        raise ValueError(f"routed_experts: gate_proj and up_proj must be scaled and laid out alike, got blocks "
+                         f"{(bi, bo)} and {tuple(up_block)}, layouts {weights.layout!r} and {up.layout!r}")
+    return (weights.values, up.values), dict(scale=scale, up_scale=up_scale, **common)

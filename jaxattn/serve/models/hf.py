@@ -557,8 +557,8 @@ def _fp8_expert_targets(model: Llama | DeepSeek, expected: dict[str, Target], st
             granularity = scales[0][1]
         stack = nnx.eval_shape(lambda p: Fp8Experts.from_stack(p[...], EXPERT_AXES[attr], granularity), param)
         setattr(moe, attr, stack)
-        for name in weights:
-            expected[name] = dataclasses.replace(expected[name], variable=stack.kernel,
+        for name in weights:     # the stack keeps each expert's kernel as stored, [out, in] (Fp8Experts.LAYOUT)
+            expected[name] = dataclasses.replace(expected[name], variable=stack.kernel, transposed=False,
                                                  quantize=None if fp8.stored else stack.scale)
         for name, (scale, _) in zip(weights, scales):     # block scales stored [out blocks, in blocks]
             expected[scale] = Target(stack.scale, not isinstance(granularity, str), expected[name].expert,
@@ -705,7 +705,7 @@ def from_pretrained(path: str, dtype: str | jnp.dtype | None = None, mesh: jax.s
                         continue
                     array, transposed = stacks.pop(id(variable))[0], False
                 if target.quantize is not None:  # quantized on load, per output channel
-                    kernel, scale = (quantize_stack(array) if expert is not None
+                    kernel, scale = (quantize_stack(array, layout=Fp8Experts.LAYOUT) if expert is not None
                                      else quantize_kernel(jnp.asarray(array).T))
                     put(variable, kernel)
                     put(target.quantize, scale)

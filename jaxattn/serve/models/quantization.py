@@ -81,9 +81,14 @@ def quantize_kernel(kernel: jax.Array, granularity: Granularity = "channel") -> 
     return q.astype(FP8_DTYPE), scale
 
 
-def quantize_stack(stack: jax.Array, granularity: Granularity = "channel") -> tuple[jax.Array, jax.Array]:
-    """``quantize_kernel`` of each kernel of ``stack [E, in, out]``: ``(float8_e4m3fn [E, in, out],
-    float32 scales [E, ...])``."""
+def quantize_stack(stack: jax.Array, granularity: Granularity = "channel",
+                   layout: str = "ekn") -> tuple[jax.Array, jax.Array]:
+    """``quantize_kernel`` of each kernel of ``stack [E, in, out]`` (``layout`` "ekn"; "enk": each
+    kernel transposed, ``[E, out, in]``): ``(float8_e4m3fn values in the stack's layout, float32
+    scales [E, ...])``."""
+    if layout == "enk":
+        values, scale = quantize_stack(jnp.swapaxes(jnp.asarray(stack), 1, 2), granularity)
+        return jnp.swapaxes(values, 1, 2), scale
     return jax.vmap(lambda w: quantize_kernel(w, granularity))(jnp.asarray(stack))
 
 
@@ -154,13 +159,19 @@ class Fp8Experts(nnx.Module):
     stacked ``nnx.Param``, on the same logical ``axes`` (scales split like the dimensions they
     cover). ``stack()`` gives the ``experts.Fp8Stack`` that ``routed_experts`` computes with: the
     Triton grouped GEMM reads the FP8 values and scales, "dense" converts the values and scales
-    its products (per-expert and per-channel scales), the rest dequantize first."""
+    its products (per-expert and per-channel scales), the rest dequantize first.
+
+    The ``kernel`` variable holds each expert's kernel transposed, ``[E, out, in]`` (as Hugging
+    Face stores an expert's weight): FP8 tensor-core dots read FP8 operands along the contraction,
+    and 8-bit values are not transposed on the way as 16-bit ones are."""
+
+    LAYOUT = "enk"          # the kernel variable's layout (experts.Fp8Stack.layout)
 
     def __init__(self, kernel: jax.Array, scale: jax.Array, *, block_size: tuple[int, int] | None = None,
                  axes: layers.Axes = (None, None, None)):
         granularity = _granularity("Fp8Experts", kernel, scale, block_size, stacked=True)
         self.block_size = None if isinstance(granularity, str) else granularity
-        self.kernel = _param(kernel, axes)
+        self.kernel = _param(jnp.swapaxes(kernel, 1, 2), (axes[0], axes[2], axes[1]))     # LAYOUT
         scale_axes = {"tensor": axes[:1], "channel": axes[:1] + axes[2:]}.get(granularity, axes) \
             if isinstance(granularity, str) else axes
         self.scale = _param(jnp.asarray(scale, jnp.float32), scale_axes)
@@ -172,7 +183,7 @@ class Fp8Experts(nnx.Module):
         return cls(kernel, scale, block_size=None if isinstance(granularity, str) else granularity, axes=axes)
 
     def stack(self) -> Fp8Stack:
-        return Fp8Stack(self.kernel[...], self.scale[...], self.block_size)
+        return Fp8Stack(self.kernel[...], self.scale[...], self.block_size, layout=self.LAYOUT)
 
 
 def _granularity(owner: str, kernel: jax.Array, scale: jax.Array, block_size, stacked: bool) -> Granularity:

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from jaxattn.kernels.grouped_gemm import quantize_rows
 from jaxattn.serve.models import experts, layers
 from tests.paged_inputs import rel_error
 
@@ -27,15 +28,24 @@ def expert_weights(rng: np.random.Generator, num_experts: int, dim: int, hidden:
             for shape in ((num_experts, dim, hidden), (num_experts, dim, hidden), (num_experts, hidden, dim))]
 
 
-def reference(x, weights, chosen, gate, up, down, first=0) -> np.ndarray:
-    """float64, one token copy at a time; copies for experts outside ``first .. first + E`` add nothing."""
+def fp8_rounded(row: np.ndarray) -> np.ndarray:
+    """``row`` through ``grouped_gemm.quantize_rows`` and back: FP8 values times the row's scale."""
+    values, scale = quantize_rows(jnp.asarray(row[None], jnp.float32))
+    return np.asarray(values, np.float64)[0] * float(scale[0])
+
+
+def reference(x, weights, chosen, gate, up, down, first=0, fp8_rows=False) -> np.ndarray:
+    """float64, one token copy at a time; copies for experts outside ``first .. first + E`` add
+    nothing; ``fp8_rows``: each GEMM's rows rounded to FP8 per row first (``fp8_rounded``)."""
     x, gate, up, down = (np.asarray(a, np.float64) for a in (x, gate, up, down))
+    rounded = fp8_rounded if fp8_rows else (lambda row: row)
     out = np.zeros_like(x)
     for t, j in np.ndindex(chosen.shape):
         e = chosen[t, j] - first
         if 0 <= e < gate.shape[0]:
-            g = x[t] @ gate[e]
-            out[t] += weights[t, j] * ((g / (1 + np.exp(-g)) * (x[t] @ up[e])) @ down[e])
+            row = rounded(x[t])
+            g = row @ gate[e]
+            out[t] += weights[t, j] * (rounded(g / (1 + np.exp(-g)) * (row @ up[e])) @ down[e])
     return out
 
 
@@ -58,11 +68,13 @@ def test_each_gemm_gives_the_routed_sum(gemm, case):
     assert rel_error(out, reference(x, weights, chosen, *stacks, first=first)) < 1e-5
 
 
+@pytest.mark.parametrize("layout", ["ekn", "enk"])
 @pytest.mark.parametrize("gemm", experts.GEMMS)
 @pytest.mark.parametrize("block", [None, "tensor", (16, 32), (8, 8)])
-def test_fp8_stacks_compute_their_dequantized_experts(gemm, block):
-    """An ``Fp8Stack`` (per channel, per expert, or blocks of rows x columns) gives what its
-    dequantized float32 stack gives: the Triton kernel scales in the kernel, the others before."""
+def test_fp8_stacks_compute_their_dequantized_experts(gemm, block, layout):
+    """An ``Fp8Stack`` (per channel, per expert, or blocks of rows x columns; kernels stored as
+    they are or transposed) gives what its dequantized float32 stack gives: the Triton kernel
+    scales in the kernel, the others before."""
     rng = np.random.default_rng()
     weights, chosen = routing(rng, 21, 8, 2)
     x = rng.normal(size=(21, 64)).astype(np.float32)
@@ -75,12 +87,17 @@ def test_fp8_stacks_compute_their_dequantized_experts(gemm, block):
             scale = rng.uniform(0.5, 2.0, size=(8,)) / 16
         else:
             scale = rng.uniform(0.5, 2.0, size=(8, -(-w.shape[1] // block[0]), -(-w.shape[2] // block[1]))) / 16
-        stacks.append(experts.Fp8Stack(values, jnp.asarray(scale, jnp.float32), None if block in (None, "tensor")
-                                       else block))
+        stacks.append(experts.Fp8Stack(values if layout == "ekn" else jnp.swapaxes(values, 1, 2),
+                                       jnp.asarray(scale, jnp.float32), None if block in (None, "tensor") else block,
+                                       layout))
+        assert stacks[-1].shape == w.shape
     args = (jnp.asarray(x), jnp.asarray(weights), jnp.asarray(chosen))
     out = jax.jit(functools.partial(experts.routed_experts, gemm=gemm))(*args, *stacks)
     dequantized = [s.dequantize(jnp.float32) for s in stacks]
-    assert rel_error(out, reference(x, weights, chosen, *dequantized)) < 1e-5
+    # the Triton path multiplies "enk" stacks scaled per expert or channel with FP8 rows
+    fp8_rows = gemm == "triton" and experts.fp8_rows(stacks[0])
+    assert fp8_rows == (gemm == "triton" and layout == "enk" and block in (None, "tensor"))
+    assert rel_error(out, reference(x, weights, chosen, *dequantized, fp8_rows=fp8_rows)) < (1e-3 if fp8_rows else 1e-5)
 
 
 @pytest.mark.parametrize("gemm", ["dense", "triton"])
@@ -131,7 +148,7 @@ def test_bad_gemms_are_named():
     x, weights, chosen = jnp.zeros((2, 4)), jnp.ones((2, 1)), jnp.zeros((2, 1), jnp.int32)
     stack = experts.Fp8Stack(jnp.zeros((2, 4, 3), jnp.float8_e4m3fn), jnp.ones((2, 3)))
     blocked = experts.Fp8Stack(jnp.zeros((2, 4, 3), jnp.float8_e4m3fn), jnp.ones((2, 2, 2)), (2, 2))
-    with pytest.raises(ValueError, match="gate_proj and up_proj must be scaled alike"):
+    with pytest.raises(ValueError, match="gate_proj and up_proj must be scaled and laid out alike"):
         jax.jit(functools.partial(experts.routed_experts, gemm="triton"))(x, weights, chosen, stack, blocked,
                                                                           jnp.zeros((2, 3, 4)))
     with pytest.raises(ValueError, match="routed_experts: gemm must be"):

@@ -392,7 +392,7 @@ def check_fp8_checkpoints_on_mesh(path: str) -> None:
         model = from_pretrained(fp8_path, dtype="float32", mesh=mesh, expert_parallel=expert_parallel)
         np.testing.assert_allclose(_logits(model, tokens), expected, rtol=1e-5, atol=1e-5 * np.abs(expected).max())
     experts = model.layers[1].mlp.gate_proj                             # FP8 [8, 64, 32], blocks of 8 x 8
-    assert experts.kernel.get_value().addressable_shards[0].data.shape == (4, 64, 32)
+    assert experts.kernel.get_value().addressable_shards[0].data.shape == (4, 32, 64)    # kept [E, out, in]
     assert experts.scale.get_value().addressable_shards[0].data.shape == (4, 8, 4)
     assert model.layers[1].attn.o_proj.scale.get_value().sharding.is_fully_replicated
 
