@@ -7,11 +7,13 @@ unwritten). A program computes one ``BLOCK_M x BLOCK_N`` tile of one block, so o
 that some row uses have their weights read (a decode batch that touches 6 of 64 experts reads 6),
 and at large batches each expert's tile is reused across its blocks from L2. With ``swiglu`` the
 kernel takes two weight stacks (gate, up) and writes ``silu(rows @ gate) * (rows @ up)``: the
-rows are read once for both. FP8 weights are read as FP8 and converted to the rows' dtype for the
-dot (weight-only FP8); scales per expert or output channel multiply the accumulated product once,
-block scales each tile's product per column where a scale block is at least a tile deep, else
-every weight before the dot.
-The launch configuration is ``default_tiles``.
+rows are read once for both. FP8 weights are read as FP8; with rows in the model's dtype they are
+converted to it for the dot (weight-only FP8), with FP8 rows (``quantize_rows``, one scale per
+row) FP8 meets FP8 on the tensor cores. Scales per row, expert or output channel multiply the
+accumulated product once; block scales each tile's product per column where a scale block is at
+least a tile deep, else every weight before the dot. Weights come ``[E, K, N]`` or, each
+expert's kernel transposed, ``[E, N, K]`` (``weight_layout="enk"``: K contiguous, the layout an
+FP8 dot reads). The launch configuration is ``default_tiles``.
 """
 
 from __future__ import annotations
@@ -55,7 +57,8 @@ def grouped_gemm_kernel(rows_ptr, row_scale_ptr, block_expert_ptr, w_ptr, w2_ptr
                         W_NK: tl.constexpr, DOT_F32: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                         BLOCK_K: tl.constexpr):
     """``out[block] = rows[block] @ w[e]`` (``SWIGLU``: ``silu(rows @ w[e]) * (rows @ w2[e])``),
-    ``e = block_expert[block]``; ``w, w2: [E, K, N]``, ``rows: [R, K]``, ``out: [R, N]``. With
+    ``e = block_expert[block]``; ``w, w2: [E, K, N]`` (``W_NK``: ``[E, N, K]``), ``rows: [R, K]``,
+    ``out: [R, N]``; ``ROW_SCALED``: FP8 rows, each times its ``row_scale [R]``. With
     ``SCALED``, ``w`` and ``w2`` are FP8 with scales ``s, s2: [E, SCALE_ROWS, SCALE_COLS]`` (one per
     block of ``BI`` rows and ``BO`` columns). Scales that vary along K (``K_SCALES``) scale each
     tile's dot per column with ``TILE_SCALES`` (each ``BLOCK_K`` rows of a tile share their
@@ -132,7 +135,10 @@ def grouped_gemm(rows: jax.Array, block_expert: jax.Array, weights: jax.Array, u
     experts given by ``block_expert int32[R / block_m]`` (-1: a block no group uses, its output
     rows unwritten). ``R`` must be a multiple of ``block_m`` (>= 16, a power of two). FP8 weights
     come with float32 ``scale`` (and ``up_scale``) ``[E, ceil(K / bi), ceil(N / bo)]``,
-    ``scale_block = (bi, bo)``: dequantized in the kernel, so the weights are read as FP8.
+    ``scale_block = (bi, bo)``: dequantized in the kernel, so the weights are read as FP8. FP8
+    ``rows`` come with ``row_scale float32[R]`` (``quantize_rows``; FP8 weights with scales
+    constant along K only) and give ``out_dtype`` (default: the rows' dtype).
+    ``weight_layout``: "ekn" (weights ``[E, K, N]``) or "enk" (``[E, N, K]``).
     ``tiles``: the launch configuration (default: ``default_tiles``)."""
     from jaxattn.kernels.triton_call import triton_call
 
@@ -154,11 +160,11 @@ def grouped_gemm(rows: jax.Array, block_expert: jax.Array, weights: jax.Array, u
                              f"{scale.shape}")
     elif weights.dtype != rows.dtype:
         raise ValueError(f"grouped_gemm: weights of {weights.dtype} need a scale (rows are {rows.dtype})")
-    if row_scale is not None and (row_scale.shape != (num_rows,) or rows.dtype != weights.dtype or
-                                  -(-k // bi) > 1):
-        raise ValueError(f"grouped_gemm: row_scale must be [{num_rows}] for rows in the weights' dtype "
-                         f"({weights.dtype}) with scales constant along K, got {row_scale.shape} for {rows.dtype} rows "
-                         f"and scale blocks {scale_block}")
+    if row_scale is not None and (row_scale.shape != (num_rows,) or rows.dtype != weights.dtype or scale is None
+                                  or -(-k // bi) > 1):
+        raise ValueError(f"grouped_gemm: row_scale must be [{num_rows}], for FP8 rows times FP8 weights whose scales "
+                         f"are constant along K; got {row_scale.shape} for {rows.dtype} rows, {weights.dtype} weights, "
+                         f"scale blocks {scale_block if scale is not None else None}")
     # unscaled: the weights stand in for the scale pointers, which the kernel then never reads
     scales = (weights, weights) if scale is None else (scale, scale if up_scale is None else up_scale)
     scale_rows, scale_cols = (1, 1) if scale is None else scale.shape[1:]

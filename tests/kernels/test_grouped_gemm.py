@@ -111,7 +111,7 @@ def test_misshapen_blocks_are_named():
         grouped_gemm(rows, blocks, jnp.zeros((2, 8, 4)), block_m=16, weight_layout="kn")
     with pytest.raises(ValueError, match=r"must be \[E, N, K\] with K = 8"):
         grouped_gemm(rows, blocks, jnp.zeros((2, 8, 4)), block_m=16, weight_layout="enk")
-    with pytest.raises(ValueError, match="row_scale must be \\[32\\] for rows in the weights' dtype"):
+    with pytest.raises(ValueError, match="row_scale must be \\[32\\], for FP8 rows times FP8 weights"):
         grouped_gemm(rows, blocks, fp8, block_m=16, scale=jnp.ones((2, 1, 4)), scale_block=(8, 1),
                      row_scale=jnp.ones((32,)))
     for tiles in (Tiles(block_n=24), Tiles(block_k=8), Tiles(num_warps=0)):
