@@ -50,15 +50,17 @@ def default_tiles(scale_depth: int | None = None) -> Tiles:
 
 
 @triton.jit
-def grouped_gemm_kernel(rows_ptr, row_scale_ptr, block_expert_ptr, w_ptr, w2_ptr, s_ptr, s2_ptr, out_ptr,
+def grouped_gemm_kernel(rows_ptr, row_scale_ptr, row_index_ptr, block_expert_ptr, w_ptr, w2_ptr, s_ptr, s2_ptr,
+                        out_ptr, T: tl.constexpr, GATHER: tl.constexpr,
                         N: tl.constexpr, K: tl.constexpr, SWIGLU: tl.constexpr, SCALED: tl.constexpr,
                         ROW_SCALED: tl.constexpr, K_SCALES: tl.constexpr, TILE_SCALES: tl.constexpr,
                         SCALE_ROWS: tl.constexpr, SCALE_COLS: tl.constexpr, BI: tl.constexpr, BO: tl.constexpr,
                         W_NK: tl.constexpr, DOT_F32: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                         BLOCK_K: tl.constexpr):
     """``out[block] = rows[block] @ w[e]`` (``SWIGLU``: ``silu(rows @ w[e]) * (rows @ w2[e])``),
-    ``e = block_expert[block]``; ``w, w2: [E, K, N]`` (``W_NK``: ``[E, N, K]``), ``rows: [R, K]``,
-    ``out: [R, N]``; ``ROW_SCALED``: FP8 rows, each times its ``row_scale [R]``. With
+    ``e = block_expert[block]``; ``w, w2: [E, K, N]`` (``W_NK``: ``[E, N, K]``), ``rows: [R, K]``
+    (``GATHER``: ``[T, K]``, block row r being ``rows[row_index[r]]``, a zero row where that is not
+    in ``0 .. T-1``), ``out: [R, N]``; ``ROW_SCALED``: FP8 rows, each times its ``row_scale``. With
     ``SCALED``, ``w`` and ``w2`` are FP8 with scales ``s, s2: [E, SCALE_ROWS, SCALE_COLS]`` (one per
     block of ``BI`` rows and ``BO`` columns). Scales that vary along K (``K_SCALES``) scale each
     tile's dot per column with ``TILE_SCALES`` (each ``BLOCK_K`` rows of a tile share their
@@ -70,7 +72,14 @@ def grouped_gemm_kernel(rows_ptr, row_scale_ptr, block_expert_ptr, w_ptr, w2_ptr
         offs_m = (block * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
         offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         offs_k = tl.arange(0, BLOCK_K)
-        a_ptrs = rows_ptr + offs_m[:, None] * K + offs_k[None, :]
+        if GATHER:
+            source = tl.load(row_index_ptr + offs_m)
+            m_in = (source >= 0) & (source < T)
+            source = tl.where(m_in, source, 0).to(tl.int64)
+        else:
+            source = offs_m
+            m_in = offs_m >= 0
+        a_ptrs = rows_ptr + source[:, None] * K + offs_k[None, :]
         if W_NK:
             w_offsets = expert.to(tl.int64) * K * N + offs_n[None, :] * K + offs_k[:, None]
             w_step = BLOCK_K
@@ -84,7 +93,7 @@ def grouped_gemm_kernel(rows_ptr, row_scale_ptr, block_expert_ptr, w_ptr, w2_ptr
         for k0 in range(0, K, BLOCK_K):
             k_in = (k0 + offs_k) < K
             w_mask = k_in[:, None] & n_in[None, :]
-            a = tl.load(a_ptrs, mask=k_in[None, :], other=0.0)
+            a = tl.load(a_ptrs, mask=m_in[:, None] & k_in[None, :], other=0.0)
             acc = _tile_dot(a, w_ptr + w_offsets, w_mask, s_ptr, s_base, k0, offs_k, n_in, acc, K_SCALES,
                             TILE_SCALES, SCALE_COLS, BI, DOT_F32)
             if SWIGLU:
@@ -98,7 +107,7 @@ def grouped_gemm_kernel(rows_ptr, row_scale_ptr, block_expert_ptr, w_ptr, w2_ptr
                 if SWIGLU:
                     acc2 = acc2 * tl.load(s2_ptr + s_base, mask=n_in, other=0.0)[None, :]
         if ROW_SCALED:
-            row_scale = tl.load(row_scale_ptr + offs_m)[:, None]
+            row_scale = tl.load(row_scale_ptr + source, mask=m_in, other=0.0)[:, None]
             acc = acc * row_scale
             if SWIGLU:
                 acc2 = acc2 * row_scale
@@ -129,7 +138,8 @@ def _tile_dot(a, w_ptrs, w_mask, s_ptr, s_base, k0, offs_k, n_in, acc, K_SCALES:
 def grouped_gemm(rows: jax.Array, block_expert: jax.Array, weights: jax.Array, up: jax.Array | None = None, *,
                  block_m: int, scale: jax.Array | None = None, up_scale: jax.Array | None = None,
                  scale_block: tuple[int, int] = (1, 1), row_scale: jax.Array | None = None,
-                 weight_layout: str = "ekn", out_dtype=None, tiles: Tiles | None = None) -> jax.Array:
+                 row_index: jax.Array | None = None, weight_layout: str = "ekn", out_dtype=None,
+                 tiles: Tiles | None = None) -> jax.Array:
     """``[R, N]``: each ``block_m``-row block of ``rows [R, K]`` times its expert's ``weights
     [E, K, N]`` (with ``up``: ``silu(rows @ weights) * (rows @ up)``, SwiGLU's gate and up), the
     experts given by ``block_expert int32[R / block_m]`` (-1: a block no group uses, its output
@@ -138,11 +148,17 @@ def grouped_gemm(rows: jax.Array, block_expert: jax.Array, weights: jax.Array, u
     ``scale_block = (bi, bo)``: dequantized in the kernel, so the weights are read as FP8. FP8
     ``rows`` come with ``row_scale float32[R]`` (``quantize_rows``; FP8 weights with scales
     constant along K only) and give ``out_dtype`` (default: the rows' dtype).
-    ``weight_layout``: "ekn" (weights ``[E, K, N]``) or "enk" (``[E, N, K]``).
+    ``weight_layout``: "ekn" (weights ``[E, K, N]``) or "enk" (``[E, N, K]``). With ``row_index
+    int32[R]``, ``rows [T, K]`` are gathered: block row r is ``rows[row_index[r]]`` (a zero row
+    where the index is outside ``0 .. T-1``), ``row_scale`` is per row of ``rows``, and the output
+    has the ``R`` block rows (the grouped copies never exist in memory).
     ``tiles``: the launch configuration (default: ``default_tiles``)."""
     from jaxattn.kernels.triton_call import triton_call
 
-    num_rows, k = rows.shape
+    num_sources, k = rows.shape
+    num_rows = num_sources if row_index is None else row_index.shape[0]
+    if row_index is not None and (row_index.ndim != 1 or not jnp.issubdtype(row_index.dtype, jnp.integer)):
+        raise ValueError(f"grouped_gemm: row_index must be int32[R], got {row_index.dtype}{list(row_index.shape)}")
     if num_rows % block_m or block_expert.shape != (num_rows // block_m,):
         raise ValueError(f"grouped_gemm: rows {rows.shape} must be {block_expert.shape[0]} blocks of {block_m} rows")
     if weight_layout not in ("ekn", "enk"):
@@ -160,11 +176,11 @@ def grouped_gemm(rows: jax.Array, block_expert: jax.Array, weights: jax.Array, u
                              f"{scale.shape}")
     elif weights.dtype != rows.dtype:
         raise ValueError(f"grouped_gemm: weights of {weights.dtype} need a scale (rows are {rows.dtype})")
-    if row_scale is not None and (row_scale.shape != (num_rows,) or rows.dtype != weights.dtype or scale is None
+    if row_scale is not None and (row_scale.shape != (num_sources,) or rows.dtype != weights.dtype or scale is None
                                   or -(-k // bi) > 1):
-        raise ValueError(f"grouped_gemm: row_scale must be [{num_rows}], for FP8 rows times FP8 weights whose scales "
-                         f"are constant along K; got {row_scale.shape} for {rows.dtype} rows, {weights.dtype} weights, "
-                         f"scale blocks {scale_block if scale is not None else None}")
+        raise ValueError(f"grouped_gemm: row_scale must be [{num_sources}], for FP8 rows times FP8 weights whose "
+                         f"scales are constant along K; got {row_scale.shape} for {rows.dtype} rows, "
+                         f"{weights.dtype} weights, scale blocks {scale_block if scale is not None else None}")
     # unscaled: the weights stand in for the scale pointers, which the kernel then never reads
     scales = (weights, weights) if scale is None else (scale, scale if up_scale is None else up_scale)
     scale_rows, scale_cols = (1, 1) if scale is None else scale.shape[1:]
@@ -175,12 +191,15 @@ def grouped_gemm(rows: jax.Array, block_expert: jax.Array, weights: jax.Array, u
         raise ValueError(f"grouped_gemm: tiles need block_n and block_k powers of two >= 16 and positive warps and "
                          f"stages, got {tiles}")
     tile_scales = bi % tiles.block_k == 0           # read only for scales that vary along K
+    # operands a configuration does not read stand in for their pointers (unscaled rows, no gather)
     (out,) = triton_call(
-        rows, rows if row_scale is None else row_scale, block_expert.astype(jnp.int32), weights,
-        weights if up is None else up, *scales,
+        rows, rows if row_scale is None else row_scale,
+        block_expert if row_index is None else row_index.astype(jnp.int32), block_expert.astype(jnp.int32),
+        weights, weights if up is None else up, *scales,
         kernel=grouped_gemm_kernel, out_shape=[jax.ShapeDtypeStruct((num_rows, n), out_dtype or rows.dtype)],
         grid=(num_rows // block_m, triton.cdiv(n, tiles.block_n)), num_warps=tiles.num_warps,
-        num_stages=tiles.num_stages, N=n, K=k, SWIGLU=up is not None, SCALED=scale is not None,
+        num_stages=tiles.num_stages, T=num_sources, GATHER=row_index is not None, N=n, K=k,
+        SWIGLU=up is not None, SCALED=scale is not None,
         ROW_SCALED=row_scale is not None, K_SCALES=scale_rows > 1, TILE_SCALES=tile_scales, SCALE_ROWS=scale_rows,
         SCALE_COLS=scale_cols, BI=bi, BO=bo, W_NK=w_nk, DOT_F32=jax.default_backend() == "cpu", BLOCK_M=block_m,
         BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k)

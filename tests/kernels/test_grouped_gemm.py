@@ -95,6 +95,37 @@ def test_fp8_rows_are_scaled_per_row(on_platform, layout):
     assert rel_error(out[:used], g / (1 + np.exp(-g)) * u) < 0.1      # e4m3 rows: 3 mantissa bits
 
 
+@pytest.mark.parametrize("fp8", [False, True])
+def test_gathered_rows_are_their_tokens(on_platform, fp8):
+    """With ``row_index`` each block row is its token's row of ``rows [T, K]`` (a token may fill
+    several rows, ``row_scale`` is per token); indices outside ``0 .. T-1`` (padding, or bad data)
+    give zero rows and read nothing outside ``rows``."""
+    rng = np.random.default_rng()
+    block_m, tokens, k, n = 16, 20, 64, 48
+    block_expert = np.array([1, 0, -1], np.int32)
+    row_index = rng.integers(0, tokens, size=block_expert.size * block_m).astype(np.int32)
+    row_index[[3, 17, 20]] = [-1, tokens, 1 << 30]
+    x = rng.normal(size=(tokens, k)).astype(np.float32)
+    weights = rng.normal(size=(2, k, n)).astype(np.float32) / np.sqrt(k)
+    kwargs = dict(block_m=block_m, row_index=jnp.asarray(row_index))
+    if fp8:
+        rows, row_scale = quantize_rows(jnp.asarray(x))
+        x = np.asarray(rows, np.float32) * np.asarray(row_scale)[:, None]
+        stack = jnp.asarray(weights * 8, jnp.float8_e4m3fn)
+        weights = np.asarray(stack, np.float32) / 8
+        kwargs.update(row_scale=row_scale, scale=jnp.full((2, 1, n), 1 / 8, jnp.float32), scale_block=(k, 1),
+                      out_dtype=jnp.float32)
+    else:
+        rows, stack = jnp.asarray(x), jnp.asarray(weights)
+    out = jax.jit(functools.partial(grouped_gemm, **kwargs))(rows, jnp.asarray(block_expert), stack)
+    assert out.shape == (row_index.size, n)
+    used = 2 * block_m
+    gathered = np.where(((row_index >= 0) & (row_index < tokens))[:, None], x[np.clip(row_index, 0, tokens - 1)], 0)
+    want = np.einsum("rk,rkn->rn", gathered[:used], weights[np.repeat(block_expert[:2], block_m)])
+    assert rel_error(out[:used], want) < (1e-5 if on_platform == "cpu" else 1e-2)     # GPU float32 dots: TF32
+    assert not np.asarray(out[:used])[[3, 17, 20]].any()
+
+
 def test_misshapen_blocks_are_named():
     with pytest.raises(ValueError, match="blocks of 16 rows"):
         grouped_gemm(jnp.zeros((40, 8)), jnp.zeros((3,), jnp.int32), jnp.zeros((2, 8, 4)), block_m=16)
@@ -114,6 +145,10 @@ def test_misshapen_blocks_are_named():
     with pytest.raises(ValueError, match="row_scale must be \\[32\\], for FP8 rows times FP8 weights"):
         grouped_gemm(rows, blocks, fp8, block_m=16, scale=jnp.ones((2, 1, 4)), scale_block=(8, 1),
                      row_scale=jnp.ones((32,)))
+    with pytest.raises(ValueError, match=r"row_index must be int32\[R\], got float32\[32\]"):
+        grouped_gemm(rows, blocks, jnp.zeros((2, 8, 4)), block_m=16, row_index=jnp.zeros((32,)))
+    with pytest.raises(ValueError, match="blocks of 16 rows"):
+        grouped_gemm(rows, blocks, jnp.zeros((2, 8, 4)), block_m=16, row_index=jnp.zeros((40,), jnp.int32))
     for tiles in (Tiles(block_n=24), Tiles(block_k=8), Tiles(num_warps=0)):
         with pytest.raises(ValueError, match="grouped_gemm: tiles need block_n and block_k powers of two >= 16"):
             grouped_gemm(rows, blocks, jnp.zeros((2, 8, 4)), block_m=16, tiles=tiles)

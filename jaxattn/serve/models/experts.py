@@ -209,21 +209,16 @@ def _triton(x, weights, chosen, gate_proj, up_proj, down_proj, first):
     padded = -(-counts[:experts] // block_m) * block_m
     ends = jnp.cumsum(padded)
     place = jnp.where(here, (ends - padded)[jnp.minimum(group, experts - 1)] + rank, blocks * block_m)
-
-    def grouped(values: jax.Array) -> jax.Array:
-        """``[blocks * block_m, ...]``: each token's ``values`` at its copies' places (0 elsewhere)."""
-        rows = jnp.zeros((blocks * block_m, *values.shape[1:]), values.dtype)
-        return rows.at[place].set(jnp.repeat(values, k, axis=0), mode="drop")
-
+    # each block row's token (-1: padding); the kernel gathers the rows, so the copies are never written
+    token = jnp.full((blocks * block_m,), -1, jnp.int32).at[place].set(jnp.arange(tokens * k) // k, mode="drop")
     block_expert = jnp.searchsorted(ends, jnp.arange(blocks) * block_m, side="right", method="scan_unrolled")
     block_expert = jnp.where(block_expert < experts, block_expert, -1).astype(jnp.int32)
     stacks, scales = _operands(gate_proj, up_proj)
-    if fp8_rows(gate_proj):        # quantized per token before the copies are made (they share its scale)
-        values, row_scale = quantize_rows(x)
-        scales.update(row_scale=grouped(row_scale), out_dtype=x.dtype)
-        hidden = grouped_gemm(grouped(values), block_expert, *stacks, block_m=block_m, **scales)
-    else:
-        hidden = grouped_gemm(grouped(x), block_expert, *stacks, block_m=block_m, **scales)
+    rows = x
+    if fp8_rows(gate_proj):        # each token quantized once, its copies sharing its scale
+        rows, row_scale = quantize_rows(x)
+        scales.update(row_scale=row_scale, out_dtype=x.dtype)
+    hidden = grouped_gemm(rows, block_expert, *stacks, block_m=block_m, row_index=token, **scales)
     stacks, scales = _operands(down_proj)
     if fp8_rows(down_proj):
         hidden, row_scale = quantize_rows(hidden)
