@@ -53,14 +53,16 @@ def default_tiles(scale_depth: int | None = None) -> Tiles:
 def grouped_gemm_kernel(rows_ptr, row_scale_ptr, row_index_ptr, block_expert_ptr, w_ptr, w2_ptr, s_ptr, s2_ptr,
                         out_ptr, T: tl.constexpr, GATHER: tl.constexpr,
                         N: tl.constexpr, K: tl.constexpr, SWIGLU: tl.constexpr, SCALED: tl.constexpr,
-                        ROW_SCALED: tl.constexpr, K_SCALES: tl.constexpr, TILE_SCALES: tl.constexpr,
+                        ROW_SCALED: tl.constexpr, ROW_GROUPS: tl.constexpr, K_SCALES: tl.constexpr,
+                        TILE_SCALES: tl.constexpr,
                         SCALE_ROWS: tl.constexpr, SCALE_COLS: tl.constexpr, BI: tl.constexpr, BO: tl.constexpr,
                         W_NK: tl.constexpr, DOT_F32: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                         BLOCK_K: tl.constexpr):
     """``out[block] = rows[block] @ w[e]`` (``SWIGLU``: ``silu(rows @ w[e]) * (rows @ w2[e])``),
     ``e = block_expert[block]``; ``w, w2: [E, K, N]`` (``W_NK``: ``[E, N, K]``), ``rows: [R, K]``
     (``GATHER``: ``[T, K]``, block row r being ``rows[row_index[r]]``, a zero row where that is not
-    in ``0 .. T-1``), ``out: [R, N]``; ``ROW_SCALED``: FP8 rows, each times its ``row_scale``. With
+    in ``0 .. T-1``), ``out: [R, N]``; ``ROW_SCALED``: FP8 rows, each times its ``row_scale``
+    (``[rows, ROW_GROUPS]``: one per row, or one per ``BI`` columns of a row with block scales). With
     ``SCALED``, ``w`` and ``w2`` are FP8 with scales ``s, s2: [E, SCALE_ROWS, SCALE_COLS]`` (one per
     block of ``BI`` rows and ``BO`` columns). Scales that vary along K (``K_SCALES``) scale each
     tile's dot per column with ``TILE_SCALES`` (each ``BLOCK_K`` rows of a tile share their
@@ -94,11 +96,15 @@ def grouped_gemm_kernel(rows_ptr, row_scale_ptr, row_index_ptr, block_expert_ptr
             k_in = (k0 + offs_k) < K
             w_mask = k_in[:, None] & n_in[None, :]
             a = tl.load(a_ptrs, mask=m_in[:, None] & k_in[None, :], other=0.0)
-            acc = _tile_dot(a, w_ptr + w_offsets, w_mask, s_ptr, s_base, k0, offs_k, n_in, acc, K_SCALES,
+            if ROW_SCALED and K_SCALES:      # the rows' scales of this tile's columns (a block of BI)
+                a_scale = tl.load(row_scale_ptr + source * ROW_GROUPS + k0 // BI, mask=m_in, other=0.0)[:, None]
+            else:
+                a_scale = 1.0
+            acc = _tile_dot(a, a_scale, w_ptr + w_offsets, w_mask, s_ptr, s_base, k0, offs_k, n_in, acc, K_SCALES,
                             TILE_SCALES, SCALE_COLS, BI, DOT_F32)
             if SWIGLU:
-                acc2 = _tile_dot(a, w2_ptr + w_offsets, w_mask, s2_ptr, s_base, k0, offs_k, n_in, acc2, K_SCALES,
-                                 TILE_SCALES, SCALE_COLS, BI, DOT_F32)
+                acc2 = _tile_dot(a, a_scale, w2_ptr + w_offsets, w_mask, s2_ptr, s_base, k0, offs_k, n_in, acc2,
+                                 K_SCALES, TILE_SCALES, SCALE_COLS, BI, DOT_F32)
             a_ptrs += BLOCK_K
             w_offsets += w_step
         if SCALED:
@@ -106,7 +112,7 @@ def grouped_gemm_kernel(rows_ptr, row_scale_ptr, row_index_ptr, block_expert_ptr
                 acc = acc * tl.load(s_ptr + s_base, mask=n_in, other=0.0)[None, :]
                 if SWIGLU:
                     acc2 = acc2 * tl.load(s2_ptr + s_base, mask=n_in, other=0.0)[None, :]
-        if ROW_SCALED:
+        if ROW_SCALED and not K_SCALES:
             row_scale = tl.load(row_scale_ptr + source, mask=m_in, other=0.0)[:, None]
             acc = acc * row_scale
             if SWIGLU:
@@ -118,10 +124,11 @@ def grouped_gemm_kernel(rows_ptr, row_scale_ptr, row_index_ptr, block_expert_ptr
 
 
 @triton.jit
-def _tile_dot(a, w_ptrs, w_mask, s_ptr, s_base, k0, offs_k, n_in, acc, K_SCALES: tl.constexpr,
+def _tile_dot(a, a_scale, w_ptrs, w_mask, s_ptr, s_base, k0, offs_k, n_in, acc, K_SCALES: tl.constexpr,
               TILE_SCALES: tl.constexpr, SCALE_COLS: tl.constexpr, BI: tl.constexpr, DOT_F32: tl.constexpr):
     """``acc + a @ w`` over the ``BLOCK_K x BLOCK_N`` weight tile at rows ``k0 + offs_k`` (columns
-    ``n_in`` inside N), FP8 weights times their scales where these vary along K (``K_SCALES``)."""
+    ``n_in`` inside N), FP8 weights times their scales where these vary along K (``K_SCALES``;
+    with ``TILE_SCALES`` the tile's product, also times the rows' scales ``a_scale [BLOCK_M, 1]``)."""
     b = tl.load(w_ptrs, mask=w_mask, other=0.0)
     if K_SCALES and not TILE_SCALES:
         b = b.to(tl.float32) * tl.load(s_ptr + s_base[None, :] + ((k0 + offs_k) // BI)[:, None] * SCALE_COLS,
@@ -131,7 +138,8 @@ def _tile_dot(a, w_ptrs, w_mask, s_ptr, s_base, k0, offs_k, n_in, acc, K_SCALES:
         a = a.to(tl.float32)
         b = b.to(tl.float32)
     if K_SCALES and TILE_SCALES:
-        return acc + tl.dot(a, b) * tl.load(s_ptr + s_base + (k0 // BI) * SCALE_COLS, mask=n_in, other=0.0)[None, :]
+        w_scale = tl.load(s_ptr + s_base + (k0 // BI) * SCALE_COLS, mask=n_in, other=0.0)[None, :]
+        return acc + tl.dot(a, b) * (a_scale * w_scale)
     return tl.dot(a, b, acc)
 
 
@@ -176,11 +184,6 @@ def grouped_gemm(rows: jax.Array, block_expert: jax.Array, weights: jax.Array, u
                              f"{scale.shape}")
     elif weights.dtype != rows.dtype:
         raise ValueError(f"grouped_gemm: weights of {weights.dtype} need a scale (rows are {rows.dtype})")
-    if row_scale is not None and (row_scale.shape != (num_sources,) or rows.dtype != weights.dtype or scale is None
-                                  or -(-k // bi) > 1):
-        raise ValueError(f"grouped_gemm: row_scale must be [{num_sources}], for FP8 rows times FP8 weights whose "
-                         f"scales are constant along K; got {row_scale.shape} for {rows.dtype} rows, "
-                         f"{weights.dtype} weights, scale blocks {scale_block if scale is not None else None}")
     # unscaled: the weights stand in for the scale pointers, which the kernel then never reads
     scales = (weights, weights) if scale is None else (scale, scale if up_scale is None else up_scale)
     scale_rows, scale_cols = (1, 1) if scale is None else scale.shape[1:]
@@ -191,6 +194,13 @@ def grouped_gemm(rows: jax.Array, block_expert: jax.Array, weights: jax.Array, u
         raise ValueError(f"grouped_gemm: tiles need block_n and block_k powers of two >= 16 and positive warps and "
                          f"stages, got {tiles}")
     tile_scales = bi % tiles.block_k == 0           # read only for scales that vary along K
+    if row_scale is not None:
+        group = fp8_row_group(k, scale_block, tiles) if scale is not None and rows.dtype == weights.dtype else None
+        if group is None or row_scale.shape != (num_sources, -(-k // group)):
+            raise ValueError(f"grouped_gemm: row_scale must be [{num_sources}, K / group] for FP8 rows times FP8 "
+                             f"weights whose scales are constant along K (group K) or blocks whole tiles deep (group "
+                             f"bi); got {row_scale.shape} for {rows.dtype} rows, {weights.dtype} weights, scale "
+                             f"blocks {scale_block if scale is not None else None}, tiles {tuple(tiles)}")
     # operands a configuration does not read stand in for their pointers (unscaled rows, no gather)
     (out,) = triton_call(
         rows, rows if row_scale is None else row_scale,
@@ -200,15 +210,34 @@ def grouped_gemm(rows: jax.Array, block_expert: jax.Array, weights: jax.Array, u
         grid=(num_rows // block_m, triton.cdiv(n, tiles.block_n)), num_warps=tiles.num_warps,
         num_stages=tiles.num_stages, T=num_sources, GATHER=row_index is not None, N=n, K=k,
         SWIGLU=up is not None, SCALED=scale is not None,
-        ROW_SCALED=row_scale is not None, K_SCALES=scale_rows > 1, TILE_SCALES=tile_scales, SCALE_ROWS=scale_rows,
+        ROW_SCALED=row_scale is not None, ROW_GROUPS=1 if row_scale is None else row_scale.shape[1],
+        K_SCALES=scale_rows > 1, TILE_SCALES=tile_scales, SCALE_ROWS=scale_rows,
         SCALE_COLS=scale_cols, BI=bi, BO=bo, W_NK=w_nk, DOT_F32=jax.default_backend() == "cpu", BLOCK_M=block_m,
         BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k)
     return out
 
 
-def quantize_rows(rows: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """``(float8_e4m3fn [R, K], float32 scales [R])`` of ``rows [R, K]``: each row over its largest
-    magnitude / 448 (1 for a zero row), the FP8 activations of a ``row_scale``d ``grouped_gemm``."""
-    amax = jnp.max(jnp.abs(rows.astype(jnp.float32)), axis=1)
+def fp8_row_group(k: int, scale_block: tuple[int, int], tiles: Tiles | None = None) -> int | None:
+    """The columns each scale of FP8 rows covers against FP8 weights ``[E, K, N]`` of ``scale_block =
+    (bi, bo)``: all K where the weights' scales are constant along K (one scale per row), ``bi`` where
+    a block is a whole number of ``tiles`` deep (default ``default_tiles(bi)``: each tile's product
+    is scaled by its rows' and columns' scales, DeepSeek-V3's 128 x 128 blocks with vLLM's 1 x 128
+    groups of activations), else None (FP8 rows not taken)."""
+    bi = scale_block[0]
+    if bi >= k:
+        return k
+    return bi if bi % (tiles or default_tiles(bi)).block_k == 0 else None
+
+
+def quantize_rows(rows: jax.Array, group: int | None = None) -> tuple[jax.Array, jax.Array]:
+    """``(float8_e4m3fn [R, K], float32 scales [R, ceil(K / group)])`` of ``rows [R, K]``: each
+    ``group`` columns of a row (default: the whole row) over their largest magnitude / 448 (1 where
+    all are zero), the FP8 rows of a ``row_scale``d ``grouped_gemm`` (``fp8_row_group``)."""
+    num_rows, k = rows.shape
+    group = min(group or k, k)
+    groups = -(-k // group)
+    padded = jnp.pad(rows.astype(jnp.float32), ((0, 0), (0, groups * group - k))).reshape(num_rows, groups, group)
+    amax = jnp.max(jnp.abs(padded), axis=2)
     scale = jnp.where(amax > 0, amax / 448.0, 1.0)
-    return jnp.clip(rows / scale[:, None], -448.0, 448.0).astype(jnp.float8_e4m3fn), scale
+    values = jnp.clip(padded / scale[:, :, None], -448.0, 448.0).reshape(num_rows, -1)[:, :k]
+    return values.astype(jnp.float8_e4m3fn), scale

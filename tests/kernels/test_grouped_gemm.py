@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxattn.kernels.grouped_gemm import Tiles, default_tiles, grouped_gemm, quantize_rows
+from jaxattn.kernels.grouped_gemm import Tiles, default_tiles, fp8_row_group, grouped_gemm, quantize_rows
 from tests.paged_inputs import rel_error
 
 
@@ -71,6 +71,37 @@ def test_fp8_weights_are_scaled_in_the_kernel(on_platform, scale_block, tiles):
     g, u = (np.einsum("rk,rkn->rn", rows[:used], dequantized(w, s)[expert]) for w, s in ((gate, scale), (up, up_scale)))
     assert rel_error(out[:used], g / (1 + np.exp(-g)) * u) < (1e-5 if dtype == jnp.float32 else 2e-2)
 
+def test_fp8_row_groups_follow_the_weight_scales():
+    assert fp8_row_group(2048, (2048, 1)) == 2048                     # per channel: one scale per row
+    assert fp8_row_group(2048, (128, 128)) == 128                     # DeepSeek-V3's blocks: 64-deep tiles
+    assert fp8_row_group(2048, (128, 128), Tiles(block_k=256)) is None
+    assert fp8_row_group(2048, (8, 8)) is None                        # shallower than any tile
+
+
+@pytest.mark.parametrize("scale_block", [(16, 8), (32, 72)])
+def test_fp8_rows_in_groups_meet_block_scales(on_platform, scale_block):
+    """FP8 rows with one scale per ``bi`` columns (``quantize_rows(rows, bi)``) against block-scaled
+    FP8 weights: each tile's product times its rows' and columns' scales."""
+    rng = np.random.default_rng()
+    block_m, k, n = 16, 96, 72
+    bi, bo = scale_block
+    block_expert = np.array([1, 0, -1], np.int32)
+    rows = rng.normal(size=(block_expert.size * block_m, k)).astype(np.float32)
+    weights = np.asarray(jnp.asarray(rng.normal(size=(2, k, n)) * 8, jnp.float8_e4m3fn), np.float32)
+    scale = rng.uniform(0.5, 2.0, size=(2, -(-k // bi), -(-n // bo))).astype(np.float32) / 8
+    fp8_rows, row_scale = quantize_rows(jnp.asarray(rows), fp8_row_group(k, scale_block))
+    assert row_scale.shape == (rows.shape[0], k // bi)
+    out = jax.jit(functools.partial(grouped_gemm, block_m=block_m, scale_block=scale_block, weight_layout="enk",
+                                    out_dtype=jnp.float32))(
+        fp8_rows, jnp.asarray(block_expert), _laid_out(jnp.asarray(weights, jnp.float8_e4m3fn), "enk"),
+        scale=jnp.asarray(scale), row_scale=row_scale)
+    used = 2 * block_m
+    dequantized_rows = np.asarray(fp8_rows, np.float32) * np.repeat(np.asarray(row_scale), bi, axis=1)
+    dequantized = weights * np.repeat(np.repeat(scale, bi, axis=1), bo, axis=2)[:, :k, :n]
+    want = np.einsum("rk,rkn->rn", dequantized_rows[:used], dequantized[np.repeat(block_expert[:2], block_m)])
+    assert rel_error(out[:used], want) < (1e-5 if on_platform == "cpu" else 1e-3)
+
+
 @pytest.mark.parametrize("layout", ["ekn", "enk"])
 def test_fp8_rows_are_scaled_per_row(on_platform, layout):
     """FP8 activations (``quantize_rows``) times FP8 weights with per-channel scales: each output
@@ -79,7 +110,7 @@ def test_fp8_rows_are_scaled_per_row(on_platform, layout):
     block_m, k, n = 16, 96, 72
     block_expert = np.array([1, 0, 1, -1], np.int32)
     rows = rng.normal(size=(block_expert.size * block_m, k)).astype(np.float32) * rng.uniform(
-        0.01, 10.0, size=(block_expert.size * block_m, 1)).astype(np.float32)
+        0.05, 2.0, size=(block_expert.size * block_m, 1)).astype(np.float32)
     gate, up = (np.asarray(jnp.asarray(rng.normal(size=(2, k, n)) * 8, jnp.float8_e4m3fn)) for _ in range(2))
     scale, up_scale = (rng.uniform(0.5, 2.0, size=(2, 1, n)).astype(np.float32) / 8 for _ in range(2))
     fp8_rows, row_scale = quantize_rows(jnp.asarray(rows, jnp.bfloat16))
@@ -110,7 +141,7 @@ def test_gathered_rows_are_their_tokens(on_platform, fp8):
     kwargs = dict(block_m=block_m, row_index=jnp.asarray(row_index))
     if fp8:
         rows, row_scale = quantize_rows(jnp.asarray(x))
-        x = np.asarray(rows, np.float32) * np.asarray(row_scale)[:, None]
+        x = np.asarray(rows, np.float32) * np.asarray(row_scale)
         stack = jnp.asarray(weights * 8, jnp.float8_e4m3fn)
         weights = np.asarray(stack, np.float32) / 8
         kwargs.update(row_scale=row_scale, scale=jnp.full((2, 1, n), 1 / 8, jnp.float32), scale_block=(k, 1),
@@ -142,9 +173,12 @@ def test_misshapen_blocks_are_named():
         grouped_gemm(rows, blocks, jnp.zeros((2, 8, 4)), block_m=16, weight_layout="kn")
     with pytest.raises(ValueError, match=r"must be \[E, N, K\] with K = 8"):
         grouped_gemm(rows, blocks, jnp.zeros((2, 8, 4)), block_m=16, weight_layout="enk")
-    with pytest.raises(ValueError, match="row_scale must be \\[32\\], for FP8 rows times FP8 weights"):
-        grouped_gemm(rows, blocks, fp8, block_m=16, scale=jnp.ones((2, 1, 4)), scale_block=(8, 1),
-                     row_scale=jnp.ones((32,)))
+    with pytest.raises(ValueError, match="row_scale must be \\[32, K / group\\] for FP8 rows times FP8 weights"):
+        grouped_gemm(rows.astype(jnp.float8_e4m3fn), blocks, fp8, block_m=16, scale=jnp.ones((2, 1, 4)),
+                     scale_block=(8, 1), row_scale=jnp.ones((32,)))
+    with pytest.raises(ValueError, match="row_scale must be"):          # blocks shallower than a tile
+        grouped_gemm(rows.astype(jnp.float8_e4m3fn), blocks, fp8, block_m=16, scale=jnp.ones((2, 2, 1)),
+                     scale_block=(4, 4), row_scale=jnp.ones((32, 2)))
     with pytest.raises(ValueError, match=r"row_index must be int32\[R\], got float32\[32\]"):
         grouped_gemm(rows, blocks, jnp.zeros((2, 8, 4)), block_m=16, row_index=jnp.zeros((32,)))
     with pytest.raises(ValueError, match="blocks of 16 rows"):

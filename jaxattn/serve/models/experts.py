@@ -190,12 +190,18 @@ def num_blocks(tokens: int, experts: int, k: int, block_m: int) -> int:
     return -(-(tokens * k + min(experts, tokens * k) * (block_m - 1)) // block_m)
 
 
-def fp8_rows(stack: Stack) -> bool:
-    """Whether the Triton path multiplies ``stack`` with FP8 rows (each row over its own scale,
-    ``grouped_gemm.quantize_rows``) on FP8 tensor cores: an "enk" FP8 stack whose scales are
-    constant along the contraction (per expert or output channel); other stacks take the rows in
-    the model's dtype."""
-    return isinstance(stack, Fp8Stack) and stack.layout == "enk" and stack.block is None
+def fp8_row_group(stack: Stack) -> int | None:
+    """The columns each scale of the FP8 rows covers where the Triton path multiplies ``stack``
+    with FP8 rows on FP8 tensor cores (``grouped_gemm.quantize_rows``, ``fp8_row_group``): an
+    "enk" FP8 stack whose scales are constant along the contraction (per expert or output channel:
+    one scale per row) or blocks a whole number of kernel tiles deep (one per block of columns);
+    None for the other stacks, which take the rows in the model's dtype."""
+    from jaxattn.kernels import grouped_gemm
+
+    if not (isinstance(stack, Fp8Stack) and stack.layout == "enk"):
+        return None
+    _, bi, bo = stack.blocks()
+    return grouped_gemm.fp8_row_group(stack.shape[1], (bi, bo))
 
 
 def _triton(x, weights, chosen, gate_proj, up_proj, down_proj, first):
@@ -215,13 +221,13 @@ def _triton(x, weights, chosen, gate_proj, up_proj, down_proj, first):
     block_expert = jnp.where(block_expert < experts, block_expert, -1).astype(jnp.int32)
     stacks, scales = _operands(gate_proj, up_proj)
     rows = x
-    if fp8_rows(gate_proj):        # each token quantized once, its copies sharing its scale
-        rows, row_scale = quantize_rows(x)
+    if group := fp8_row_group(gate_proj):        # each token quantized once, its copies sharing its scales
+        rows, row_scale = quantize_rows(x, group)
         scales.update(row_scale=row_scale, out_dtype=x.dtype)
     hidden = grouped_gemm(rows, block_expert, *stacks, block_m=block_m, row_index=token, **scales)
     stacks, scales = _operands(down_proj)
-    if fp8_rows(down_proj):
-        hidden, row_scale = quantize_rows(hidden)
+    if group := fp8_row_group(down_proj):
+        hidden, row_scale = quantize_rows(hidden, group)
         scales.update(row_scale=row_scale, out_dtype=x.dtype)
     out = grouped_gemm(hidden, block_expert, *stacks, block_m=block_m, **scales)
     return _combine(out, place, here, weights)

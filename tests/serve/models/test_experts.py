@@ -28,24 +28,29 @@ def expert_weights(rng: np.random.Generator, num_experts: int, dim: int, hidden:
             for shape in ((num_experts, dim, hidden), (num_experts, dim, hidden), (num_experts, hidden, dim))]
 
 
-def fp8_rounded(row: np.ndarray) -> np.ndarray:
-    """``row`` through ``grouped_gemm.quantize_rows`` and back: FP8 values times the row's scale."""
-    values, scale = quantize_rows(jnp.asarray(row[None], jnp.float32))
-    return np.asarray(values, np.float64)[0] * float(scale[0])
+def fp8_rounded(row: np.ndarray, group: int) -> np.ndarray:
+    """``row`` through ``grouped_gemm.quantize_rows`` and back: FP8 values times their group's scale."""
+    values, scale = quantize_rows(jnp.asarray(row[None], jnp.float32), group)
+    return np.asarray(values, np.float64)[0] * np.repeat(np.asarray(scale[0]), group)[:row.size]
 
 
-def reference(x, weights, chosen, gate, up, down, first=0, fp8_rows=False) -> np.ndarray:
+def reference(x, weights, chosen, gate, up, down, first=0, fp8_groups=None) -> np.ndarray:
     """float64, one token copy at a time; copies for experts outside ``first .. first + E`` add
-    nothing; ``fp8_rows``: each GEMM's rows rounded to FP8 per row first (``fp8_rounded``)."""
+    nothing; ``fp8_groups``: the rows of the first and the second GEMM rounded to FP8 in groups of
+    that many columns first (``fp8_rounded``)."""
     x, gate, up, down = (np.asarray(a, np.float64) for a in (x, gate, up, down))
-    rounded = fp8_rounded if fp8_rows else (lambda row: row)
+    first_group, second_group = fp8_groups or (None, None)
+
+    def rounded(row, group):
+        return row if group is None else fp8_rounded(row, group)
+
     out = np.zeros_like(x)
     for t, j in np.ndindex(chosen.shape):
         e = chosen[t, j] - first
         if 0 <= e < gate.shape[0]:
-            row = rounded(x[t])
+            row = rounded(x[t], first_group)
             g = row @ gate[e]
-            out[t] += weights[t, j] * (rounded(g / (1 + np.exp(-g)) * (row @ up[e])) @ down[e])
+            out[t] += weights[t, j] * (rounded(g / (1 + np.exp(-g)) * (row @ up[e]), second_group) @ down[e])
     return out
 
 
@@ -70,7 +75,7 @@ def test_each_gemm_gives_the_routed_sum(gemm, case):
 
 @pytest.mark.parametrize("layout", ["ekn", "enk"])
 @pytest.mark.parametrize("gemm", experts.GEMMS)
-@pytest.mark.parametrize("block", [None, "tensor", (16, 32), (8, 8)])
+@pytest.mark.parametrize("block", [None, "tensor", (16, 32), (8, 8), (32, 16)])
 def test_fp8_stacks_compute_their_dequantized_experts(gemm, block, layout):
     """An ``Fp8Stack`` (per channel, per expert, or blocks of rows x columns; kernels stored as
     they are or transposed) gives what its dequantized float32 stack gives: the Triton kernel
@@ -94,10 +99,14 @@ def test_fp8_stacks_compute_their_dequantized_experts(gemm, block, layout):
     args = (jnp.asarray(x), jnp.asarray(weights), jnp.asarray(chosen))
     out = jax.jit(functools.partial(experts.routed_experts, gemm=gemm))(*args, *stacks)
     dequantized = [s.dequantize(jnp.float32) for s in stacks]
-    # the Triton path multiplies "enk" stacks scaled per expert or channel with FP8 rows
-    fp8_rows = gemm == "triton" and experts.fp8_rows(stacks[0])
-    assert fp8_rows == (gemm == "triton" and layout == "enk" and block in (None, "tensor"))
-    assert rel_error(out, reference(x, weights, chosen, *dequantized, fp8_rows=fp8_rows)) < (1e-3 if fp8_rows else 1e-5)
+    # the Triton path multiplies "enk" stacks scaled per expert or channel, or in blocks whole tiles
+    # deep (16 rows here: default_tiles makes its tiles 16 deep, 32 rows: 32), with FP8 rows
+    groups = (experts.fp8_row_group(stacks[0]), experts.fp8_row_group(stacks[2]))
+    expected = {None: (64, 48), "tensor": (64, 48), (16, 32): (16, 16), (32, 16): (32, 32), (8, 8): (None, None)}
+    assert groups == (expected[block] if layout == "enk" else (None, None))
+    fp8_groups = groups if gemm == "triton" and groups[0] else None
+    error = rel_error(out, reference(x, weights, chosen, *dequantized, fp8_groups=fp8_groups))
+    assert error < (1e-3 if fp8_groups else 1e-5)
 
 
 @pytest.mark.parametrize("gemm", ["dense", "triton"])
