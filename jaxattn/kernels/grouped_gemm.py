@@ -34,14 +34,16 @@ class Tiles(NamedTuple):
     num_stages: int = 3
 
 
-def default_tiles(scale_depth: int | None = None) -> Tiles:
+def default_tiles(scale_depth: int | None = None, fp8_enk: bool = False) -> Tiles:
     """The launch configuration measured fastest on an H100 at DeepSeek-V2-Lite's expert shapes
     (``K x N`` 2048 x 1408 with SwiGLU, 1408 x 2048 without; 32 to 512 tokens, 8 configurations;
     benchmarks/TUNING.md, "grouped-gemm-tiles", from ``benchmarks.tune_grouped_gemm``): 128 x 64
-    tiles, 4 warps, 4 stages, for bf16 and FP8 weights alike, at every block size. With FP8 block
-    scales ``scale_depth`` weight rows deep, the tile is made no deeper than a block, so that each
-    tile's rows share their scales (scaled once per tile, not per weight)."""
-    tiles = Tiles(128, 64, 4, 4)
+    tiles, 4 warps, 4 stages, for bf16 weights and FP8 weights ``[E, K, N]`` at every block size;
+    FP8 weights ``[E, N, K]`` (``fp8_enk``) 128 x 128 tiles, 8 warps, 3 stages (128 bytes of K per
+    weight row; "grouped-gemm-fp8-rows"). With FP8 block scales ``scale_depth`` weight rows deep,
+    the tile is made no deeper than a block, so that each tile's rows share their scales (scaled
+    once per tile, not per weight)."""
+    tiles = Tiles(128, 128, 8, 3) if fp8_enk else Tiles(128, 64, 4, 4)
     if scale_depth is not None and scale_depth % tiles.block_k:
         depth = scale_depth & -scale_depth             # the largest power of two dividing a block's rows
         if depth >= 16:
@@ -188,7 +190,7 @@ def grouped_gemm(rows: jax.Array, block_expert: jax.Array, weights: jax.Array, u
     scales = (weights, weights) if scale is None else (scale, scale if up_scale is None else up_scale)
     scale_rows, scale_cols = (1, 1) if scale is None else scale.shape[1:]
     if tiles is None:
-        tiles = default_tiles(bi if scale_rows > 1 else None)
+        tiles = default_tiles(bi if scale_rows > 1 else None, fp8_enk=w_nk and scale is not None)
     elif not all(size >= 16 and size & (size - 1) == 0 for size in (tiles.block_n, tiles.block_k)) or \
             tiles.num_warps < 1 or tiles.num_stages < 1:
         raise ValueError(f"grouped_gemm: tiles need block_n and block_k powers of two >= 16 and positive warps and "
@@ -219,14 +221,15 @@ def grouped_gemm(rows: jax.Array, block_expert: jax.Array, weights: jax.Array, u
 
 def fp8_row_group(k: int, scale_block: tuple[int, int], tiles: Tiles | None = None) -> int | None:
     """The columns each scale of FP8 rows covers against FP8 weights ``[E, K, N]`` of ``scale_block =
-    (bi, bo)``: all K where the weights' scales are constant along K (one scale per row), ``bi`` where
-    a block is a whole number of ``tiles`` deep (default ``default_tiles(bi)``: each tile's product
+    (bi, bo)`` laid out ``[E, N, K]``: all K where the weights' scales are constant along K (one scale
+    per row), ``bi`` where a block is a whole number of ``tiles`` deep (default ``default_tiles``: each tile's product
     is scaled by its rows' and columns' scales, DeepSeek-V3's 128 x 128 blocks with vLLM's 1 x 128
     groups of activations), else None (FP8 rows not taken)."""
     bi = scale_block[0]
-    if bi >= k:
-        return k
-    return bi if bi % (tiles or default_tiles(bi)).block_k == 0 else None
+    depth = (tiles or default_tiles(bi if bi < k else None, fp8_enk=True)).block_k
+    if depth < 32:                  # FP8 MMA instructions are 32 deep
+        return None
+    return k if bi >= k else bi if bi % depth == 0 else None
 
 
 def quantize_rows(rows: jax.Array, group: int | None = None) -> tuple[jax.Array, jax.Array]:

@@ -76,9 +76,10 @@ def test_fp8_row_groups_follow_the_weight_scales():
     assert fp8_row_group(2048, (128, 128)) == 128                     # DeepSeek-V3's blocks: 64-deep tiles
     assert fp8_row_group(2048, (128, 128), Tiles(block_k=256)) is None
     assert fp8_row_group(2048, (8, 8)) is None                        # shallower than any tile
+    assert fp8_row_group(2048, (16, 16)) is None                      # 16-deep tiles: FP8 MMAs are 32 deep
 
 
-@pytest.mark.parametrize("scale_block", [(16, 8), (32, 72)])
+@pytest.mark.parametrize("scale_block", [(32, 8), (64, 72)])
 def test_fp8_rows_in_groups_meet_block_scales(on_platform, scale_block):
     """FP8 rows with one scale per ``bi`` columns (``quantize_rows(rows, bi)``) against block-scaled
     FP8 weights: each tile's product times its rows' and columns' scales."""
@@ -90,13 +91,13 @@ def test_fp8_rows_in_groups_meet_block_scales(on_platform, scale_block):
     weights = np.asarray(jnp.asarray(rng.normal(size=(2, k, n)) * 8, jnp.float8_e4m3fn), np.float32)
     scale = rng.uniform(0.5, 2.0, size=(2, -(-k // bi), -(-n // bo))).astype(np.float32) / 8
     fp8_rows, row_scale = quantize_rows(jnp.asarray(rows), fp8_row_group(k, scale_block))
-    assert row_scale.shape == (rows.shape[0], k // bi)
+    assert row_scale.shape == (rows.shape[0], -(-k // bi))
     out = jax.jit(functools.partial(grouped_gemm, block_m=block_m, scale_block=scale_block, weight_layout="enk",
                                     out_dtype=jnp.float32))(
         fp8_rows, jnp.asarray(block_expert), _laid_out(jnp.asarray(weights, jnp.float8_e4m3fn), "enk"),
         scale=jnp.asarray(scale), row_scale=row_scale)
     used = 2 * block_m
-    dequantized_rows = np.asarray(fp8_rows, np.float32) * np.repeat(np.asarray(row_scale), bi, axis=1)
+    dequantized_rows = np.asarray(fp8_rows, np.float32) * np.repeat(np.asarray(row_scale), bi, axis=1)[:, :k]
     dequantized = weights * np.repeat(np.repeat(scale, bi, axis=1), bo, axis=2)[:, :k, :n]
     want = np.einsum("rk,rkn->rn", dequantized_rows[:used], dequantized[np.repeat(block_expert[:2], block_m)])
     assert rel_error(out[:used], want) < (1e-5 if on_platform == "cpu" else 1e-3)
@@ -195,3 +196,5 @@ def test_default_tiles_keep_a_tile_inside_a_scale_block():
     assert default_tiles(scale_depth=128).block_k == 64
     assert default_tiles(scale_depth=96).block_k == 32
     assert default_tiles(scale_depth=8).block_k == 64
+    assert default_tiles(fp8_enk=True) == Tiles(128, 128, 8, 3)
+    assert default_tiles(scale_depth=128, fp8_enk=True).block_k == 128
