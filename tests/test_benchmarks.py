@@ -20,6 +20,7 @@ from tests.xla_dump import REPO
                                     "bench_step_variants", "bench_speculative",
                                     "bench_serving --trace throughput --preset deepseek-v2-lite --moe-gemm dense "
                                     "--profile-at 2", "tune_grouped_gemm --tokens 1",
+                                    "grouped_gemm_variants --tokens 1",
                                     "profile_verify", "step_padding --trace chat", "bench_server_host"])
 def test_smoke_run(module, tmp_path):
     env = dict(os.environ, OUT=str(tmp_path), JAX_PLATFORMS="cpu")
