@@ -156,8 +156,9 @@ def grouped_gemm(rows: jax.Array, block_expert: jax.Array, weights: jax.Array, u
     rows unwritten). ``R`` must be a multiple of ``block_m`` (>= 16, a power of two). FP8 weights
     come with float32 ``scale`` (and ``up_scale``) ``[E, ceil(K / bi), ceil(N / bo)]``,
     ``scale_block = (bi, bo)``: dequantized in the kernel, so the weights are read as FP8. FP8
-    ``rows`` come with ``row_scale float32[R]`` (``quantize_rows``; FP8 weights with scales
-    constant along K only) and give ``out_dtype`` (default: the rows' dtype).
+    ``rows`` times FP8 weights come with ``row_scale float32[R, ceil(K / group)]``
+    (``quantize_rows``; ``group``: ``fp8_row_group``) and give ``out_dtype`` (default: the rows'
+    dtype).
     ``weight_layout``: "ekn" (weights ``[E, K, N]``) or "enk" (``[E, N, K]``). With ``row_index
     int32[R]``, ``rows [T, K]`` are gathered: block row r is ``rows[row_index[r]]`` (a zero row
     where the index is outside ``0 .. T-1``), ``row_scale`` is per row of ``rows``, and the output
@@ -220,11 +221,12 @@ def grouped_gemm(rows: jax.Array, block_expert: jax.Array, weights: jax.Array, u
 
 
 def fp8_row_group(k: int, scale_block: tuple[int, int], tiles: Tiles | None = None) -> int | None:
-    """The columns each scale of FP8 rows covers against FP8 weights ``[E, K, N]`` of ``scale_block =
-    (bi, bo)`` laid out ``[E, N, K]``: all K where the weights' scales are constant along K (one scale
-    per row), ``bi`` where a block is a whole number of ``tiles`` deep (default ``default_tiles``: each tile's product
-    is scaled by its rows' and columns' scales, DeepSeek-V3's 128 x 128 blocks with vLLM's 1 x 128
-    groups of activations), else None (FP8 rows not taken)."""
+    """The columns each scale of FP8 rows covers when they meet FP8 weights of contraction ``k``
+    scaled in blocks ``scale_block = (bi, bo)``: ``k`` where the weights' scales are constant along
+    it (one scale per row), ``bi`` where a block is a whole number of ``tiles`` deep (default:
+    ``default_tiles`` of FP8 weights ``[E, N, K]``; each tile's product is scaled by its rows' and
+    columns' scales: DeepSeek-V3's 128 x 128 blocks with vLLM's 1 x 128 groups of activations),
+    else None (FP8 rows not taken)."""
     bi = scale_block[0]
     depth = (tiles or default_tiles(bi if bi < k else None, fp8_enk=True)).block_k
     if depth < 32:                  # FP8 MMA instructions are 32 deep
