@@ -4,7 +4,8 @@
 
 ``jaxattn.kernels.grouped_gemm`` alone (no routing, no gather or combine), at one model's expert
 shapes (``benchmarks.bench_moe.SHAPES``): SwiGLU's gate and up (``dim x F``, two weight stacks)
-and down (``F x dim``), bf16 and FP8 weights (per-channel scales), the token copies spread evenly
+and down (``F x dim``), bf16 and FP8 weights (per-channel scales; as the model runs them, each
+expert's kernel transposed and the rows FP8, quantized per row outside the timed call), the token copies spread evenly
 over the experts they touch (``min(E, tokens k)``) in the blocks ``routed_experts`` would make.
 Every configuration of ``CONFIGS`` is timed (GPU time per call from the profiler, median of
 ``--trials``); one that needs more shared memory than the GPU has is reported as such. The calls
@@ -26,7 +27,7 @@ import numpy as np
 
 from benchmarks.bench_moe import SHAPES, SMOKE
 from benchmarks.common import TUNING, command_line, device_name, device_seconds, utc_now, write_section
-from jaxattn.kernels.grouped_gemm import Tiles, default_tiles, grouped_gemm
+from jaxattn.kernels.grouped_gemm import Tiles, default_tiles, grouped_gemm, quantize_rows
 from jaxattn.serve.models.experts import block_rows, num_blocks
 
 CONFIGS = (Tiles(64, 64, 4, 3), Tiles(32, 128, 4, 4), Tiles(32, 256, 4, 3), Tiles(64, 128, 4, 4),
@@ -71,9 +72,12 @@ def main(argv: list[str] | None = None) -> None:
                 stacks = [jnp.asarray(rng.normal(size=(shape.experts, k, n)) * magnitude, dtype)
                           for _ in range(2 if swiglu else 1)]
                 scales = {}
-                if fp8:
+                if fp8:     # as routed_experts runs FP8 experts: "enk" stacks (Fp8Experts'), FP8 rows
+                    stacks = [jnp.swapaxes(w, 1, 2).copy() for w in stacks]
+                    rows, row_scale = quantize_rows(rows)
                     scale = jnp.full((shape.experts, 1, n), k ** -0.5 / magnitude, jnp.float32)
-                    scales = dict(scale=scale, scale_block=(k, 1), **({"up_scale": scale} if swiglu else {}))
+                    scales = dict(scale=scale, scale_block=(k, 1), row_scale=row_scale, weight_layout="enk",
+                                  out_dtype=jnp.bfloat16, **({"up_scale": scale} if swiglu else {}))
                 times = {}
                 for tiles in configs:
                     run = jax.jit(lambda r, b, *w, tiles=tiles: grouped_gemm(r, b, *w, block_m=block_m, tiles=tiles,
@@ -86,7 +90,7 @@ def main(argv: list[str] | None = None) -> None:
                     turns = itertools.cycle(placements)
                     times[tiles] = device_seconds(lambda: run(rows, next(turns), *stacks), args.trials)
                 fastest = min(times, key=times.get)
-                chosen = default_tiles()     # per-channel FP8 scales: no scale depth
+                chosen = default_tiles(fp8_enk=fp8)     # per-channel FP8 scales: no scale depth
                 cells = [str(tokens), "bf16" if not fp8 else "FP8", f"{k} x {n}" + (" SwiGLU" if swiglu else ""),
                          str(block_m), str(block_expert.size),
                          *[f"{1e6 * times[t]:.1f}" if t in times else "smem" for t in configs],
