@@ -19,14 +19,13 @@ two configurations. Prints only (benchmarks/TUNING.md, "grouped-gemm-fp8-rows", 
 from __future__ import annotations
 
 import argparse
-import itertools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.common import copy_bandwidth, device_name, device_seconds, gemm_rate
-from benchmarks.tune_grouped_gemm import ROTATIONS, block_experts
+from benchmarks.common import copy_bandwidth, device_name, gemm_rate
+from benchmarks.tune_grouped_gemm import placements, time_placements
 from jaxattn.kernels.grouped_gemm import Tiles, grouped_gemm, quantize_rows
 from jaxattn.serve.models.experts import block_rows
 
@@ -53,12 +52,10 @@ def main(argv: list[str] | None = None) -> None:
         large = tokens >= LARGE
         rows_per_block = block_rows(tokens, experts, k_top)
         for block_m in sorted({rows_per_block, 128 if large else rows_per_block}):
-            blocks = block_experts(tokens, experts, k_top, block_m)
+            turns = placements(tokens, experts, k_top, block_m)
             touched = min(experts, tokens * k_top)
-            placements = [jnp.asarray(np.where(blocks >= 0, (blocks + i * touched) % experts, -1).astype(np.int32))
-                          for i in range(ROTATIONS)]
             for k, n, swiglu in ((dim, hidden, True), (hidden, dim, False)):
-                rows = jnp.asarray(rng.normal(size=(blocks.size * block_m, k)), jnp.bfloat16)
+                rows = jnp.asarray(rng.normal(size=(turns[0].size * block_m, k)), jnp.bfloat16)
                 bf16_bytes = touched * k * n * (2 if swiglu else 1) * 2
                 flops = 2 * tokens * k_top * k * n * (2 if swiglu else 1)
                 for fp8, layout, fp8_rows, stacks, scales in _variants(rng, experts, k, n, swiglu):
@@ -73,14 +70,9 @@ def main(argv: list[str] | None = None) -> None:
                                 extra = dict(row_scale=row_scale, out_dtype=jnp.bfloat16)
                             return grouped_gemm(r, b, *w, block_m=block_m, tiles=tiles, weight_layout=layout,
                                                 **scales, **extra)
-                        call = jax.jit(run)
-                        try:
-                            call(rows, placements[0], *stacks).block_until_ready()
-                        except jax.errors.JaxRuntimeError as error:     # more shared memory than the GPU has
-                            print(f"   {tiles}: {str(error).splitlines()[0][:120]}", flush=True)
-                            continue
-                        turns = itertools.cycle(placements)
-                        times.append((device_seconds(lambda: call(rows, next(turns), *stacks), 10), tiles))
+                        seconds = time_placements(jax.jit(run), rows, turns, stacks, 10, f"   {tiles}")
+                        if seconds is not None:
+                            times.append((seconds, tiles))
                     times.sort(key=lambda pair: pair[0])
                     best, tiles = times[0]
                     line = (f"T={tokens:5d} bm={block_m:3d} {'gate+up' if swiglu else 'down   '} "

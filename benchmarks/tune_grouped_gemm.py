@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -46,6 +47,30 @@ def block_experts(tokens: int, experts: int, k: int, block_m: int) -> np.ndarray
     return np.concatenate([used, np.full(blocks - used.size, -1, np.int32)])
 
 
+def placements(tokens: int, experts: int, k: int, block_m: int) -> list[jax.Array]:
+    """``ROTATIONS`` placements of ``block_experts``' blocks over the experts (each shifted by the
+    touched experts' count), which the timed calls cycle through so that a call does not find its
+    weights in L2 from the call before."""
+    blocks = block_experts(tokens, experts, k, block_m)
+    touched = min(experts, tokens * k)
+    return [jnp.asarray(np.where(blocks >= 0, (blocks + i * touched) % experts, -1).astype(np.int32))
+            for i in range(ROTATIONS)]
+
+
+def time_placements(run: Callable, rows: jax.Array, turns: list[jax.Array], stacks: list[jax.Array],
+                    trials: int, what: object) -> float | None:
+    """Seconds per call of the jitted ``run(rows, block_expert, *stacks)``, the calls cycling
+    through the placements ``turns``; None (and a line naming ``what``) where it needs more shared
+    memory than the GPU has."""
+    try:
+        run(rows, turns[0], *stacks).block_until_ready()
+    except jax.errors.JaxRuntimeError as error:
+        print(f"{what}: {str(error).splitlines()[0][:160]}", flush=True)
+        return None
+    cycle = itertools.cycle(turns)
+    return device_seconds(lambda: run(rows, next(cycle), *stacks), trials)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.tune_grouped_gemm",
                                      description=__doc__.split("\n\n")[0])
@@ -60,11 +85,8 @@ def main(argv: list[str] | None = None) -> None:
     rows_out = []
     for tokens in [int(t) for t in args.tokens.split(",")]:
         block_m = block_rows(tokens, shape.experts, shape.k)
-        blocks = block_experts(tokens, shape.experts, shape.k, block_m)
-        touched = min(shape.experts, tokens * shape.k)
-        placements = [jnp.asarray(np.where(blocks >= 0, (blocks + i * touched) % shape.experts, -1).astype(np.int32))
-                      for i in range(ROTATIONS)]
-        block_expert = placements[0]
+        turns = placements(tokens, shape.experts, shape.k, block_m)
+        block_expert = turns[0]
         for fp8 in (False, True):
             for k, n, swiglu in ((shape.dim, shape.hidden, True), (shape.hidden, shape.dim, False)):
                 rows = jnp.asarray(rng.normal(size=(block_expert.size * block_m, k)), jnp.bfloat16)
@@ -82,13 +104,9 @@ def main(argv: list[str] | None = None) -> None:
                 for tiles in configs:
                     run = jax.jit(lambda r, b, *w, tiles=tiles: grouped_gemm(r, b, *w, block_m=block_m, tiles=tiles,
                                                                                **scales))
-                    try:
-                        run(rows, block_expert, *stacks).block_until_ready()
-                    except jax.errors.JaxRuntimeError as error:     # the tiles need more shared memory
-                        print(f"{tuple(tiles)}: {str(error).splitlines()[0][:160]}", flush=True)
-                        continue
-                    turns = itertools.cycle(placements)
-                    times[tiles] = device_seconds(lambda: run(rows, next(turns), *stacks), args.trials)
+                    seconds = time_placements(run, rows, turns, stacks, args.trials, tuple(tiles))
+                    if seconds is not None:
+                        times[tiles] = seconds
                 fastest = min(times, key=times.get)
                 chosen = default_tiles(fp8_enk=fp8)     # per-channel FP8 scales: no scale depth
                 cells = [str(tokens), "bf16" if not fp8 else "FP8", f"{k} x {n}" + (" SwiGLU" if swiglu else ""),
