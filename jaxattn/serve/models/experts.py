@@ -30,6 +30,7 @@ import jax.numpy as jnp
 from jaxattn.serve.models import expert_gemm_table
 
 GEMMS = ("ragged_dot", "dense", "triton")
+LAYOUTS = ("ekn", "enk")      # an FP8 stack's values: [E, in, out], or each kernel transposed
 
 
 @jax.tree_util.register_dataclass
@@ -44,6 +45,10 @@ class Fp8Stack:
     scale: jax.Array
     block: tuple[int, int] | None = dataclasses.field(default=None, metadata=dict(static=True))
     layout: str = dataclasses.field(default="ekn", metadata=dict(static=True))
+
+    def __post_init__(self):
+        if self.layout not in LAYOUTS:
+            raise ValueError(f"Fp8Stack: layout must be one of {LAYOUTS}, got {self.layout!r}")
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -170,11 +175,8 @@ def _expert_einsum(spec: str, lhs: jax.Array, stack: Stack) -> jax.Array:
         return jnp.einsum(spec, lhs, stack)
     if stack.block is not None:
         return jnp.einsum(spec, lhs, stack.dequantize(lhs.dtype))
-    if stack.layout == "enk":                           # the stack's kernels transposed: "...,eio->" as "...,eoi->"
-        operands, out = spec.split("->")
-        lhs_spec, (e, i, o) = operands.split(",")
-        spec = f"{lhs_spec},{e}{o}{i}->{out}"
-    product = jnp.einsum(spec, lhs, stack.values.astype(lhs.dtype))
+    # an "enk" stack's transpose folds into the dot's dimension numbers (XLA's transpose folding)
+    product = jnp.einsum(spec, lhs, stack.kernels().astype(lhs.dtype))
     return (product * stack.scale.reshape(stack.shape[0], 1, -1)).astype(lhs.dtype)
 
 

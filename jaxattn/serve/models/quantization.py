@@ -22,7 +22,7 @@ import numpy as np
 from flax import nnx
 
 from jaxattn.serve.models import layers
-from jaxattn.serve.models.experts import Fp8Stack
+from jaxattn.serve.models.experts import LAYOUTS, Fp8Stack
 
 FP8_DTYPE = jnp.float8_e4m3fn
 FP8_MAX = float(jnp.finfo(FP8_DTYPE).max)     # 448
@@ -86,6 +86,8 @@ def quantize_stack(stack: jax.Array, granularity: Granularity = "channel",
     """``quantize_kernel`` of each kernel of ``stack [E, in, out]`` (``layout`` "ekn"; "enk": each
     kernel transposed, ``[E, out, in]``): ``(float8_e4m3fn values in the stack's layout, float32
     scales [E, ...])``."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"quantize_stack: layout must be one of {LAYOUTS}, got {layout!r}")
     if layout == "enk":
         values, scale = quantize_stack(jnp.swapaxes(jnp.asarray(stack), 1, 2), granularity)
         return jnp.swapaxes(values, 1, 2), scale

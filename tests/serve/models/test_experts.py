@@ -157,6 +157,8 @@ def test_bad_gemms_are_named():
     x, weights, chosen = jnp.zeros((2, 4)), jnp.ones((2, 1)), jnp.zeros((2, 1), jnp.int32)
     stack = experts.Fp8Stack(jnp.zeros((2, 4, 3), jnp.float8_e4m3fn), jnp.ones((2, 3)))
     blocked = experts.Fp8Stack(jnp.zeros((2, 4, 3), jnp.float8_e4m3fn), jnp.ones((2, 2, 2)), (2, 2))
+    with pytest.raises(ValueError, match="Fp8Stack: layout must be one of \\('ekn', 'enk'\\), got 'kn'"):
+        experts.Fp8Stack(jnp.zeros((2, 4, 3), jnp.float8_e4m3fn), jnp.ones((2, 3)), layout="kn")
     with pytest.raises(ValueError, match="gate_proj and up_proj must be scaled and laid out alike"):
         jax.jit(functools.partial(experts.routed_experts, gemm="triton"))(x, weights, chosen, stack, blocked,
                                                                           jnp.zeros((2, 3, 4)))

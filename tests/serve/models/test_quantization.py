@@ -94,6 +94,8 @@ def test_fp8_experts_refuse_bad_arrays():
     with pytest.raises(ValueError, match="Fp8Experts: scale has shape \\(2, 1, 1\\)"):
         Fp8Experts(kernel, jnp.ones((2, 1, 1)), block_size=4)
     assert Fp8Experts(kernel, jnp.ones((2, 2, 1)), block_size=4).block_size == (4, 4)
+    with pytest.raises(ValueError, match="quantize_stack: layout must be one of \\('ekn', 'enk'\\), got 'nk'"):
+        quantize_stack(np.ones((2, 8, 4), np.float32), layout="nk")
 
 
 # ----------------------------------------------------------------------------------- quantize()
