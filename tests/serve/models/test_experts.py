@@ -106,7 +106,9 @@ def test_fp8_stacks_compute_their_dequantized_experts(gemm, block, layout):
     assert groups == (expected[block] if layout == "enk" else (None, None))
     fp8_groups = groups if gemm == "triton" and groups[0] else None
     error = rel_error(out, reference(x, weights, chosen, *dequantized, fp8_groups=fp8_groups))
-    assert error < (1e-3 if fp8_groups else 1e-5)
+    # FP8 rows: mostly ~2e-7, but a hidden value that float32 and float64 round to neighbouring e4m3
+    # values (about 1 in 40 draws here) costs up to ~5e-3; rows not rounded in the reference give 3e-2 to 6e-2
+    assert error < (1e-2 if fp8_groups else 1e-5)
 
 
 @pytest.mark.parametrize("gemm", ["dense", "triton"])
