@@ -2,7 +2,8 @@
 
     python -m benchmarks.bench_serving --trace {decode-heavy,chat,shared-prefix,poisson,throughput}
         [--preset llama3-8b] [--layers N] [--requests N] [--max-seqs N] [--num-pages N] [--max-step-tokens N]
-        [--page-size 64] [--backend auto] [--rate R] [--tp N [--enable-expert-parallel]] [--quantization fp8]
+        [--page-size 64] [--backend auto] [--rate R] [--tp N [--enable-expert-parallel]]
+        [--quantization fp8 [--fp8-activations]]
         [--moe-gemm {auto,ragged_dot,dense,triton}] [--profile-at STEP,... [--profile-steps 8]] [--no-overlap]
         [--smoke]
 
@@ -22,7 +23,8 @@ One trace per call (random weights; every length drawn with seed 0, and written 
 Presets: the Llama family's (``jaxattn.serve.models.llama.PRESETS``, mixtures of experts included:
 qwen1.5-moe-a2.7b, qwen3-30b-a3b, mixtral-8x7b) and deepseek-v2-lite (MLA + 64 experts, 6 per
 token). ``--tp N`` serves on N devices (tensor parallelism; with ``--enable-expert-parallel``
-the experts whole per device); ``--quantization fp8`` serves FP8 linears and experts; ``--moe-gemm`` fixes how
+the experts whole per device); ``--quantization fp8`` serves FP8 linears and experts (with
+``--fp8-activations`` the linears' inputs in FP8 too, W8A8); ``--moe-gemm`` fixes how
 the experts are computed (``jaxattn.serve.models.experts``; default: per step shape). A preset, mesh,
 quantization or expert GEMM other than the defaults writes a section of its own (``--section`` names
 any run's). ``--profile-at`` adds the GPU kernels of a few steps from those steps of the trace, by
@@ -91,7 +93,7 @@ from jaxattn.serve.models.deepseek import DeepSeek
 from jaxattn.serve.models.experts import GEMMS
 from jaxattn.serve.models.layers import EXPERT_AXES, MoE, set_expert_gemm
 from jaxattn.serve.models.llama import PRESETS, Llama, shard_model
-from jaxattn.serve.models.quantization import METHODS, quantize
+from jaxattn.serve.models.quantization import METHODS, quantize, set_fp8_activations
 
 TRACES = ("decode-heavy", "chat", "shared-prefix", "poisson", "throughput")
 SECTIONS = {"decode-heavy": "serving_decode-heavy", "chat": "serving_chat", "shared-prefix": "serving",
@@ -500,6 +502,7 @@ def command(args: argparse.Namespace, layers: int) -> str:
     parts += [f"--tp {args.tp}"] if args.tp > 1 else []
     parts += ["--enable-expert-parallel"] if args.enable_expert_parallel else []
     parts += [f"--quantization {args.quantization}"] if args.quantization else []
+    parts += ["--fp8-activations"] if args.fp8_activations else []
     parts += [f"--moe-gemm {args.moe_gemm}"] if args.moe_gemm != "auto" else []
     parts += [f"--{name.replace('_', '-')} {getattr(args, name)}"
               for name in ("max_seqs", "num_pages", "max_step_tokens") if getattr(args, name) is not None]
@@ -521,6 +524,9 @@ def main(argv: list[str] | None = None) -> None:
                         help="with --tp: each device holds whole experts (a mixture-of-experts preset)")
     parser.add_argument("--quantization", choices=METHODS, default=None,
                         help="FP8 weights (jaxattn.serve.models.quantization.quantize: the blocks' linears)")
+    parser.add_argument("--fp8-activations", action="store_true",
+                        help="with --quantization fp8: the linears' inputs quantized to FP8 per row, FP8 x FP8 GEMMs "
+                             "(quantization.set_fp8_activations)")
     parser.add_argument("--moe-gemm", choices=["auto", *GEMMS], default="auto",
                         help="how a mixture of experts computes its experts (jaxattn.serve.models.experts)")
     parser.add_argument("--requests", type=int, default=None, help="requests in the trace (default: the trace's)")
@@ -552,6 +558,8 @@ def main(argv: list[str] | None = None) -> None:
         parser.error("--compile-threads must be >= 1")
     if args.enable_expert_parallel and args.tp < 2:
         parser.error("--enable-expert-parallel needs --tp N with N >= 2")
+    if args.fp8_activations and not args.quantization:
+        parser.error("--fp8-activations needs --quantization fp8")
     starts = sorted(int(step) for step in args.profile_at.split(",") if step)
     if any(b - a < args.profile_steps for a, b in zip(starts, starts[1:])) or args.profile_steps < 1:
         parser.error("--profile-at: windows of --profile-steps steps must not overlap (and --profile-steps >= 1)")
@@ -576,6 +584,8 @@ def main(argv: list[str] | None = None) -> None:
     model = model_class(cfg, nnx.Rngs(0))
     if args.quantization:
         quantize(model, args.quantization)
+        if args.fp8_activations:
+            set_fp8_activations(model)
     if args.moe_gemm != "auto":
         set_expert_gemm(model, args.moe_gemm)
     mesh = tp_mesh(jax.devices()[:args.tp])
@@ -636,8 +646,10 @@ def main(argv: list[str] | None = None) -> None:
         parallel = (f"split over {args.tp} devices (tensor parallelism"
                     + (", experts whole per device); " if args.enable_expert_parallel else "); "))
     auto_table = f" (its table: {choice_table.describe_current_table()})" if args.backend == "auto" else ""
+    weights = "" if not args.quantization else " (FP8 weights and activations)" if args.fp8_activations \
+        else " (FP8 weights)"
     header = (f"Device: {device_name()}; date {datetime.date.today()}; jax {jax.__version__}; model {args.preset} "
-              f"shapes with {cfg.num_layers} layers, {cfg.dtype}{' (FP8 weights)' if args.quantization else ''}, "
+              f"shapes with {cfg.num_layers} layers, {cfg.dtype}{weights}, "
               f"random weights; {parallel}backend {args.backend}{auto_table}; "
               f"{engine_text}; warm-up (compiling every step shape, {setup['compile_threads']} at a time) "
               f"{setup['warmup_s']:.0f} s, not timed. The {rates} ({gemm} GEMM), measured in the same run.")
@@ -685,6 +697,7 @@ def main(argv: list[str] | None = None) -> None:
         suffix = "".join([args.preset, f"_tp{args.tp}" if args.tp > 1 else "",
                           "_ep" if args.enable_expert_parallel else "",
                           f"_{args.quantization}" if args.quantization else "",
+                          "_w8a8" if args.fp8_activations else "",
                           f"_{args.moe_gemm}" if args.moe_gemm != "auto" else ""])
         section, heading = f"{section}_{suffix}", f"{heading}: {suffix}"
     if args.section:

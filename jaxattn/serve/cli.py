@@ -34,7 +34,7 @@ from jaxattn.serve.http.loop import EngineLoop
 from jaxattn.serve.http.text import TextTokenizer
 from jaxattn.serve.models import from_pretrained
 from jaxattn.serve.models.llama import PRESETS, random_model
-from jaxattn.serve.models.quantization import METHODS
+from jaxattn.serve.models.quantization import METHODS, set_fp8_activations
 from jaxattn.serve.sampling import MAX_LOGPROBS
 from jaxattn.serve.structured_output import GrammarCompiler
 
@@ -90,6 +90,10 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument("--quantization", choices=METHODS, default=None,
                         help="quantize the weights as they load (fp8: the decoder blocks' linears, per output "
                              "channel); an FP8 checkpoint is read as FP8 without it")
+    engine.add_argument("--fp8-activations", action="store_true",
+                        help="with FP8 weights (--quantization fp8 or an FP8 checkpoint): quantize each row of a "
+                             "linear's input to FP8 as well and multiply FP8 by FP8 (W8A8, vLLM's dynamic scheme); "
+                             "block-scaled linears stay weight-only")
     engine.add_argument("--enable-expert-parallel", action="store_true",
                         help="with --tp: each device holds whole experts of a mixture of experts instead of a slice "
                              "of every expert")
@@ -116,7 +120,8 @@ def served_name(args: argparse.Namespace) -> str:
 
 
 def load_model(args: argparse.Namespace, mesh):
-    """The model of ``--model`` or ``--preset``; ValueError naming the flag."""
+    """The model of ``--model`` or ``--preset`` (with ``--fp8-activations``, its FP8 linears
+    taking FP8 inputs); ValueError naming the flag."""
     expert_parallel = args.enable_expert_parallel
     if expert_parallel and mesh is None:
         raise ValueError("--enable-expert-parallel splits the experts over the --tp devices: give --tp 2 or more")
@@ -126,14 +131,18 @@ def load_model(args: argparse.Namespace, mesh):
                                  expert_parallel=expert_parallel, quantization=args.quantization)
         except ValueError as err:
             raise ValueError(f"--preset {args.preset}: {err}") from None
-        return model
-    if args.layers is not None:
+    elif args.layers is not None:
         raise ValueError("--layers changes a preset: not with --model")
-    try:
-        return from_pretrained(args.model, dtype=args.dtype, mesh=mesh, expert_parallel=expert_parallel,
-                               quantization=args.quantization)
-    except (ValueError, OSError, ImportError) as err:
-        raise ValueError(f"--model {args.model}: {err}") from None
+    else:
+        try:
+            model = from_pretrained(args.model, dtype=args.dtype, mesh=mesh, expert_parallel=expert_parallel,
+                                    quantization=args.quantization)
+        except (ValueError, OSError, ImportError) as err:
+            raise ValueError(f"--model {args.model}: {err}") from None
+    if args.fp8_activations and not set_fp8_activations(model):
+        raise ValueError("--fp8-activations needs FP8 linears scaled per tensor or per output channel "
+                         "(--quantization fp8, or an FP8 checkpoint without block scales); this model has none")
+    return model
 
 
 def load_tokenizer(args: argparse.Namespace) -> TextTokenizer | None:

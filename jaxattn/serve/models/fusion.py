@@ -95,7 +95,7 @@ def _fuse_mlp(mlp: layers.MLP, shards: int) -> None:
     if mlp.fused_shards == shards:
         return
     if mlp.fused_shards:              # fused for another shard count: back to the two parts first
-        hidden = mlp.down_proj.kernel.shape[0]
+        hidden = mlp.down_proj.in_features
         parts = _split(mlp.gate_up_proj, [hidden, hidden], mlp.fused_shards, [(None, "mlp")] * 2)
         del mlp.gate_up_proj
         mlp.gate_proj, mlp.up_proj, mlp.fused_shards = *parts, 0
@@ -108,7 +108,7 @@ def _fuse_mlp(mlp: layers.MLP, shards: int) -> None:
 def _columns(linear: Linear) -> dict[str, jnp.ndarray]:
     """The arrays of ``linear`` whose last axis runs over its output columns (a block scale's, over
     column blocks): kernel, bias, and an FP8 layer's scale (a per-tensor scale as per-channel)."""
-    arrays = {"kernel": linear.kernel[...]}
+    arrays = {"kernel": linear.values() if isinstance(linear, Fp8Linear) else linear.kernel[...]}
     if linear.bias is not None:
         arrays["bias"] = linear.bias[...]
     if isinstance(linear, Fp8Linear):
@@ -129,7 +129,7 @@ def _concatenate(parts: Sequence[Linear], groups: int, axes: layers.Axes) -> Lin
     its kernel on the logical ``axes``; None when the parts cannot be fused (module docstring)."""
     kinds = {type(part) for part in parts}
     if len(kinds) != 1 or len({part.bias is None for part in parts}) != 1 \
-            or any(part.kernel.shape[1] % groups for part in parts):
+            or any(part.out_features % groups for part in parts):
         return None
     first, block_size = parts[0], None
     if isinstance(first, Fp8Linear):
@@ -140,7 +140,7 @@ def _concatenate(parts: Sequence[Linear], groups: int, axes: layers.Axes) -> Lin
             block_size = granularities.pop()
             # whole blocks per group; in one group, the last part may end in a partial block
             whole = parts if groups > 1 else parts[:-1]
-            if any(part.kernel.shape[1] // groups % block_size[1] for part in whole):
+            if any(part.out_features // groups % block_size[1] for part in whole):
                 return None
     columns = [_columns(part) for part in parts]
     fused = {name: _interleave([c[name] for c in columns], groups) for name in columns[0]}
@@ -166,7 +166,8 @@ def _linear_like(like: Linear, arrays: dict[str, jnp.ndarray], block_size: tuple
     """A linear of ``like``'s kind and dtype holding ``arrays`` (``_columns``' names)."""
     kernel, bias = arrays["kernel"], arrays.get("bias")
     if isinstance(like, Fp8Linear):
-        return Fp8Linear(kernel, arrays["scale"], bias, block_size=block_size, dtype=like.dtype, axes=axes)
+        return Fp8Linear(kernel, arrays["scale"], bias, block_size=block_size, dtype=like.dtype, axes=axes,
+                         activations=like.activations)
     return nnx.Linear(*kernel.shape, use_bias=bias is not None, dtype=like.dtype, param_dtype=like.param_dtype,
                       kernel_init=layers.partitioned(lambda *_: kernel, axes),
                       bias_init=layers.partitioned(lambda *_: bias, axes[1:]), rngs=nnx.Rngs(0))

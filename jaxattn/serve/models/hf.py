@@ -517,7 +517,7 @@ def _fp8_targets(model: Llama | DeepSeek, expected: dict[str, Target], stored: d
                 continue
         layer = nnx.eval_shape(lambda lin: Fp8Linear.from_linear(lin, granularity), linear)
         setattr(owner, attr, layer)
-        expected[weight] = dataclasses.replace(target, variable=layer.kernel,
+        expected[weight] = dataclasses.replace(target, variable=layer.kernel, transposed=False,    # as stored
                                                quantize=None if fp8.stored else layer.scale)
         if layer.bias is not None:
             expected[weight[:-len("weight")] + "bias"] = Target(layer.bias, False)
@@ -705,8 +705,11 @@ def from_pretrained(path: str, dtype: str | jnp.dtype | None = None, mesh: jax.s
                         continue
                     array, transposed = stacks.pop(id(variable))[0], False
                 if target.quantize is not None:  # quantized on load, per output channel
-                    kernel, scale = (quantize_stack(array, layout=Fp8Experts.LAYOUT) if expert is not None
-                                     else quantize_kernel(jnp.asarray(array).T))
+                    if expert is not None:
+                        kernel, scale = quantize_stack(array, layout=Fp8Experts.LAYOUT)
+                    else:                        # kept as stored, [out, in] (Fp8Linear.LAYOUT)
+                        kernel, scale = quantize_kernel(jnp.asarray(array).T)
+                        kernel = kernel.T
                     put(variable, kernel)
                     put(target.quantize, scale)
                     continue

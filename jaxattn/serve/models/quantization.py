@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxattn.kernels.grouped_gemm import quantize_rows
 from jaxattn.serve.models import layers
 from jaxattn.serve.models.experts import LAYOUTS, Fp8Stack
 
@@ -104,31 +105,44 @@ class Fp8Linear(nnx.Module):
     block (``[ceil(in / bi), ceil(out / bo)]`` with ``block_size=(bi, bo)``), and ``bias [out]``
     in the model's dtype.
 
-    The kernel keeps the logical ``axes`` of the ``nnx.Linear`` it replaces, so tensor parallelism
-    splits it the same way; per-channel scales are split like the output columns, block scales
-    like both dimensions (a shard then holds whole blocks when its rows and columns are multiples
-    of the block).
+    The ``kernel`` variable holds the kernel transposed, ``[out, in]`` (``LAYOUT``, as Hugging
+    Face stores a linear's weight): FP8 tensor-core GEMMs (cuBLASLt's, which XLA's FP8 dots
+    become) read both operands along the contraction, and a kernel stored ``[in, out]`` would be
+    transposed on every call. It keeps the logical ``axes`` of the ``nnx.Linear`` it replaces (in
+    that order), so tensor parallelism splits it the same way; per-channel scales are split like
+    the output columns, block scales like both dimensions (a shard then holds whole blocks when its
+    rows and columns are multiples of the block).
 
-    The call runs one dot in ``dtype``. Per-tensor and per-channel scales are constant along the
-    contraction, so the FP8 values are only converted to ``dtype`` (exactly: e4m3 fits bf16),
-    a convert XLA can fuse into the GEMM's operand so that the weights are read as FP8, and the
-    scales multiply the product; block scales vary along the contraction, so such a kernel is
+    ``activations``: None (weight-only FP8: one dot in ``dtype``) or "fp8" (``set_fp8_activations``;
+    W8A8, vLLM's dynamic scheme): each row of ``x`` quantized to FP8 with its own scale
+    (``grouped_gemm.quantize_rows``), one FP8 x FP8 dot (accumulated in float32, given in
+    ``dtype``), the product times the rows' and the kernel's scales. Weight-only, per-tensor and per-channel scales are constant
+    along the contraction, so the FP8 values are only converted to ``dtype`` (exactly: e4m3 fits
+    bf16), a convert XLA can fuse into the GEMM's operand so that the weights are read as FP8, and
+    the scales multiply the product; block scales vary along the contraction, so such a kernel is
     dequantized first (the values times their broadcast scales in float32, rounded once to
-    ``dtype``). A native scaled FP8 GEMM (FP8 activations, tensor-core FP8) is later work."""
+    ``dtype``) and takes no FP8 activations."""
+
+    LAYOUT = "nk"           # the kernel variable's layout: [out, in]
+    ACTIVATIONS = (None, "fp8")
 
     def __init__(self, kernel: jax.Array, scale: jax.Array, bias: jax.Array | None = None, *,
                  block_size: tuple[int, int] | None = None, dtype: str | jnp.dtype = "bfloat16",
-                 axes: layers.Axes = (None, None)):
+                 axes: layers.Axes = (None, None), activations: str | None = None):
         granularity = _granularity("Fp8Linear", kernel, scale, block_size, stacked=False)
         if bias is not None and bias.shape != kernel.shape[1:]:
             raise ValueError(f"Fp8Linear: bias has shape {bias.shape}, expected {kernel.shape[1:]}")
         self.granularity = granularity
         self.dtype = jnp.dtype(dtype)
         self.in_features, self.out_features = kernel.shape
-        self.kernel = _param(kernel, axes)
+        self.kernel = _param(jnp.swapaxes(kernel, 0, 1), tuple(axes)[::-1])      # LAYOUT
         scale_axes = {"tensor": (), "channel": axes[1:]}[granularity] if isinstance(granularity, str) else axes
         self.scale = _param(jnp.asarray(scale, jnp.float32), scale_axes)
         self.bias = None if bias is None else _param(jnp.asarray(bias, self.dtype), axes[1:])
+        if activations not in self.ACTIVATIONS or (activations and not isinstance(granularity, str)):
+            raise ValueError(f"Fp8Linear: activations must be one of {self.ACTIVATIONS} (FP8 activations with "
+                             f"per-tensor or per-channel scales only), got {activations!r} with {granularity!r} scales")
+        self.activations = activations
 
     @classmethod
     def from_linear(cls, linear: nnx.Linear, granularity: Granularity = "channel") -> "Fp8Linear":
@@ -139,19 +153,46 @@ class Fp8Linear(nnx.Module):
                    block_size=None if isinstance(granularity, str) else granularity,
                    dtype=linear.dtype or linear.param_dtype, axes=spec if len(spec) == 2 else (None, None))
 
+    def values(self) -> jax.Array:
+        """The FP8 kernel ``[in, out]`` (the variable holds it transposed)."""
+        return jnp.swapaxes(self.kernel[...], 0, 1)
+
     def weight(self, dtype: str | jnp.dtype | None = None) -> jax.Array:
         """The dequantized kernel ``[in, out]`` in ``dtype`` (default: the layer's)."""
-        return dequantize(self.kernel[...], self.scale[...], self.granularity).astype(dtype or self.dtype)
+        return dequantize(self.values(), self.scale[...], self.granularity).astype(dtype or self.dtype)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         """``x [..., in]`` -> ``[..., out]`` in the layer's dtype."""
-        dims = (((x.ndim - 1,), (0,)), ((), ()))
-        if isinstance(self.granularity, str):      # one scale per column: it scales the product
-            y = jax.lax.dot_general(x.astype(self.dtype), self.kernel[...].astype(self.dtype), dims)
+        if self.activations == "fp8":
+            values, row_scale = quantize_rows(x.reshape(-1, self.in_features))
+            # the product in the layer's dtype (accumulated in float32 inside the GEMM): under tensor
+            # parallelism its partial sums are all-reduced in that dtype, as the weight-only dot's
+            y = jax.lax.dot_general(values, self.kernel[...], (((1,), (1,)), ((), ())),
+                                    preferred_element_type=self.dtype)
+            y = (y * row_scale * self.scale[...]).astype(self.dtype).reshape(*x.shape[:-1], self.out_features)
+        elif isinstance(self.granularity, str):      # one scale per column: it scales the product
+            y = jax.lax.dot_general(x.astype(self.dtype), self.kernel[...].astype(self.dtype),
+                                    (((x.ndim - 1,), (1,)), ((), ())))
             y = (y * self.scale[...]).astype(self.dtype)
         else:
-            y = jax.lax.dot_general(x.astype(self.dtype), self.weight(), dims)
+            y = jax.lax.dot_general(x.astype(self.dtype), self.weight(), (((x.ndim - 1,), (0,)), ((), ())))
         return y if self.bias is None else y + self.bias[...]
+
+
+def set_fp8_activations(model: nnx.Module, activations: str | None = "fp8") -> int:
+    """Sets ``activations`` (``Fp8Linear.ACTIVATIONS``: "fp8", W8A8; None, weight-only) on every
+    ``Fp8Linear`` in ``model`` (a decoder, or one layer) whose scales are per tensor or per output
+    channel, in place, before the model is jitted (it is static); returns how many. Block-scaled
+    layers stay weight-only (their scales vary along the contraction, which one FP8 dot cannot
+    apply). FP8 experts (``Fp8Experts``) already take FP8 rows in the Triton grouped GEMM."""
+    if activations not in Fp8Linear.ACTIVATIONS:
+        raise ValueError(f"set_fp8_activations: activations must be one of {Fp8Linear.ACTIVATIONS}, got "
+                         f"{activations!r}")
+    layers_set = [layer for _, layer in nnx.iter_graph(model)
+                  if isinstance(layer, Fp8Linear) and isinstance(layer.granularity, str)]
+    for layer in layers_set:
+        layer.activations = activations
+    return len(layers_set)
 
 
 class Fp8Experts(nnx.Module):
@@ -241,7 +282,8 @@ def quantize(model: layers.Decoder, method: str = "fp8", *,
     scales (``amax / 448``), or with ``block_size`` (an int b: b x b blocks, or ``(bi, bo)`` rows
     and columns of the ``[in, out]`` kernel; note Hugging Face's ``weight_block_size`` lists
     ``[out, in]``) block scales. Activations stay in the model's dtype (weights are dequantized
-    into the GEMM), so no activation scales are needed.
+    into the GEMM), so no activation scales are needed; ``set_fp8_activations`` then quantizes
+    the per-channel linears' inputs row by row as they run (W8A8).
 
     A mixture of experts' stacked weights (``MoE.gate_proj`` / ``up_proj`` / ``down_proj``)
     become ``Fp8Experts`` with the same granularity, each expert scaled on its own. Not quantized:

@@ -428,7 +428,8 @@ def test_command_line(capsys):
                            "speculative: SpeculativeConfig: method must be one of"),
                           (["--preset", "qwen1.5-moe-a2.7b", "--enable-expert-parallel"],
                            "--enable-expert-parallel splits the experts over the --tp devices"),
-                          (["--preset", "tiny", "--quantization", "int4"], "invalid choice: 'int4'")):
+                          (["--preset", "tiny", "--quantization", "int4"], "invalid choice: 'int4'"),
+                          (["--preset", "tiny", "--fp8-activations"], "--fp8-activations needs FP8 linears")):
         with pytest.raises(SystemExit) as exit_info:
             cli.main(argv)
         assert exit_info.value.code == 2 and message in capsys.readouterr().err, argv

@@ -17,13 +17,16 @@ import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
+from jaxattn.kernels.grouped_gemm import quantize_rows
 from jaxattn.serve.engine import Engine
 from jaxattn.serve.models import from_pretrained
 from jaxattn.serve.models.deepseek import PRESETS as DEEPSEEK_PRESETS
 from jaxattn.serve.models.deepseek import DeepSeek
+from jaxattn.serve.models.fusion import fuse_projections
 from jaxattn.serve.models.hf import _deepseek_parameters, _hf_parameters, deepseek_config_from_hf, llama_config_from_hf
 from jaxattn.serve.models.llama import PRESETS, Llama, param_shardings
-from jaxattn.serve.models.quantization import FP8_MAX, Fp8Experts, Fp8Linear, quantize, quantize_kernel, quantize_stack
+from jaxattn.serve.models.quantization import (FP8_MAX, Fp8Experts, Fp8Linear, quantize, quantize_kernel,
+                                              quantize_stack, set_fp8_activations)
 from tests.paged_inputs import rel_error
 from tests.serve.models.test_deepseek import _dense_hidden as deepseek_dense_hidden
 from tests.serve.models.test_llama import dense_greedy, dense_hidden
@@ -60,6 +63,51 @@ def test_fp8_linear_is_its_dequantized_weight(kind):
     assert np.all(np.abs(weight - w) <= 2.0 ** -4 * np.abs(w) + 2.0 ** -10 * scales + 1e-12)
     assert np.max(np.abs(np.asarray(kernel).astype(np.float32))) == FP8_MAX     # each part's amax maps to 448
     assert layer(jnp.asarray(x, jnp.bfloat16)).dtype == jnp.float32
+
+
+@pytest.mark.parametrize("kind", ["tensor", "channel"])
+def test_fp8_activations_multiply_fp8_rows_by_the_fp8_kernel(kind):
+    """activations="fp8" (W8A8): each row quantized to FP8 with its own scale, the product of the
+    FP8 values (exact in float32 for this K) times the rows' and the kernel's scales, as the
+    dequantized rows times the dequantized kernel; the rows' rounding moves it by ~3% from the
+    weight-only layer. Leading dimensions kept; a kernel held [out, in]."""
+    rng = np.random.default_rng()
+    w = rng.normal(size=(96, 40)).astype(np.float32) * np.linspace(0.1, 3, 40, dtype=np.float32)
+    x, bias = rng.normal(size=(2, 3, 96)).astype(np.float32), rng.normal(size=40).astype(np.float32)
+    kernel, scale = quantize_kernel(w, kind)
+    layer = Fp8Linear(kernel, scale, jnp.asarray(bias), dtype="float32", activations="fp8")
+    assert layer.kernel.shape == (40, 96) and layer.activations == "fp8"
+    out = np.asarray(jax.jit(lambda x: layer(x))(jnp.asarray(x)))
+    values, row_scale = quantize_rows(jnp.asarray(x.reshape(6, 96)))
+    rows = np.asarray(values, np.float64) * np.asarray(row_scale, np.float64)
+    weight = np.asarray(kernel).astype(np.float64) * _expanded(np.asarray(scale), w.shape, kind)
+    assert out.shape == (2, 3, 40)
+    assert rel_error(out.reshape(6, 40), rows @ weight + bias) < 1e-5
+    weight_only = Fp8Linear(kernel, scale, jnp.asarray(bias), dtype="float32")
+    assert 3e-3 < rel_error(out, weight_only(jnp.asarray(x))) < 0.1
+
+
+def test_fp8_activations_are_checked_and_set_on_a_model():
+    """Block-scaled layers take no FP8 activations (the constructor refuses them by name;
+    set_fp8_activations leaves them weight-only); set_fp8_activations reaches every other FP8
+    linear and fused projection, and the logits stay within FP8 rounding of the weight-only model."""
+    kernel, scale = quantize_kernel(np.ones((64, 32), np.float32), (32, 32))
+    choices = "activations must be one of \\(None, 'fp8'\\)"
+    with pytest.raises(ValueError, match=f"Fp8Linear: {choices}.*got 'fp8' with \\(32, 32\\)"):
+        Fp8Linear(kernel, scale, block_size=(32, 32), activations="fp8")
+    with pytest.raises(ValueError, match=f"Fp8Linear: {choices}.*got 'int8'"):
+        Fp8Linear(*quantize_kernel(np.ones((64, 32), np.float32)), activations="int8")
+    with pytest.raises(ValueError, match=f"set_fp8_activations: {choices}, got 'e5m2'"):
+        set_fp8_activations(Llama(PRESETS["tiny"].replace(num_layers=1), nnx.Rngs(0)), "e5m2")
+    tokens = np.random.default_rng(1).integers(0, PRESETS["tiny"].vocab_size, size=24).astype(np.int32)
+    for block_size, count in ((None, 2 * 7), (64, 0)):
+        model = quantize(Llama(PRESETS["tiny"], nnx.Rngs(0)), block_size=block_size)
+        weight_only = _logits(model, tokens)
+        assert set_fp8_activations(model) == count
+        assert rel_error(_logits(model, tokens), weight_only) < (0.1 if count else 1e-6)
+    fuse_projections(model := quantize(Llama(PRESETS["tiny"], nnx.Rngs(0))))
+    assert set_fp8_activations(model) == 2 * 4 and model.layers[0].attn.qkv_proj.activations == "fp8"
+    assert set_fp8_activations(model, None) == 8 and model.layers[0].mlp.gate_up_proj.activations is None
 
 
 def test_fp8_linear_computes_in_its_dtype():
@@ -168,13 +216,15 @@ def test_engine_serves_a_quantized_model():
 
 
 def test_quantized_scales_are_split_like_their_kernels():
-    """Per-channel scales follow the output columns, block scales both dimensions."""
+    """Per-channel scales follow the output columns, block scales both dimensions; kernels are
+    held [out, in] (Fp8Linear.LAYOUT), split along their output rows."""
     mesh = jax.make_mesh((1,), ("tp",))
     for block_size, column, row in ((None, ("tp",), (None,)), (64, (None, "tp"), ("tp", None))):
         model = quantize(Llama(PRESETS["tiny"].replace(num_layers=1), nnx.Rngs(0)), block_size=block_size)
         specs = {".".join(map(str, path)): tuple(v.get_value().spec)
                  for path, v in nnx.to_flat_state(param_shardings(model, mesh))}
-        assert specs["layers.0.attn.q_proj.kernel"] == (None, "tp")
+        assert specs["layers.0.attn.q_proj.kernel"] == ("tp", None)
+        assert specs["layers.0.attn.o_proj.kernel"] == (None, "tp")
         assert specs["layers.0.attn.q_proj.scale"] == column and specs["layers.0.mlp.up_proj.scale"] == column
         assert specs["layers.0.attn.o_proj.scale"] == row and specs["layers.0.mlp.down_proj.scale"] == row
 
@@ -369,9 +419,10 @@ def _read_all(file: str) -> dict[str, np.ndarray]:
 
 
 def check_fp8_checkpoints_on_mesh(path: str) -> None:
-    """(On 2 CPU devices.) FP8 checkpoints loaded onto a mesh give the one-device logits, their
-    scales split like their kernels (a DeepSeek's MLA whole on each device, its FP8 experts split
-    by columns or whole); block counts the shards do not divide are named."""
+    """(On 2 CPU devices.) FP8 checkpoints loaded onto a mesh give the one-device logits (with FP8
+    activations too), their scales split like their kernels (a DeepSeek's MLA whole on each
+    device, its FP8 experts split by columns or whole); block counts the shards do not divide are
+    named."""
     mesh = jax.make_mesh((jax.device_count(),), ("tp",))
     tokens = np.arange(10, dtype=np.int32)
     for kind, qc, column, row in (("channel", {}, P("tp"), P(None)),
@@ -380,8 +431,13 @@ def check_fp8_checkpoints_on_mesh(path: str) -> None:
         model = from_pretrained(fp8_path, dtype="float32", mesh=mesh)
         assert model.layers[0].attn.q_proj.scale.get_value().sharding.spec == column
         assert model.layers[0].attn.o_proj.scale.get_value().sharding.spec == row
-        expected = _logits(from_pretrained(fp8_path, dtype="float32"), tokens)
+        expected = _logits(single := from_pretrained(fp8_path, dtype="float32"), tokens)
         np.testing.assert_allclose(_logits(model, tokens), expected, rtol=1e-5, atol=1e-5 * np.abs(expected).max())
+        if kind == "channel":     # FP8 activations: a row split over the devices is scaled by its whole amax
+            assert set_fp8_activations(model) == set_fp8_activations(single) == 2 * 7
+            expected = _logits(single, tokens)
+            np.testing.assert_allclose(_logits(model, tokens), expected, rtol=1e-5,
+                                       atol=1e-5 * np.abs(expected).max())
     quantized = from_pretrained(reference_path, quantization="fp8", mesh=mesh)
     assert quantized.layers[0].mlp.up_proj.scale.get_value().sharding.spec == P("tp")
     fp8_path, _ = _fp8_checkpoint(pathlib.Path(path) / "16", LLAMA, [16, 16], dict(weight_block_size=[16, 16]))
