@@ -29,7 +29,8 @@ from benchmarks.tune_grouped_gemm import placements, time_placements
 from jaxattn.kernels.grouped_gemm import Tiles, grouped_gemm, quantize_rows
 from jaxattn.serve.models.experts import block_rows
 
-TILES = (Tiles(128, 64, 4, 4), Tiles(128, 128, 4, 4), Tiles(64, 128, 4, 4), Tiles(128, 128, 8, 3))
+TILES = (Tiles(128, 64, 4, 4), Tiles(128, 128, 4, 4), Tiles(64, 128, 4, 4), Tiles(128, 128, 8, 3),
+         Tiles(128, 128, 4, 4, swap_ab=True), Tiles(128, 128, 8, 3, swap_ab=True))
 LARGE = 1024                # tokens from which fewer variants and configurations run, with 128-row blocks too
 LARGE_VARIANTS = ((False, "ekn", False), (True, "ekn", False), (True, "enk", True))
 

@@ -25,6 +25,8 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 import numpy as np
+from triton.compiler.errors import CompilationError
+from triton.runtime.errors import OutOfResources
 
 from benchmarks.bench_moe import SHAPES, SMOKE
 from benchmarks.common import TUNING, command_line, device_name, device_seconds, utc_now, write_section
@@ -32,7 +34,8 @@ from jaxattn.kernels.grouped_gemm import Tiles, default_tiles, grouped_gemm, qua
 from jaxattn.serve.models.experts import block_rows, num_blocks
 
 CONFIGS = (Tiles(64, 64, 4, 3), Tiles(32, 128, 4, 4), Tiles(32, 256, 4, 3), Tiles(64, 128, 4, 4),
-           Tiles(128, 64, 4, 4), Tiles(64, 256, 8, 3), Tiles(16, 256, 4, 4), Tiles(128, 128, 8, 3))
+           Tiles(128, 64, 4, 4), Tiles(64, 256, 8, 3), Tiles(16, 256, 4, 4), Tiles(128, 128, 8, 3),
+           Tiles(64, 128, 4, 4, swap_ab=True), Tiles(128, 128, 4, 3, swap_ab=True), Tiles(128, 128, 8, 3, swap_ab=True))
 ROTATIONS = 8               # placements of the blocks over the experts the timed calls cycle through
 
 
@@ -61,10 +64,10 @@ def time_placements(run: Callable, rows: jax.Array, turns: list[jax.Array], stac
                     trials: int, what: object) -> float | None:
     """Seconds per call of the jitted ``run(rows, block_expert, *stacks)``, the calls cycling
     through the placements ``turns``; None (and a line naming ``what``) where it needs more shared
-    memory than the GPU has."""
+    memory than the GPU has or Triton does not compile it."""
     try:
         run(rows, turns[0], *stacks).block_until_ready()
-    except jax.errors.JaxRuntimeError as error:
+    except (jax.errors.JaxRuntimeError, CompilationError, OutOfResources) as error:
         print(f"{what}: {str(error).splitlines()[0][:160]}", flush=True)
         return None
     cycle = itertools.cycle(turns)
@@ -80,7 +83,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--smoke", action="store_true", help="tiny shapes and configurations (CPU, seconds)")
     args = parser.parse_args(argv)
     shape = next(iter(SMOKE.values())) if args.smoke else SHAPES[args.model]
-    configs = (Tiles(32, 32, 4, 1), Tiles(64, 32, 4, 1)) if args.smoke else CONFIGS
+    configs = (Tiles(32, 32, 4, 1), Tiles(64, 32, 4, 1), Tiles(32, 32, 4, 1, swap_ab=True)) if args.smoke else CONFIGS
     rng = np.random.default_rng(0)
     rows_out = []
     for tokens in [int(t) for t in args.tokens.split(",")]:
@@ -111,15 +114,17 @@ def main(argv: list[str] | None = None) -> None:
                 chosen = default_tiles(fp8_enk=fp8)     # per-channel FP8 scales: no scale depth
                 cells = [str(tokens), "bf16" if not fp8 else "FP8", f"{k} x {n}" + (" SwiGLU" if swiglu else ""),
                          str(block_m), str(block_expert.size),
-                         *[f"{1e6 * times[t]:.1f}" if t in times else "smem" for t in configs],
+                         *[f"{1e6 * times[t]:.1f}" if t in times else "failed" for t in configs],
                          str(tuple(fastest)), f"{times[chosen] / times[fastest]:.2f}" if chosen in times else "-"]
                 rows_out.append("| " + " | ".join(cells) + " |")
                 print(rows_out[-1], flush=True)
     columns = ["tokens", "weights", "K x N", "block rows", "blocks",
-               *[f"{t.block_n}x{t.block_k} w{t.num_warps} s{t.num_stages} us" for t in configs],
-               "fastest (block_n, block_k, warps, stages)", "default_tiles / fastest"]
+               *[f"{t.block_n}x{t.block_k} w{t.num_warps} s{t.num_stages}{' swap' if t.swap_ab else ''} us"
+                 for t in configs],
+               "fastest (block_n, block_k, warps, stages, swap_ab)", "default_tiles / fastest"]
     lines = [f"Device: {device_name()}; {utc_now()}; jax {jax.__version__}; model shapes {args.model}; GPU time per "
-             "call (profiler), median of the trials; smem: needs more shared memory than the GPU has.",
+             "call (profiler), median of the trials; failed: needs more shared memory than the GPU has, or did not "
+             "compile (swap: Tiles.swap_ab).",
              f"Command: `{command_line()}`", "",
              "| " + " | ".join(columns) + " |", "|" + "---|" * len(columns), *rows_out]
     print(write_section("grouped-gemm-tiles", "\n".join(lines), path=TUNING, update=not args.smoke,

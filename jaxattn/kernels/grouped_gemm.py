@@ -13,7 +13,8 @@ row) FP8 meets FP8 on the tensor cores. Scales per row, expert or output channel
 accumulated product once; block scales each tile's product per column where a scale block is at
 least a tile deep, else every weight before the dot. Weights come ``[E, K, N]`` or, each
 expert's kernel transposed, ``[E, N, K]`` (``weight_layout="enk"``: K contiguous, the layout an
-FP8 dot reads). The launch configuration is ``default_tiles``.
+FP8 dot reads). The launch configuration is ``default_tiles`` (``Tiles``: the weight tile, warps,
+stages, and whether each tile's product is computed transposed, ``swap_ab``).
 """
 
 from __future__ import annotations
@@ -30,11 +31,15 @@ FP8_MAX = float(jnp.finfo(jnp.float8_e4m3fn).max)      # 448
 
 
 class Tiles(NamedTuple):
-    """A launch configuration: ``block_n x block_k`` weight tiles, ``num_warps``, ``num_stages``."""
+    """A launch configuration: ``block_n x block_k`` weight tiles, ``num_warps``, ``num_stages``;
+    ``swap_ab``: each tile's product computed transposed, ``w_tile^T @ rows^T``, so that the
+    weights' ``block_n`` columns take the MMA's M side (a Hopper warpgroup MMA is 64 rows deep)
+    and a block's rows its N side (8 and up), as TensorRT-LLM and SGLang do for small-M GEMMs."""
     block_n: int = 64
     block_k: int = 64
     num_warps: int = 4
     num_stages: int = 3
+    swap_ab: bool = False
 
 
 def default_tiles(scale_depth: int | None = None, fp8_enk: bool = False) -> Tiles:
@@ -61,8 +66,8 @@ def grouped_gemm_kernel(rows_ptr, row_scale_ptr, row_index_ptr, block_expert_ptr
                         ROW_SCALED: tl.constexpr, ROW_GROUPS: tl.constexpr, K_SCALES: tl.constexpr,
                         TILE_SCALES: tl.constexpr,
                         SCALE_ROWS: tl.constexpr, SCALE_COLS: tl.constexpr, BI: tl.constexpr, BO: tl.constexpr,
-                        W_NK: tl.constexpr, DOT_F32: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                        BLOCK_K: tl.constexpr):
+                        W_NK: tl.constexpr, DOT_F32: tl.constexpr, SWAP_AB: tl.constexpr, BLOCK_M: tl.constexpr,
+                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """``out[block] = rows[block] @ w[e]`` (``SWIGLU``: ``silu(rows @ w[e]) * (rows @ w2[e])``),
     ``e = block_expert[block]``; ``w, w2: [E, K, N]`` (``W_NK``: ``[E, N, K]``), ``rows: [R, K]``
     (``GATHER``: ``[T, K]``, block row r being ``rows[row_index[r]]``, a zero row where that is not
@@ -72,7 +77,8 @@ def grouped_gemm_kernel(rows_ptr, row_scale_ptr, row_index_ptr, block_expert_ptr
     block of ``BI`` rows and ``BO`` columns). Scales that vary along K (``K_SCALES``) scale each
     tile's dot per column with ``TILE_SCALES`` (each ``BLOCK_K`` rows of a tile share their
     scales), otherwise every weight; scales constant along K (per expert or output channel) scale
-    the accumulated product once, so the dots chain in one accumulator."""
+    the accumulated product once, so the dots chain in one accumulator. ``SWAP_AB`` accumulates
+    the tile transposed (``_tile_dot``) and transposes it once before the epilogue."""
     block = tl.program_id(0)
     expert = tl.load(block_expert_ptr + block)
     if expert >= 0:
@@ -94,24 +100,32 @@ def grouped_gemm_kernel(rows_ptr, row_scale_ptr, row_index_ptr, block_expert_ptr
             w_offsets = expert.to(tl.int64) * K * N + offs_k[:, None] * N + offs_n[None, :]
             w_step = BLOCK_K * N
         s_base = expert.to(tl.int64) * SCALE_ROWS * SCALE_COLS + offs_n // BO
-        acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-        acc2 = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+        if SWAP_AB:
+            acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
+            acc2 = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
+        else:
+            acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+            acc2 = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
         n_in = offs_n < N
         for k0 in range(0, K, BLOCK_K):
             k_in = (k0 + offs_k) < K
             w_mask = k_in[:, None] & n_in[None, :]
             a = tl.load(a_ptrs, mask=m_in[:, None] & k_in[None, :], other=0.0)
             if ROW_SCALED and K_SCALES:      # the rows' scales of this tile's columns (a block of BI)
-                a_scale = tl.load(row_scale_ptr + source * ROW_GROUPS + k0 // BI, mask=m_in, other=0.0)[:, None]
+                a_scale = tl.load(row_scale_ptr + source * ROW_GROUPS + k0 // BI, mask=m_in, other=0.0)
+                a_scale = a_scale[None, :] if SWAP_AB else a_scale[:, None]
             else:
                 a_scale = 1.0
             acc = _tile_dot(a, a_scale, w_ptr + w_offsets, w_mask, s_ptr, s_base, k0, offs_k, n_in, acc, K_SCALES,
-                            TILE_SCALES, SCALE_COLS, BI, DOT_F32)
+                            TILE_SCALES, SCALE_COLS, BI, DOT_F32, SWAP_AB)
             if SWIGLU:
                 acc2 = _tile_dot(a, a_scale, w2_ptr + w_offsets, w_mask, s2_ptr, s_base, k0, offs_k, n_in, acc2,
-                                 K_SCALES, TILE_SCALES, SCALE_COLS, BI, DOT_F32)
+                                 K_SCALES, TILE_SCALES, SCALE_COLS, BI, DOT_F32, SWAP_AB)
             a_ptrs += BLOCK_K
             w_offsets += w_step
+        if SWAP_AB:
+            acc = tl.trans(acc)
+            acc2 = tl.trans(acc2)
         if SCALED:
             if not K_SCALES:
                 acc = acc * tl.load(s_ptr + s_base, mask=n_in, other=0.0)[None, :]
@@ -130,10 +144,12 @@ def grouped_gemm_kernel(rows_ptr, row_scale_ptr, row_index_ptr, block_expert_ptr
 
 @triton.jit
 def _tile_dot(a, a_scale, w_ptrs, w_mask, s_ptr, s_base, k0, offs_k, n_in, acc, K_SCALES: tl.constexpr,
-              TILE_SCALES: tl.constexpr, SCALE_COLS: tl.constexpr, BI: tl.constexpr, DOT_F32: tl.constexpr):
+              TILE_SCALES: tl.constexpr, SCALE_COLS: tl.constexpr, BI: tl.constexpr, DOT_F32: tl.constexpr,
+              SWAP_AB: tl.constexpr):
     """``acc + a @ w`` over the ``BLOCK_K x BLOCK_N`` weight tile at rows ``k0 + offs_k`` (columns
     ``n_in`` inside N), FP8 weights times their scales where these vary along K (``K_SCALES``;
-    with ``TILE_SCALES`` the tile's product, also times the rows' scales ``a_scale [BLOCK_M, 1]``)."""
+    with ``TILE_SCALES`` the tile's product, also times the rows' scales ``a_scale [BLOCK_M, 1]``).
+    ``SWAP_AB``: ``acc + w^T @ a^T``, ``acc [BLOCK_N, BLOCK_M]`` and ``a_scale [1, BLOCK_M]``."""
     b = tl.load(w_ptrs, mask=w_mask, other=0.0)
     if K_SCALES and not TILE_SCALES:
         b = b.to(tl.float32) * tl.load(s_ptr + s_base[None, :] + ((k0 + offs_k) // BI)[:, None] * SCALE_COLS,
@@ -143,8 +159,12 @@ def _tile_dot(a, a_scale, w_ptrs, w_mask, s_ptr, s_base, k0, offs_k, n_in, acc, 
         a = a.to(tl.float32)
         b = b.to(tl.float32)
     if K_SCALES and TILE_SCALES:
-        w_scale = tl.load(s_ptr + s_base + (k0 // BI) * SCALE_COLS, mask=n_in, other=0.0)[None, :]
-        return acc + tl.dot(a, b) * (a_scale * w_scale)
+        w_scale = tl.load(s_ptr + s_base + (k0 // BI) * SCALE_COLS, mask=n_in, other=0.0)
+        if SWAP_AB:
+            return acc + tl.dot(tl.trans(b), tl.trans(a)) * (w_scale[:, None] * a_scale)
+        return acc + tl.dot(a, b) * (a_scale * w_scale[None, :])
+    if SWAP_AB:
+        return tl.dot(tl.trans(b), tl.trans(a), acc)
     return tl.dot(a, b, acc)
 
 
@@ -218,8 +238,8 @@ def grouped_gemm(rows: jax.Array, block_expert: jax.Array, weights: jax.Array, u
         SWIGLU=up is not None, SCALED=scale is not None,
         ROW_SCALED=row_scale is not None, ROW_GROUPS=1 if row_scale is None else row_scale.shape[1],
         K_SCALES=scale_rows > 1, TILE_SCALES=tile_scales, SCALE_ROWS=scale_rows,
-        SCALE_COLS=scale_cols, BI=bi, BO=bo, W_NK=w_nk, DOT_F32=jax.default_backend() == "cpu", BLOCK_M=block_m,
-        BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k)
+        SCALE_COLS=scale_cols, BI=bi, BO=bo, W_NK=w_nk, DOT_F32=jax.default_backend() == "cpu",
+        SWAP_AB=bool(tiles.swap_ab), BLOCK_M=block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k)
     return out
 
 

@@ -20,16 +20,19 @@ def _laid_out(stack, layout: str) -> jax.Array:
     return jnp.asarray(stack if layout == "ekn" else np.swapaxes(stack, 1, 2))
 
 
+@pytest.mark.parametrize("swap_ab", [False, True])
 @pytest.mark.parametrize("layout", ["ekn", "enk"])
 @pytest.mark.parametrize("swiglu", [False, True])
 @pytest.mark.parametrize("block_m, k, n", [(16, 64, 64), (32, 100, 72), (16, 256, 200)])
-def test_blocks_take_their_experts(on_platform, swiglu, block_m, k, n, layout):
+def test_blocks_take_their_experts(on_platform, swiglu, block_m, k, n, layout, swap_ab):
+    """Each tile's product straight or transposed (``Tiles.swap_ab``) alike."""
     rng = np.random.default_rng()
     dtype = jnp.float32 if on_platform == "cpu" else jnp.bfloat16
     block_expert = np.array([2, 0, 0, 3, -1, -1], np.int32)
     rows = rng.normal(size=(block_expert.size * block_m, k)).astype(np.float32)
     gate, up = (rng.normal(size=(4, k, n)).astype(np.float32) / np.sqrt(k) for _ in range(2))
-    run = jax.jit(functools.partial(grouped_gemm, block_m=block_m, weight_layout=layout))
+    run = jax.jit(functools.partial(grouped_gemm, block_m=block_m, weight_layout=layout,
+                                    tiles=default_tiles()._replace(swap_ab=swap_ab)))
     out = run(jnp.asarray(rows, dtype), jnp.asarray(block_expert), _laid_out(jnp.asarray(gate, dtype), layout),
               _laid_out(jnp.asarray(up, dtype), layout) if swiglu else None)
     assert out.shape == (rows.shape[0], n) and out.dtype == dtype
@@ -47,7 +50,9 @@ def test_blocks_take_their_experts(on_platform, swiglu, block_m, k, n, layout):
 @pytest.mark.parametrize("scale_block, tiles", [
     ((100, 1), Tiles()),                        # per output channel: one scale row, scaled after the dots
     ((32, 16), Tiles(block_n=32, block_k=32)),  # blocks a whole number of tiles deep: scaled per tile
+    ((32, 16), Tiles(block_n=32, block_k=32, swap_ab=True)),
     ((8, 8), Tiles()),                          # blocks finer than a tile: every weight scaled
+    ((8, 8), Tiles(swap_ab=True)),
 ])
 def test_fp8_weights_are_scaled_in_the_kernel(on_platform, scale_block, tiles):
     rng = np.random.default_rng()
@@ -79,10 +84,12 @@ def test_fp8_row_groups_follow_the_weight_scales():
     assert fp8_row_group(2048, (16, 16)) is None                      # 16-deep tiles: FP8 MMAs are 32 deep
 
 
+@pytest.mark.parametrize("swap_ab", [False, True])
 @pytest.mark.parametrize("scale_block", [(32, 8), (64, 72)])
-def test_fp8_rows_in_groups_meet_block_scales(on_platform, scale_block):
+def test_fp8_rows_in_groups_meet_block_scales(on_platform, scale_block, swap_ab):
     """FP8 rows with one scale per ``bi`` columns (``quantize_rows(rows, bi)``) against block-scaled
-    FP8 weights: each tile's product times its rows' and columns' scales."""
+    FP8 weights: each tile's product times its rows' and columns' scales (the tile straight or
+    transposed)."""
     rng = np.random.default_rng()
     block_m, k, n = 16, 96, 72
     bi, bo = scale_block
@@ -92,8 +99,9 @@ def test_fp8_rows_in_groups_meet_block_scales(on_platform, scale_block):
     scale = rng.uniform(0.5, 2.0, size=(2, -(-k // bi), -(-n // bo))).astype(np.float32) / 8
     fp8_rows, row_scale = quantize_rows(jnp.asarray(rows), fp8_row_group(k, scale_block))
     assert row_scale.shape == (rows.shape[0], -(-k // bi))
+    tiles = default_tiles(bi, fp8_enk=True)._replace(swap_ab=swap_ab)
     out = jax.jit(functools.partial(grouped_gemm, block_m=block_m, scale_block=scale_block, weight_layout="enk",
-                                    out_dtype=jnp.float32))(
+                                    out_dtype=jnp.float32, tiles=tiles))(
         fp8_rows, jnp.asarray(block_expert), _laid_out(jnp.asarray(weights, jnp.float8_e4m3fn), "enk"),
         scale=jnp.asarray(scale), row_scale=row_scale)
     used = 2 * block_m
@@ -103,8 +111,8 @@ def test_fp8_rows_in_groups_meet_block_scales(on_platform, scale_block):
     assert rel_error(out[:used], want) < (1e-5 if on_platform == "cpu" else 1e-3)
 
 
-@pytest.mark.parametrize("layout", ["ekn", "enk"])
-def test_fp8_rows_are_scaled_per_row(on_platform, layout):
+@pytest.mark.parametrize("layout, swap_ab", [("ekn", False), ("enk", False), ("enk", True)])
+def test_fp8_rows_are_scaled_per_row(on_platform, layout, swap_ab):
     """FP8 activations (``quantize_rows``) times FP8 weights with per-channel scales: each output
     row times its row's scale, close to the bf16 rows' product (FP8 rounding of the rows)."""
     rng = np.random.default_rng()
@@ -116,7 +124,8 @@ def test_fp8_rows_are_scaled_per_row(on_platform, layout):
     scale, up_scale = (rng.uniform(0.5, 2.0, size=(2, 1, n)).astype(np.float32) / 8 for _ in range(2))
     fp8_rows, row_scale = quantize_rows(jnp.asarray(rows, jnp.bfloat16))
     run = jax.jit(functools.partial(grouped_gemm, block_m=block_m, scale_block=(k, 1), weight_layout=layout,
-                                    out_dtype=jnp.bfloat16))
+                                    out_dtype=jnp.bfloat16,
+                                    tiles=default_tiles(fp8_enk=layout == "enk")._replace(swap_ab=swap_ab)))
     out = run(fp8_rows, jnp.asarray(block_expert), _laid_out(gate, layout), _laid_out(up, layout),
               scale=jnp.asarray(scale), up_scale=jnp.asarray(up_scale), row_scale=row_scale)
     assert out.dtype == jnp.bfloat16
