@@ -10,7 +10,8 @@ so that a call does not find its experts in L2 from the call before), by each of
 ``jaxattn.serve.models.experts``' strategies (``GEMMS``: "ragged_dot", three ``jax.lax.ragged_dot``
 over the token copies grouped by expert; "dense", every expert on every token, E / k times the
 FLOPs; "triton", the Triton grouped GEMM over expert-aligned blocks), and "tokamax"
-(``tokamax.ragged_dot`` in place of ``jax.lax.ragged_dot``) where tokamax is installed. Per row: GPU
+(``tokamax.ragged_dot`` in place of ``jax.lax.ragged_dot``) where tokamax is installed
+(``scripts/fetch_moe_wheels.sh`` fetches it and what it imports for the GPU machine). Per row: GPU
 time per call (the profiler; median wall time on a CPU), the experts the tokens touch, the fastest
 variant and the one ``choose_gemm`` takes for the models ("auto"), the fastest's touched experts'
 weight bytes over its time as a share of the copy rate and its routed FLOPs (2 x 3 x dim x F x k per
