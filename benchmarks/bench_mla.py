@@ -14,7 +14,7 @@ Decode (absorbed, ``mla_paged_attention``): B in {1, 16, 64, 128} x kv in {1k, 4
   TB/s: latent bytes read ((512 + 64) x 2 per key and sequence) / time, against the device copy rate;
   TFLOP/s: 2 x B x Hq x kv x (576 + 512) / time, against the bf16 dense peak given by ``--peak-tflops``.
 Prefill (``mla_prefill``, B=8 x 4096 new tokens, no cached context, Hq 16 and 128, d_qk 192, d_v 128):
-jaxattn's ``cudnn``, ``fa4`` (where installed) and ``xla`` backends (GPU time per call from the
+jaxattn's ``cudnn``, ``fa4`` (where installed), ``triton`` and ``xla`` backends (GPU time per call from the
 profiler, ``device_seconds``: a single call's wall time also counts its dispatch and host sync,
 which at 16 heads was half of it under a busy host), and the fa4 kernel alone on K/V expanded
 outside the timing (``jaxattn fa4 kernel``, as the peers run), against
@@ -116,7 +116,7 @@ def prefill_seconds(heads: int, batch: int, q_len: int, with_torch: bool, peers:
     q, _, cache, meta, w_uk, w_uv = args = x.args
     tokens, pages_per_seq = batch * q_len, meta.max_pages_per_seq
     result, outs = {"seconds": {}, "notes": []}, {}
-    for backend in ("cudnn", "fa4", "xla") if with_torch else ("xla",):
+    for backend in ("cudnn", "fa4", "triton", "xla") if with_torch else ("xla",):
         reason = backends.unavailable_reason(backend)
         if reason is not None:
             result["notes"].append(f"jaxattn {backend} not run: {reason}"[:300])
@@ -138,7 +138,7 @@ def prefill_seconds(heads: int, batch: int, q_len: int, with_torch: bool, peers:
             result["notes"].append(f"fa4 kernel failed: {err!r}"[:300])
             traceback.print_exc(limit=2)
     out = outs.get("cudnn", outs.get("xla"))
-    for backend in ("cudnn", "fa4"):
+    for backend in ("cudnn", "fa4", "triton"):
         if with_torch and "xla" in outs and backend in outs:
             result["notes"].append(f"{backend} vs xla rel err {rel_error(outs[backend], outs['xla']):.1e}")
     print(f"prefill Hq={heads}, jaxattn:", result, flush=True)
@@ -244,7 +244,8 @@ def section_text(heads: int, rows: list[dict], prefill: dict | None, copy_rate: 
             f"{name} {t * 1e3:.3f} ms ({flops / t / 1e12:.0f} TFLOP/s)" for name, t in sec.items())
             + "".join(f"; {peer} / {name} {sec[peer] / sec[name]:.2f}x"
                       for peer in ("flashinfer cudnn", "flashinfer fa3")
-                      for name in ("jaxattn cudnn", "jaxattn fa4", "jaxattn fa4 kernel", "jaxattn xla")
+                      for name in ("jaxattn cudnn", "jaxattn fa4", "jaxattn fa4 kernel", "jaxattn triton",
+                                   "jaxattn xla")
                       if peer in sec and name in sec)
             + ("; " + ", ".join(prefill["notes"]) if prefill["notes"] else ""))
     if rows:

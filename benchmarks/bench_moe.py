@@ -18,8 +18,8 @@ weight bytes over its time as a share of the copy rate and its routed FLOPs (2 x
 token) over its time as a share of the matmul rate, and the fastest against ragged_dot. ``--fp8``
 runs the same on FP8 expert stacks as the model holds them (per-channel scales, each kernel
 transposed: ``quantization.Fp8Experts``; the Triton kernel reads FP8 and multiplies FP8 rows,
-quantized per row, on FP8 tensor cores, dense converts them and scales its products, ragged_dot
-dequantizes first). Writes the ``--section`` section of
+quantized per row, FP8 x FP8 (``grouped_gemm``'s docstring says which MMAs), dense converts
+them and scales its products, ragged_dot dequantizes first). Writes the ``--section`` section of
 benchmarks/RESULTS.md (default "moe_grouped_gemm", with ``--fp8`` "moe_grouped_gemm_fp8");
 ``--smoke`` runs tiny shapes (CPU, seconds) and writes only ``$OUT``. ``--table PATH`` also writes
 the measured table that ``choose_gemm`` reads (``jaxattn.serve.models.expert_gemm_table``;

@@ -104,10 +104,12 @@ def mla_prefill(
       w_uk: ``[R, Hq, Dn]``, latent -> no-RoPE key of each head.
       w_uv: ``[R, Hq, Dv]`` (Dv 128), latent -> value of each head.
       backend: "auto" or a backend that implements this op (xla; cudnn: cuDNN's paged prefill over
-        the latents expanded to per-head K/V, V zero-padded to K's width; fa4: FlashAttention-4's
-        SM90 kernel over K and V pages of their own widths). auto: the order this GPU's measured
-        choice table gives the nearest bucket (sm_90: fa4, then cudnn, at every measured point;
-        benchmarks/RESULTS.md), else cudnn, then fa4, else xla, where each runs and takes the call.
+        the latents expanded to per-head K/V, V zero-padded to K's width; triton: jaxattn's Triton
+        paged kernels over the same pool; fa4: FlashAttention-4's SM90 kernel over K and V pages
+        of their own widths). auto: the order this GPU's measured choice table gives the nearest
+        bucket (sm_90: fa4, then cudnn, at every measured point; benchmarks/RESULTS.md; backends it
+        did not time keep their rank's place), else cudnn, then fa4, then triton, else xla, where
+        each runs and takes the call.
 
     Returns:
       ``out``: ``[T, Hq, Dv]`` in ``q.dtype``; with ``return_status``, ``(out, valid)``.

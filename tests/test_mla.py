@@ -206,9 +206,9 @@ def test_prefill_bad_weights_raise(weight, shape, message):
     with pytest.raises(ValueError, match=message):
         jaxattn.mla_prefill(problem.q_nope, problem.q_rope, problem.cache, problem.meta, scale=problem.scale,
                             **weights)
-    with pytest.raises(ValueError, match="backend must be one of \\('auto', 'xla', 'cudnn', 'fa4'\\)"):
+    with pytest.raises(ValueError, match="backend must be one of \\('auto', 'xla', 'cudnn', 'triton', 'fa4'\\)"):
         jaxattn.mla_prefill(problem.q_nope, problem.q_rope, problem.cache, problem.meta, problem.w_uk, problem.w_uv,
-                            scale=problem.scale, backend="triton")
+                            scale=problem.scale, backend="flashinfer")
 
 
 def test_whole_query_arguments_raise():

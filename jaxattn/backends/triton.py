@@ -11,7 +11,10 @@ metadata's device arrays):
 
 ``mla_attention`` runs absorbed multi-head latent attention (``jaxattn.mla``) with
 ``jaxattn.kernels.triton_mla``: split-KV over the latent pages, query heads as the M tile, and a
-segment reduction (skipped when one segment suffices).
+segment reduction (skipped when one segment suffices). ``mla_prefill`` runs the paged kernels
+above over the latents expanded to per-head K and V (``latents.attend_expanded``: one pool of
+``max(Dn + Dr, Dv)``-wide pages, V zero-padded, as the cudnn backend does), so that MLA prefill
+has a GPU kernel where cuDNN's handler is not built and FlashAttention-4 is not installed.
 
 Block sizes come from ``decode_config`` / ``short_query_config`` / ``prefill_config`` (measured on
 an H200, see ``benchmarks/TUNING.md``), or are passed explicitly. On CPU the kernels run under Triton's
@@ -28,6 +31,7 @@ import numpy as np
 
 from jaxattn.backends.base import (RANK_GENERAL, AttentionParams, Backend, Call, Capabilities, OpSupport,
                                     constant_rank)
+from jaxattn.backends.latents import attend_expanded
 from jaxattn.kv_cache import KVCache, MLACache
 from jaxattn.metadata import SPEC_DECODE_MAX_Q_LEN, AttentionMetadata
 
@@ -326,6 +330,21 @@ def mla_check(call: Call) -> str | None:
     return None
 
 
+def mla_prefill_check(call: Call) -> str | None:
+    """The paged kernels' head-width limit over the expanded pool (K of Dn + Dr, V padded to it)."""
+    width = max(call.q.shape[2], call.w_uv.shape[2])
+    if not MIN_HEAD_DIM <= width <= MAX_HEAD_DIM:
+        return f"max(Dn + Dr, Dv) must be in {MIN_HEAD_DIM}..{MAX_HEAD_DIM}, got {width}"
+    return None
+
+
+def mla_prefill(q: jax.Array, cache: MLACache, meta: AttentionMetadata, w_uk: jax.Array, w_uv: jax.Array,
+                params: AttentionParams) -> jax.Array:
+    """MLA prefill on the paged kernels over the expanded pool (module docstring):
+    ``q: [T, Hq, Dn + Dr]`` (whole) -> ``[T, Hq, Dv]`` in ``q.dtype``."""
+    return attend_expanded(attention, q, cache, meta, w_uk, w_uv, params)
+
+
 def mla_rank(call: Call) -> int | None:
     """auto: short queries (``MLA_MAX_DECODE_Q_LEN``) past ``MLA_XLA_MAX_DECODE_KEYS`` token-keys."""
     keys = call.q.shape[0] * call.meta.max_pages_per_seq * call.cache.page_size
@@ -441,5 +460,9 @@ BACKEND = Backend(
         "mla_paged_attention": OpSupport(run=mla_attention, check=mla_check, rank=mla_rank,
                                          capabilities=Capabilities(dtypes=DTYPES, fp8_pages=True, layouts=(),
                                                                    options=("non_causal",))),
+        # auto, without a measured choice: after cudnn (RANK_FIRST) and fa4 (RANK_GENERAL), ahead of xla
+        "mla_prefill": OpSupport(run=mla_prefill, check=mla_prefill_check, rank=constant_rank(RANK_GENERAL + 1),
+                                 capabilities=Capabilities(dtypes=DTYPES, fp8_pages=True, layouts=(),
+                                                           options=("non_causal",))),
     },
 )

@@ -9,7 +9,10 @@ and at large batches each expert's tile is reused across its blocks from L2. Wit
 kernel takes two weight stacks (gate, up) and writes ``silu(rows @ gate) * (rows @ up)``: the
 rows are read once for both. FP8 weights are read as FP8; with rows in the model's dtype they are
 converted to it for the dot (weight-only FP8), with FP8 rows (``quantize_rows``, one scale per
-row) FP8 meets FP8 on the tensor cores. Scales per row, expert or output channel multiply the
+row) FP8 meets FP8 in the dot: on an H100, with Triton 3.6, an FP8 x FP8 warpgroup MMA for 64-row
+blocks and for ``swap_ab`` tiles, but an f16 ``mma.sync`` for 16- and 32-row blocks straight (the
+FP8 operands converted in registers; ``tests/kernels/test_grouped_gemm.py`` compiles both for
+sm_90). Scales per row, expert or output channel multiply the
 accumulated product once; block scales each tile's product per column where a scale block is at
 least a tile deep, else every weight before the dot. Weights come ``[E, K, N]`` or, each
 expert's kernel transposed, ``[E, N, K]`` (``weight_layout="enk"``: K contiguous, the layout an
@@ -158,14 +161,18 @@ def _tile_dot(a, a_scale, w_ptrs, w_mask, s_ptr, s_base, k0, offs_k, n_in, acc, 
     if DOT_F32:       # Triton's interpreter (CPU tests) multiplies float32 only
         a = a.to(tl.float32)
         b = b.to(tl.float32)
+    # if / else throughout: the compiler also generates code after a constexpr branch's return
     if K_SCALES and TILE_SCALES:
         w_scale = tl.load(s_ptr + s_base + (k0 // BI) * SCALE_COLS, mask=n_in, other=0.0)
         if SWAP_AB:
-            return acc + tl.dot(tl.trans(b), tl.trans(a)) * (w_scale[:, None] * a_scale)
-        return acc + tl.dot(a, b) * (a_scale * w_scale[None, :])
-    if SWAP_AB:
-        return tl.dot(tl.trans(b), tl.trans(a), acc)
-    return tl.dot(a, b, acc)
+            acc = acc + tl.dot(tl.trans(b), tl.trans(a)) * (w_scale[:, None] * a_scale)
+        else:
+            acc = acc + tl.dot(a, b) * (a_scale * w_scale[None, :])
+    elif SWAP_AB:
+        acc = tl.dot(tl.trans(b), tl.trans(a), acc)
+    else:
+        acc = tl.dot(a, b, acc)
+    return acc
 
 
 def grouped_gemm(rows: jax.Array, block_expert: jax.Array, weights: jax.Array, up: jax.Array | None = None, *,

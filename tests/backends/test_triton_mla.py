@@ -25,7 +25,8 @@ from jaxattn import backends, dispatch
 from jaxattn.backends import xla
 from jaxattn.backends.base import AttentionParams, Call, gpu_devices
 from tests.mla_inputs import (break_metadata, check_captured_in_command_buffer, check_deepseek_broken_sequences,
-                               check_deepseek_decode, check_deepseek_fp8_pool, make_mla_problem)
+                               check_deepseek_decode, check_deepseek_fp8_pool, check_deepseek_prefill,
+                               check_deepseek_prefill_broken_sequences, make_mla_problem)
 from tests.paged_inputs import TOLERANCE, rel_error
 from tests.xla_dump import REPO
 
@@ -118,6 +119,53 @@ def test_broken_sequences_are_zero_and_flagged(triton_runs_here, max_q_len):
     assert not np.isnan(out).any(), "a page the sequence does not own reached its output"
     np.testing.assert_allclose(out, problem.without(broken).absorbed_reference(problem.q_latent), rtol=2e-4,
                                atol=2e-4)
+
+
+# --- mla_prefill: the paged kernels over the expanded latents --------------------------------------
+
+PREFILL_BATCH = dict(q_lens=[1, 1, 6, 13, 2], kv_lens=[5, 33, 6, 40, 2], max_q_len=None)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("kv_dtype", [None, jnp.float8_e4m3fn], ids=["f32", "fp8"])
+def test_prefill_over_the_expanded_latents(triton_runs_here, causal, kv_dtype):
+    """Decodes, chunked prefills over cached context and padding (keys 32 wide, values 16: V
+    zero-padded in the pool) against the float64 expanded reference and the xla backend; padding
+    rows are zero."""
+    problem = make_mla_problem(np.random.default_rng(), num_q_heads=4, kv_dtype=kv_dtype, **SMALL, **PREFILL_BATCH)
+    rest = (problem.cache, problem.meta, problem.w_uk, problem.w_uv)
+    run = {name: jax.jit(lambda *a, name=name: jaxattn.mla_prefill(*a, scale=problem.scale, causal=causal,
+                                                                   backend=name))
+           for name in ("triton", "xla")}
+    out = run["triton"](problem.q, None, *rest)
+    assert out.shape == (problem.q.shape[0], 4, 16)
+    assert rel_error(out, problem.expanded_reference(causal)) < 1e-5
+    assert rel_error(out, run["xla"](problem.q, None, *rest)) < 1e-5
+    assert not np.asarray(out[sum(problem.q_lens):]).any(), "padding tokens are zeros"
+
+
+def test_prefill_flags_broken_sequences(triton_runs_here):
+    """Bad page ids, kv_lens too short and too long: zero rows and a False flag; the others exact."""
+    rng = np.random.default_rng()
+    problem = make_mla_problem(rng, num_q_heads=4, **SMALL, **PREFILL_BATCH)
+    meta, broken = break_metadata(rng, problem, ["none", "page", "short", "long", "none"])
+    out, valid = jax.jit(lambda *a: jaxattn.mla_prefill(*a, scale=problem.scale, backend="triton",
+                                                        return_status=True))(
+        problem.q, None, problem.cache, meta, problem.w_uk, problem.w_uv)
+    np.testing.assert_array_equal(valid, ~broken)
+    out = np.asarray(out, np.float64)
+    assert not np.isnan(out).any(), "a page the sequence does not own reached its output"
+    np.testing.assert_allclose(out, problem.without(broken).expanded_reference(), rtol=2e-5, atol=2e-5)
+
+
+def test_prefill_ranks_after_cudnn_and_fa4_and_before_xla():
+    """auto without a measured entry: cudnn, then fa4, then triton, then xla; a pool wider than
+    the kernels' 256 columns is refused by name."""
+    problem = make_mla_problem(np.random.default_rng(9), num_q_heads=4, **SMALL, **PREFILL_BATCH)
+    call = Call("mla_prefill", problem.q, problem.cache, problem.meta, _params(problem), w_uv=problem.w_uv)
+    assert dispatch.rank_order(call) == ["cudnn", "fa4", "triton", "xla"]
+    wide = dataclasses.replace(call, q=jax.ShapeDtypeStruct((32, 4, 264), jnp.float32))
+    assert backends.takes("triton", wide) == "max(Dn + Dr, Dv) must be in 16..256, got 264"
 
 
 def test_check_supported():
@@ -240,6 +288,18 @@ def test_gpu_deepseek_fp8_pool(num_q_heads, max_q_len):
 def test_gpu_deepseek_spec_decode_and_broken_sequences(num_q_heads):
     """Queries of up to 4 tokens, every fault, NaN in every unowned page."""
     check_deepseek_broken_sequences("triton", num_q_heads, [1, 4, 2, 3, 1, 4, 1, 2])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_q_heads", [16, 128])
+def test_gpu_deepseek_prefill(num_q_heads):
+    check_deepseek_prefill("triton", num_q_heads)
+
+
+@pytest.mark.gpu
+def test_gpu_deepseek_prefill_over_fp8_latents_and_broken_sequences():
+    check_deepseek_prefill("triton", 16, kv_dtype=jnp.float8_e4m3fn)
+    check_deepseek_prefill_broken_sequences("triton")
 
 
 @pytest.mark.gpu

@@ -5,6 +5,10 @@ the CPU and compiled on a GPU."""
 from __future__ import annotations
 
 import functools
+import json
+import subprocess
+import sys
+import textwrap
 
 import jax
 import jax.numpy as jnp
@@ -13,6 +17,7 @@ import pytest
 
 from jaxattn.kernels.grouped_gemm import Tiles, default_tiles, fp8_row_group, grouped_gemm, quantize_rows
 from tests.paged_inputs import rel_error
+from tests.xla_dump import REPO
 
 
 def _laid_out(stack, layout: str) -> jax.Array:
@@ -209,3 +214,52 @@ def test_default_tiles_keep_a_tile_inside_a_scale_block():
     assert default_tiles(scale_depth=8).block_k == 64
     assert default_tiles(fp8_enk=True) == Tiles(128, 128, 8, 3)
     assert default_tiles(scale_depth=128, fp8_enk=True).block_k == 128
+
+
+_SM90_SCRIPT = textwrap.dedent("""
+    import json, re, sys
+    import jax, jax.numpy as jnp, numpy as np
+    jax.default_backend = lambda: "gpu"             # the launch a GPU would get (no float32 dots)
+    from jaxattn.kernels import grouped_gemm as gg
+    from jaxattn.kernels.triton_call import _compile
+
+    block_m, fp8, swap = int(sys.argv[1]), sys.argv[2] == "fp8", sys.argv[3] == "swap"
+    experts, k, n, rows = 64, 2048, 1408, 8 * block_m          # DeepSeek-V2-Lite's gate and up
+    dtype = jnp.float8_e4m3fn if fp8 else jnp.bfloat16
+    tiles = gg.default_tiles(fp8_enk=fp8)._replace(swap_ab=swap)
+    shape = jax.ShapeDtypeStruct
+    scales = (shape((experts, 1, n), jnp.float32),) * 2 + (shape((rows, 1), jnp.float32),) if fp8 else ()
+    static = dict(scale_block=(k, 1), weight_layout="enk", out_dtype=jnp.bfloat16) if fp8 else {}
+
+    def call(r, b, gate, up, *s):
+        return gg.grouped_gemm(r, b, gate, up, block_m=block_m, tiles=tiles, **static,
+                               **dict(zip(("scale", "up_scale", "row_scale"), s)))
+
+    weights = shape((experts, n, k) if fp8 else (experts, k, n), dtype)
+    jaxpr = jax.make_jaxpr(call)(shape((rows, k), dtype), shape((rows // block_m,), jnp.int32), weights, weights,
+                                 *scales)
+    (eqn,) = [e for e in jaxpr.eqns if e.primitive.name == "jaxattn_triton_call"]
+    dtypes = tuple(np.dtype(v.aval.dtype) for v in [*eqn.invars, *eqn.outvars])
+    compiled = _compile(eqn.params["kernel"], dtypes, eqn.params["metaparams"], eqn.params["num_warps"],
+                        eqn.params["num_stages"], 90)
+    print(json.dumps(sorted(set(re.findall(r"wgmma\\.mma_async[.\\w]*|mma\\.sync[.\\w]*", compiled.asm["ptx"])))))
+""")
+
+
+@pytest.mark.parametrize("block_m", [16, 32])
+@pytest.mark.parametrize("fp8", [False, True])
+def test_sm90_swapped_tiles_take_warpgroup_mmas(block_m, fp8):
+    """No GPU needed: compiled for sm_90 by the installed Triton, a 16- or 32-row block's dot is an
+    mma.sync (for FP8 weights and rows, over f16: the FP8 operands are converted in registers),
+    and with ``swap_ab`` a warpgroup MMA, FP8 x FP8 for FP8 weights (``N`` = the block's rows).
+    In a fresh process: the interpreter the other tests run leaves Triton's language module patched."""
+    mmas = {}
+    for swap in ("straight", "swap"):
+        run = subprocess.run([sys.executable, "-c", _SM90_SCRIPT, str(block_m), "fp8" if fp8 else "bf16", swap],
+                             cwd=REPO, capture_output=True, text=True, timeout=300)
+        assert run.returncode == 0, run.stderr[-3000:]
+        mmas[swap] = json.loads(run.stdout.strip().splitlines()[-1])
+    kind = "f16.f16" if fp8 else "bf16.bf16"
+    assert mmas["straight"] == [f"mma.sync.aligned.m16n8k16.row.col.f32.{kind}.f32"], mmas
+    kind = "m64n{}k32.f32.e4m3.e4m3" if fp8 else "m64n{}k16.f32.bf16.bf16"
+    assert mmas["swap"] == ["wgmma.mma_async.sync.aligned." + kind.format(block_m)], mmas

@@ -653,7 +653,7 @@ def test_max_prefill_seqs_is_not_taken_with_speculation():
 
 @pytest.mark.parametrize("model, backend, match", [
     ("deepseek", "flashinfer", "does not implement mla_prefill"),
-    ("deepseek", "triton", "does not implement mla_prefill"),
+    ("deepseek", "cudnn", "does not implement mla_paged_attention"),
     ("deepseek", "trtllm", "does not implement mla_paged_attention, mla_prefill"),
     ("llama", "flashinfer", "does not implement paged_attention"),
 ])

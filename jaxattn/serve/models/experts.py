@@ -194,7 +194,7 @@ def num_blocks(tokens: int, experts: int, k: int, block_m: int) -> int:
 
 def fp8_row_group(stack: Stack) -> int | None:
     """The columns each scale of the FP8 rows covers where the Triton path multiplies ``stack``
-    with FP8 rows on FP8 tensor cores (``grouped_gemm.quantize_rows``, ``fp8_row_group``): an
+    with FP8 rows in FP8 x FP8 dots (``grouped_gemm.quantize_rows``, ``fp8_row_group``): an
     "enk" FP8 stack whose scales are constant along the contraction (per expert or output channel:
     one scale per row) or blocks a whole number of kernel tiles deep (one per block of columns);
     None for the other stacks, which take the rows in the model's dtype."""
