@@ -116,12 +116,13 @@ class Fp8Linear(nnx.Module):
     ``activations``: None (weight-only FP8: one dot in ``dtype``) or "fp8" (``set_fp8_activations``;
     W8A8, vLLM's dynamic scheme): each row of ``x`` quantized to FP8 with its own scale
     (``grouped_gemm.quantize_rows``), one FP8 x FP8 dot (accumulated in float32, given in
-    ``dtype``), the product times the rows' and the kernel's scales. Weight-only, per-tensor and per-channel scales are constant
-    along the contraction, so the FP8 values are only converted to ``dtype`` (exactly: e4m3 fits
-    bf16), a convert XLA can fuse into the GEMM's operand so that the weights are read as FP8, and
-    the scales multiply the product; block scales vary along the contraction, so such a kernel is
-    dequantized first (the values times their broadcast scales in float32, rounded once to
-    ``dtype``) and takes no FP8 activations."""
+    ``dtype``; float32 for float16), the product times the rows' and the kernel's scales.
+    Weight-only, per-tensor and per-channel scales are constant along the contraction, so the FP8
+    values are only converted to ``dtype`` (exactly: e4m3 fits bf16), a convert XLA can fuse into
+    the GEMM's operand so that the weights are read as FP8, and the scales multiply the product;
+    block scales vary along the contraction, so such a kernel is dequantized first (the values
+    times their broadcast scales in float32, rounded once to ``dtype``) and takes no FP8
+    activations."""
 
     LAYOUT = "nk"           # the kernel variable's layout: [out, in]
     ACTIVATIONS = (None, "fp8")
@@ -165,10 +166,11 @@ class Fp8Linear(nnx.Module):
         """``x [..., in]`` -> ``[..., out]`` in the layer's dtype."""
         if self.activations == "fp8":
             values, row_scale = quantize_rows(x.reshape(-1, self.in_features))
-            # the product in the layer's dtype (accumulated in float32 inside the GEMM): under tensor
-            # parallelism its partial sums are all-reduced in that dtype, as the weight-only dot's
-            y = jax.lax.dot_general(values, self.kernel[...], (((1,), (1,)), ((), ())),
-                                    preferred_element_type=self.dtype)
+            # the product in the layer's dtype (accumulated in float32 inside the GEMM), so tensor
+            # parallelism all-reduces its partial sums in that dtype, as the weight-only dot's; not
+            # float16, whose largest value (65504) is below one product of two 448s
+            product = jnp.float32 if self.dtype == jnp.float16 else self.dtype
+            y = jax.lax.dot_general(values, self.kernel[...], (((1,), (1,)), ((), ())), preferred_element_type=product)
             y = (y * row_scale * self.scale[...]).astype(self.dtype).reshape(*x.shape[:-1], self.out_features)
         elif isinstance(self.granularity, str):      # one scale per column: it scales the product
             y = jax.lax.dot_general(x.astype(self.dtype), self.kernel[...].astype(self.dtype),

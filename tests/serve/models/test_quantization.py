@@ -85,6 +85,10 @@ def test_fp8_activations_multiply_fp8_rows_by_the_fp8_kernel(kind):
     assert rel_error(out.reshape(6, 40), rows @ weight + bias) < 1e-5
     weight_only = Fp8Linear(kernel, scale, jnp.asarray(bias), dtype="float32")
     assert 3e-3 < rel_error(out, weight_only(jnp.asarray(x))) < 0.1
+    for dtype in ("bfloat16", "float16"):        # float16 could not hold the FP8 products (448^2 > 65504)
+        rounded = jnp.asarray(x, dtype)
+        low = Fp8Linear(kernel, scale, jnp.asarray(bias), dtype=dtype, activations="fp8")(rounded)
+        assert low.dtype == jnp.dtype(dtype) and rel_error(low, layer(rounded.astype(jnp.float32))) < 1e-2, dtype
 
 
 def test_fp8_activations_are_checked_and_set_on_a_model():
