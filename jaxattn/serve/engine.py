@@ -38,6 +38,7 @@ from jaxattn.kv_cache import CACHE_DTYPES, LAYOUTS, is_cache_dtype
 from jaxattn.serve.models import fusion
 from jaxattn.serve.models.base import ModelConfig, PagedModel, page_bytes
 from jaxattn.serve.models.layers import Decoder
+from jaxattn.serve.models.parallel import place_experts
 from jaxattn.serve.sampling import MAX_LOGPROBS, SamplingParams
 from jaxattn.serve.scheduler import PageUsage, Request, Schedule, Scheduler
 from jaxattn.serve.speculative import SpeculativeConfig
@@ -218,6 +219,8 @@ class Engine:
             for fusable in (model, draft_model):
                 if isinstance(fusable, Decoder):
                     fusion.fuse_projections(fusable, shards)
+        if mesh is not None and isinstance(model, Decoder):
+            place_experts(model, mesh)
         # a speculating row may start up to K tokens past the host's count, and writes K + 1 tokens
         # (and a draft model K more, past the kept ones)
         pages_per_seq = -(-(max_seq_len + 2 * draft_tokens + draft_scratch) // page_size)

@@ -28,7 +28,7 @@ from jaxattn.checks import is_positive_float32, is_positive_int
 from jaxattn.serve.models.deepseek import DeepSeek, DeepSeekConfig
 from jaxattn.serve.models.layers import EXPERT_AXES, MoE, MoERouting, YarnRopeScaling
 from jaxattn.serve.models.llama import Llama, Llama3RopeScaling, LlamaConfig
-from jaxattn.serve.models.parallel import enable_expert_parallel, param_shardings
+from jaxattn.serve.models.parallel import enable_expert_parallel, param_shardings, place_experts
 from jaxattn.serve.models.quantization import (FP8_DTYPE, METHODS, Fp8Experts, Fp8Linear, Granularity, dequantize,
                                                expert_stacks, quantize_kernel, quantize_stack)
 from jaxattn.serve.models.quantization import linears as quantizable_linears
@@ -665,6 +665,7 @@ def from_pretrained(path: str, dtype: str | jnp.dtype | None = None, mesh: jax.s
     stacks: dict[int, list] = {}         # id(variable) -> [host array, experts still to read]
     placement = {}
     if mesh is not None:
+        place_experts(model, mesh)
         variables = jax.tree.leaves(nnx.state(model), is_leaf=lambda x: isinstance(x, nnx.Variable))
         placement = {id(v): s for v, s in zip(variables, jax.tree.leaves(param_shardings(model, mesh)))}
         for name, target in expected.items():     # FP8 block scales: a count of blocks the shards may not divide

@@ -19,7 +19,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, PartitionSpec
 
-from jaxattn.serve.models.experts import GEMMS, routed_experts
+from jaxattn.serve.models.experts import GEMMS, Fp8Stack, routed_experts
 
 Axes = tuple[str | None, ...]
 
@@ -252,6 +252,7 @@ class MoE(nnx.Module):
     ``gemm`` ("auto": chosen per step shape from measurements; ``set_expert_gemm``)."""
 
     expert_parallel: "ExpertParallel | None" = None
+    tensor_parallel: "ExpertTensorParallel | None" = None
     gemm: str = "auto"
 
     def __init__(self, cfg: MoEConfig, rngs: nnx.Rngs):
@@ -305,10 +306,11 @@ class MoE(nnx.Module):
         # a stack quantized by jaxattn.serve.models.quantization (Fp8Experts) gives its values and scales
         experts = tuple(w.stack() if isinstance(w, nnx.Module) else w[...]
                         for w in (self.gate_proj, self.up_proj, self.down_proj))
-        if self.expert_parallel is None:
+        split = self.expert_parallel or self.tensor_parallel
+        if split is None:
             y = routed_experts(x, weights.astype(x.dtype), chosen, *experts, gemm=self.gemm)
         else:
-            y = self.expert_parallel(x, weights.astype(x.dtype), chosen, *experts, gemm=self.gemm)
+            y = split(x, weights.astype(x.dtype), chosen, *experts, gemm=self.gemm)
         if cfg.shared_expert_dim:
             shared = self.shared_expert(x)
             if cfg.routing.gated_shared_expert:
@@ -350,6 +352,42 @@ class ExpertParallel:
         split = PartitionSpec(self.axes)
         return jax.shard_map(local, mesh=self.mesh, in_specs=(PartitionSpec(),) * 3 + (split,) * len(experts),
                              out_specs=PartitionSpec())(x, weights, chosen, *experts)
+
+
+@dataclasses.dataclass(frozen=True)
+class ExpertTensorParallel:
+    """A ``MoE``'s experts split by their hidden units over the mesh ``axes`` (tensor parallelism:
+    each device holds ``F / n`` of every expert's gate and up columns and down rows, and their
+    scales' parts, as ``parallel.tensor_parallel_rules`` places the "expert_mlp" axis): with the
+    tokens replicated, each device runs every routed copy through its slices inside ``shard_map``
+    and one all-reduce (a ``psum``) adds the partial outputs (SwiGLU acts per hidden unit, so the
+    slices' outputs sum to the whole). Under plain ``jit`` XLA's partitioner could not split the
+    Triton grouped GEMM, a custom call: it would gather every expert's weights each step."""
+    mesh: Mesh
+    axes: str | tuple[str, ...]
+
+    def __call__(self, x: jax.Array, weights: jax.Array, chosen: jax.Array, *experts, gemm: str = "auto") -> jax.Array:
+        def local(x, weights, chosen, *experts):
+            return jax.lax.psum(routed_experts(x, weights, chosen, *experts, gemm=gemm), self.axes)
+
+        specs = tuple(self.spec(name, stack) for name, stack in zip(EXPERT_AXES, experts))
+        return jax.shard_map(local, mesh=self.mesh, in_specs=(PartitionSpec(),) * 3 + specs,
+                             out_specs=PartitionSpec())(x, weights, chosen, *experts)
+
+    def spec(self, name: str, stack):
+        """The partition of the stack ``name`` (``EXPERT_AXES``): its "expert_mlp" dimension over
+        ``axes``; an ``Fp8Stack``'s values in their layout and its scales (per expert, per output
+        channel, or blocks) alike."""
+        def split(*logical: str | None) -> PartitionSpec:
+            return PartitionSpec(*(self.axes if axis == "expert_mlp" else None for axis in logical))
+
+        experts_axis, rows, cols = EXPERT_AXES[name]
+        if not isinstance(stack, Fp8Stack):
+            return split(experts_axis, rows, cols)
+        values = split(experts_axis, rows, cols) if stack.layout == "ekn" else split(experts_axis, cols, rows)
+        scale = {1: split(experts_axis), 2: split(experts_axis, cols)}.get(stack.scale.ndim,
+                                                                          split(experts_axis, rows, cols))
+        return Fp8Stack(values, scale, stack.block, stack.layout)
 
 
 class Block(nnx.Module):

@@ -7,7 +7,8 @@ them over mesh axes by ``tensor_parallel_rules``: column-parallel q/k/v/gate/up,
 o/down (XLA adds one all-reduce after each), vocab-parallel embedding and LM head. A mixture of
 experts splits every expert's hidden columns the same way, or, after ``enable_expert_parallel``
 (vLLM's ``--enable-expert-parallel``), gives each device ``num_experts / tp`` whole experts
-(``layers.ExpertParallel``), its shared expert split like the dense MLP.
+(``layers.ExpertParallel``), its shared expert split like the dense MLP; either way the routed
+experts run in ``shard_map`` on each device's part (``place_experts``).
 
 Multi-head latent attention (DeepSeek) is not split: its weights and latent caches are replicated,
 every device attends with every head (the latent cache is per token, not per head, so vLLM
@@ -22,10 +23,11 @@ import jax
 from flax import nnx
 from jax.sharding import Mesh
 
-from jaxattn.serve.models.layers import MLP, Decoder, ExpertParallel, MoE
+from jaxattn.serve.models.layers import MLP, Decoder, ExpertParallel, ExpertTensorParallel, MoE
 from jaxattn.sharding import MeshAxes, num_head_shards, tensor_parallel_mesh
 
-__all__ = ["enable_expert_parallel", "expert_parallel_axes", "param_shardings", "shard_model", "tensor_parallel_rules"]
+__all__ = ["enable_expert_parallel", "expert_parallel_axes", "param_shardings", "place_experts", "shard_model",
+           "tensor_parallel_rules"]
 
 
 def tensor_parallel_rules(cfg: Any, mesh: Mesh, axes: str | tuple[str, ...],
@@ -86,6 +88,19 @@ def enable_expert_parallel(model: Decoder, mesh: Mesh, axes: MeshAxes = None) ->
     return model
 
 
+def place_experts(model: Decoder, mesh: Mesh, axes: MeshAxes = None) -> Decoder:
+    """Makes ``model``'s mixtures of experts run split over mesh ``axes`` (default: all the
+    mesh's) as ``param_shardings`` places them: whole experts per device after
+    ``enable_expert_parallel`` (``layers.ExpertParallel``), else every expert's hidden units split
+    (``layers.ExpertTensorParallel``, so that the Triton grouped GEMM runs on each device's slices
+    rather than on weights XLA would gather). A static attribute of each ``MoE``, set before the
+    step is traced: ``shard_model``, ``from_pretrained(mesh=)`` and ``Engine(mesh=)`` call it."""
+    mesh, axes = tensor_parallel_mesh(mesh, axes)
+    for moe in _moes(model):
+        moe.tensor_parallel = None if moe.expert_parallel is not None else ExpertTensorParallel(mesh, axes)
+    return model
+
+
 def param_shardings(model: Decoder, mesh: Mesh, axes: MeshAxes = None) -> nnx.State:
     """The ``NamedSharding`` of each of ``nnx.state(model)``'s weights for tensor parallelism over
     mesh ``axes`` (default: all the mesh's; on the mesh with Auto axis types), experts split whole
@@ -116,5 +131,6 @@ def shard_model(model: Decoder, mesh: Mesh, axes: MeshAxes = None, *, expert_par
     ``model.init_caches(..., mesh=mesh, axes=axes)``."""
     if expert_parallel:
         enable_expert_parallel(model, mesh, axes)
+    place_experts(model, mesh, axes)
     nnx.update(model, jax.device_put(nnx.state(model), param_shardings(model, mesh, axes)))
     return model

@@ -150,6 +150,53 @@ def test_experts_split_over_devices_sum_to_the_whole():
     assert rel_error(whole, dense) < 1e-5
 
 
+def check_tensor_parallel_experts_run_on_their_slices() -> None:
+    """(On 2 CPU devices.) Experts split by hidden units (``layers.ExpertTensorParallel``, what
+    ``shard_model`` sets without expert parallelism) give the one-device output with every
+    strategy, bf16-free float32 stacks and FP8 ones (per channel each kernel transposed, blocks):
+    each device computes on its own slices and one all-reduce adds them, with no gather of expert
+    weights (under plain jit, the Triton grouped GEMM, a custom call, had them all gathered). The
+    Triton strategy is compiled, not run: its interpreter cannot run on two devices at once; the
+    one-device tests and the GPU check its numbers."""
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from jaxattn.serve.models.experts import GEMMS, Fp8Stack
+    from jaxattn.serve.models.quantization import quantize_stack
+    from tests.serve.test_engine import _communicated
+
+    mesh = jax.make_mesh((2,), ("tp",), axis_types=(jax.sharding.AxisType.Auto,))
+    split = layers.ExpertTensorParallel(mesh, "tp")
+    rng = np.random.default_rng()
+    x = jnp.asarray(rng.normal(size=(11, DIM)), jnp.float32)
+    weights = jnp.asarray(rng.uniform(size=(11, 3)), jnp.float32)
+    chosen = jnp.asarray(np.stack([rng.choice(EXPERTS, 3, replace=False) for _ in range(11)]), jnp.int32)
+    hidden = 64                      # 32 per device: FP8 tiles at least 32 deep
+    arrays = [rng.normal(size=shape).astype(np.float32) * 0.3
+              for shape in ((EXPERTS, DIM, hidden), (EXPERTS, DIM, hidden), (EXPERTS, hidden, DIM))]
+    fp8 = {granularity: [Fp8Stack(*quantize_stack(np.swapaxes(w, 1, 2), granularity, layout="enk"),
+                                  None if granularity == "channel" else granularity, "enk") for w in arrays]
+           for granularity in ("channel", (16, 16))}
+    for name, stacks in (("float32", [jnp.asarray(w) for w in arrays]), *(("fp8", s) for s in fp8.values())):
+        placed = [jax.device_put(stack, jax.tree.map(lambda spec: NamedSharding(mesh, spec), split.spec(key, stack),
+                                                     is_leaf=lambda leaf: isinstance(leaf, PartitionSpec)))
+                  for key, stack in zip(layers.EXPERT_AXES, stacks)]
+        for gemm in GEMMS:
+            run = jax.jit(lambda *a, gemm=gemm: split(*a, gemm=gemm))
+            sizes = _communicated(run.lower(x, weights, chosen, *placed).compile().as_text())
+            assert set(sizes) == {"all-reduce"}, (name, gemm, sizes)
+            if gemm == "triton":     # compiled only: Triton's interpreter runs one kernel at a time, not per device
+                continue
+            whole = jax.jit(lambda *a, gemm=gemm: layers.routed_experts(*a, gemm=gemm))(x, weights, chosen, *stacks)
+            assert rel_error(run(x, weights, chosen, *placed), whole) < 1e-5, (name, gemm)
+
+
+def test_tensor_parallel_experts_on_two_cpu_devices():
+    from tests.test_sharding import run_on_cpu_devices
+
+    run_on_cpu_devices(2, "from tests.serve.models.test_moe import check_tensor_parallel_experts_run_on_their_slices; "
+                          "check_tensor_parallel_experts_run_on_their_slices()")
+
+
 def moe_llama():
     from jaxattn.serve.models.llama import PRESETS, Llama
 
@@ -187,9 +234,12 @@ def check_moe_engine_on_mesh() -> None:
     cfg = model.cfg
     prompts, mesh, engine = _served(model)
     expected = _greedy_outputs(engine(), prompts, 6)
+    assert model.layers[0].mlp.tensor_parallel is None
     assert _greedy_outputs(engine(mesh), prompts, 6) == expected
+    assert isinstance(model.layers[0].mlp.tensor_parallel, layers.ExpertTensorParallel)     # Engine(mesh=) set it
     enable_expert_parallel(model, mesh)
     parallel = engine(mesh)
+    assert model.layers[0].mlp.tensor_parallel is None
     assert _greedy_outputs(parallel, prompts, 6) == expected
     expert_bytes = cfg.dim * cfg.moe_hidden_dim            # one expert's gate_proj, in elements
     for shape in (parallel.buckets.shapes[0], parallel.buckets.shapes[-1]):
