@@ -119,8 +119,9 @@ class Engine:
         the weights split by heads, MLP columns and vocabulary, the KV pools by KV heads, the page
         table replicated; the same jitted step then runs on every device, with XLA's all-reduces
         inside. A mixture of experts' routed experts run on each device's part in a ``shard_map``
-        (``jaxattn.serve.models.parallel.place_experts``, set on the model in place). Under ``jax.distributed`` (one process per GPU) every process runs the same engine
-        with the same requests.
+        (``jaxattn.serve.models.parallel.place_experts``, set on the model in place). Under
+        ``jax.distributed`` (one process per GPU) every process runs the same engine with the same
+        requests.
       overlap: schedule and launch step n+1 before waiting for step n's tokens (module
         docstring); False waits after every step (the same tokens).
       kv_memory_fraction: the share of free device memory a pool sized from memory takes.
