@@ -9,8 +9,9 @@ The cases are one decoder block's projections as the Engine runs them (``fusion`
 q/k/v fused, o, gate/up fused and down; DeepSeek-V2-Lite's q_proj and kv_a_proj fused (MLA's
 kv_b_proj stays bf16), o, the shared experts' gate/up and down, and the dense first layer's.
 Random bf16 kernels quantized per output channel; each is one jitted call on ``x [rows, in]``
-(the W8A8 call includes quantizing the rows), timed as GPU time per call from the profiler (``common.device_seconds``), the calls cycling through ``COPIES`` copies of the
-weights so that none finds its weights in L2 (an H100's 50 MB holds a 4096 x 6144 FP8 kernel).
+(the W8A8 call includes quantizing the rows), timed as GPU time per call from the profiler
+(``common.device_seconds``), the calls cycling through ``COPIES`` copies of the weights so that
+none finds its weights in L2 (an H100's 50 MB holds a 4096 x 6144 FP8 kernel).
 Columns: microseconds per call, the speed-up over bf16 in the same run, and each variant's
 bytes (weights, rows in, rows out) over its time as a share of the copy rate (read + write,
 measured in the same run), the decode rows' bound; its FLOPs over the bf16 matmul rate at prefill

@@ -18,8 +18,9 @@ from tests.xla_dump import REPO
 @pytest.mark.parametrize("module", ["bench_tp", "bench_serving --trace shared-prefix --section serving_named",
                                     "bench_mla", "profile_calls",
                                     "bench_step_variants", "bench_speculative",
-                                    "bench_serving --trace throughput --preset deepseek-v2-lite --moe-gemm dense --quantization fp8 --fp8-activations "
-                                    "--profile-at 2", "tune_grouped_gemm --tokens 1",
+                                    "bench_serving --trace throughput --preset deepseek-v2-lite --moe-gemm dense "
+                                    "--quantization fp8 --fp8-activations --profile-at 2",
+                                    "tune_grouped_gemm --tokens 1",
                                     "grouped_gemm_variants --tokens 1", "bench_fp8_linear",
                                     "profile_verify", "step_padding --trace chat", "bench_server_host"])
 def test_smoke_run(module, tmp_path):
