@@ -21,12 +21,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxattn.kernels.grouped_gemm import quantize_rows
+from jaxattn.kernels.grouped_gemm import FP8_MAX, quantize_rows
 from jaxattn.serve.models import layers
 from jaxattn.serve.models.experts import LAYOUTS, Fp8Stack
 
 FP8_DTYPE = jnp.float8_e4m3fn
-FP8_MAX = float(jnp.finfo(FP8_DTYPE).max)     # 448
 # "tensor", "channel", or (bi, bo): blocks of bi kernel rows (inputs) by bo columns (outputs)
 Granularity = Union[Literal["tensor", "channel"], tuple[int, int]]
 METHODS = ("fp8",)
