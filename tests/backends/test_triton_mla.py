@@ -219,8 +219,8 @@ _COMPILE_SCRIPT = textwrap.dedent("""
     import jax, jax.numpy as jnp, numpy as np
     from jaxattn.backends import triton as tb
     from jaxattn.backends.base import AttentionParams
-    from jaxattn.kernels.triton_call import _compile
     from tests.mla_inputs import make_mla_problem
+    from tests.triton_compile import compiled_kernels
 
     num_q_heads, max_q_len, kv_dtype, num_seqs, cuobjdump = (int(sys.argv[1]), int(sys.argv[2]), sys.argv[3],
                                                              int(sys.argv[4]), sys.argv[5])
@@ -230,18 +230,14 @@ _COMPILE_SCRIPT = textwrap.dedent("""
                                dtype=jnp.bfloat16, kv_dtype=kv_dtype, kv_lora_rank=512, rope_dim=64, nope_dim=128,
                                v_dim=128, page_size=64)
     params = AttentionParams(scale=problem.scale, causal=True, sliding_window=None, softcap=None, has_sinks=False)
-    jaxpr = jax.make_jaxpr(lambda ql, qr, c, m: tb.mla_attention(ql, qr, c, m, params))(
-        problem.q_latent, problem.q_rope, problem.cache, problem.meta)
     usage = {}
-    for eqn in (e for e in jaxpr.eqns if e.primitive.name == "jaxattn_triton_call"):
-        dtypes = tuple(np.dtype(v.aval.dtype) for v in [*eqn.invars, *eqn.outvars])
-        compiled = _compile(eqn.params["kernel"], dtypes, eqn.params["metaparams"], eqn.params["num_warps"],
-                            eqn.params["num_stages"], 90)
+    for name, compiled in compiled_kernels(lambda ql, qr, c, m: tb.mla_attention(ql, qr, c, m, params),
+                                           problem.q_latent, problem.q_rope, problem.cache, problem.meta).items():
         with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
             f.write(compiled.asm["cubin"])
             f.flush()
-            usage[eqn.params["kernel"].fn.__name__] = subprocess.run(
-                [cuobjdump, "--dump-resource-usage", f.name], capture_output=True, text=True, check=True).stdout
+            usage[name] = subprocess.run([cuobjdump, "--dump-resource-usage", f.name], capture_output=True, text=True,
+                                         check=True).stdout
     print(json.dumps(usage))
 """)
 

@@ -218,10 +218,10 @@ def test_default_tiles_keep_a_tile_inside_a_scale_block():
 
 _SM90_SCRIPT = textwrap.dedent("""
     import json, re, sys
-    import jax, jax.numpy as jnp, numpy as np
+    import jax, jax.numpy as jnp
     jax.default_backend = lambda: "gpu"             # the launch a GPU would get (no float32 dots)
     from jaxattn.kernels import grouped_gemm as gg
-    from jaxattn.kernels.triton_call import _compile
+    from tests.triton_compile import compiled_kernels
 
     block_m, fp8, swap = int(sys.argv[1]), sys.argv[2] == "fp8", sys.argv[3] == "swap"
     experts, k, n, rows = 64, 2048, 1408, 8 * block_m          # DeepSeek-V2-Lite's gate and up
@@ -236,12 +236,8 @@ _SM90_SCRIPT = textwrap.dedent("""
                                **dict(zip(("scale", "up_scale", "row_scale"), s)))
 
     weights = shape((experts, n, k) if fp8 else (experts, k, n), dtype)
-    jaxpr = jax.make_jaxpr(call)(shape((rows, k), dtype), shape((rows // block_m,), jnp.int32), weights, weights,
-                                 *scales)
-    (eqn,) = [e for e in jaxpr.eqns if e.primitive.name == "jaxattn_triton_call"]
-    dtypes = tuple(np.dtype(v.aval.dtype) for v in [*eqn.invars, *eqn.outvars])
-    compiled = _compile(eqn.params["kernel"], dtypes, eqn.params["metaparams"], eqn.params["num_warps"],
-                        eqn.params["num_stages"], 90)
+    (compiled,) = compiled_kernels(call, shape((rows, k), dtype), shape((rows // block_m,), jnp.int32), weights,
+                                   weights, *scales).values()
     print(json.dumps(sorted(set(re.findall(r"wgmma\\.mma_async[.\\w]*|mma\\.sync[.\\w]*", compiled.asm["ptx"])))))
 """)
 
