@@ -36,7 +36,7 @@ from jaxattn.serve.models import layers
 from jaxattn.serve.models.deepseek import PRESETS as DEEPSEEK_PRESETS
 from jaxattn.serve.models.deepseek import DeepSeekConfig
 from jaxattn.serve.models.llama import PRESETS, LlamaConfig
-from jaxattn.serve.models.quantization import Fp8Linear
+from jaxattn.serve.models.quantization import Fp8Linear, set_fp8_activations
 
 COPIES = 4                  # weight copies the timed calls cycle through
 VARIANTS = ("bf16", "fp8 weight-only", "fp8 w8a8")
@@ -60,7 +60,7 @@ def make_layer(cfg: LlamaConfig | DeepSeekConfig, shape: tuple[int, int], varian
     if variant == "bf16":
         return linear
     layer = Fp8Linear.from_linear(linear)
-    layer.activations = "fp8" if variant == "fp8 w8a8" else None
+    set_fp8_activations(layer, "fp8" if variant == "fp8 w8a8" else None)
     return layer
 
 

@@ -82,7 +82,8 @@ def main(argv: list[str] | None = None) -> None:
                     if copy:
                         line += (f"{bf16_bytes / (2 if fp8 else 1) / best / copy * 100:5.1f}% copy "
                                  f"{flops / best / matmul * 100:5.1f}% mm")
-                    line += "  | " + " ".join(f"{tuple(t)[:2]}w{t.num_warps}:{1e6 * s:.0f}" for s, t in times[1:5])
+                    line += "  | " + " ".join(f"{tuple(t)[:2]}w{t.num_warps}{' swap' * t.swap_ab}:{1e6 * s:.0f}"
+                                              for s, t in times[1:5])
                     print(line, flush=True)
 
 

@@ -8,7 +8,8 @@ and down (``F x dim``), bf16 and FP8 weights (per-channel scales; as the model r
 expert's kernel transposed and the rows FP8, quantized per row outside the timed call), the token copies spread evenly
 over the experts they touch (``min(E, tokens k)``) in the blocks ``routed_experts`` would make.
 Every configuration of ``CONFIGS`` is timed (GPU time per call from the profiler, median of
-``--trials``); one that needs more shared memory than the GPU has is reported as such. The calls
+``--trials``); one that needs more shared memory than the GPU has, or that Triton does not
+compile, is reported as such. The calls
 cycle through ``ROTATIONS`` placements of the blocks over the experts, so that a call does not find
 its weights in L2 from the call before (the 2026-11-27 table predates this: at 1 token its weights
 partly stayed in the H100's 50 MB L2). The fastest per case is what ``grouped_gemm.default_tiles`` takes. Writes the
