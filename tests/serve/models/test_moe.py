@@ -162,17 +162,15 @@ def check_tensor_parallel_experts_run_on_their_slices() -> None:
 
     from jaxattn.serve.models.experts import GEMMS, Fp8Stack
     from jaxattn.serve.models.quantization import quantize_stack
+    from tests.serve.models.test_experts import expert_weights, routing
     from tests.serve.test_engine import _communicated
 
     mesh = jax.make_mesh((2,), ("tp",), axis_types=(jax.sharding.AxisType.Auto,))
     split = layers.ExpertTensorParallel(mesh, "tp")
     rng = np.random.default_rng()
     x = jnp.asarray(rng.normal(size=(11, DIM)), jnp.float32)
-    weights = jnp.asarray(rng.uniform(size=(11, 3)), jnp.float32)
-    chosen = jnp.asarray(np.stack([rng.choice(EXPERTS, 3, replace=False) for _ in range(11)]), jnp.int32)
-    hidden = 64                      # 32 per device: FP8 tiles at least 32 deep
-    arrays = [rng.normal(size=shape).astype(np.float32) * 0.3
-              for shape in ((EXPERTS, DIM, hidden), (EXPERTS, DIM, hidden), (EXPERTS, hidden, DIM))]
+    weights, chosen = map(jnp.asarray, routing(rng, 11, EXPERTS, 3))
+    arrays = expert_weights(rng, EXPERTS, DIM, 64)      # 32 hidden units per device: FP8 tiles at least 32 deep
     fp8 = {granularity: [Fp8Stack(*quantize_stack(np.swapaxes(w, 1, 2), granularity, layout="enk"),
                                   None if granularity == "channel" else granularity, "enk") for w in arrays]
            for granularity in ("channel", (16, 16))}
