@@ -343,19 +343,26 @@ class ExpertParallel:
     mesh: Mesh
     axes: str | tuple[str, ...]
 
-    def __call__(self, x: jax.Array, weights: jax.Array, chosen: jax.Array, *experts: jax.Array,
-                 gemm: str = "auto") -> jax.Array:
+    def __call__(self, x: jax.Array, weights: jax.Array, chosen: jax.Array, *experts, gemm: str = "auto") -> jax.Array:
         def local(x, weights, chosen, *experts):
-            first = jax.lax.axis_index(self.axes) * experts[0].shape[0]
+            first = self.first(experts[0])
             return jax.lax.psum(routed_experts(x, weights, chosen, *experts, first=first, gemm=gemm), self.axes)
 
-        split = PartitionSpec(self.axes)
-        return jax.shard_map(local, mesh=self.mesh, in_specs=(PartitionSpec(),) * 3 + (split,) * len(experts),
+        specs = tuple(self.spec(name, stack) for name, stack in zip(EXPERT_AXES, experts))
+        return jax.shard_map(local, mesh=self.mesh, in_specs=(PartitionSpec(),) * 3 + specs,
                              out_specs=PartitionSpec())(x, weights, chosen, *experts)
+
+    def first(self, stack) -> jax.Array:
+        """This device's first expert, inside the ``shard_map`` (``stack``: its part of a stack)."""
+        return jax.lax.axis_index(self.axes) * stack.shape[0]
+
+    def spec(self, name: str, stack) -> PartitionSpec:
+        """The partition of the stack ``name``, and of each array of an ``Fp8Stack``: by experts."""
+        return PartitionSpec(self.axes)
 
 
 @dataclasses.dataclass(frozen=True)
-class ExpertTensorParallel:
+class ExpertTensorParallel(ExpertParallel):
     """A ``MoE``'s experts split by their hidden units over the mesh ``axes`` (tensor parallelism:
     each device holds ``F / n`` of every expert's gate and up columns and down rows, and their
     scales' parts, as ``parallel.tensor_parallel_rules`` places the "expert_mlp" axis): with the
@@ -363,16 +370,10 @@ class ExpertTensorParallel:
     and one all-reduce (a ``psum``) adds the partial outputs (SwiGLU acts per hidden unit, so the
     slices' outputs sum to the whole). Under plain ``jit`` XLA's partitioner could not split the
     Triton grouped GEMM, a custom call: it would gather every expert's weights each step."""
-    mesh: Mesh
-    axes: str | tuple[str, ...]
 
-    def __call__(self, x: jax.Array, weights: jax.Array, chosen: jax.Array, *experts, gemm: str = "auto") -> jax.Array:
-        def local(x, weights, chosen, *experts):
-            return jax.lax.psum(routed_experts(x, weights, chosen, *experts, gemm=gemm), self.axes)
-
-        specs = tuple(self.spec(name, stack) for name, stack in zip(EXPERT_AXES, experts))
-        return jax.shard_map(local, mesh=self.mesh, in_specs=(PartitionSpec(),) * 3 + specs,
-                             out_specs=PartitionSpec())(x, weights, chosen, *experts)
+    def first(self, stack) -> int:
+        """Every device holds a part of every expert."""
+        return 0
 
     def spec(self, name: str, stack):
         """The partition of the stack ``name`` (``EXPERT_AXES``): its "expert_mlp" dimension over
