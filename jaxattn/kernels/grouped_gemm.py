@@ -223,9 +223,9 @@ def grouped_gemm(rows: jax.Array, block_expert: jax.Array, weights: jax.Array, u
     if tiles is None:
         tiles = default_tiles(bi if scale_rows > 1 else None, fp8_enk=w_nk and scale is not None)
     elif not all(size >= 16 and size & (size - 1) == 0 for size in (tiles.block_n, tiles.block_k)) or \
-            tiles.num_warps < 1 or tiles.num_stages < 1:
-        raise ValueError(f"grouped_gemm: tiles need block_n and block_k powers of two >= 16 and positive warps and "
-                         f"stages, got {tiles}")
+            tiles.num_warps < 1 or tiles.num_stages < 1 or not isinstance(tiles.swap_ab, bool):
+        raise ValueError(f"grouped_gemm: tiles need block_n and block_k powers of two >= 16, positive warps and "
+                         f"stages, and swap_ab a bool, got {tiles}")
     tile_scales = bi % tiles.block_k == 0           # read only for scales that vary along K
     if row_scale is not None:
         group = fp8_row_group(k, scale_block, tiles) if scale is not None and rows.dtype == weights.dtype else None
@@ -246,7 +246,7 @@ def grouped_gemm(rows: jax.Array, block_expert: jax.Array, weights: jax.Array, u
         ROW_SCALED=row_scale is not None, ROW_GROUPS=1 if row_scale is None else row_scale.shape[1],
         K_SCALES=scale_rows > 1, TILE_SCALES=tile_scales, SCALE_ROWS=scale_rows,
         SCALE_COLS=scale_cols, BI=bi, BO=bo, W_NK=w_nk, DOT_F32=jax.default_backend() == "cpu",
-        SWAP_AB=bool(tiles.swap_ab), BLOCK_M=block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k)
+        SWAP_AB=tiles.swap_ab, BLOCK_M=block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k)
     return out
 
 

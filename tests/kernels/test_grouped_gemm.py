@@ -200,7 +200,7 @@ def test_misshapen_blocks_are_named():
         grouped_gemm(rows, blocks, jnp.zeros((2, 8, 4)), block_m=16, row_index=jnp.zeros((40,), jnp.int32))
     with pytest.raises(ValueError, match="quantize_rows: group must be a positive number of columns, got 0"):
         quantize_rows(rows, 0)
-    for tiles in (Tiles(block_n=24), Tiles(block_k=8), Tiles(num_warps=0)):
+    for tiles in (Tiles(block_n=24), Tiles(block_k=8), Tiles(num_warps=0), Tiles(swap_ab="yes")):
         with pytest.raises(ValueError, match="grouped_gemm: tiles need block_n and block_k powers of two >= 16"):
             grouped_gemm(rows, blocks, jnp.zeros((2, 8, 4)), block_m=16, tiles=tiles)
 
