@@ -182,3 +182,12 @@ def test_gpu_two_processes_one_gpu_each(tmp_path):
     agree = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), len(x)) for x, y in zip(one, two)]
     print("tokens agreeing with one GPU before the first difference, per request:", agree)
     assert min(agree) >= 1, agree
+
+
+def test_the_serving_side_imports_without_triton():
+    """``pip install -e .`` (no [triton] extra) serves the demo: the engine, the models and their
+    FP8 layers import without Triton (a blocked import in a fresh process)."""
+    code = ("import sys; sys.modules['triton'] = None\n"
+            "import jaxattn.serve.demo, jaxattn.serve.engine, jaxattn.serve.models.quantization")
+    run = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]

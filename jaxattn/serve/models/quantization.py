@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxattn.kernels.grouped_gemm import FP8_MAX, quantize_rows
+from jaxattn.kernels.fp8_rows import FP8_MAX, quantize_rows
 from jaxattn.serve.models import layers
 from jaxattn.serve.models.experts import LAYOUTS, Fp8Stack
 
@@ -114,7 +114,7 @@ class Fp8Linear(nnx.Module):
 
     ``activations``: None (weight-only FP8: one dot in ``dtype``) or "fp8" (``set_fp8_activations``;
     W8A8, vLLM's dynamic scheme): each row of ``x`` quantized to FP8 with its own scale
-    (``grouped_gemm.quantize_rows``), one FP8 x FP8 dot (accumulated in float32, given in
+    (``fp8_rows.quantize_rows``), one FP8 x FP8 dot (accumulated in float32, given in
     ``dtype``; float32 for float16), the product times the rows' and the kernel's scales.
     Weight-only, per-tensor and per-channel scales are constant along the contraction, so the FP8
     values are only converted to ``dtype`` (exactly: e4m3 fits bf16), a convert XLA can fuse into
