@@ -1,6 +1,7 @@
 """Launch-configuration sweep for the Triton grouped GEMM of a mixture of experts (one device run).
 
-    python -m benchmarks.tune_grouped_gemm [--model deepseek-v2-lite] [--tokens 1,512] [--trials 10] [--smoke]
+    python -m benchmarks.tune_grouped_gemm [--model deepseek-v2-lite] [--tokens 1,512] [--trials 10]
+        [--table jaxattn/tuning/grouped_gemm_sm_90.json] [--smoke]
 
 ``jaxattn.kernels.grouped_gemm`` alone (no routing, no gather or combine), at one model's expert
 shapes (``benchmarks.bench_moe.SHAPES``): SwiGLU's gate and up (``dim x F``, two weight stacks)
@@ -12,15 +13,17 @@ Every configuration of ``CONFIGS`` is timed (GPU time per call from the profiler
 compile, is reported as such. The calls
 cycle through ``ROTATIONS`` placements of the blocks over the experts, so that a call does not find
 its weights in L2 from the call before (the 2026-11-27 table predates this: at 1 token its weights
-partly stayed in the H100's 50 MB L2). The fastest per case is what ``grouped_gemm.default_tiles`` takes. Writes the
-grouped-gemm-tiles section of benchmarks/TUNING.md (``--smoke``: tiny shapes on the CPU, only
-``$OUT``).
+partly stayed in the H100's 50 MB L2). Writes the grouped-gemm-tiles section of benchmarks/TUNING.md
+(``--smoke``: tiny shapes on the CPU, only ``$OUT``); ``--table PATH`` also writes the fastest per
+case to the measured table ``grouped_gemm.choose_tiles`` reads (``jaxattn.kernels.grouped_gemm_table``;
+a run keeps the file's entries of other keys).
 """
 
 from __future__ import annotations
 
 import argparse
 import itertools
+import os
 from typing import Callable
 
 import jax
@@ -31,6 +34,8 @@ from triton.runtime.errors import OutOfResources
 
 from benchmarks.bench_moe import SHAPES, SMOKE
 from benchmarks.common import TUNING, command_line, device_name, device_seconds, utc_now, write_section
+from jaxattn import choice_table
+from jaxattn.kernels import grouped_gemm_table
 from jaxattn.kernels.grouped_gemm import Tiles, default_tiles, grouped_gemm, quantize_rows
 from jaxattn.serve.models.experts import block_rows, num_blocks
 
@@ -81,17 +86,25 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--model", default="deepseek-v2-lite", choices=list(SHAPES))
     parser.add_argument("--tokens", default="1,512", help="tokens per call, comma-separated")
     parser.add_argument("--trials", type=int, default=10)
+    parser.add_argument("--weights", default="bf16,fp8", help="the weights timed, comma-separated: bf16, fp8")
+    parser.add_argument("--table", metavar="PATH", help="also write the measured table choose_tiles reads there "
+                                                        "(jaxattn/tuning/grouped_gemm_sm_90.json), keeping its "
+                                                        "other entries")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes and configurations (CPU, seconds)")
     args = parser.parse_args(argv)
     shape = next(iter(SMOKE.values())) if args.smoke else SHAPES[args.model]
     configs = (Tiles(32, 32, 4, 1), Tiles(64, 32, 4, 1), Tiles(32, 32, 4, 1, swap_ab=True)) if args.smoke else CONFIGS
     rng = np.random.default_rng(0)
-    rows_out = []
+    kinds = args.weights.split(",")
+    if not set(kinds) <= set(grouped_gemm_table.WEIGHTS):
+        parser.error(f"--weights takes {', '.join(grouped_gemm_table.WEIGHTS)}, got {args.weights}")
+    earlier = grouped_gemm_table.load(args.table) if args.table and os.path.exists(args.table) else None
+    rows_out, entries = [], []
     for tokens in [int(t) for t in args.tokens.split(",")]:
         block_m = block_rows(tokens, shape.experts, shape.k)
         turns = placements(tokens, shape.experts, shape.k, block_m)
         block_expert = turns[0]
-        for fp8 in (False, True):
+        for fp8 in (kind == "fp8" for kind in kinds):
             for k, n, swiglu in ((shape.dim, shape.hidden, True), (shape.hidden, shape.dim, False)):
                 rows = jnp.asarray(rng.normal(size=(block_expert.size * block_m, k)), jnp.bfloat16)
                 dtype, magnitude = (jnp.float8_e4m3fn, 8.0) if fp8 else (jnp.bfloat16, k ** -0.5)
@@ -112,6 +125,9 @@ def main(argv: list[str] | None = None) -> None:
                     if seconds is not None:
                         times[tiles] = seconds
                 fastest = min(times, key=times.get)
+                key = grouped_gemm_table.Key("fp8" if fp8 else "bf16", swiglu, block_m, k, n)
+                entries.append(grouped_gemm_table.Entry(key, fastest, {label(t): round(1e6 * s, 1)
+                                                                       for t, s in times.items()}))
                 chosen = default_tiles(fp8_enk=fp8)     # per-channel FP8 scales: no scale depth
                 cells = [str(tokens), "bf16" if not fp8 else "FP8", f"{k} x {n}" + (" SwiGLU" if swiglu else ""),
                          str(block_m), str(block_expert.size),
@@ -119,17 +135,39 @@ def main(argv: list[str] | None = None) -> None:
                          str(tuple(fastest)), f"{times[chosen] / times[fastest]:.2f}" if chosen in times else "-"]
                 rows_out.append("| " + " | ".join(cells) + " |")
                 print(rows_out[-1], flush=True)
-    columns = ["tokens", "weights", "K x N", "block rows", "blocks",
-               *[f"{t.block_n}x{t.block_k} w{t.num_warps} s{t.num_stages}{' swap' if t.swap_ab else ''} us"
-                 for t in configs],
+                # after every case, so that a run cut short leaves what it measured
+                if args.table:
+                    write_table(args.table, earlier, entries)
+                write_tuning(configs, rows_out, args)
+
+
+def write_tuning(configs: tuple[Tiles, ...], rows: list[str], args: argparse.Namespace) -> None:
+    """The grouped-gemm-tiles section of benchmarks/TUNING.md (``--smoke``: ``$OUT`` only)."""
+    columns = ["tokens", "weights", "K x N", "block rows", "blocks", *[f"{label(t)} us" for t in configs],
                "fastest (block_n, block_k, warps, stages, swap_ab)", "default_tiles / fastest"]
     lines = [f"Device: {device_name()}; {utc_now()}; jax {jax.__version__}; model shapes {args.model}; GPU time per "
              "call (profiler), median of the trials; failed: needs more shared memory than the GPU has, or did not "
              "compile (swap: Tiles.swap_ab).",
              f"Command: `{command_line()}`", "",
-             "| " + " | ".join(columns) + " |", "|" + "---|" * len(columns), *rows_out]
-    print(write_section("grouped-gemm-tiles", "\n".join(lines), path=TUNING, update=not args.smoke,
-                        heading="Triton grouped GEMM launch configurations (benchmarks/tune_grouped_gemm.py)"))
+             "| " + " | ".join(columns) + " |", "|" + "---|" * len(columns), *rows]
+    write_section("grouped-gemm-tiles", "\n".join(lines), path=TUNING, update=not args.smoke,
+                  heading="Triton grouped GEMM launch configurations (benchmarks/tune_grouped_gemm.py)")
+
+
+def label(tiles: Tiles) -> str:
+    """A configuration's name in the table and its column: "128x64 w4 s4", "... swap"."""
+    return f"{tiles.block_n}x{tiles.block_k} w{tiles.num_warps} s{tiles.num_stages}" + \
+        (" swap" if tiles.swap_ab else "")
+
+
+def write_table(path: str, earlier: grouped_gemm_table.Table | None,
+                entries: list[grouped_gemm_table.Entry]) -> None:
+    """Writes ``path``: this run's entries, then those of other keys that it held before the run
+    (``earlier``)."""
+    new = grouped_gemm_table.Table(arch=choice_table.current_arch() or "cpu", command=command_line(),
+                                   device=device_name(), date=utc_now(), jax=jax.__version__, comment="",
+                                   entries=tuple(entries))
+    grouped_gemm_table.dump(choice_table.merged_entries(earlier, new), path)
 
 
 if __name__ == "__main__":

@@ -58,6 +58,7 @@ MAX_DOUBLINGS = 2
 SPLIT_SEPARATOR = "+"
 _HEADER = ("arch", "command", "device", "date", "jax")
 T = TypeVar("T")
+P = TypeVar("P", bound="Provenance")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -221,6 +222,22 @@ def dump_entries(data: dict, path: str) -> None:
     header = json.dumps(data, indent=1)[:-2]              # without its closing "\n}"
     with open(path, "w") as f:
         f.write(f'{header},\n "entries": [\n{entries}\n ]\n}}\n')
+
+
+def merged_entries(old: P | None, new: P) -> P:
+    """``new`` (a ``Provenance`` with ``entries`` that have a ``key``) with ``old``'s entries of
+    other keys kept after its own, its comment saying what it was merged over: a run that measures
+    some keys adds to the file of a run that measured others. ``new`` alone where ``old`` is None
+    or of another arch."""
+    if old is None or old.arch != new.arch:
+        return new
+    keys = {entry.key for entry in new.entries}
+    kept = tuple(entry for entry in old.entries if entry.key not in keys)
+    if not kept:
+        return new
+    comment = f"{len(kept)} entries kept from `{old.command}` ({old.date}, {old.device})" + \
+        (f"; {old.comment}" if old.comment else "")
+    return dataclasses.replace(new, comment=comment, entries=new.entries + kept)
 
 
 def pow2_ceil(n: int) -> int:

@@ -16,45 +16,51 @@ sm_90). Scales per row, expert or output channel multiply the
 accumulated product once; block scales each tile's product per column where a scale block is at
 least a tile deep, else every weight before the dot. Weights come ``[E, K, N]`` or, each
 expert's kernel transposed, ``[E, N, K]`` (``weight_layout="enk"``: K contiguous, the layout an
-FP8 dot reads). The launch configuration is ``default_tiles`` (``Tiles``: the weight tile, warps,
-stages, and whether each tile's product is computed transposed, ``swap_ab``).
+FP8 dot reads). The launch configuration is ``choose_tiles``' (``Tiles``: the weight tile, warps,
+stages, and whether each tile's product is computed transposed, ``swap_ab``): this GPU's measured
+table (``grouped_gemm_table``), else ``default_tiles``.
 """
 
 from __future__ import annotations
-
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import triton
 import triton.language as tl
 
+from jaxattn.kernels import grouped_gemm_table
 from jaxattn.kernels.fp8_rows import FP8_MAX, quantize_rows  # noqa: F401  (the FP8 rows' API, with the kernel)
-
-
-
-class Tiles(NamedTuple):
-    """A launch configuration: ``block_n x block_k`` weight tiles, ``num_warps``, ``num_stages``;
-    ``swap_ab``: each tile's product computed transposed, ``w_tile^T @ rows^T``, so that the
-    weights' ``block_n`` columns take the MMA's M side (a Hopper warpgroup MMA is 64 rows deep)
-    and a block's rows its N side (8 and up), as TensorRT-LLM and SGLang do for small-M GEMMs."""
-    block_n: int = 64
-    block_k: int = 64
-    num_warps: int = 4
-    num_stages: int = 3
-    swap_ab: bool = False
+from jaxattn.kernels.grouped_gemm_table import Tiles
 
 
 def default_tiles(scale_depth: int | None = None, fp8_enk: bool = False) -> Tiles:
-    """The launch configuration measured fastest on an H100 at DeepSeek-V2-Lite's expert shapes
-    (``K x N`` 2048 x 1408 with SwiGLU, 1408 x 2048 without; 32 to 512 tokens, 8 configurations;
-    benchmarks/TUNING.md, "grouped-gemm-tiles", from ``benchmarks.tune_grouped_gemm``): 128 x 64
-    tiles, 4 warps, 4 stages, for bf16 weights and FP8 weights ``[E, K, N]`` at every block size;
-    FP8 weights ``[E, N, K]`` (``fp8_enk``) 128 x 128 tiles, 8 warps, 3 stages (128 bytes of K per
-    weight row; "grouped-gemm-fp8-rows"). With FP8 block scales ``scale_depth`` weight rows deep,
-    the tile is made no deeper than a block, so that each tile's rows share their scales (scaled
-    once per tile, not per weight)."""
-    tiles = Tiles(128, 128, 8, 3) if fp8_enk else Tiles(128, 64, 4, 4)
+    """The launch configuration without a measured table entry (``choose_tiles``), measured fastest
+    on an H100 at DeepSeek-V2-Lite's expert shapes (``K x N`` 2048 x 1408 with SwiGLU, 1408 x 2048
+    without; 32 to 512 tokens, 8 configurations; benchmarks/TUNING.md, "grouped-gemm-tiles", from
+    ``benchmarks.tune_grouped_gemm``): 128 x 64 tiles, 4 warps, 4 stages, for bf16 weights and FP8
+    weights ``[E, K, N]`` at every block size; FP8 weights ``[E, N, K]`` (``fp8_enk``) 128 x 128
+    tiles, 8 warps, 3 stages (128 bytes of K per weight row; "grouped-gemm-fp8-rows"). With FP8
+    block scales ``scale_depth`` weight rows deep, the tile no deeper than a block
+    (``_within_scale_block``)."""
+    return _within_scale_block(Tiles(128, 128, 8, 3) if fp8_enk else Tiles(128, 64, 4, 4), scale_depth)
+
+
+def choose_tiles(block_m: int, k: int, n: int, swiglu: bool, weights: str | None,
+                 scale_depth: int | None = None) -> Tiles:
+    """The launch configuration of a call of ``block_m``-row blocks times weights ``K x N``
+    (``swiglu``: gate and up) of a kind the measured table has (``weights``: "bf16", bf16 rows and
+    weights, or "fp8", FP8 weights ``[E, N, K]``; None: another kind, e.g. FP8 weights ``[E, K, N]``):
+    the tiles of this GPU's table's nearest entry (``grouped_gemm_table``), else ``default_tiles``;
+    with FP8 block scales ``scale_depth`` weight rows deep, no deeper than a block."""
+    measured = None if weights is None else grouped_gemm_table.measured_tiles(weights, swiglu, block_m, k, n)
+    if measured is None:
+        return default_tiles(scale_depth, fp8_enk=weights == "fp8")
+    return _within_scale_block(measured, scale_depth)
+
+
+def _within_scale_block(tiles: Tiles, scale_depth: int | None) -> Tiles:
+    """``tiles`` made no deeper than a block of FP8 scales ``scale_depth`` weight rows deep, so
+    that each tile's rows share their scales (scaled once per tile, not per weight)."""
     if scale_depth is not None and scale_depth % tiles.block_k:
         depth = scale_depth & -scale_depth             # the largest power of two dividing a block's rows
         if depth >= 16:
@@ -193,7 +199,7 @@ def grouped_gemm(rows: jax.Array, block_expert: jax.Array, weights: jax.Array, u
     int32[R]``, ``rows [T, K]`` are gathered: block row r is ``rows[row_index[r]]`` (a zero row
     where the index is outside ``0 .. T-1``), ``row_scale`` is per row of ``rows``, and the output
     has the ``R`` block rows (the grouped copies never exist in memory).
-    ``tiles``: the launch configuration (default: ``default_tiles``)."""
+    ``tiles``: the launch configuration (default: ``choose_tiles``)."""
     from jaxattn.kernels.triton_call import triton_call
 
     num_sources, k = rows.shape
@@ -221,7 +227,8 @@ def grouped_gemm(rows: jax.Array, block_expert: jax.Array, weights: jax.Array, u
     scales = (weights, weights) if scale is None else (scale, scale if up_scale is None else up_scale)
     scale_rows, scale_cols = (1, 1) if scale is None else scale.shape[1:]
     if tiles is None:
-        tiles = default_tiles(bi if scale_rows > 1 else None, fp8_enk=w_nk and scale is not None)
+        kind = ("fp8" if w_nk else None) if scale is not None else "bf16" if rows.dtype == jnp.bfloat16 else None
+        tiles = choose_tiles(block_m, k, n, up is not None, kind, bi if scale_rows > 1 else None)
     elif not all(size >= 16 and size & (size - 1) == 0 for size in (tiles.block_n, tiles.block_k)) or \
             tiles.num_warps < 1 or tiles.num_stages < 1 or not isinstance(tiles.swap_ab, bool):
         raise ValueError(f"grouped_gemm: tiles need block_n and block_k powers of two >= 16, positive warps and "

@@ -128,13 +128,5 @@ def dump(table: Table, path: str) -> None:
 
 def merged(old: Table | None, new: Table) -> Table:
     """``new`` with ``old``'s entries of other keys kept after its own (a ``--fp8`` run adds to a
-    bf16 run's file), its command and comment saying what it was merged over."""
-    if old is None or old.arch != new.arch:
-        return new
-    keys = {entry.key for entry in new.entries}
-    kept = tuple(entry for entry in old.entries if entry.key not in keys)
-    if not kept:
-        return new
-    comment = f"{len(kept)} entries kept from `{old.command}` ({old.date}, {old.device})" + \
-        (f"; {old.comment}" if old.comment else "")
-    return dataclasses.replace(new, comment=comment, entries=new.entries + kept)
+    bf16 run's file): ``choice_table.merged_entries``."""
+    return choice_table.merged_entries(old, new)
