@@ -41,7 +41,8 @@ from jaxattn.serve.models.experts import block_rows, num_blocks
 
 CONFIGS = (Tiles(64, 64, 4, 3), Tiles(32, 128, 4, 4), Tiles(32, 256, 4, 3), Tiles(64, 128, 4, 4),
            Tiles(128, 64, 4, 4), Tiles(64, 256, 8, 3), Tiles(16, 256, 4, 4), Tiles(128, 128, 8, 3),
-           Tiles(64, 128, 4, 4, swap_ab=True), Tiles(128, 128, 4, 3, swap_ab=True), Tiles(128, 128, 8, 3, swap_ab=True))
+           Tiles(64, 128, 4, 4, swap_ab=True), Tiles(128, 128, 4, 3, swap_ab=True), Tiles(128, 128, 8, 3, swap_ab=True),
+           Tiles(64, 256, 4, 4, swap_ab=True), Tiles(128, 256, 4, 2, swap_ab=True))
 ROTATIONS = 8               # placements of the blocks over the experts the timed calls cycle through
 
 
