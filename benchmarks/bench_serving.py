@@ -109,6 +109,7 @@ MODELS = {**{name: (Llama, cfg) for name, cfg in PRESETS.items()},
 TARGETS = {"decode-heavy": 85, "chat": 75, "shared-prefix": 75}   # % of the roofline
 PROGRESS_S = 30.0                # seconds between progress lines on stderr while a trace runs
 LOAD = 0.9                       # the Poisson trace's default rate, as a share of the saturation rate
+KV_CACHE_DTYPES = {"auto": None, "fp8": jnp.float8_e4m3fn}     # --kv-cache-dtype: vLLM's names
 
 
 @dataclasses.dataclass(frozen=True)
@@ -503,6 +504,7 @@ def command(args: argparse.Namespace, layers: int) -> str:
     parts += ["--enable-expert-parallel"] if args.enable_expert_parallel else []
     parts += [f"--quantization {args.quantization}"] if args.quantization else []
     parts += ["--fp8-activations"] if args.fp8_activations else []
+    parts += [f"--kv-cache-dtype {args.kv_cache_dtype}"] if args.kv_cache_dtype != "auto" else []
     parts += [f"--moe-gemm {args.moe_gemm}"] if args.moe_gemm != "auto" else []
     parts += [f"--{name.replace('_', '-')} {getattr(args, name)}"
               for name in ("max_seqs", "num_pages", "max_step_tokens") if getattr(args, name) is not None]
@@ -527,6 +529,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--fp8-activations", action="store_true",
                         help="with --quantization fp8: the linears' inputs quantized to FP8 per row, FP8 x FP8 GEMMs "
                              "(quantization.set_fp8_activations)")
+    parser.add_argument("--kv-cache-dtype", choices=sorted(KV_CACHE_DTYPES), default="auto",
+                        help="the KV cache's dtype, as vLLM spells it: auto (the model's) or fp8 (float8_e4m3fn; "
+                             "MLA's latent cache too)")
     parser.add_argument("--moe-gemm", choices=["auto", *GEMMS], default="auto",
                         help="how a mixture of experts computes its experts (jaxattn.serve.models.experts)")
     parser.add_argument("--requests", type=int, default=None, help="requests in the trace (default: the trace's)")
@@ -591,7 +596,8 @@ def main(argv: list[str] | None = None) -> None:
     mesh = tp_mesh(jax.devices()[:args.tp])
     if mesh is not None:
         model = shard_model(model, mesh, expert_parallel=args.enable_expert_parallel)
-    costs = model_costs(model, args.page_size)
+    kv_dtype = KV_CACHE_DTYPES[args.kv_cache_dtype]
+    costs = model_costs(model, args.page_size, kv_dtype)
     trace = make_trace(args.trace, spec, cfg.vocab_size)
     max_seq_len = max(r.prompt.size + r.new_tokens for r in trace)
     setup = {}
@@ -600,7 +606,8 @@ def main(argv: list[str] | None = None) -> None:
         engine = Engine(model, max_seqs=args.max_seqs, max_seq_len=max_seq_len, page_size=args.page_size,
                         num_pages=args.num_pages, max_step_tokens=args.max_step_tokens, backend=args.backend,
                         enable_prefix_caching=prefix_caching, overlap=not args.no_overlap, record_steps=True,
-                        mesh=mesh, fuse_projections=not args.unfused, max_logprobs=0)   # no request asks
+                        mesh=mesh, fuse_projections=not args.unfused, kv_dtype=kv_dtype,
+                        max_logprobs=0)                                                   # no request asks
         print(f"warm-up: compiling {len(engine.buckets.shapes)} step shapes", file=sys.stderr, flush=True)
         threads = args.compile_threads or default_compile_threads()
         warmup_s = engine.warmup(sampled=False, compile_threads=threads)
@@ -648,6 +655,7 @@ def main(argv: list[str] | None = None) -> None:
     auto_table = f" (its table: {choice_table.describe_current_table()})" if args.backend == "auto" else ""
     weights = "" if not args.quantization else " (FP8 weights and activations)" if args.fp8_activations \
         else " (FP8 weights)"
+    weights += "" if kv_dtype is None else f", KV cache {jnp.dtype(kv_dtype).name}"
     header = (f"Device: {device_name()}; date {datetime.date.today()}; jax {jax.__version__}; model {args.preset} "
               f"shapes with {cfg.num_layers} layers, {cfg.dtype}{weights}, "
               f"random weights; {parallel}backend {args.backend}{auto_table}; "
@@ -693,11 +701,12 @@ def main(argv: list[str] | None = None) -> None:
         lines += ["", f"Target: >= {TARGETS[args.trace]}% of the roofline; this run: {shares}."]
     lines += ["", SOURCES[args.trace]]
     section, heading = SECTIONS[args.trace], HEADINGS[args.trace]
-    if args.preset != "llama3-8b" or args.tp > 1 or args.trace == "throughput" or args.quantization:
+    if args.preset != "llama3-8b" or args.tp > 1 or args.trace == "throughput" or args.quantization or kv_dtype:
         suffix = "".join([args.preset, f"_tp{args.tp}" if args.tp > 1 else "",
                           "_ep" if args.enable_expert_parallel else "",
                           f"_{args.quantization}" if args.quantization else "",
                           "_w8a8" if args.fp8_activations else "",
+                          f"_kv{args.kv_cache_dtype}" if kv_dtype is not None else "",
                           f"_{args.moe_gemm}" if args.moe_gemm != "auto" else ""])
         section, heading = f"{section}_{suffix}", f"{heading}: {suffix}"
     if args.section:

@@ -19,7 +19,7 @@ from tests.xla_dump import REPO
                                     "bench_mla", "profile_calls",
                                     "bench_step_variants", "bench_speculative",
                                     "bench_serving --trace throughput --preset deepseek-v2-lite --moe-gemm dense "
-                                    "--quantization fp8 --fp8-activations --profile-at 2",
+                                    "--quantization fp8 --fp8-activations --kv-cache-dtype fp8 --profile-at 2",
                                     "tune_grouped_gemm --tokens 1",
                                     "grouped_gemm_variants --tokens 1", "bench_fp8_linear",
                                     "profile_verify", "step_padding --trace chat", "bench_server_host"])
