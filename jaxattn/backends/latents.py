@@ -20,20 +20,35 @@ def expand_latents(cache: MLACache, meta: AttentionMetadata, w_uk: jax.Array, w_
     """Every sequence's keys ``k = [c_kv W_UK[:, h], k_rope]`` ``[B, P, page, Hq, Dn + Dr]`` and
     values ``v = c_kv W_UV[:, h]`` ``[B, P, page, Hq, Dv]`` from the latents of its table's pages
     (sanitized ``meta``), in ``dtype`` (float32 accumulation), zero past its ``kv_lens`` (stale
-    slots never reach a kernel). K is one GEMM of the whole latent with ``key_weight``, which
-    writes the RoPE part to every head's last Dr columns itself (no concatenation, no broadcast)."""
+    slots never reach a kernel): ``expand`` of ``step_latents``."""
+    return expand(step_latents(cache, meta, dtype), w_uk, w_uv, cache.rope_dim, dtype)
+
+
+def step_latents(cache: MLACache, meta: AttentionMetadata, dtype: jnp.dtype) -> jax.Array:
+    """The latents of every sequence's table pages ``[B, P, page, R + Dr]`` in ``dtype`` (FP8
+    pages dequantized), zero past the sequence's ``kv_lens``."""
     pages = cache.pages[meta.block_tables]                                   # [B, P, page, R + Dr]
     if cache.scale is not None:
         pages = pages.astype(jnp.float32) * cache.scale
     _, num_pages, page_size, _ = pages.shape
     slot = jnp.arange(num_pages * page_size, dtype=jnp.int32).reshape(num_pages, page_size)
-    pages = jnp.where((slot[None] < meta.kv_lens[:, None, None])[..., None], pages.astype(dtype), 0)
+    return jnp.where((slot[None] < meta.kv_lens[:, None, None])[..., None], pages.astype(dtype), 0)
+
+
+def expand(latents: jax.Array, w_uk: jax.Array, w_uv: jax.Array, rope_dim: int, dtype: jnp.dtype,
+           width: int | None = None) -> jax.Array:
+    """Keys ``[..., Hq, Dn + Dr]`` and values ``[..., Hq, Dv]`` of latents ``[..., R + Dr]``, in
+    ``dtype``; with ``width``, both ``[..., Hq, width]``, zero past their own widths (the weights
+    padded with zero columns, so the GEMMs write the padded arrays: no copy). K is one GEMM of the
+    whole latent with ``key_weight``, which writes the RoPE part to every head's last Dr columns
+    itself (no concatenation, no broadcast)."""
+    w_k, w_v = key_weight(w_uk, rope_dim), w_uv
+    if width is not None:
+        w_k, w_v = (jnp.pad(w, ((0, 0), (0, 0), (0, width - w.shape[-1]))) for w in (w_k, w_v))
     # Products straight in ``dtype`` (accumulated in float32 by the GEMM, rounded once): a float32
     # result would be written, read back and converted, several times the bytes of K and V.
-    k = jnp.einsum("bpsl,lhd->bpshd", pages, key_weight(w_uk, cache.rope_dim).astype(dtype),
-                   preferred_element_type=dtype)
-    v = jnp.einsum("bpsr,rhv->bpshv", pages[..., :cache.kv_lora_rank], w_uv.astype(dtype),
-                   preferred_element_type=dtype)
+    k = jnp.einsum("...l,lhd->...hd", latents, w_k.astype(dtype), preferred_element_type=dtype)
+    v = jnp.einsum("...r,rhv->...hv", latents[..., :w_uv.shape[0]], w_v.astype(dtype), preferred_element_type=dtype)
     return k, v
 
 
@@ -73,15 +88,17 @@ def expanded_pool(cache: MLACache, meta: AttentionMetadata, w_uk: jax.Array, w_u
     """``expanded_pages`` as one KVCache, for a paged kernel that takes one head_dim: NHD
     ``[1 + B * P, page, Hq, max(Dn + Dr, Dv)]`` each (page 0 null and zero; the narrower of K and
     V zero-padded, which changes no logit and adds only zero output columns past Dv), and ``meta``
-    with block tables into it (sequence b's page j is ``1 + b * P + j``)."""
-    k, v, meta = expanded_pages(cache, meta, w_uk, w_uv, dtype)
-    width = max(k.shape[-1], v.shape[-1])
-
-    def pool(x: jax.Array) -> jax.Array:
-        return jnp.pad(x, ((1, 0), (0, 0), (0, 0), (0, width - x.shape[-1])))
-
-    return KVCache(pool(k), pool(v), layout="NHD"), dataclasses.replace(meta, block_tables=1 + meta.block_tables,
-                                                                          num_pages=1 + meta.num_pages)
+    with block tables into it (sequence b's page j is ``1 + b * P + j``). The expansion's GEMMs
+    write the pool itself: the null page is a zero latent page in front of the step's, and the
+    padding zero columns of the weights (``expand``'s ``width``)."""
+    latents = step_latents(cache, meta, dtype)
+    batch, num_pages, page_size, _ = latents.shape
+    latents = jnp.concatenate([jnp.zeros((1, *latents.shape[2:]), dtype),
+                               latents.reshape(batch * num_pages, *latents.shape[2:])])
+    width = max(w_uk.shape[2] + cache.rope_dim, w_uv.shape[2])
+    k, v = expand(latents, w_uk, w_uv, cache.rope_dim, dtype, width)
+    tables = 1 + jnp.arange(batch * num_pages, dtype=jnp.int32).reshape(batch, num_pages)
+    return KVCache(k, v, layout="NHD"), dataclasses.replace(meta, block_tables=tables, num_pages=1 + batch * num_pages)
 
 
 def attend_expanded(attention: Callable[..., jax.Array], q: jax.Array, cache: MLACache, meta: AttentionMetadata,

@@ -17,7 +17,7 @@ import pytest
 import jaxattn
 from jaxattn.backends import xla
 from jaxattn.backends.base import AttentionParams
-from jaxattn.backends.latents import attend_expanded, expand_latents, expanded_pages
+from jaxattn.backends.latents import attend_expanded, expand_latents, expanded_pages, expanded_pool
 from tests.mla_inputs import (break_metadata, check_deepseek_prefill, check_deepseek_prefill_broken_sequences,
                                make_mla_problem)
 from tests.paged_inputs import rel_error
@@ -110,6 +110,29 @@ def test_expanded_pages_hold_each_sequence_in_its_table_order():
     for field in ("cu_q_lens", "kv_lens", "num_decodes"):
         np.testing.assert_array_equal(getattr(pages_meta, field), getattr(meta, field))
     assert (pages_meta.page_size, pages_meta.num_pages) == (8, batch * pages)
+
+
+def test_expanded_pool_is_the_expansion_behind_a_null_page_written_by_its_gemms():
+    """The one-head_dim pool: page 0 zero, then sequence b's page j at ``1 + b P + j``, K and V
+    zero-padded to the wider (K here); the expansion's GEMMs write it: no pad or concatenation of
+    an array of the pool's shape in the lowered step (the copies the mixed steps' profile showed)."""
+    problem = make_mla_problem(np.random.default_rng(8), **DIMS, **MIXED)
+    meta, _ = problem.meta.sanitize(problem.q_nope.shape[0], problem.cache.num_pages, problem.cache.page_size)
+    k, v = expand_latents(problem.cache, meta, problem.w_uk, problem.w_uv, jnp.float32)
+    args = (problem.cache, meta, problem.w_uk, problem.w_uv)
+    pool, pool_meta = expanded_pool(*args, jnp.float32)
+    batch, pages, width = *meta.block_tables.shape, 24 + 16
+    assert pool.k_pages.shape == pool.v_pages.shape == (1 + batch * pages, 8, 4, width)
+    assert not np.asarray(pool.k_pages[0]).any() and not np.asarray(pool.v_pages[0]).any()
+    np.testing.assert_array_equal(pool_meta.block_tables, 1 + np.arange(batch * pages).reshape(batch, pages))
+    assert pool_meta.num_pages == 1 + batch * pages
+    np.testing.assert_allclose(pool.k_pages[pool_meta.block_tables], k, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(pool.v_pages[pool_meta.block_tables][..., :16], v, rtol=1e-6, atol=1e-6)
+    assert not np.asarray(pool.v_pages[..., 16:]).any()
+    lowered = jax.jit(expanded_pool, static_argnums=4).lower(*args, jnp.dtype(jnp.float32)).as_text()
+    pool_type = f"tensor<{1 + batch * pages}x8x4x{width}xf32>"
+    assert not [line for line in lowered.splitlines()
+                if pool_type in line.split("->")[-1] and ("pad" in line or "concatenate" in line)]
 
 
 @pytest.mark.parametrize("page_size", [16, 4])
