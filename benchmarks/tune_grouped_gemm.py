@@ -33,7 +33,8 @@ from triton.compiler.errors import CompilationError
 from triton.runtime.errors import OutOfResources
 
 from benchmarks.bench_moe import SHAPES, SMOKE
-from benchmarks.common import TUNING, command_line, device_name, device_seconds, utc_now, write_section
+from benchmarks.common import (TUNING, command_line, copy_bandwidth, device_name, device_seconds, utc_now,
+                               write_section)
 from jaxattn import choice_table
 from jaxattn.kernels import grouped_gemm_table
 from jaxattn.kernels.grouped_gemm import Tiles, default_tiles, grouped_gemm, quantize_rows
@@ -100,6 +101,7 @@ def main(argv: list[str] | None = None) -> None:
     if not set(kinds) <= set(grouped_gemm_table.WEIGHTS):
         parser.error(f"--weights takes {', '.join(grouped_gemm_table.WEIGHTS)}, got {args.weights}")
     earlier = grouped_gemm_table.load(args.table) if args.table and os.path.exists(args.table) else None
+    copy_rate = copy_bandwidth(1 << 24, trials=3) if args.smoke else copy_bandwidth()
     rows_out, entries = [], []
     for tokens in [int(t) for t in args.tokens.split(",")]:
         block_m = block_rows(tokens, shape.experts, shape.k)
@@ -130,25 +132,29 @@ def main(argv: list[str] | None = None) -> None:
                 entries.append(grouped_gemm_table.Entry(key, fastest, {label(t): round(1e6 * s, 1)
                                                                        for t, s in times.items()}))
                 chosen = default_tiles(fp8_enk=fp8)     # per-channel FP8 scales: no scale depth
+                weight_bytes = min(shape.experts, tokens * shape.k) * sum(w[0].nbytes for w in stacks)
                 cells = [str(tokens), "bf16" if not fp8 else "FP8", f"{k} x {n}" + (" SwiGLU" if swiglu else ""),
                          str(block_m), str(block_expert.size),
                          *[f"{1e6 * times[t]:.1f}" if t in times else "failed" for t in configs],
-                         str(tuple(fastest)), f"{times[chosen] / times[fastest]:.2f}" if chosen in times else "-"]
+                         str(tuple(fastest)), f"{weight_bytes / times[fastest] / copy_rate:.0%}",
+                         f"{times[chosen] / times[fastest]:.2f}" if chosen in times else "-"]
                 rows_out.append("| " + " | ".join(cells) + " |")
                 print(rows_out[-1], flush=True)
                 # after every case, so that a run cut short leaves what it measured
                 if args.table:
                     write_table(args.table, earlier, entries)
-                write_tuning(configs, rows_out, args)
+                write_tuning(configs, rows_out, copy_rate, args)
 
 
-def write_tuning(configs: tuple[Tiles, ...], rows: list[str], args: argparse.Namespace) -> None:
+def write_tuning(configs: tuple[Tiles, ...], rows: list[str], copy_rate: float, args: argparse.Namespace) -> None:
     """The grouped-gemm-tiles section of benchmarks/TUNING.md (``--smoke``: ``$OUT`` only)."""
     columns = ["tokens", "weights", "K x N", "block rows", "blocks", *[f"{label(t)} us" for t in configs],
-               "fastest (block_n, block_k, warps, stages, swap_ab)", "default_tiles / fastest"]
+               "fastest (block_n, block_k, warps, stages, swap_ab)", "fastest % of copy rate",
+               "default_tiles / fastest"]
     lines = [f"Device: {device_name()}; {utc_now()}; jax {jax.__version__}; model shapes {args.model}; GPU time per "
              "call (profiler), median of the trials; failed: needs more shared memory than the GPU has, or did not "
-             "compile (swap: Tiles.swap_ab).",
+             "compile (swap: Tiles.swap_ab). % of copy rate: the touched experts' weight bytes over the fastest's "
+             f"time, against the copy rate measured in the same run, {copy_rate / 1e9:,.0f} GB/s (read + write).",
              f"Command: `{command_line()}`", "",
              "| " + " | ".join(columns) + " |", "|" + "---|" * len(columns), *rows]
     write_section("grouped-gemm-tiles", "\n".join(lines), path=TUNING, update=not args.smoke,
