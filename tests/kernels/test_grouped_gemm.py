@@ -141,11 +141,13 @@ def test_fp8_rows_are_scaled_per_row(on_platform, layout, swap_ab):
     assert rel_error(out[:used], g / (1 + np.exp(-g)) * u) < 0.1      # e4m3 rows: 3 mantissa bits
 
 
+@pytest.mark.parametrize("swap_ab", [False, True])
 @pytest.mark.parametrize("fp8", [False, True])
-def test_gathered_rows_are_their_tokens(on_platform, fp8):
+def test_gathered_rows_are_their_tokens(on_platform, fp8, swap_ab):
     """With ``row_index`` each block row is its token's row of ``rows [T, K]`` (a token may fill
     several rows, ``row_scale`` is per token); indices outside ``0 .. T-1`` (padding, or bad data)
-    give zero rows and read nothing outside ``rows``."""
+    give zero rows and read nothing outside ``rows``; each tile straight or transposed (the
+    swapped tiles the sm_90 table gives the model's gathered decode blocks)."""
     rng = np.random.default_rng()
     block_m, tokens, k, n = 16, 20, 64, 48
     block_expert = np.array([1, 0, -1], np.int32)
@@ -153,7 +155,7 @@ def test_gathered_rows_are_their_tokens(on_platform, fp8):
     row_index[[3, 17, 20]] = [-1, tokens, 1 << 30]
     x = rng.normal(size=(tokens, k)).astype(np.float32)
     weights = rng.normal(size=(2, k, n)).astype(np.float32) / np.sqrt(k)
-    kwargs = dict(block_m=block_m, row_index=jnp.asarray(row_index))
+    kwargs = dict(block_m=block_m, row_index=jnp.asarray(row_index), tiles=default_tiles()._replace(swap_ab=swap_ab))
     if fp8:
         rows, row_scale = quantize_rows(jnp.asarray(x))
         x = np.asarray(rows, np.float32) * np.asarray(row_scale)
