@@ -12,7 +12,7 @@ converted to it for the dot (weight-only FP8), with FP8 rows (``quantize_rows``,
 row) FP8 meets FP8 in the dot: on an H100, with Triton 3.6, an FP8 x FP8 warpgroup MMA for 64-row
 blocks and for ``swap_ab`` tiles, but an f16 ``mma.sync`` for 16- and 32-row blocks straight (the
 FP8 operands converted in registers; ``tests/kernels/test_grouped_gemm.py`` compiles both for
-sm_90). Scales per row, expert or output channel multiply the
+sm_90; the sm_90 tiles table gives those blocks swapped tiles). Scales per row, expert or output channel multiply the
 accumulated product once; block scales each tile's product per column where a scale block is at
 least a tile deep, else every weight before the dot. Weights come ``[E, K, N]`` or, each
 expert's kernel transposed, ``[E, N, K]`` (``weight_layout="enk"``: K contiguous, the layout an
@@ -227,7 +227,10 @@ def grouped_gemm(rows: jax.Array, block_expert: jax.Array, weights: jax.Array, u
     scales = (weights, weights) if scale is None else (scale, scale if up_scale is None else up_scale)
     scale_rows, scale_cols = (1, 1) if scale is None else scale.shape[1:]
     if tiles is None:
-        kind = ("fp8" if w_nk else None) if scale is not None else "bf16" if rows.dtype == jnp.bfloat16 else None
+        if scale is not None:                       # the table holds FP8 weights [E, N, K] and bf16 ones
+            kind = "fp8" if w_nk else None
+        else:
+            kind = "bf16" if rows.dtype == jnp.bfloat16 else None
         tiles = choose_tiles(block_m, k, n, up is not None, kind, bi if scale_rows > 1 else None)
     elif not all(size >= 16 and size & (size - 1) == 0 for size in (tiles.block_n, tiles.block_k)) or \
             tiles.num_warps < 1 or tiles.num_stages < 1 or not isinstance(tiles.swap_ab, bool):
