@@ -36,7 +36,7 @@ def step_latents(cache: MLACache, meta: AttentionMetadata, dtype: jnp.dtype) -> 
 
 
 def expand(latents: jax.Array, w_uk: jax.Array, w_uv: jax.Array, rope_dim: int, dtype: jnp.dtype,
-           width: int | None = None) -> jax.Array:
+           width: int | None = None) -> tuple[jax.Array, jax.Array]:
     """Keys ``[..., Hq, Dn + Dr]`` and values ``[..., Hq, Dv]`` of latents ``[..., R + Dr]``, in
     ``dtype``; with ``width``, both ``[..., Hq, width]``, zero past their own widths (the weights
     padded with zero columns, so the GEMMs write the padded arrays: no copy). K is one GEMM of the
@@ -92,7 +92,7 @@ def expanded_pool(cache: MLACache, meta: AttentionMetadata, w_uk: jax.Array, w_u
     write the pool itself: the null page is a zero latent page in front of the step's, and the
     padding zero columns of the weights (``expand``'s ``width``)."""
     latents = step_latents(cache, meta, dtype)
-    batch, num_pages, page_size, _ = latents.shape
+    batch, num_pages = latents.shape[:2]
     latents = jnp.concatenate([jnp.zeros((1, *latents.shape[2:]), dtype),
                                latents.reshape(batch * num_pages, *latents.shape[2:])])
     width = max(w_uk.shape[2] + cache.rope_dim, w_uv.shape[2])
