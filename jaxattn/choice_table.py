@@ -286,6 +286,16 @@ def current_arch() -> str | None:
     return f"sm_{major}{minor}"
 
 
+def arch_table(path_of: Callable[[str], str], load: Callable[[str], T]) -> T | None:
+    """``load`` of this GPU's file ``path_of(arch)`` (``current_arch``), or None without a GPU or
+    a file for its arch: how the per-arch tables of other kinds (the expert GEMM strategies, the
+    grouped GEMM's tiles) find theirs."""
+    arch = current_arch()
+    if arch is None or not os.path.exists(path_of(arch)):
+        return None
+    return load(path_of(arch))
+
+
 def current_device_kind() -> str | None:
     """The first GPU's ``device_kind`` ("NVIDIA H100 80GB HBM3"); None without a GPU."""
     gpus = gpu_devices()

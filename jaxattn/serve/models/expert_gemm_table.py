@@ -88,10 +88,7 @@ def table_path(arch: str) -> str:
 @functools.cache
 def current_table() -> Table | None:
     """This GPU's table (``moe_<arch>.json``), or None without a GPU or a table for its arch."""
-    arch = choice_table.current_arch()
-    if arch is None or not os.path.exists(table_path(arch)):
-        return None
-    return load(table_path(arch))
+    return choice_table.arch_table(table_path, load)
 
 
 def load(path: str) -> Table:
