@@ -1,13 +1,14 @@
 """Launch-configuration sweep for the Triton grouped GEMM of a mixture of experts (one device run).
 
     python -m benchmarks.tune_grouped_gemm [--model deepseek-v2-lite] [--tokens 1,512] [--trials 10]
-        [--table jaxattn/tuning/grouped_gemm_sm_90.json] [--smoke]
+        [--block-rows 64,128] [--table jaxattn/tuning/grouped_gemm_sm_90.json] [--smoke]
 
 ``jaxattn.kernels.grouped_gemm`` alone (no routing, no gather or combine), at one model's expert
 shapes (``benchmarks.bench_moe.SHAPES``): SwiGLU's gate and up (``dim x F``, two weight stacks)
 and down (``F x dim``), bf16 and FP8 weights (per-channel scales; as the model runs them, each
 expert's kernel transposed and the rows FP8, quantized per row outside the timed call), the token copies spread evenly
-over the experts they touch (``min(E, tokens k)``) in the blocks ``routed_experts`` would make.
+over the experts they touch (``min(E, tokens k)``) in the blocks ``routed_experts`` would make
+(``--block-rows``: blocks of other sizes, to weigh them).
 Every configuration of ``CONFIGS`` is timed (GPU time per call from the profiler, median of
 ``--trials``); one that needs more shared memory than the GPU has, or that Triton does not
 compile, is reported as such. The calls
@@ -43,7 +44,8 @@ from jaxattn.serve.models.experts import block_rows, num_blocks
 CONFIGS = (Tiles(64, 64, 4, 3), Tiles(32, 128, 4, 4), Tiles(32, 256, 4, 3), Tiles(64, 128, 4, 4),
            Tiles(128, 64, 4, 4), Tiles(64, 256, 8, 3), Tiles(16, 256, 4, 4), Tiles(128, 128, 8, 3),
            Tiles(64, 128, 4, 4, swap_ab=True), Tiles(128, 128, 4, 3, swap_ab=True), Tiles(128, 128, 8, 3, swap_ab=True),
-           Tiles(64, 256, 4, 4, swap_ab=True), Tiles(128, 256, 4, 2, swap_ab=True))
+           Tiles(64, 256, 4, 4, swap_ab=True), Tiles(128, 256, 4, 2, swap_ab=True),
+           Tiles(128, 64, 8, 4), Tiles(256, 64, 8, 3))
 ROTATIONS = 8               # placements of the blocks over the experts the timed calls cycle through
 
 
@@ -88,6 +90,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--model", default="deepseek-v2-lite", choices=list(SHAPES))
     parser.add_argument("--tokens", default="1,512", help="tokens per call, comma-separated")
     parser.add_argument("--trials", type=int, default=10)
+    parser.add_argument("--block-rows", default="", help="rows per block timed, comma-separated (default: the "
+                                                        "model's, experts.block_rows at each token count)")
     parser.add_argument("--weights", default="bf16,fp8", help="the weights timed, comma-separated: bf16, fp8")
     parser.add_argument("--table", metavar="PATH", help="also write the measured table choose_tiles reads there "
                                                         "(jaxattn/tuning/grouped_gemm_sm_90.json), keeping its "
@@ -103,8 +107,10 @@ def main(argv: list[str] | None = None) -> None:
     earlier = grouped_gemm_table.load(args.table) if args.table and os.path.exists(args.table) else None
     copy_rate = copy_bandwidth(1 << 24, trials=3) if args.smoke else copy_bandwidth()
     rows_out, entries = [], []
-    for tokens in [int(t) for t in args.tokens.split(",")]:
-        block_m = block_rows(tokens, shape.experts, shape.k)
+    cases = [(tokens, block_m) for tokens in (int(t) for t in args.tokens.split(","))
+             for block_m in ([int(b) for b in args.block_rows.split(",")] if args.block_rows
+                             else [block_rows(tokens, shape.experts, shape.k)])]
+    for tokens, block_m in cases:
         turns = placements(tokens, shape.experts, shape.k, block_m)
         block_expert = turns[0]
         for fp8 in (kind == "fp8" for kind in kinds):
