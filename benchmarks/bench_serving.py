@@ -82,7 +82,7 @@ import numpy as np
 from flax import nnx
 
 from benchmarks.common import (copy_bandwidth, device_name, gemm_rate, kernel_profile_options, show_engine_log,
-                               trace_events, write_section)
+                               trace_events, trace_span, write_section)
 from benchmarks.profile_step import by_kind, kind_of
 from jaxattn import choice_table
 from jaxattn.serve.cli_args import tp_mesh
@@ -386,6 +386,7 @@ class StepWindow:
         self.at, self.steps = at, steps
         self.first = self.last = None
         self.events: dict[str, tuple[float, float]] | None = None
+        self.span_s: float | None = None       # per step, first kernel's start to last's end
         self._dir: tempfile.TemporaryDirectory | None = None
 
     def advance(self, done: int, finished: bool = False) -> None:
@@ -398,15 +399,16 @@ class StepWindow:
             self.last = done
             try:
                 self.events = trace_events(self._dir.name, max(1, done - self.first))
+                self.span_s = trace_span(self._dir.name, max(1, done - self.first))
             except RuntimeError:           # no GPU stream events (the CPU smoke runs)
                 self.events = {}
             self._dir.cleanup()
             self._dir = None
 
 
-def kernel_rows(window: StepWindow, kinds: collections.Counter, top: int = 6) -> list[str]:
+def kernel_rows(window: StepWindow, kinds: collections.Counter, top: int = 10) -> list[str]:
     """A window's profile as table rows: GPU time and launches per step by kind of kernel
-    (``benchmarks.profile_step.by_kind``), then its ``top`` kernels."""
+    (``benchmarks.profile_step.by_kind``) and the GPU's span per step, then its ``top`` kernels."""
     steps = ", ".join(f"{n} {kind}" for kind, n in kinds.items())
     lines = ["", f"GPU kernels of steps {window.first}-{window.last - 1} of the trace ({steps}), per step:", ""]
     if not window.events:
@@ -416,6 +418,8 @@ def kernel_rows(window: StepWindow, kinds: collections.Counter, top: int = 6) ->
     lines += ["| kernel kind | ms per step | share | launches per step |", "|---|---|---|---|"]
     lines += [f"| {kind} | {1e3 * s:.2f} | {100 * s / total:.0f}% | {n:.0f} |" for kind, (s, n, _) in grouped.items()]
     lines += [f"| total | {1e3 * total:.2f} | 100% | {sum(n for _, n, _ in grouped.values()):.0f} |", "",
+              f"GPU span per step (first kernel's start to last kernel's end, over the window): "
+              f"{1e3 * window.span_s:.2f} ms, {total / window.span_s:.0%} of it in kernels.", "",
               "| kernel | kind | ms per step | launches per step |", "|---|---|---|---|"]
     heaviest = sorted(window.events.items(), key=lambda item: -item[1][0])[:top]
     return lines + [f"| `{name[:80]}` | {kind_of(name)} | {1e3 * s:.3f} | {n:.0f} |" for name, (s, n) in heaviest]

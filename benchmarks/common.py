@@ -443,22 +443,34 @@ def kernel_profile_options() -> jax.profiler.ProfileOptions:
     return options
 
 
+def _stream_events(trace_dir: str) -> list:
+    """The events on the GPU streams of the profile ``jax.profiler`` wrote to ``trace_dir``."""
+    (path,) = glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True)
+    profile = jax.profiler.ProfileData.from_file(path)
+    return [event for plane in profile.planes if plane.name.startswith("/device:GPU")
+            for line in plane.lines if "Stream" in line.name for event in line.events]
+
+
 def trace_events(trace_dir: str, calls: float) -> dict[str, tuple[float, float]]:
     """``device_events``' result for the profile ``jax.profiler`` wrote to ``trace_dir`` over
     ``calls`` calls (or steps)."""
-    (path,) = glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True)
-    profile = jax.profiler.ProfileData.from_file(path)
     events: dict[str, tuple[float, float]] = {}
-    for plane in profile.planes:
-        if plane.name.startswith("/device:GPU"):
-            for line in plane.lines:
-                if "Stream" in line.name:
-                    for event in line.events:
-                        seconds, launches = events.get(event.name, (0.0, 0.0))
-                        events[event.name] = (seconds + event.duration_ns * 1e-9 / calls, launches + 1 / calls)
+    for event in _stream_events(trace_dir):
+        seconds, launches = events.get(event.name, (0.0, 0.0))
+        events[event.name] = (seconds + event.duration_ns * 1e-9 / calls, launches + 1 / calls)
     if not events:
         raise RuntimeError("device_events: the profile holds no GPU stream events")
     return events
+
+
+def trace_span(trace_dir: str, calls: float) -> float:
+    """Seconds per call (or step) from the first GPU stream event's start to the last's end in the
+    profile at ``trace_dir``: against ``trace_events``' summed durations, the GPU's idle share
+    between kernels (launch gaps, host waits)."""
+    events = _stream_events(trace_dir)
+    if not events:
+        raise RuntimeError("trace_span: the profile holds no GPU stream events")
+    return (max(e.end_ns for e in events) - min(e.start_ns for e in events)) * 1e-9 / calls
 
 
 def device_event_seconds(fn: Callable[[], object], calls: int) -> dict[str, float]:

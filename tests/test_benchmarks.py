@@ -44,10 +44,12 @@ def test_serving_profile_window_groups_kernels_by_kind():
     window.first, window.last = 40, 42
     window.events = {"gemm_fusion_dot_3": (3e-3, 4.0), "nvjet_hsh_128x256": (1e-3, 2.0), "xqa_kernel": (3e-4, 1.0),
                      "mla_decode_kernel": (2e-4, 1.0), "loop_add_fusion": (5e-4, 6.0)}
+    window.span_s = 6.25e-3
     rows = kernel_rows(window, collections.Counter({"mixed": 2}), top=2)
     assert "steps 40-41 of the trace (2 mixed)" in rows[1]
     assert "| GEMM | 4.00 | 80% | 6 |" in rows and "| attention | 0.50 | 10% | 2 |" in rows
     assert "| total | 5.00 | 100% | 14 |" in rows
+    assert any(row.startswith("GPU span per step") and "6.25 ms, 80% of it in kernels" in row for row in rows)
     assert rows[-2:] == ["| `gemm_fusion_dot_3` | GEMM | 3.000 | 4 |",
                          "| `nvjet_hsh_128x256` | GEMM | 1.000 | 2 |"]
 
