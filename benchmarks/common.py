@@ -179,21 +179,27 @@ def fp8_inputs(x: Inputs) -> Inputs:
 
 @dataclasses.dataclass(frozen=True)
 class MLACase:
-    """An MLA decode batch: ``batch`` sequences at ``kv_len``, ``heads`` query heads."""
+    """An MLA decode batch: ``batch`` sequences at ``kv_len``, ``heads`` query heads; latents in
+    bf16, or (``fp8``) float8_e4m3fn with one scale."""
     batch: int
     kv_len: int
     heads: int
+    fp8: bool = False
+
+    @property
+    def latent_dtype(self):
+        return jnp.float8_e4m3fn if self.fp8 else DTYPE
 
     @property
     def latent_bytes(self) -> int:
-        return self.batch * self.kv_len * (MLA_RANK + MLA_ROPE) * jnp.dtype(DTYPE).itemsize
+        return self.batch * self.kv_len * (MLA_RANK + MLA_ROPE) * jnp.dtype(self.latent_dtype).itemsize
 
     @property
     def flops(self) -> int:
         return 2 * self.batch * self.heads * self.kv_len * (MLA_RANK + MLA_ROPE + MLA_RANK)
 
     def __str__(self) -> str:
-        return f"B={self.batch} kv={self.kv_len} Hq={self.heads}"
+        return f"B={self.batch} kv={self.kv_len} Hq={self.heads}" + (" FP8 latents" if self.fp8 else "")
 
 
 @dataclasses.dataclass
@@ -205,10 +211,13 @@ class MLAInputs:
 
 
 def mla_inputs(case: MLACase, seed: int = 0) -> MLAInputs:
-    """One decode token per sequence over a randomly permuted pool of random bf16 latents (page ``PAGE``)."""
+    """One decode token per sequence over a randomly permuted pool of random latents (page ``PAGE``),
+    bf16, or FP8 stored as 4x the value with a scale of 1/4."""
     tables = block_tables((case.kv_len,) * case.batch, seed)
     k1, k2, k3 = jax.random.split(jax.random.key(seed), 3)
     pages = jax.random.normal(k1, (int(tables.max()) + 1, PAGE, MLA_RANK + MLA_ROPE), DTYPE)
+    scale = jnp.float32(0.25) if case.fp8 else None
+    pages = pages if scale is None else (pages / scale).astype(case.latent_dtype)
     meta = jaxattn.AttentionMetadata(
         cu_q_lens=jnp.arange(case.batch + 1, dtype=jnp.int32),
         kv_lens=jnp.full((case.batch,), case.kv_len, jnp.int32),
@@ -218,7 +227,7 @@ def mla_inputs(case: MLACase, seed: int = 0) -> MLAInputs:
     )
     return MLAInputs(jax.random.normal(k2, (case.batch, case.heads, MLA_RANK), DTYPE),
                      jax.random.normal(k3, (case.batch, case.heads, MLA_ROPE), DTYPE),
-                     jaxattn.MLACache(pages, kv_lora_rank=MLA_RANK), meta)
+                     jaxattn.MLACache(pages, kv_lora_rank=MLA_RANK, scale=scale), meta)
 
 
 @dataclasses.dataclass

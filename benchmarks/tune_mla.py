@@ -1,17 +1,19 @@
 """Tile sweep for jaxattn's Triton MLA decode kernel (``jaxattn.kernels.triton_mla``), one device run.
 
-    python -m benchmarks.tune_mla [--quick] [--budget-s 360] [--compile-only]
+    python -m benchmarks.tune_mla [--fp8] [--quick] [--budget-s 360] [--compile-only]
 
 Points (bf16, latent 512 + RoPE 64, page 64, randomly permuted pool; ``benchmarks.common.mla_inputs``):
-B=64 x kv 4096 x Hq 128 (the issue's target), B=128 x kv 4096 x Hq 16 and B=1 x kv 16384 x Hq 128.
-Candidates: ``MLAConfig`` tiles (heads per tile, keys per tile, warps, stages) and KV segment
-counts around ``mla_config``'s choice, which is always a candidate. Every candidate is first
+B=64 x kv 4096 x Hq 128 (the issue's target), B=128 x kv 4096 x Hq 16 and B=1 x kv 16384 x Hq 128;
+``--fp8``: float8_e4m3fn latents at B=256 x kv 1536 x Hq 16 (DeepSeek-V2-Lite's 256-row decode step
+in the serving trace), B=128 x kv 4096 x Hq 16 and B=64 x kv 4096 x Hq 128.
+Candidates: ``MLAConfig`` tiles (heads per tile, keys per tile, warps, stages; FP8: the dots in bf16
+or f16) and KV segment counts around ``mla_config``'s choice, which is always a candidate. Every candidate is first
 compiled for sm_90 in parallel CPU processes (``triton_call._compile`` fills Triton's on-disk
 cache, so the timed process only loads), then timed as the GPU time of the decode and reduce
 kernels per call (profiler, median of 3 rounds of 20 calls); a candidate whose output is more than
 2e-2 (relative) from the xla backend's fails, as do those that do not compile or launch.
-``--compile-only`` stops after the compile phase (any machine). Writes the mla-tiles section of
-benchmarks/TUNING.md (``--quick``: only ``$OUT``) and prints it.
+``--compile-only`` stops after the compile phase (any machine). Writes the mla-tiles (``--fp8``:
+mla-tiles-fp8) section of benchmarks/TUNING.md (``--quick``: only ``$OUT``) and prints it.
 """
 
 from __future__ import annotations
@@ -36,21 +38,24 @@ from jaxattn.backends.base import AttentionParams
 
 SECTION, HEADING = "mla-tiles", "MLA decode tiles (benchmarks/tune_mla.py)"
 POINTS = (MLACase(64, 4096, 128), MLACase(128, 4096, 16), MLACase(1, 16384, 128))
+FP8_POINTS = (MLACase(256, 1536, 16, fp8=True), MLACase(128, 4096, 16, fp8=True), MLACase(64, 4096, 128, fp8=True))
 
 
 def candidates(case: MLACase, quick: bool) -> list[tb.MLAConfig]:
     """mla_config's choice first, then the tile grid at its segment count, then segment counts."""
-    default = tb.mla_config(case.batch, case.heads, 512, case.kv_len, 1)
+    default = tb.mla_config(case.batch, case.heads, 512, case.kv_len, 1, fp8=case.fp8)
     if quick:
         return [default, dataclasses.replace(default, num_stages=3)]
     tiles = []
-    for block_h, block_n, warps, stages in itertools.product(
-            (16,) if case.heads <= 16 else (32, 64), (16, 32, 64), (4, 8), (1, 2, 3)):
+    keys, stages_, f16 = ((32, 64, 128), (2, 3, 4), (False, True)) if case.fp8 else ((16, 32, 64), (1, 2, 3), (False,))
+    for block_h, block_n, warps, stages, f16_dots in itertools.product(
+            (16,) if case.heads <= 16 else (32, 64), keys, (4, 8), stages_, f16):
         if block_h == 64 and warps == 4:
             continue
         tiles.append(dataclasses.replace(default, block_h=block_h, block_n=block_n, num_warps=warps,
-                                         num_stages=stages))
-    segments = [dataclasses.replace(default, num_segments=s) for s in (1, 2, 4, 8, 16, 32, 64, 128)
+                                         num_stages=stages, f16_dots=f16_dots))
+    segments = [dataclasses.replace(default, num_segments=s, f16_dots=f16_dots) for f16_dots in f16
+                for s in (1, 2, 4, 8, 16, 32, 64, 128)
                 if s != default.num_segments and s * 4 * default.block_n <= case.kv_len]
     return list(dict.fromkeys([default] + tiles + segments))
 
@@ -94,11 +99,12 @@ def kernel_seconds(case: MLACase, cfg: tb.MLAConfig, x, reference: jax.Array) ->
 
 def describe(cfg: tb.MLAConfig) -> str:
     return (f"{cfg.block_h} heads x {cfg.block_n} keys, {cfg.num_warps} warps, {cfg.num_stages} stages, "
-            f"{cfg.num_segments} segments")
+            f"{cfg.num_segments} segments{', f16 dots' if cfg.f16_dots else ''}")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.tune_mla", description=__doc__.splitlines()[0])
+    parser.add_argument("--fp8", action="store_true", help="FP8 latents (float8_e4m3fn pages with a scale)")
     parser.add_argument("--quick", action="store_true", help="two candidates per point (checks the script)")
     parser.add_argument("--compile-only", action="store_true",
                         help="compile the candidates for sm_90 and report failures (any machine, no timing)")
@@ -108,7 +114,10 @@ def main() -> None:
     start = time.time()
     if jax.default_backend() != "gpu" and not args.compile_only:
         sys.exit("tune_mla needs a GPU (or --compile-only)")
-    jobs = [(case, cfg) for case in POINTS for cfg in candidates(case, args.quick)]
+    points = FP8_POINTS if args.fp8 else POINTS
+    section, heading = (SECTION + "-fp8", "MLA decode tiles over FP8 latents (benchmarks/tune_mla.py --fp8)") \
+        if args.fp8 else (SECTION, HEADING)
+    jobs = [(case, cfg) for case in points for cfg in candidates(case, args.quick)]
     errors = compile_all(jobs)
     if args.compile_only:
         failed = {f"{case} {describe(cfg)}": error for (case, cfg), error in errors.items() if error}
@@ -118,13 +127,13 @@ def main() -> None:
              f"command: `{command_line()}`; {len(jobs)} candidates "
              f"compiled in {time.time() - start:.0f} s. GPU time per call of the decode and reduce kernels, us; "
              f"first row: mla_config's choice."]
-    for i, case in enumerate(POINTS):
+    for i, case in enumerate(points):
         x = mla_inputs(case)
         reference = jax.jit(lambda ql, qr, c, m: jaxattn.mla_paged_attention(
             ql, qr, c, m, scale=MLA_SCALE, backend="xla"))(x.q_latent, x.q_rope, x.cache, x.meta)
         results = []
         for cfg in candidates(case, args.quick):
-            if time.time() - start > args.budget_s * (i + 1) / len(POINTS):
+            if time.time() - start > args.budget_s * (i + 1) / len(points):
                 break
             error = errors[(case, cfg)]
             if error is None:
@@ -148,8 +157,8 @@ def main() -> None:
                 lines.append(f"| {describe(cfg)}{' (mla_config)' if cfg == results[0][0] else ''} | "
                              f"{sec * 1e6:.1f} | {default_s / sec:.2f}x | {case.latent_bytes / sec / 1e12:.2f} |")
         print("\n".join(lines[-len(results) - 4:]), flush=True)
-        write_section(SECTION, "\n".join(lines), heading=HEADING, path=TUNING, update=False)   # a cut run keeps $OUT's
-    print(write_section(SECTION, "\n".join(lines), heading=HEADING, path=TUNING, update=not args.quick))
+        write_section(section, "\n".join(lines), heading=heading, path=TUNING, update=False)   # a cut run keeps $OUT's
+    print(write_section(section, "\n".join(lines), heading=heading, path=TUNING, update=not args.quick))
 
 
 if __name__ == "__main__":

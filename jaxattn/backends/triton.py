@@ -311,7 +311,9 @@ def attention(q: jax.Array, cache: KVCache, meta: AttentionMetadata, params: Att
 class MLAConfig:
     """MLA kernel tiles: ``block_h`` query heads of ``tokens`` consecutive query tokens of one
     sequence (the M tile, ``tokens * block_h`` rows), ``block_n`` keys, the KV split into
-    ``num_segments`` (a power of 2; 1 writes the output directly, without the reduction)."""
+    ``num_segments`` (a power of 2; 1 writes the output directly, without the reduction);
+    ``f16_dots``: over FP8 pages, both dots in float16 (the kernel's ``F16_DOTS``) rather than in
+    the queries' dtype (bf16 or f16 queries only)."""
 
     tokens: int
     block_h: int
@@ -319,6 +321,7 @@ class MLAConfig:
     num_segments: int
     num_warps: int
     num_stages: int
+    f16_dots: bool = False
 
 
 def mla_check(call: Call) -> str | None:
@@ -401,6 +404,7 @@ def mla_attention(q_latent: jax.Array, q_rope: jax.Array, cache: MLACache, meta:
     nseg = cfg.num_segments
     head_blocks = -(-num_q_heads // cfg.block_h)
     dot_f32 = q_latent.dtype == jnp.float32 or _interpreting()
+    f16_dots = cfg.f16_dots and cache.is_fp8 and q_latent.dtype != jnp.float32
     direct = nseg == 1
     acc_type = (jax.ShapeDtypeStruct(q_latent.shape, q_latent.dtype) if direct
                 else jax.ShapeDtypeStruct((num_tokens, num_q_heads, nseg, rank), jnp.float32))
@@ -412,8 +416,8 @@ def mla_attention(q_latent: jax.Array, q_rope: jax.Array, cache: MLACache, meta:
         grid=(num_tokens * nseg * head_blocks,), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         T=num_tokens, B=batch, LOG_B=batch.bit_length() + 1, P=width, HQ=num_q_heads, R=rank, DR=cache.rope_dim,
         PAGE=cache.page_size, NUM_PAGES=cache.num_pages, QT=cfg.tokens, BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n,
-        NSEG=nseg, SCALE=float(params.scale), CAUSAL=params.causal, FP8=cache.is_fp8, DIRECT=direct, DOT_F32=dot_f32,
-        PRECISION="ieee" if dot_f32 else "tf32")
+        NSEG=nseg, SCALE=float(params.scale), CAUSAL=params.causal, FP8=cache.is_fp8, F16_DOTS=f16_dots,
+        DIRECT=direct, DOT_F32=dot_f32, PRECISION="ieee" if dot_f32 else "tf32")
     if direct:
         return acc
     (out,) = triton_call(acc, ml, kernel=kernels.mla_reduce_kernel,

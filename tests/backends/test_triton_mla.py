@@ -92,11 +92,14 @@ def test_bfloat16():
     assert rel_error(out, problem.absorbed_reference(problem.q_latent)) < TOLERANCE[jnp.dtype(jnp.bfloat16)]
 
 
-@pytest.mark.parametrize("segments", [1, 2])
-def test_fp8_pool(segments):
+@pytest.mark.parametrize("segments, f16_dots", [(1, False), (2, False), (1, True), (2, True)])
+def test_fp8_pool(segments, f16_dots):
+    """bf16 queries over FP8 latents (scale 0.5), the dots in bf16 or (``f16_dots``) in f16 with
+    the queries pre-scaled."""
     problem = make_mla_problem(np.random.default_rng(7), q_lens=[1, 1, 3], kv_lens=[20, 33, 7], num_q_heads=4,
                                dtype=jnp.bfloat16, kv_dtype=jnp.float8_e4m3fn, **SMALL)
-    config = tb.MLAConfig(tokens=1, block_h=16, block_n=16, num_segments=segments, num_warps=4, num_stages=1)
+    config = tb.MLAConfig(tokens=1, block_h=16, block_n=16, num_segments=segments, num_warps=4, num_stages=1,
+                          f16_dots=f16_dots)
     out = _run(problem, config)
     assert rel_error(out, problem.absorbed_reference(problem.q_latent)) < TOLERANCE[jnp.dtype(jnp.bfloat16)]
     assert rel_error(out, _xla(problem)) < TOLERANCE[jnp.dtype(jnp.bfloat16)]
