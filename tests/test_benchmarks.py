@@ -364,14 +364,16 @@ def test_headline_takes_the_fastest_jax_peer_of_any_run():
         line("decode B=1 kv=4096")
 
 
-def test_tune_mla_candidates_compile_for_sm90(tmp_path):
-    """tune_mla's compile phase (CPU processes, no GPU): every point's quick candidates build."""
+@pytest.mark.parametrize("flags", [[], ["--fp8"]], ids=["bf16", "fp8"])
+def test_tune_mla_candidates_compile_for_sm90(tmp_path, flags):
+    """tune_mla's compile phase (CPU processes, no GPU): every point's quick candidates build, over
+    bf16 and FP8 latents."""
     triton = pytest.importorskip("triton")
     ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
     if not os.path.exists(ptxas):
         pytest.skip(f"no {ptxas}")
     env = dict(os.environ, OUT=str(tmp_path), JAX_PLATFORMS="cpu")
-    result = subprocess.run([sys.executable, "-m", "benchmarks.tune_mla", "--quick", "--compile-only"], cwd=REPO,
+    result = subprocess.run([sys.executable, "-m", "benchmarks.tune_mla", "--quick", "--compile-only", *flags], cwd=REPO,
                             env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "failed: none" in result.stdout
