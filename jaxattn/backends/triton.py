@@ -364,9 +364,10 @@ def mla_config(num_tokens: int, num_q_heads: int, kv_lora_rank: int, max_kv_len:
     264 for the earlier 8 warps, 2 stages); more heads, 64 heads x 64 keys, 8 warps, 3 stages (B=64
     kv 4096 Hq 128: 335 us against 437 for 32 keys, 2 stages), but 32 heads x 64 keys, 2 stages when
     even 32 segments of 64-head tiles leave SMs idle (B=1 kv 16384: 50 us against 67). Not timed:
-    speculative decode with 16 heads (16 heads of up to 4 tokens, 16-key tiles, wgmma) and FP8
-    pools (32 heads x 32 keys, mma.sync; 16 heads x 64 keys, 8 warps). Every choice compiles for
-    sm_90 without spilling (``tests/backends/test_triton_mla.py``)."""
+    speculative decode with 16 heads (16 heads of up to 4 tokens, 16-key tiles, wgmma). FP8 pools
+    run both dots in f16 (``f16_dots``): 16 heads x 64 keys, 8 warps, 2 stages (4 warps spill: the
+    widened key tile is held in registers), 32 heads x 32 keys, 8 warps, 2 stages beyond. Every
+    choice compiles for sm_90 without spilling (``tests/backends/test_triton_mla.py``)."""
     if _interpreting():
         return MLAConfig(tokens=1, block_h=16, block_n=16, num_segments=1 if max_kv_len <= 32 else 2, num_warps=4,
                          num_stages=1)
@@ -387,7 +388,7 @@ def mla_config(num_tokens: int, num_q_heads: int, kv_lora_rank: int, max_kv_len:
     most = max(1, -(-max_kv_len // (_MIN_TILES_PER_SEGMENT * block_n)))
     segments = max(1, min(_pow2_floor(max(1, _MLA_PROGRAMS // programs)), 32, _pow2_floor(most)))
     return MLAConfig(tokens=tokens, block_h=block_h, block_n=block_n, num_segments=segments, num_warps=warps,
-                     num_stages=stages)
+                     num_stages=stages, f16_dots=fp8)
 
 
 def mla_attention(q_latent: jax.Array, q_rope: jax.Array, cache: MLACache, meta: AttentionMetadata,
