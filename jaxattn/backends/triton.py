@@ -79,6 +79,9 @@ _FEW_PAIRS = 256
 # MLA: KV segments are chosen to give about this many programs (query tokens x head blocks x
 # segments; 2 per SM of a 132-SM H100/H200: each program streams [block_n, 576] latent tiles).
 _MLA_PROGRAMS = 264
+# Over FP8 latents one per SM: the 8-warp programs that widen them fill an SM's registers
+# (tune_mla --fp8, B=128 kv 4096 Hq 16: 1 segment 261 us against 302 us for 2).
+_MLA_FP8_PROGRAMS = 132
 
 
 @dataclasses.dataclass(frozen=True)
@@ -357,17 +360,24 @@ def mla_rank(call: Call) -> int | None:
 
 def mla_config(num_tokens: int, num_q_heads: int, kv_lora_rank: int, max_kv_len: int, max_q_len: int | None,
                fp8: bool = False) -> MLAConfig:
-    """Tiles for this shape (static); KV segments give about ``_MLA_PROGRAMS`` programs.
+    """Tiles for this shape (static); KV segments give about ``_MLA_PROGRAMS`` programs
+    (``_MLA_FP8_PROGRAMS`` over FP8 latents).
 
     bf16 decode, from ``benchmarks/tune_mla.py`` (TUNING.md, "MLA decode tiles"; H100, R 512,
     Dr 64): up to 16 heads, 16 heads x 64 keys, 4 warps, 3 stages (B=128 kv 4096: 222 us against
     264 for the earlier 8 warps, 2 stages); more heads, 64 heads x 64 keys, 8 warps, 3 stages (B=64
     kv 4096 Hq 128: 335 us against 437 for 32 keys, 2 stages), but 32 heads x 64 keys, 2 stages when
     even 32 segments of 64-head tiles leave SMs idle (B=1 kv 16384: 50 us against 67). Not timed:
-    speculative decode with 16 heads (16 heads of up to 4 tokens, 16-key tiles, wgmma). FP8 pools
-    run both dots in f16 (``f16_dots``): 16 heads x 64 keys, 8 warps, 2 stages (4 warps spill: the
-    widened key tile is held in registers), 32 heads x 32 keys, 8 warps, 2 stages beyond. Every
-    choice compiles for sm_90 without spilling (``tests/backends/test_triton_mla.py``)."""
+    speculative decode with 16 heads (16 heads of up to 4 tokens, 16-key tiles, wgmma).
+
+    FP8 pools, from ``tune_mla --fp8`` (TUNING.md, "MLA decode tiles over FP8 latents"): up to 16
+    heads, 16 heads x 64 keys, 8 warps, 2 stages, both dots in f16 (``f16_dots``; B=256 kv 1536:
+    201 us against 237 for the best with bf16 dots; 4 warps spill: the widened key tile is held in
+    registers), one token per program; more heads, the bf16 tiles with bf16 dots, 64-head tiles at 2
+    stages (B=64 kv 4096 Hq 128: 414 us, 424 at 3 stages, 512 with f16 dots, 930 with the 32 x 32
+    tiles before). Every choice compiles for sm_90 without spilling registers, but FP8's 64-head
+    tiles: they spill some 380 bytes and still beat every tile that does not
+    (``tests/backends/test_triton_mla.py``)."""
     if _interpreting():
         return MLAConfig(tokens=1, block_h=16, block_n=16, num_segments=1 if max_kv_len <= 32 else 2, num_warps=4,
                          num_stages=1)
@@ -376,19 +386,18 @@ def mla_config(num_tokens: int, num_q_heads: int, kv_lora_rank: int, max_kv_len:
         block_h = 16
         tokens = 1 if fp8 else min(4, _pow2_ceil(min(max_q_len or num_tokens, num_tokens)))
         block_n, warps, stages = (64, 8, 2) if fp8 else (64, 4, 3) if tokens == 1 else (16, 8, 2)
-    elif fp8:
-        block_h, block_n, warps, stages = 32, 32, 8, 2
     elif num_tokens * -(-num_q_heads // 64) * 32 < _MLA_PROGRAMS:
         block_h, block_n, warps, stages = 32, 64, 8, 2
     else:
-        block_h, block_n, warps, stages = 64, 64, 8, 3
+        block_h, block_n, warps, stages = 64, 64, 8, 2 if fp8 else 3
     if kv_lora_rank > 512:                       # the tiles above fill shared memory at R 512
         block_n, stages = min(block_n, 32), min(stages, 2)
     programs = -(-num_tokens // tokens) * -(-num_q_heads // block_h)
     most = max(1, -(-max_kv_len // (_MIN_TILES_PER_SEGMENT * block_n)))
-    segments = max(1, min(_pow2_floor(max(1, _MLA_PROGRAMS // programs)), 32, _pow2_floor(most)))
+    target = _MLA_FP8_PROGRAMS if fp8 else _MLA_PROGRAMS
+    segments = max(1, min(_pow2_floor(max(1, target // programs)), 32, _pow2_floor(most)))
     return MLAConfig(tokens=tokens, block_h=block_h, block_n=block_n, num_segments=segments, num_warps=warps,
-                     num_stages=stages, f16_dots=fp8)
+                     num_stages=stages, f16_dots=fp8 and block_h == 16)
 
 
 def mla_attention(q_latent: jax.Array, q_rope: jax.Array, cache: MLACache, meta: AttentionMetadata,
