@@ -373,8 +373,8 @@ def test_tune_mla_candidates_compile_for_sm90(tmp_path, flags):
     if not os.path.exists(ptxas):
         pytest.skip(f"no {ptxas}")
     env = dict(os.environ, OUT=str(tmp_path), JAX_PLATFORMS="cpu")
-    result = subprocess.run([sys.executable, "-m", "benchmarks.tune_mla", "--quick", "--compile-only", *flags], cwd=REPO,
-                            env=env, capture_output=True, text=True, timeout=600)
+    result = subprocess.run([sys.executable, "-m", "benchmarks.tune_mla", "--quick", "--compile-only", *flags],
+                            cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "failed: none" in result.stdout
 
