@@ -102,7 +102,13 @@ def mla_decode_kernel(
         c = tl.load(pages_ptr + key[:, None] + offs_r[None, :], mask=n_ok[:, None], other=0.0).to(q_lat.dtype)
         k_rope = tl.load(pages_ptr + key[:, None] + R + offs_dr[None, :], mask=n_ok[:, None],
                          other=0.0).to(q_lat.dtype)
-        s = tl.dot(q_lat, tl.trans(c), input_precision=PRECISION)
+        if FP8:
+            # c^T by a load of its own: Triton then async-copies every FP8 tile (and widens it after
+            # its shared-memory load) instead of loading c synchronously for both dots.
+            c_t = tl.load(pages_ptr + key[None, :] + offs_r[:, None], mask=n_ok[None, :], other=0.0).to(q_lat.dtype)
+        else:
+            c_t = tl.trans(c)
+        s = tl.dot(q_lat, c_t, input_precision=PRECISION)
         s = tl.dot(q_rope, tl.trans(k_rope), s, input_precision=PRECISION)
         s = tl.where(offs_n[None, :] < hi_row[:, None], s * logit_scale, float("-inf"))
         # A row may see no key of a tile (causal, its token earlier): NEG_INIT keeps it finite.
