@@ -371,10 +371,11 @@ def mla_config(num_tokens: int, num_q_heads: int, kv_lora_rank: int, max_kv_len:
     speculative decode with 16 heads (16 heads of up to 4 tokens, 16-key tiles, wgmma).
 
     FP8 pools, from ``tune_mla --fp8`` (TUNING.md, "MLA decode tiles over FP8 latents"): up to 16
-    heads, 16 heads x 64 keys, 8 warps, 2 stages, both dots in f16 (``f16_dots``; B=256 kv 1536:
-    201 us against 237 for the best with bf16 dots; 4 warps spill: the widened key tile is held in
-    registers), one token per program; more heads, the bf16 tiles with bf16 dots, 64-head tiles at 2
-    stages (B=64 kv 4096 Hq 128: 414 us, 424 at 3 stages, 512 with f16 dots, 930 with the 32 x 32
+    heads, both dots in f16 (``f16_dots``), one token per program; 16 heads x 32 keys, 4 warps, 3
+    stages where there are more sequences than SMs (B=256 kv 1536: 161 us against 196 for 64 keys,
+    8 warps, and 207 with bf16 dots), else 16 heads x 64 keys, 8 warps, 4 stages (B=128 kv 4096:
+    252 us against 297 for the 32-key tiles); more heads, the bf16 tiles with bf16 dots, 64-head
+    tiles at 2 stages (B=64 kv 4096 Hq 128: 414 us, 424 at 3 stages, 512 with f16 dots, 930 with the 32 x 32
     tiles before). Every choice compiles for sm_90 without spilling registers, but FP8's 64-head
     tiles: they spill some 380 bytes and still beat every tile that does not
     (``tests/backends/test_triton_mla.py``)."""
@@ -385,7 +386,10 @@ def mla_config(num_tokens: int, num_q_heads: int, kv_lora_rank: int, max_kv_len:
     if num_q_heads <= 16:
         block_h = 16
         tokens = 1 if fp8 else min(4, _pow2_ceil(min(max_q_len or num_tokens, num_tokens)))
-        block_n, warps, stages = (64, 8, 2) if fp8 else (64, 4, 3) if tokens == 1 else (16, 8, 2)
+        if fp8:
+            block_n, warps, stages = (32, 4, 3) if num_tokens > _MLA_FP8_PROGRAMS else (64, 8, 4)
+        else:
+            block_n, warps, stages = (64, 4, 3) if tokens == 1 else (16, 8, 2)
     elif num_tokens * -(-num_q_heads // 64) * 32 < _MLA_PROGRAMS:
         block_h, block_n, warps, stages = 32, 64, 8, 2
     else:

@@ -102,9 +102,11 @@ def mla_decode_kernel(
         c = tl.load(pages_ptr + key[:, None] + offs_r[None, :], mask=n_ok[:, None], other=0.0).to(q_lat.dtype)
         k_rope = tl.load(pages_ptr + key[:, None] + R + offs_dr[None, :], mask=n_ok[:, None],
                          other=0.0).to(q_lat.dtype)
-        if FP8:
+        if F16_DOTS:
             # c^T by a load of its own: Triton then async-copies every FP8 tile (and widens it after
-            # its shared-memory load) instead of loading c synchronously for both dots.
+            # its shared-memory load) instead of loading c synchronously for both dots. Measured
+            # with the 16-head tiles; the 64-head ones (bf16 dots) run slower with it, out of
+            # shared memory at 2 stages.
             c_t = tl.load(pages_ptr + key[None, :] + offs_r[:, None], mask=n_ok[None, :], other=0.0).to(q_lat.dtype)
         else:
             c_t = tl.trans(c)

@@ -247,15 +247,15 @@ _COMPILE_SCRIPT = textwrap.dedent("""
 
 @pytest.mark.parametrize("num_q_heads, max_q_len, kv_dtype, num_seqs, spills", [
     (16, 1, "bfloat16", 8, False), (16, 4, "bfloat16", 8, False), (128, 1, "bfloat16", 8, False),
-    (128, 1, "bfloat16", 1, False), (16, 1, "float8_e4m3fn", 8, False), (16, 4, "float8_e4m3fn", 8, False),
-    (128, 1, "float8_e4m3fn", 8, True)])
+    (128, 1, "bfloat16", 1, False), (16, 1, "float8_e4m3fn", 8, False), (16, 1, "float8_e4m3fn", 256, False),
+    (16, 4, "float8_e4m3fn", 8, False), (128, 1, "float8_e4m3fn", 8, True)])
 def test_gpu_configs_compile_for_sm90_without_spills(num_q_heads, max_q_len, kv_dtype, num_seqs, spills):
     """No GPU needed: the launches ``mla_attention`` makes on a GPU at DeepSeek shapes (decode, and
-    speculative decode packing 4 tokens x 16 heads; one sequence of 128 heads; bf16 and FP8 pools)
-    compile for sm_90 with Triton's own ptxas, without register spills (``cuobjdump`` resource usage)
-    but where ``mla_config`` takes a spilling tile that measured fastest (FP8's 64-head tiles: a
-    small stack). In a fresh process: the interpreter the other tests run leaves Triton's language
-    module patched."""
+    speculative decode packing 4 tokens x 16 heads; one sequence of 128 heads; bf16 and FP8 pools;
+    the reduce kernel where they split the keys) compile for sm_90 with Triton's own ptxas, without
+    register spills (``cuobjdump`` resource usage) but where ``mla_config`` takes a spilling tile
+    that measured fastest (FP8's 64-head tiles: a small stack). In a fresh process: the interpreter
+    the other tests run leaves Triton's language module patched."""
     cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     if not os.path.exists(cuobjdump):
         pytest.skip(f"no {cuobjdump}")
@@ -264,7 +264,7 @@ def test_gpu_configs_compile_for_sm90_without_spills(num_q_heads, max_q_len, kv_
                          cwd=REPO, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
     usage = json.loads(run.stdout.strip().splitlines()[-1])
-    assert sorted(usage) == ["mla_decode_kernel", "mla_reduce_kernel"]
+    assert "mla_decode_kernel" in usage and set(usage) <= {"mla_decode_kernel", "mla_reduce_kernel"}, usage
     for name, text in usage.items():
         stack = int(text.split("STACK:")[1].split()[0])
         assert stack <= (512 if spills and name == "mla_decode_kernel" else 0), (name, text)
