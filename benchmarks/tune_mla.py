@@ -7,7 +7,8 @@ B=64 x kv 4096 x Hq 128 (the issue's target), B=128 x kv 4096 x Hq 16 and B=1 x 
 ``--fp8``: float8_e4m3fn latents at B=256 x kv 1536 x Hq 16 (DeepSeek-V2-Lite's 256-row decode step
 in the serving trace), B=128 x kv 4096 x Hq 16 and B=64 x kv 4096 x Hq 128.
 Candidates: ``MLAConfig`` tiles (heads per tile, keys per tile, warps, stages; FP8: the dots in bf16
-or f16) and KV segment counts around ``mla_config``'s choice, which is always a candidate. Every candidate is first
+or f16) and KV segment counts for ``mla_config``'s choice, which is always a candidate, and for the
+tiles it takes at the run's other points of the same head count. Every candidate is first
 compiled for sm_90 in parallel CPU processes (``triton_call._compile`` fills Triton's on-disk
 cache, so the timed process only loads), then timed as the GPU time of the decode and reduce
 kernels per call (profiler, median of 3 rounds of 20 calls); a candidate whose output is more than
@@ -41,9 +42,15 @@ POINTS = (MLACase(64, 4096, 128), MLACase(128, 4096, 16), MLACase(1, 16384, 128)
 FP8_POINTS = (MLACase(256, 1536, 16, fp8=True), MLACase(128, 4096, 16, fp8=True), MLACase(64, 4096, 128, fp8=True))
 
 
-def candidates(case: MLACase, quick: bool) -> list[tb.MLAConfig]:
-    """mla_config's choice first, then the tile grid at its segment count, then segment counts."""
-    default = tb.mla_config(case.batch, case.heads, 512, case.kv_len, 1, fp8=case.fp8)
+def rule_config(case: MLACase) -> tb.MLAConfig:
+    return tb.mla_config(case.batch, case.heads, 512, case.kv_len, 1, fp8=case.fp8)
+
+
+def candidates(case: MLACase, quick: bool, points: tuple[MLACase, ...] = ()) -> list[tb.MLAConfig]:
+    """mla_config's choice first, then the tile grid at its segment count, then segment counts for
+    each tile mla_config takes at ``points`` of this head count (so that a tile the rule keeps for
+    other batch sizes is timed at this one's segment counts too)."""
+    default = rule_config(case)
     if quick:
         return [default, dataclasses.replace(default, num_stages=3)]
     tiles = []
@@ -54,9 +61,11 @@ def candidates(case: MLACase, quick: bool) -> list[tb.MLAConfig]:
             continue
         tiles.append(dataclasses.replace(default, block_h=block_h, block_n=block_n, num_warps=warps,
                                          num_stages=stages, f16_dots=f16_dots))
-    segments = [dataclasses.replace(default, num_segments=s, f16_dots=f16_dots) for f16_dots in f16
-                for s in (1, 2, 4, 8, 16, 32, 64, 128)
-                if s != default.num_segments and s * 4 * default.block_n <= case.kv_len]
+    rule_tiles = dict.fromkeys([default] + [dataclasses.replace(rule_config(p), num_segments=default.num_segments)
+                                            for p in points if p.heads == case.heads])
+    segments = [dataclasses.replace(tile, num_segments=s, f16_dots=f16_dots) for tile in rule_tiles
+                for f16_dots in f16 for s in (1, 2, 4, 8, 16, 32, 64, 128)
+                if s * 4 * tile.block_n <= case.kv_len]
     return list(dict.fromkeys([default] + tiles + segments))
 
 
@@ -117,7 +126,7 @@ def main() -> None:
     points = FP8_POINTS if args.fp8 else POINTS
     section, heading = (SECTION + "-fp8", "MLA decode tiles over FP8 latents (benchmarks/tune_mla.py --fp8)") \
         if args.fp8 else (SECTION, HEADING)
-    jobs = [(case, cfg) for case in points for cfg in candidates(case, args.quick)]
+    jobs = [(case, cfg) for case in points for cfg in candidates(case, args.quick, points)]
     errors = compile_all(jobs)
     if args.compile_only:
         failed = {f"{case} {describe(cfg)}": error for (case, cfg), error in errors.items() if error}
@@ -132,7 +141,7 @@ def main() -> None:
         reference = jax.jit(lambda ql, qr, c, m: jaxattn.mla_paged_attention(
             ql, qr, c, m, scale=MLA_SCALE, backend="xla"))(x.q_latent, x.q_rope, x.cache, x.meta)
         results = []
-        for cfg in candidates(case, args.quick):
+        for cfg in candidates(case, args.quick, points):
             if time.time() - start > args.budget_s * (i + 1) / len(points):
                 break
             error = errors[(case, cfg)]
