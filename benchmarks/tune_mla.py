@@ -43,6 +43,7 @@ FP8_POINTS = (MLACase(256, 1536, 16, fp8=True), MLACase(128, 4096, 16, fp8=True)
 
 
 def rule_config(case: MLACase) -> tb.MLAConfig:
+    """``mla_config``'s choice at a point (a decode step: one query token per sequence)."""
     return tb.mla_config(case.batch, case.heads, 512, case.kv_len, 1, fp8=case.fp8)
 
 

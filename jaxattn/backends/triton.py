@@ -376,8 +376,8 @@ def mla_config(num_tokens: int, num_q_heads: int, kv_lora_rank: int, max_kv_len:
     8 warps, and 207 with bf16 dots), else 16 heads x 64 keys, 8 warps, 4 stages (B=128 kv 4096:
     252 us against 297 for the 32-key tiles); more heads, the bf16 tiles with bf16 dots, 64-head
     tiles at 2 stages (B=64 kv 4096 Hq 128: 414 us, 424 at 3 stages, 512 with f16 dots, 930 with
-    the 32 x 32 tiles before). Every choice compiles for sm_90 without spilling registers, but FP8's 64-head
-    tiles: they spill some 380 bytes and still beat every tile that does not
+    the 32 x 32 tiles before). Every choice compiles for sm_90 without spilling registers, but
+    FP8's 64-head tiles: they spill some 380 bytes and still beat every tile that does not
     (``tests/backends/test_triton_mla.py``)."""
     if _interpreting():
         return MLAConfig(tokens=1, block_h=16, block_n=16, num_segments=1 if max_kv_len <= 32 else 2, num_warps=4,
