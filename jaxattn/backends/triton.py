@@ -79,8 +79,9 @@ _FEW_PAIRS = 256
 # MLA: KV segments are chosen to give about this many programs (query tokens x head blocks x
 # segments; 2 per SM of a 132-SM H100/H200: each program streams [block_n, 576] latent tiles).
 _MLA_PROGRAMS = 264
-# Over FP8 latents one per SM: the 8-warp programs that widen them fill an SM's registers
-# (tune_mla --fp8, B=128 kv 4096 Hq 16: 1 segment 261 us against 302 us for 2).
+# Over FP8 latents one per SM (132 on an H100/H200): the 8-warp programs that widen them fill an
+# SM's registers (tune_mla --fp8, B=128 kv 4096 Hq 16: 1 segment 261 us against 302 us for 2);
+# past that many sequences mla_config takes 4-warp tiles, two of which share an SM.
 _MLA_FP8_PROGRAMS = 132
 
 
