@@ -406,9 +406,10 @@ class StepWindow:
             self._dir = None
 
 
-def kernel_rows(window: StepWindow, kinds: collections.Counter, top: int = 10) -> list[str]:
+def kernel_rows(window: StepWindow, kinds: collections.Counter, top: int | None = 10) -> list[str]:
     """A window's profile as table rows: GPU time and launches per step by kind of kernel
-    (``benchmarks.profile_step.by_kind``) and the GPU's span per step, then its ``top`` kernels."""
+    (``benchmarks.profile_step.by_kind``) and the GPU's span per step, then its ``top`` kernels
+    (None: all)."""
     steps = ", ".join(f"{n} {kind}" for kind, n in kinds.items())
     lines = ["", f"GPU kernels of steps {window.first}-{window.last - 1} of the trace ({steps}), per step:", ""]
     if not window.events:
@@ -697,6 +698,7 @@ def main(argv: list[str] | None = None) -> None:
     for label, r in results.items():
         for window, kinds in r["profiles"]:
             lines += kernel_rows(window, kinds)
+            print("\n".join(kernel_rows(window, kinds, top=None)), file=sys.stderr)     # the log has every kernel
     lines += ["", "A step's time: from the step before's tokens reaching the host to its own (the GPU's step time "
                   "while the GPU is busy; GPU busy % above says how far that holds). Padded tokens / rows: the share "
                   "of the compiled shape's tokens / rows the step did not need."]
