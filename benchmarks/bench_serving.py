@@ -276,6 +276,10 @@ def model_costs(model: Llama | DeepSeek, page_size: int, kv_dtype=None) -> Costs
         if path[:1] == ("layers",) and isinstance(model.layers[path[1]].mlp, MoE) and path[3] in EXPERT_AXES:
             expert_bytes += nbytes / x.shape[0]  # a mixture's stacked experts: counted per step as touched
             expert_params += 0 if scale else x.size / x.shape[0]
+            # but a shared expert fused into the stack (fusion) is read and computed every step
+            shared = model.layers[path[1]].mlp.fused_shared_experts
+            weight_bytes += shared * nbytes / x.shape[0]
+            matmul += 0 if scale else shared * x.size / x.shape[0]
             continue
         weight_bytes += nbytes
         if "lm_head" in name:

@@ -271,6 +271,24 @@ def test_serving_roofline_counts_the_experts_a_step_touches():
     assert step_bound(one, costs, copy_rate=1e12, matmul_rate=1e18) == pytest.approx(nbytes / 1e12)
 
 
+def test_serving_roofline_of_a_fused_shared_expert():
+    """A DeepSeek whose shared expert joined the expert stacks (fusion) has the unfused model's costs."""
+    from flax import nnx
+
+    from benchmarks.bench_serving import model_costs
+    from jaxattn.serve.models import fusion
+    from jaxattn.serve.models.deepseek import PRESETS, DeepSeek
+
+    cfg = PRESETS["tiny"].replace(num_experts=4, num_experts_per_tok=2, moe_hidden_dim=32, shared_expert_dim=64,
+                                  first_k_dense_replace=1)
+    model = DeepSeek(cfg, nnx.Rngs(0))
+    fusion.fuse_projections(model, shards=2)              # the MLPs' gate / up fused only
+    expected = model_costs(model, page_size=16)
+    fusion.fuse_projections(model)
+    assert model.layers[1].mlp.fused_shared_experts == 2
+    assert model_costs(model, page_size=16) == expected
+
+
 def test_serving_roofline():
     """bench_serving's roofline at Llama-3-8B shapes (abstract weights) and its busy-share estimate."""
     from flax import nnx

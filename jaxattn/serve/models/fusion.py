@@ -24,6 +24,17 @@ The fused columns are laid out so that tensor parallelism stays a plain split of
   F / shards hidden units, on the logical axis "mlp" (``MLP.fused_shards``): a mesh of tp shards,
   tp dividing ``shards``, holds whole groups; fusing again for another count regroups them.
 
+Without tensor parallelism (``shards`` 1) a mixture of experts' shared expert, when its hidden
+units are a whole number n of ``moe_hidden_dim`` groups, becomes the expert stacks' last n experts
+(``MoE.fused_shared_experts``), every token routed to them with weight 1 (Qwen2-MoE: its gate's
+sigmoid), so the routed experts' grouped GEMM computes it in the same launches (SGLang's shared
+experts fusion): its gate/up and down GEMMs, their SwiGLU and the sum with the routed output are
+no launches of their own. FP8 experts take the shared expert's FP8 values when their scales map
+onto the stacks' (per expert: a per-tensor scale; per channel: per-tensor or per-channel ones;
+blocks: the same blocks, whole per group); otherwise, or with a bias, the shared expert stays an
+MLP. A model split over a mesh afterwards keeps the groups as experts (valid, but expert
+parallelism then puts them all on one device).
+
 FP8 parts (``Fp8Linear``) are fused in FP8: per-tensor scales become per-channel ones (exact),
 per-channel scales are laid out as the columns, block scales as the column blocks when every
 group of every part is a whole number of blocks. Parts that cannot be fused that way (block
@@ -39,7 +50,7 @@ from flax import nnx
 
 from jaxattn.serve.models import deepseek, layers
 from jaxattn.serve.models.llama import Attention
-from jaxattn.serve.models.quantization import Fp8Linear
+from jaxattn.serve.models.quantization import Fp8Experts, Fp8Linear
 
 Linear = nnx.Linear | Fp8Linear
 
@@ -59,6 +70,8 @@ def fuse_projections(model: layers.Decoder, shards: int = 1) -> layers.Decoder:
             _fuse_attention(block.attn, shards)
         elif isinstance(block.attn, deepseek.Attention) and not block.attn.fused:
             _fuse_latent_attention(block.attn)
+        if isinstance(block.mlp, layers.MoE) and shards == 1 and block.mlp.cfg.shared_expert_dim:
+            _fuse_shared_expert(block.mlp)
         for mlp in (block.mlp, getattr(block.mlp, "shared_expert", None)):
             if isinstance(mlp, layers.MLP):
                 _fuse_mlp(mlp, shards)
@@ -172,3 +185,75 @@ def _linear_like(like: Linear, arrays: dict[str, jnp.ndarray], block_size: tuple
                       kernel_init=layers.partitioned(lambda *_: kernel, axes),
                       bias_init=layers.partitioned(lambda *_: bias, axes[1:]), rngs=nnx.Rngs(0))
 
+
+
+def _fuse_shared_expert(moe: layers.MoE) -> None:
+    """``moe``'s shared expert as its stacks' last experts, where it can be (module docstring)."""
+    if moe.fused_shared_experts or moe.expert_parallel is not None or moe.tensor_parallel is not None:
+        return
+    mlp, hidden = moe.shared_expert, moe.cfg.moe_hidden_dim
+    width = mlp.down_proj.in_features
+    if width % hidden:
+        return
+    gate, up = (mlp.gate_proj, mlp.up_proj) if not mlp.fused_shards else \
+        _split(mlp.gate_up_proj, [width, width], mlp.fused_shards, [(None, "mlp")] * 2)
+    stacks = {}
+    for name, linear in (("gate_proj", gate), ("up_proj", up), ("down_proj", mlp.down_proj)):
+        stacks[name] = _stack_with(getattr(moe, name), linear, width // hidden, name)
+        if stacks[name] is None:
+            return
+    for name, stack in stacks.items():
+        setattr(moe, name, stack)
+    del moe.shared_expert
+    moe.fused_shared_experts = width // hidden
+
+
+def _stack_with(stack: nnx.Param | Fp8Experts, linear: Linear, groups: int, name: str) -> nnx.Param | Fp8Experts | None:
+    """``stack`` ``[E, in, out]`` with ``linear``'s kernel appended as ``groups`` experts (its
+    hidden units in equal groups: the output columns of gate / up, the input rows of down), in the
+    stack's kind (``layers.EXPERT_AXES[name]``); None where the two cannot be joined exactly."""
+    fp8 = isinstance(stack, Fp8Experts)
+    if linear.bias is not None or fp8 != isinstance(linear, Fp8Linear):
+        return None
+    values = linear.values() if fp8 else linear.kernel[...]
+    rows, cols = values.shape
+    split_rows = name == "down_proj"
+
+    def as_experts(array: jnp.ndarray) -> jnp.ndarray:     # [in, out] -> [groups, in / groups or in, ...]
+        if split_rows:
+            return array.reshape(groups, array.shape[0] // groups, array.shape[1])
+        return jnp.moveaxis(array.reshape(array.shape[0], groups, array.shape[1] // groups), 1, 0)
+
+    axes = layers.EXPERT_AXES[name]
+    if not fp8:
+        if values.dtype != stack[...].dtype:
+            return None
+        joined = jnp.concatenate([stack[...], as_experts(values)])
+        return nnx.Param(layers.partitioned(lambda: joined, axes)())
+    current = stack.stack()
+    scale = _expert_scales(current, linear, groups, split_rows, (rows, cols))
+    if scale is None:
+        return None
+    return Fp8Experts(jnp.concatenate([current.kernels(), as_experts(values)]), jnp.concatenate([current.scale, scale]),
+                      block_size=current.block, axes=axes)
+
+
+def _expert_scales(stack, linear: Fp8Linear, groups: int, split_rows: bool, shape: tuple[int, int]):
+    """The scales of ``linear``'s kernel ``shape`` ``[in, out]`` as ``groups`` experts in the
+    granularity of ``stack`` (an ``experts.Fp8Stack``), or None where it has no exact one."""
+    scale, granularity = linear.scale[...], linear.granularity
+    rows, cols = shape
+    if stack.block is None and stack.scale.ndim == 1:             # per expert: one scale each
+        return jnp.broadcast_to(scale, (groups,)) if granularity == "tensor" else None
+    if stack.block is None:                                        # per output channel
+        if granularity == "tensor":
+            scale = jnp.broadcast_to(scale, (cols,))
+        elif granularity != "channel":
+            return None
+        return jnp.broadcast_to(scale, (groups, cols)) if split_rows else scale.reshape(groups, cols // groups)
+    bi, bo = stack.block
+    if granularity != (bi, bo) or (rows // groups if split_rows else cols // groups) % (bi if split_rows else bo):
+        return None
+    if split_rows:
+        return scale.reshape(groups, scale.shape[0] // groups, scale.shape[1])
+    return jnp.moveaxis(scale.reshape(scale.shape[0], groups, scale.shape[1] // groups), 1, 0)

@@ -249,11 +249,15 @@ class MoE(nnx.Module):
     scales, the same logical axes).
 
     The routed experts run as ``jaxattn.serve.models.experts.routed_experts`` with the strategy
-    ``gemm`` ("auto": chosen per step shape from measurements; ``set_expert_gemm``)."""
+    ``gemm`` ("auto": chosen per step shape from measurements; ``set_expert_gemm``).
+    ``jaxattn.serve.models.fusion`` may move the shared expert into the stacks as their last
+    ``fused_shared_experts`` experts (its hidden units in groups of ``moe_hidden_dim``), which
+    every token then takes with weight 1 (Qwen2-MoE: its gate's sigmoid)."""
 
     expert_parallel: "ExpertParallel | None" = None
     tensor_parallel: "ExpertTensorParallel | None" = None
     gemm: str = "auto"
+    fused_shared_experts: int = 0     # the stacks' last experts that are the shared expert's (fusion)
 
     def __init__(self, cfg: MoEConfig, rngs: nnx.Rngs):
         self.cfg = cfg
@@ -303,17 +307,25 @@ class MoE(nnx.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         cfg = self.cfg
         weights, chosen = self.route(x)
+        weights = weights.astype(x.dtype)
+        gated = cfg.shared_expert_dim and cfg.routing.gated_shared_expert
+        if self.fused_shared_experts:       # every token also takes the shared expert's groups
+            tokens, shared = x.shape[0], self.fused_shared_experts
+            scale = jax.nn.sigmoid(self.shared_expert_gate(x)) if gated else jnp.ones((tokens, 1), x.dtype)
+            weights = jnp.concatenate([weights, jnp.broadcast_to(scale.astype(x.dtype), (tokens, shared))], axis=1)
+            groups = cfg.num_experts + jnp.arange(shared, dtype=chosen.dtype)
+            chosen = jnp.concatenate([chosen, jnp.broadcast_to(groups, (tokens, shared))], axis=1)
         # a stack quantized by jaxattn.serve.models.quantization (Fp8Experts) gives its values and scales
         experts = tuple(w.stack() if isinstance(w, nnx.Module) else w[...]
                         for w in (self.gate_proj, self.up_proj, self.down_proj))
         split = self.expert_parallel or self.tensor_parallel
         if split is None:
-            y = routed_experts(x, weights.astype(x.dtype), chosen, *experts, gemm=self.gemm)
+            y = routed_experts(x, weights, chosen, *experts, gemm=self.gemm)
         else:
-            y = split(x, weights.astype(x.dtype), chosen, *experts, gemm=self.gemm)
-        if cfg.shared_expert_dim:
+            y = split(x, weights, chosen, *experts, gemm=self.gemm)
+        if cfg.shared_expert_dim and not self.fused_shared_experts:
             shared = self.shared_expert(x)
-            if cfg.routing.gated_shared_expert:
+            if gated:
                 shared = jax.nn.sigmoid(self.shared_expert_gate(x)) * shared
             y = y + shared
         return y

@@ -16,9 +16,9 @@ from jaxattn.serve.models import fusion
 from jaxattn.serve.models.deepseek import PRESETS as DEEPSEEK_PRESETS
 from jaxattn.serve.models.deepseek import Attention as DeepSeekAttention
 from jaxattn.serve.models.deepseek import DeepSeek
-from jaxattn.serve.models.layers import MLP
+from jaxattn.serve.models.layers import EXPERT_AXES, MLP, set_expert_gemm
 from jaxattn.serve.models.llama import PRESETS, Attention, Llama, param_shardings, shard_model
-from jaxattn.serve.models.quantization import Fp8Linear, quantize, quantize_kernel
+from jaxattn.serve.models.quantization import Fp8Experts, Fp8Linear, quantize, quantize_kernel, quantize_stack
 from tests.serve.models.test_deepseek import _dense_hidden as deepseek_dense_hidden
 from tests.serve.models.test_llama import dense_hidden
 from tests.test_sharding import run_on_cpu_devices
@@ -99,6 +99,94 @@ def test_fp8_projections_fuse_in_fp8(scales):
         assert attn.fused and isinstance(attn.qkv_proj, Fp8Linear)
         assert attn.qkv_proj.granularity == ("channel" if scales == "tensor" else
                                              "channel" if isinstance(scales, str) else (scales, scales))
+    np.testing.assert_allclose(_logits(model), expected, rtol=1e-5, atol=1e-5)
+
+
+SHARED_EXPERT_MODELS = {
+    "deepseek": lambda: DeepSeek(DEEPSEEK_PRESETS["tiny"].replace(
+        num_experts=4, num_experts_per_tok=2, moe_hidden_dim=32, shared_expert_dim=64, first_k_dense_replace=1),
+        nnx.Rngs(13)),
+    "qwen2-moe (gated)": lambda: Llama(PRESETS["tiny"].replace(
+        num_experts=4, num_experts_per_tok=2, moe_hidden_dim=32, shared_expert_dim=96), nnx.Rngs(14)),
+}
+
+
+@pytest.mark.parametrize("scales", [None, "tensor", "channel", 16])
+@pytest.mark.parametrize("name", SHARED_EXPERT_MODELS)
+@pytest.mark.parametrize("gemm", ["ragged_dot", "dense", "triton"])
+def test_shared_expert_joins_the_expert_stacks(name, scales, gemm):
+    """A shared expert of 2 or 3 ``moe_hidden_dim`` groups becomes the stacks' last experts (in FP8
+    with per-expert, per-channel or 16 x 16 block scales; bf16 without) with the unfused logits.
+    The Triton grouped GEMM multiplies FP8 experts scaled along whole rows with FP8 rows, so there
+    the shared expert's inputs are rounded to FP8 too (each group's hidden units with their own
+    scale): the logits agree to that rounding (a few % on these tiny random models)."""
+    model = SHARED_EXPERT_MODELS[name]()
+    set_expert_gemm(model, gemm)
+    if scales == "tensor":
+        _quantize_per_tensor(model)
+    elif scales is not None:
+        quantize(model, block_size=None if scales == "channel" else scales)
+    expected = _logits(model)
+    fusion.fuse_projections(model)
+    moe = model.layers[-1].mlp
+    groups = model.cfg.shared_expert_dim // model.cfg.moe_hidden_dim
+    assert moe.fused_shared_experts == groups and not hasattr(moe, "shared_expert")
+    stack = moe.down_proj.stack() if scales else moe.down_proj[...]
+    assert stack.shape == (model.cfg.num_experts + groups, model.cfg.moe_hidden_dim, model.cfg.dim)
+    logits = _logits(model)
+    if gemm == "triton" and scales in ("tensor", "channel"):
+        assert np.linalg.norm(logits - expected) < 0.05 * np.linalg.norm(expected)
+    else:
+        np.testing.assert_allclose(logits, expected, rtol=1e-5, atol=1e-5)
+    fusion.fuse_projections(model)                      # idempotent
+    assert moe.fused_shared_experts == groups
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fp8", [False, True])
+def test_gpu_shared_expert_joins_the_stacks_of_the_triton_gemm(fp8):
+    """On the GPU (bfloat16, the compiled Triton grouped GEMM, FP8 rows with FP8 experts): the
+    fused model's logits agree with the unfused model's to bfloat16 / FP8 rounding."""
+    cfg = DEEPSEEK_PRESETS["tiny"].replace(num_experts=8, num_experts_per_tok=2, moe_hidden_dim=64,
+                                           shared_expert_dim=128, first_k_dense_replace=1, dtype="bfloat16")
+    model = DeepSeek(cfg, nnx.Rngs(16))
+    set_expert_gemm(model, "triton")
+    if fp8:
+        quantize(model)
+    expected = _logits(model).astype(np.float32)
+    fusion.fuse_projections(model)
+    assert model.layers[-1].mlp.fused_shared_experts == 2
+    logits = _logits(model).astype(np.float32)
+    assert np.linalg.norm(logits - expected) < (0.05 if fp8 else 0.02) * np.linalg.norm(expected)
+
+
+def _quantize_per_tensor(model) -> None:
+    """FP8 with per-tensor scales: the experts one per expert, the shared expert's linears one each."""
+    quantize(model)
+    for block in model.layers:
+        moe = block.mlp
+        if not hasattr(moe, "shared_expert"):
+            continue
+        for name in ("gate_proj", "up_proj", "down_proj"):
+            stack = getattr(moe, name).stack()
+            values, scale = quantize_stack(stack.dequantize(jnp.float32), "tensor")
+            setattr(moe, name, Fp8Experts(values, scale, axes=EXPERT_AXES[name]))
+            linear = getattr(moe.shared_expert, name)
+            kernel, scale = quantize_kernel(linear.weight(jnp.float32), "tensor")
+            setattr(moe.shared_expert, name, Fp8Linear(kernel, scale, dtype=linear.dtype))
+
+
+@pytest.mark.parametrize("case", ["width not a multiple", "tensor parallel", "block scales across a group"])
+def test_shared_expert_stays_an_mlp_where_it_cannot_join(case):
+    cfg = DEEPSEEK_PRESETS["tiny"].replace(num_experts=4, num_experts_per_tok=2, moe_hidden_dim=32,
+                                           shared_expert_dim=48 if case == "width not a multiple" else 64)
+    model = DeepSeek(cfg, nnx.Rngs(15))
+    if case == "block scales across a group":
+        quantize(model, block_size=(16, 64))          # 64-column blocks over 32-column groups
+    expected = _logits(model)
+    fusion.fuse_projections(model, 2 if case == "tensor parallel" else 1)
+    moe = model.layers[-1].mlp
+    assert not moe.fused_shared_experts and moe.shared_expert.fused_shards
     np.testing.assert_allclose(_logits(model), expected, rtol=1e-5, atol=1e-5)
 
 
