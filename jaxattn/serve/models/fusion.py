@@ -44,6 +44,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
@@ -202,6 +203,9 @@ def _fuse_shared_expert(moe: layers.MoE) -> None:
         stacks[name] = _stack_with(getattr(moe, name), linear, width // hidden, name)
         if stacks[name] is None:
             return
+    # the old stacks are freed as they are replaced only once nothing queued still reads them: on a
+    # GPU, a model whose weights are still being made would otherwise hold both copies for a while
+    jax.block_until_ready(stacks)
     for name, stack in stacks.items():
         setattr(moe, name, stack)
     del moe.shared_expert
