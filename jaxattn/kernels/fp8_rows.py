@@ -20,23 +20,7 @@ def quantize_rows(rows: jax.Array, group: int | None = None) -> tuple[jax.Array,
     group = min(group or k, k)
     groups = -(-k // group)
     padded = jnp.pad(rows.astype(jnp.float32), ((0, 0), (0, groups * group - k))).reshape(num_rows, groups, group)
-    scale = scales_of(jnp.max(jnp.abs(padded), axis=2))
-    return round_rows(rows, scale), scale
-
-
-def round_rows(rows: jax.Array, scale: jax.Array) -> jax.Array:
-    """float8_e4m3fn ``rows [R, K]`` over their ``scale float32[R, G]`` (each scale covering
-    ``ceil(K / G)`` columns), clipped to the finite range, rounded to nearest."""
-    num_rows, k = rows.shape
-    group = -(-k // scale.shape[1])
-    padded = jnp.pad(rows.astype(jnp.float32), ((0, 0), (0, scale.shape[1] * group - k)))
-    values = jnp.clip(padded.reshape(num_rows, -1, group) / scale[:, :, None], -FP8_MAX, FP8_MAX)
-    return values.reshape(num_rows, -1)[:, :k].astype(jnp.float8_e4m3fn)
-
-
-def scales_of(amax: jax.Array) -> jax.Array:
-    """The float32 scales of values whose largest magnitudes are ``amax`` (any shape): ``amax /
-    448``, 1 where it is 0. ``grouped_gemm`` rounds rows by such scales in the kernel (rows in the
-    model's dtype with ``row_scale``) exactly as ``quantize_rows`` does."""
-    amax = amax.astype(jnp.float32)
-    return jnp.where(amax > 0, amax / FP8_MAX, 1.0)
+    amax = jnp.max(jnp.abs(padded), axis=2)
+    scale = jnp.where(amax > 0, amax / FP8_MAX, 1.0)
+    values = jnp.clip(padded / scale[:, :, None], -FP8_MAX, FP8_MAX).reshape(num_rows, -1)[:, :k]
+    return values.astype(jnp.float8_e4m3fn), scale

@@ -29,11 +29,8 @@ import triton
 import triton.language as tl
 
 from jaxattn.kernels import grouped_gemm_table
-from jaxattn.kernels.fp8_rows import FP8_MAX, round_rows
-from jaxattn.kernels.fp8_rows import quantize_rows  # noqa: F401  (the FP8 rows' API, with the kernel)
+from jaxattn.kernels.fp8_rows import FP8_MAX, quantize_rows  # noqa: F401  (the FP8 rows' API, with the kernel)
 from jaxattn.kernels.grouped_gemm_table import Tiles
-
-_FP8_MAX = tl.constexpr(FP8_MAX)
 
 
 def default_tiles(scale_depth: int | None = None, fp8_enk: bool = False) -> Tiles:
@@ -73,10 +70,9 @@ def _within_scale_block(tiles: Tiles, scale_depth: int | None) -> Tiles:
 
 @triton.jit
 def grouped_gemm_kernel(rows_ptr, row_scale_ptr, row_index_ptr, block_expert_ptr, w_ptr, w2_ptr, s_ptr, s2_ptr,
-                        out_ptr, amax_ptr, T: tl.constexpr, GATHER: tl.constexpr,
+                        out_ptr, T: tl.constexpr, GATHER: tl.constexpr,
                         N: tl.constexpr, K: tl.constexpr, SWIGLU: tl.constexpr, SCALED: tl.constexpr,
-                        ROW_SCALED: tl.constexpr, ROUND_ROWS: tl.constexpr, TILE_AMAX: tl.constexpr,
-                        ROW_GROUPS: tl.constexpr, K_SCALES: tl.constexpr,
+                        ROW_SCALED: tl.constexpr, ROW_GROUPS: tl.constexpr, K_SCALES: tl.constexpr,
                         TILE_SCALES: tl.constexpr,
                         SCALE_ROWS: tl.constexpr, SCALE_COLS: tl.constexpr, BI: tl.constexpr, BO: tl.constexpr,
                         W_NK: tl.constexpr, DOT_F32: tl.constexpr, SWAP_AB: tl.constexpr, BLOCK_M: tl.constexpr,
@@ -85,11 +81,7 @@ def grouped_gemm_kernel(rows_ptr, row_scale_ptr, row_index_ptr, block_expert_ptr
     ``e = block_expert[block]``; ``w, w2: [E, K, N]`` (``W_NK``: ``[E, N, K]``), ``rows: [R, K]``
     (``GATHER``: ``[T, K]``, block row r being ``rows[row_index[r]]``, a zero row where that is not
     in ``0 .. T-1``), ``out: [R, N]``; ``ROW_SCALED``: FP8 rows, each times its ``row_scale``
-    (``[rows, ROW_GROUPS]``: one per row, or one per ``BI`` columns of a row with block scales);
-    with ``ROUND_ROWS`` the rows come in a wider dtype and each is rounded to FP8 by its scale as
-    it is loaded (``fp8_rows.quantize_rows``' rounding). ``TILE_AMAX``: each output row's largest
-    magnitude over this tile's columns (of the values stored) goes to ``amax [R, cdiv(N,
-    BLOCK_N)]``, column ``program_id(1)``. With
+    (``[rows, ROW_GROUPS]``: one per row, or one per ``BI`` columns of a row with block scales). With
     ``SCALED``, ``w`` and ``w2`` are FP8 with scales ``s, s2: [E, SCALE_ROWS, SCALE_COLS]`` (one per
     block of ``BI`` rows and ``BO`` columns). Scales that vary along K (``K_SCALES``) scale each
     tile's dot per column with ``TILE_SCALES`` (each ``BLOCK_K`` rows of a tile share their
@@ -124,21 +116,15 @@ def grouped_gemm_kernel(rows_ptr, row_scale_ptr, row_index_ptr, block_expert_ptr
             acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
             acc2 = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
         n_in = offs_n < N
-        if ROUND_ROWS and not K_SCALES:      # one scale per row; masked rows are zeros over 1
-            rounding = tl.load(row_scale_ptr + source, mask=m_in, other=1.0)[:, None]
         for k0 in range(0, K, BLOCK_K):
             k_in = (k0 + offs_k) < K
             w_mask = k_in[:, None] & n_in[None, :]
             a = tl.load(a_ptrs, mask=m_in[:, None] & k_in[None, :], other=0.0)
             if ROW_SCALED and K_SCALES:      # the rows' scales of this tile's columns (a block of BI)
                 a_scale = tl.load(row_scale_ptr + source * ROW_GROUPS + k0 // BI, mask=m_in, other=0.0)
-                if ROUND_ROWS:
-                    rounding = tl.where(m_in, a_scale, 1.0)[:, None]
                 a_scale = a_scale[None, :] if SWAP_AB else a_scale[:, None]
             else:
                 a_scale = 1.0
-            if ROUND_ROWS:
-                a = tl.clamp(a.to(tl.float32) / rounding, -_FP8_MAX, _FP8_MAX).to(w_ptr.dtype.element_ty)
             acc = _tile_dot(a, a_scale, w_ptr + w_offsets, w_mask, s_ptr, s_base, k0, offs_k, n_in, acc, K_SCALES,
                             TILE_SCALES, SCALE_COLS, BI, DOT_F32, SWAP_AB)
             if SWIGLU:
@@ -161,11 +147,8 @@ def grouped_gemm_kernel(rows_ptr, row_scale_ptr, row_index_ptr, block_expert_ptr
                 acc2 = acc2 * row_scale
         if SWIGLU:
             acc = acc * tl.sigmoid(acc) * acc2
-        out = acc.to(out_ptr.dtype.element_ty)
-        tl.store(out_ptr + offs_m[:, None] * N + offs_n[None, :], out, mask=n_in[None, :])
-        if TILE_AMAX:
-            amax = tl.max(tl.where(n_in[None, :], tl.abs(out.to(tl.float32)), 0.0), axis=1)
-            tl.store(amax_ptr + offs_m * tl.num_programs(1) + tl.program_id(1), amax)
+        tl.store(out_ptr + offs_m[:, None] * N + offs_n[None, :], acc.to(out_ptr.dtype.element_ty),
+                 mask=n_in[None, :])
 
 
 @triton.jit
@@ -202,7 +185,7 @@ def grouped_gemm(rows: jax.Array, block_expert: jax.Array, weights: jax.Array, u
                  block_m: int, scale: jax.Array | None = None, up_scale: jax.Array | None = None,
                  scale_block: tuple[int, int] = (1, 1), row_scale: jax.Array | None = None,
                  row_index: jax.Array | None = None, weight_layout: str = "ekn", out_dtype=None,
-                 tiles: Tiles | None = None, row_amax: bool = False) -> jax.Array | tuple[jax.Array, jax.Array]:
+                 tiles: Tiles | None = None) -> jax.Array:
     """``[R, N]``: each ``block_m``-row block of ``rows [R, K]`` times its expert's ``weights
     [E, K, N]`` (with ``up``: ``silu(rows @ weights) * (rows @ up)``, SwiGLU's gate and up), the
     experts given by ``block_expert int32[R / block_m]`` (-1: a block no group uses, its output
@@ -211,11 +194,7 @@ def grouped_gemm(rows: jax.Array, block_expert: jax.Array, weights: jax.Array, u
     ``scale_block = (bi, bo)``: dequantized in the kernel, so the weights are read as FP8. FP8
     ``rows`` times FP8 weights come with ``row_scale float32[R, ceil(K / group)]``
     (``quantize_rows``; ``group``: ``fp8_row_group``) and give ``out_dtype`` (default: the rows'
-    dtype); ``rows`` in the model's dtype with ``row_scale`` (``fp8_rows.scales_of`` their
-    groups' largest magnitudes) are rounded to FP8 in the kernel, as ``quantize_rows`` rounds them,
-    so the FP8 rows are never written. ``row_amax``: also give each output row's largest magnitude
-    (float32 ``[R]``; the rows of blocks of no expert undefined), whose ``scales_of`` a next FP8
-    GEMM takes over these rows whole.
+    dtype).
     ``weight_layout``: "ekn" (weights ``[E, K, N]``) or "enk" (``[E, N, K]``). With ``row_index
     int32[R]``, ``rows [T, K]`` are gathered: block row r is ``rows[row_index[r]]`` (a zero row
     where the index is outside ``0 .. T-1``), ``row_scale`` is per row of ``rows``, and the output
@@ -259,38 +238,26 @@ def grouped_gemm(rows: jax.Array, block_expert: jax.Array, weights: jax.Array, u
                          f"stages, and swap_ab a bool, got {tiles}")
     tile_scales = bi % tiles.block_k == 0           # read only for scales that vary along K
     if row_scale is not None:
-        fp8 = scale is not None and weights.dtype == jnp.float8_e4m3fn and (
-            rows.dtype == weights.dtype or rows.dtype in (jnp.bfloat16, jnp.float16, jnp.float32))
-        group = fp8_row_group(k, scale_block, tiles) if fp8 else None
+        group = fp8_row_group(k, scale_block, tiles) if scale is not None and rows.dtype == weights.dtype else None
         if group is None or row_scale.shape != (num_sources, -(-k // group)):
-            raise ValueError(f"grouped_gemm: row_scale must be [{num_sources}, K / group] for FP8 rows (or rows to "
-                             f"round to FP8) times FP8 weights whose scales are constant along K (group K) or blocks "
-                             f"whole tiles deep (group bi); got {row_scale.shape} for {rows.dtype} rows, "
-                             f"{weights.dtype} weights, scale blocks {scale_block if scale is not None else None}, "
-                             f"tiles {tuple(tiles)}")
-        if rows.dtype != weights.dtype and jax.default_backend() == "cpu":
-            # Triton's interpreter (3.6) rounds to float8 wrongly where rounding carries into the
-            # exponent (31.7 -> 16), so off the GPU the rows are rounded before the kernel
-            rows = round_rows(rows, row_scale)
-    n_tiles = triton.cdiv(n, tiles.block_n)
-    # the tiles' largest magnitudes, or a one-element stand-in the kernel does not write
-    amax_shape = (num_rows, n_tiles) if row_amax else (1,)
+            raise ValueError(f"grouped_gemm: row_scale must be [{num_sources}, K / group] for FP8 rows times FP8 "
+                             f"weights whose scales are constant along K (group K) or blocks whole tiles deep (group "
+                             f"bi); got {row_scale.shape} for {rows.dtype} rows, {weights.dtype} weights, scale "
+                             f"blocks {scale_block if scale is not None else None}, tiles {tuple(tiles)}")
     # operands a configuration does not read stand in for their pointers (unscaled rows, no gather)
-    out, amax = triton_call(
+    (out,) = triton_call(
         rows, rows if row_scale is None else row_scale,
         block_expert if row_index is None else row_index.astype(jnp.int32), block_expert.astype(jnp.int32),
         weights, weights if up is None else up, *scales,
-        kernel=grouped_gemm_kernel, out_shape=[jax.ShapeDtypeStruct((num_rows, n), out_dtype or rows.dtype),
-                                               jax.ShapeDtypeStruct(amax_shape, jnp.float32)],
-        grid=(num_rows // block_m, n_tiles), num_warps=tiles.num_warps,
+        kernel=grouped_gemm_kernel, out_shape=[jax.ShapeDtypeStruct((num_rows, n), out_dtype or rows.dtype)],
+        grid=(num_rows // block_m, triton.cdiv(n, tiles.block_n)), num_warps=tiles.num_warps,
         num_stages=tiles.num_stages, T=num_sources, GATHER=row_index is not None, N=n, K=k,
-        SWIGLU=up is not None, SCALED=scale is not None, ROW_SCALED=row_scale is not None,
-        ROUND_ROWS=row_scale is not None and rows.dtype != weights.dtype, TILE_AMAX=row_amax,
-        ROW_GROUPS=1 if row_scale is None else row_scale.shape[1],
+        SWIGLU=up is not None, SCALED=scale is not None,
+        ROW_SCALED=row_scale is not None, ROW_GROUPS=1 if row_scale is None else row_scale.shape[1],
         K_SCALES=scale_rows > 1, TILE_SCALES=tile_scales, SCALE_ROWS=scale_rows,
         SCALE_COLS=scale_cols, BI=bi, BO=bo, W_NK=w_nk, DOT_F32=jax.default_backend() == "cpu",
         SWAP_AB=tiles.swap_ab, BLOCK_M=block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k)
-    return (out, jnp.max(amax, axis=1)) if row_amax else out
+    return out
 
 
 def fp8_row_group(k: int, scale_block: tuple[int, int], tiles: Tiles | None = None) -> int | None:

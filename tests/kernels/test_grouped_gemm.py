@@ -15,7 +15,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxattn.kernels.fp8_rows import scales_of
 from jaxattn.kernels.grouped_gemm import Tiles, default_tiles, fp8_row_group, grouped_gemm, quantize_rows
 from tests.paged_inputs import rel_error
 from tests.xla_dump import REPO
@@ -143,36 +142,6 @@ def test_fp8_rows_are_scaled_per_row(on_platform, layout, swap_ab):
 
 
 @pytest.mark.parametrize("swap_ab", [False, True])
-@pytest.mark.parametrize("swiglu", [False, True])
-def test_rows_rounded_in_the_kernel_match_fp8_rows(on_platform, swiglu, swap_ab):
-    """bf16 rows with ``row_scale`` (``scales_of`` each row's largest magnitude) are rounded to FP8
-    in the kernel as ``quantize_rows`` rounds them: the product of the FP8 rows, gathered or not;
-    ``row_amax`` gives each output row's largest magnitude, the next GEMM's scales."""
-    rng = np.random.default_rng()
-    block_m, tokens, k, n = 16, 24, 96, 72
-    block_expert = np.array([1, 0, -1], np.int32)
-    row_index = rng.integers(-1, tokens, size=block_expert.size * block_m).astype(np.int32)
-    x = jnp.asarray(rng.normal(size=(tokens, k)) * rng.uniform(0.05, 2.0, size=(tokens, 1)), jnp.bfloat16)
-    stacks = [jnp.asarray(rng.normal(size=(2, n, k)) * 8, jnp.float8_e4m3fn) for _ in range(1 + swiglu)]
-    scales = dict(zip(("scale", "up_scale"), (jnp.asarray(rng.uniform(0.5, 2.0, size=(2, 1, n)) / 8, jnp.float32)
-                                              for _ in stacks)))
-    run = jax.jit(functools.partial(grouped_gemm, block_m=block_m, row_index=jnp.asarray(row_index),
-                                    scale_block=(k, 1), weight_layout="enk", out_dtype=jnp.bfloat16,
-                                    tiles=default_tiles(fp8_enk=True)._replace(swap_ab=swap_ab)),
-                  static_argnames="row_amax")
-    fp8_rows, row_scale = quantize_rows(x)
-    want = run(fp8_rows, jnp.asarray(block_expert), *stacks, row_scale=row_scale, **scales)
-    rounded = scales_of(jnp.max(jnp.abs(x), axis=1, keepdims=True))
-    np.testing.assert_array_equal(np.asarray(rounded), np.asarray(row_scale))
-    out, amax = run(x, jnp.asarray(block_expert), *stacks, row_scale=rounded, row_amax=True, **scales)
-    used = 2 * block_m
-    np.testing.assert_allclose(np.asarray(out[:used], np.float32), np.asarray(want[:used], np.float32), rtol=1e-2,
-                               atol=1e-2 * float(jnp.abs(want[:used].astype(jnp.float32)).max()))
-    np.testing.assert_array_equal(np.asarray(amax[:used]),
-                                  np.abs(np.asarray(out[:used], np.float32)).max(axis=1))
-
-
-@pytest.mark.parametrize("swap_ab", [False, True])
 @pytest.mark.parametrize("fp8", [False, True])
 def test_gathered_rows_are_their_tokens(on_platform, fp8, swap_ab):
     """With ``row_index`` each block row is its token's row of ``rows [T, K]`` (a token may fill
@@ -221,7 +190,7 @@ def test_misshapen_blocks_are_named():
         grouped_gemm(rows, blocks, jnp.zeros((2, 8, 4)), block_m=16, weight_layout="kn")
     with pytest.raises(ValueError, match=r"must be \[E, N, K\] with K = 8"):
         grouped_gemm(rows, blocks, jnp.zeros((2, 8, 4)), block_m=16, weight_layout="enk")
-    with pytest.raises(ValueError, match=r"row_scale must be \[32, K / group\] for FP8 rows \(or rows to round"):
+    with pytest.raises(ValueError, match="row_scale must be \\[32, K / group\\] for FP8 rows times FP8 weights"):
         grouped_gemm(rows.astype(jnp.float8_e4m3fn), blocks, fp8, block_m=16, scale=jnp.ones((2, 1, 4)),
                      scale_block=(8, 1), row_scale=jnp.ones((32,)))
     with pytest.raises(ValueError, match="row_scale must be"):          # blocks shallower than a tile
@@ -256,10 +225,9 @@ _SM90_SCRIPT = textwrap.dedent("""
     from jaxattn.kernels import grouped_gemm as gg
     from tests.triton_compile import compiled_kernels
 
-    block_m, fp8, swap = int(sys.argv[1]), sys.argv[2] != "bf16", sys.argv[3] == "swap"
+    block_m, fp8, swap = int(sys.argv[1]), sys.argv[2] == "fp8", sys.argv[3] == "swap"
     experts, k, n, rows = 64, 2048, 1408, 8 * block_m          # DeepSeek-V2-Lite's gate and up
     dtype = jnp.float8_e4m3fn if fp8 else jnp.bfloat16
-    row_dtype = jnp.bfloat16 if sys.argv[2] == "fp8-rounded" else dtype     # bf16 rows rounded in the kernel
     tiles = gg.default_tiles(fp8_enk=fp8)._replace(swap_ab=swap)
     shape = jax.ShapeDtypeStruct
     scales = (shape((experts, 1, n), jnp.float32),) * 2 + (shape((rows, 1), jnp.float32),) if fp8 else ()
@@ -270,24 +238,22 @@ _SM90_SCRIPT = textwrap.dedent("""
                                **dict(zip(("scale", "up_scale", "row_scale"), s)))
 
     weights = shape((experts, n, k) if fp8 else (experts, k, n), dtype)
-    (compiled,) = compiled_kernels(call, shape((rows, k), row_dtype), shape((rows // block_m,), jnp.int32), weights,
+    (compiled,) = compiled_kernels(call, shape((rows, k), dtype), shape((rows // block_m,), jnp.int32), weights,
                                    weights, *scales).values()
     print(json.dumps(sorted(set(re.findall(r"wgmma\\.mma_async[.\\w]*|mma\\.sync[.\\w]*", compiled.asm["ptx"])))))
 """)
 
 
 @pytest.mark.parametrize("block_m", [16, 32])
-@pytest.mark.parametrize("rows", ["bf16", "fp8", "fp8-rounded"])
-def test_sm90_swapped_tiles_take_warpgroup_mmas(block_m, rows):
+@pytest.mark.parametrize("fp8", [False, True])
+def test_sm90_swapped_tiles_take_warpgroup_mmas(block_m, fp8):
     """No GPU needed: compiled for sm_90 by the installed Triton, a 16- or 32-row block's dot is an
     mma.sync (for FP8 weights and rows, over f16: the FP8 operands are converted in registers),
-    and with ``swap_ab`` a warpgroup MMA, FP8 x FP8 for FP8 weights (``N`` = the block's rows),
-    also where bf16 rows are rounded to FP8 in the kernel ("fp8-rounded"). In a fresh process: the
-    interpreter the other tests run leaves Triton's language module patched."""
-    fp8 = rows != "bf16"
+    and with ``swap_ab`` a warpgroup MMA, FP8 x FP8 for FP8 weights (``N`` = the block's rows).
+    In a fresh process: the interpreter the other tests run leaves Triton's language module patched."""
     mmas = {}
     for swap in ("straight", "swap"):
-        run = subprocess.run([sys.executable, "-c", _SM90_SCRIPT, str(block_m), rows, swap],
+        run = subprocess.run([sys.executable, "-c", _SM90_SCRIPT, str(block_m), "fp8" if fp8 else "bf16", swap],
                              cwd=REPO, capture_output=True, text=True, timeout=300)
         assert run.returncode == 0, run.stderr[-3000:]
         mmas[swap] = json.loads(run.stdout.strip().splitlines()[-1])

@@ -207,8 +207,7 @@ def fp8_row_group(stack: Stack) -> int | None:
 
 
 def _triton(x, weights, chosen, gate_proj, up_proj, down_proj, first):
-    from jaxattn.kernels.fp8_rows import quantize_rows, scales_of
-    from jaxattn.kernels.grouped_gemm import grouped_gemm
+    from jaxattn.kernels.grouped_gemm import grouped_gemm, quantize_rows
 
     tokens, k = chosen.shape
     experts = gate_proj.shape[0]
@@ -222,24 +221,15 @@ def _triton(x, weights, chosen, gate_proj, up_proj, down_proj, first):
     token = jnp.full((blocks * block_m,), -1, jnp.int32).at[place].set(jnp.arange(tokens * k) // k, mode="drop")
     block_expert = jnp.searchsorted(ends, jnp.arange(blocks) * block_m, side="right", method="scan_unrolled")
     block_expert = jnp.where(block_expert < experts, block_expert, -1).astype(jnp.int32)
-    # FP8 rows for FP8 stacks (fp8_row_group): rounded to FP8 in the kernels where a row has one scale
-    # (fp8_rows.scales_of its largest magnitude: the gate/up GEMM gives its output rows'), else first
     stacks, scales = _operands(gate_proj, up_proj)
-    rows, group, down_group = x, fp8_row_group(gate_proj), fp8_row_group(down_proj)
-    if group == x.shape[1]:
-        scales.update(row_scale=scales_of(jnp.max(jnp.abs(x), axis=1, keepdims=True)), out_dtype=x.dtype)
-    elif group:                                   # each token quantized once, its copies sharing its scales
+    rows = x
+    if group := fp8_row_group(gate_proj):        # each token quantized once, its copies sharing its scales
         rows, row_scale = quantize_rows(x, group)
         scales.update(row_scale=row_scale, out_dtype=x.dtype)
-    whole_rows = down_group == down_proj.shape[1]
-    hidden = grouped_gemm(rows, block_expert, *stacks, block_m=block_m, row_index=token, row_amax=whole_rows,
-                          **scales)
+    hidden = grouped_gemm(rows, block_expert, *stacks, block_m=block_m, row_index=token, **scales)
     stacks, scales = _operands(down_proj)
-    if whole_rows:
-        hidden, amax = hidden
-        scales.update(row_scale=scales_of(amax[:, None]), out_dtype=x.dtype)
-    elif down_group:
-        hidden, row_scale = quantize_rows(hidden, down_group)
+    if group := fp8_row_group(down_proj):
+        hidden, row_scale = quantize_rows(hidden, group)
         scales.update(row_scale=row_scale, out_dtype=x.dtype)
     out = grouped_gemm(hidden, block_expert, *stacks, block_m=block_m, **scales)
     return _combine(out, place, here, weights)
