@@ -187,7 +187,6 @@ def _linear_like(like: Linear, arrays: dict[str, jnp.ndarray], block_size: tuple
                       bias_init=layers.partitioned(lambda *_: bias, axes[1:]), rngs=nnx.Rngs(0))
 
 
-
 def _fuse_shared_expert(moe: layers.MoE) -> None:
     """``moe``'s shared expert as its stacks' last experts, where it can be (module docstring)."""
     if moe.fused_shared_experts or moe.expert_parallel is not None or moe.tensor_parallel is not None:
