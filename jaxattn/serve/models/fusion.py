@@ -218,34 +218,36 @@ def _stack_with(stack: nnx.Param | Fp8Experts, linear: Linear, groups: int, name
     fp8 = isinstance(stack, Fp8Experts)
     if linear.bias is not None or fp8 != isinstance(linear, Fp8Linear):
         return None
-    values = linear.values() if fp8 else linear.kernel[...]
-    rows, cols = values.shape
     split_rows = name == "down_proj"
-
-    def as_experts(array: jnp.ndarray) -> jnp.ndarray:     # [in, out] -> [groups, in / groups or in, ...]
-        if split_rows:
-            return array.reshape(groups, array.shape[0] // groups, array.shape[1])
-        return jnp.moveaxis(array.reshape(array.shape[0], groups, array.shape[1] // groups), 1, 0)
-
     axes = layers.EXPERT_AXES[name]
     if not fp8:
+        values = linear.kernel[...]
         if values.dtype != stack[...].dtype:
             return None
-        joined = jnp.concatenate([stack[...], as_experts(values)])
+        joined = jnp.concatenate([stack[...], _as_experts(values, groups, split_rows)])
         return nnx.Param(layers.partitioned(lambda: joined, axes)())
     current = stack.stack()
-    scale = _expert_scales(current, linear, groups, split_rows, (rows, cols))
+    scale = _expert_scales(current, linear, groups, split_rows)
     if scale is None:
         return None
-    return Fp8Experts(jnp.concatenate([current.kernels(), as_experts(values)]), jnp.concatenate([current.scale, scale]),
-                      block_size=current.block, axes=axes)
+    return Fp8Experts(jnp.concatenate([current.kernels(), _as_experts(linear.values(), groups, split_rows)]),
+                      jnp.concatenate([current.scale, scale]), block_size=current.block, axes=axes)
 
 
-def _expert_scales(stack, linear: Fp8Linear, groups: int, split_rows: bool, shape: tuple[int, int]):
-    """The scales of ``linear``'s kernel ``shape`` ``[in, out]`` as ``groups`` experts in the
+def _as_experts(array: jnp.ndarray, groups: int, split_rows: bool) -> jnp.ndarray:
+    """``array [rows, cols]`` (a kernel ``[in, out]``, or its block scales) as ``groups`` experts:
+    ``[groups, rows / groups, cols]`` (``split_rows``), else ``[groups, rows, cols / groups]``."""
+    rows, cols = array.shape
+    if split_rows:
+        return array.reshape(groups, rows // groups, cols)
+    return jnp.moveaxis(array.reshape(rows, groups, cols // groups), 1, 0)
+
+
+def _expert_scales(stack, linear: Fp8Linear, groups: int, split_rows: bool):
+    """The scales of ``linear``'s kernel as ``groups`` experts (``_as_experts``) in the
     granularity of ``stack`` (an ``experts.Fp8Stack``), or None where it has no exact one."""
     scale, granularity = linear.scale[...], linear.granularity
-    rows, cols = shape
+    rows, cols = linear.in_features, linear.out_features
     if stack.block is None and stack.scale.ndim == 1:             # per expert: one scale each
         return jnp.broadcast_to(scale, (groups,)) if granularity == "tensor" else None
     if stack.block is None:                                        # per output channel
@@ -257,6 +259,4 @@ def _expert_scales(stack, linear: Fp8Linear, groups: int, split_rows: bool, shap
     bi, bo = stack.block
     if granularity != (bi, bo) or (rows // groups if split_rows else cols // groups) % (bi if split_rows else bo):
         return None
-    if split_rows:
-        return scale.reshape(groups, scale.shape[0] // groups, scale.shape[1])
-    return jnp.moveaxis(scale.reshape(scale.shape[0], groups, scale.shape[1] // groups), 1, 0)
+    return _as_experts(scale, groups, split_rows)          # whole blocks per group: the blocks split alike
