@@ -3,11 +3,13 @@
     python -m benchmarks.tune_grouped_gemm [--model deepseek-v2-lite] [--tokens 1,512] [--trials 10]
         [--block-rows 64,128] [--table jaxattn/tuning/grouped_gemm_sm_90.json] [--smoke]
 
-``jaxattn.kernels.grouped_gemm`` alone (no routing, no gather or combine), at one model's expert
-shapes (``benchmarks.bench_moe.SHAPES``): SwiGLU's gate and up (``dim x F``, two weight stacks)
-and down (``F x dim``), bf16 and FP8 weights (per-channel scales; as the model runs them, each
-expert's kernel transposed and the rows FP8, quantized per row outside the timed call), the token copies spread evenly
-over the experts they touch (``min(E, tokens k)``) in the blocks ``routed_experts`` would make
+``jaxattn.kernels.grouped_gemm`` alone (no routing or combine), at one model's expert shapes
+(``benchmarks.bench_moe.SHAPES``): SwiGLU's gate and up (``dim x F``, two weight stacks; since
+2026-12-07 evening each block row gathered from the tokens' rows, a random token each, as the model
+runs it: the earlier entries were timed over rows in block order) and down (``F x dim``), bf16 and
+FP8 weights (per-channel scales; as the model runs them, each expert's kernel transposed and the
+rows FP8, quantized per row outside the timed call), the token copies spread evenly over the
+experts they touch (``min(E, tokens k)``) in the blocks ``routed_experts`` would make
 (``--block-rows``: blocks of other sizes, to weigh them).
 Every configuration of ``CONFIGS`` is timed (GPU time per call from the profiler, median of
 ``--trials``); one that needs more shared memory than the GPU has, or that Triton does not
@@ -45,7 +47,8 @@ CONFIGS = (Tiles(64, 64, 4, 3), Tiles(32, 128, 4, 4), Tiles(32, 256, 4, 3), Tile
            Tiles(128, 64, 4, 4), Tiles(64, 256, 8, 3), Tiles(16, 256, 4, 4), Tiles(128, 128, 8, 3),
            Tiles(64, 128, 4, 4, swap_ab=True), Tiles(128, 128, 4, 3, swap_ab=True), Tiles(128, 128, 8, 3, swap_ab=True),
            Tiles(64, 256, 4, 4, swap_ab=True), Tiles(128, 256, 4, 2, swap_ab=True),
-           Tiles(128, 64, 8, 4), Tiles(256, 64, 8, 3))
+           Tiles(128, 64, 8, 4), Tiles(256, 64, 8, 3), Tiles(128, 64, 4, 4, block_tiles_first=True),
+           Tiles(256, 64, 8, 3, block_tiles_first=True), Tiles(64, 256, 4, 4, swap_ab=True, block_tiles_first=True))
 ROTATIONS = 8               # placements of the blocks over the experts the timed calls cycle through
 
 
@@ -68,6 +71,13 @@ def placements(tokens: int, experts: int, k: int, block_m: int) -> list[jax.Arra
     touched = min(experts, tokens * k)
     return [jnp.asarray(np.where(blocks >= 0, (blocks + i * touched) % experts, -1).astype(np.int32))
             for i in range(ROTATIONS)]
+
+
+def token_rows(rng: np.random.Generator, tokens: int, block_expert: jax.Array, block_m: int) -> jax.Array:
+    """``int32[blocks x block_m]``: a random token for each row of the used blocks, -1 (padding) for
+    the rest: the ``row_index`` by which gate and up gather their rows from ``[tokens, K]``."""
+    used = np.repeat(np.asarray(block_expert) >= 0, block_m)
+    return jnp.asarray(np.where(used, rng.integers(0, tokens, used.size), -1).astype(np.int32))
 
 
 def time_placements(run: Callable, rows: jax.Array, turns: list[jax.Array], stacks: list[jax.Array],
@@ -115,16 +125,18 @@ def main(argv: list[str] | None = None) -> None:
         block_expert = turns[0]
         for fp8 in (kind == "fp8" for kind in kinds):
             for k, n, swiglu in ((shape.dim, shape.hidden, True), (shape.hidden, shape.dim, False)):
-                rows = jnp.asarray(rng.normal(size=(block_expert.size * block_m, k)), jnp.bfloat16)
+                # as routed_experts runs them: gate and up gather each block row from the tokens' rows
+                scales = {"row_index": token_rows(rng, tokens, turns[0], block_m)} if swiglu else {}
+                rows = jnp.asarray(rng.normal(size=(tokens if swiglu else block_expert.size * block_m, k)),
+                                   jnp.bfloat16)
                 dtype, magnitude = (jnp.float8_e4m3fn, 8.0) if fp8 else (jnp.bfloat16, k ** -0.5)
                 stacks = [jnp.asarray(rng.normal(size=(shape.experts, k, n)) * magnitude, dtype)
                           for _ in range(2 if swiglu else 1)]
-                scales = {}
                 if fp8:     # as routed_experts runs FP8 experts: "enk" stacks (Fp8Experts'), FP8 rows
                     stacks = [jnp.swapaxes(w, 1, 2).copy() for w in stacks]
                     rows, row_scale = quantize_rows(rows)
                     scale = jnp.full((shape.experts, 1, n), k ** -0.5 / magnitude, jnp.float32)
-                    scales = dict(scale=scale, scale_block=(k, 1), row_scale=row_scale, weight_layout="enk",
+                    scales.update(scale=scale, scale_block=(k, 1), row_scale=row_scale, weight_layout="enk",
                                   out_dtype=jnp.bfloat16, **({"up_scale": scale} if swiglu else {}))
                 times = {}
                 for tiles in configs:
@@ -155,7 +167,7 @@ def main(argv: list[str] | None = None) -> None:
 def write_tuning(configs: tuple[Tiles, ...], rows: list[str], copy_rate: float, args: argparse.Namespace) -> None:
     """The grouped-gemm-tiles section of benchmarks/TUNING.md (``--smoke``: ``$OUT`` only)."""
     columns = ["tokens", "weights", "K x N", "block rows", "blocks", *[f"{label(t)} us" for t in configs],
-               "fastest (block_n, block_k, warps, stages, swap_ab)", "fastest % of copy rate",
+               "fastest (block_n, block_k, warps, stages, swap_ab, block_tiles_first)", "fastest % of copy rate",
                "default_tiles / fastest"]
     lines = [f"Device: {device_name()}; {utc_now()}; jax {jax.__version__}; model shapes {args.model}; GPU time per "
              "call (profiler), median of the trials; failed: needs more shared memory than the GPU has, or did not "
@@ -168,9 +180,10 @@ def write_tuning(configs: tuple[Tiles, ...], rows: list[str], copy_rate: float, 
 
 
 def label(tiles: Tiles) -> str:
-    """A configuration's name in the table and its column: "128x64 w4 s4", "... swap"."""
+    """A configuration's name in the table and its column: "128x64 w4 s4", "... swap", "... by block"
+    (``Tiles.block_tiles_first``)."""
     return f"{tiles.block_n}x{tiles.block_k} w{tiles.num_warps} s{tiles.num_stages}" + \
-        (" swap" if tiles.swap_ab else "")
+        (" swap" if tiles.swap_ab else "") + (" by block" if tiles.block_tiles_first else "")
 
 
 def write_table(path: str, earlier: grouped_gemm_table.Table | None,

@@ -75,8 +75,9 @@ def grouped_gemm_kernel(rows_ptr, row_scale_ptr, row_index_ptr, block_expert_ptr
                         ROW_SCALED: tl.constexpr, ROW_GROUPS: tl.constexpr, K_SCALES: tl.constexpr,
                         TILE_SCALES: tl.constexpr,
                         SCALE_ROWS: tl.constexpr, SCALE_COLS: tl.constexpr, BI: tl.constexpr, BO: tl.constexpr,
-                        W_NK: tl.constexpr, DOT_F32: tl.constexpr, SWAP_AB: tl.constexpr, BLOCK_M: tl.constexpr,
-                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                        W_NK: tl.constexpr, DOT_F32: tl.constexpr, SWAP_AB: tl.constexpr,
+                        BLOCK_TILES_FIRST: tl.constexpr, BLOCKS: tl.constexpr, N_TILES: tl.constexpr,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """``out[block] = rows[block] @ w[e]`` (``SWIGLU``: ``silu(rows @ w[e]) * (rows @ w2[e])``),
     ``e = block_expert[block]``; ``w, w2: [E, K, N]`` (``W_NK``: ``[E, N, K]``), ``rows: [R, K]``
     (``GATHER``: ``[T, K]``, block row r being ``rows[row_index[r]]``, a zero row where that is not
@@ -87,12 +88,18 @@ def grouped_gemm_kernel(rows_ptr, row_scale_ptr, row_index_ptr, block_expert_ptr
     tile's dot per column with ``TILE_SCALES`` (each ``BLOCK_K`` rows of a tile share their
     scales), otherwise every weight; scales constant along K (per expert or output channel) scale
     the accumulated product once, so the dots chain in one accumulator. ``SWAP_AB`` accumulates
-    the tile transposed (``_tile_dot``) and transposes it once before the epilogue."""
-    block = tl.program_id(0)
+    the tile transposed (``_tile_dot``) and transposes it once before the epilogue. One program per
+    tile of ``BLOCKS`` blocks x ``N_TILES`` tile columns, a block's tiles consecutive with
+    ``BLOCK_TILES_FIRST`` (``Tiles.block_tiles_first``), else a tile column's."""
+    program = tl.program_id(0)
+    if BLOCK_TILES_FIRST:
+        block, n_tile = program // N_TILES, program % N_TILES
+    else:
+        block, n_tile = program % BLOCKS, program // BLOCKS
     expert = tl.load(block_expert_ptr + block)
     if expert >= 0:
         offs_m = (block * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
-        offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_n = n_tile * BLOCK_N + tl.arange(0, BLOCK_N)
         offs_k = tl.arange(0, BLOCK_K)
         if GATHER:
             source = tl.load(row_index_ptr + offs_m)
@@ -233,9 +240,10 @@ def grouped_gemm(rows: jax.Array, block_expert: jax.Array, weights: jax.Array, u
             kind = "bf16" if rows.dtype == jnp.bfloat16 else None
         tiles = choose_tiles(block_m, k, n, up is not None, kind, bi if scale_rows > 1 else None)
     elif not all(size >= 16 and size & (size - 1) == 0 for size in (tiles.block_n, tiles.block_k)) or \
-            tiles.num_warps < 1 or tiles.num_stages < 1 or not isinstance(tiles.swap_ab, bool):
+            tiles.num_warps < 1 or tiles.num_stages < 1 or not isinstance(tiles.swap_ab, bool) or \
+            not isinstance(tiles.block_tiles_first, bool):
         raise ValueError(f"grouped_gemm: tiles need block_n and block_k powers of two >= 16, positive warps and "
-                         f"stages, and swap_ab a bool, got {tiles}")
+                         f"stages, and swap_ab and block_tiles_first bools, got {tiles}")
     tile_scales = bi % tiles.block_k == 0           # read only for scales that vary along K
     if row_scale is not None:
         group = fp8_row_group(k, scale_block, tiles) if scale is not None and rows.dtype == weights.dtype else None
@@ -244,19 +252,21 @@ def grouped_gemm(rows: jax.Array, block_expert: jax.Array, weights: jax.Array, u
                              f"weights whose scales are constant along K (group K) or blocks whole tiles deep (group "
                              f"bi); got {row_scale.shape} for {rows.dtype} rows, {weights.dtype} weights, scale "
                              f"blocks {scale_block if scale is not None else None}, tiles {tuple(tiles)}")
+    blocks, n_tiles = num_rows // block_m, triton.cdiv(n, tiles.block_n)
     # operands a configuration does not read stand in for their pointers (unscaled rows, no gather)
     (out,) = triton_call(
         rows, rows if row_scale is None else row_scale,
         block_expert if row_index is None else row_index.astype(jnp.int32), block_expert.astype(jnp.int32),
         weights, weights if up is None else up, *scales,
         kernel=grouped_gemm_kernel, out_shape=[jax.ShapeDtypeStruct((num_rows, n), out_dtype or rows.dtype)],
-        grid=(num_rows // block_m, triton.cdiv(n, tiles.block_n)), num_warps=tiles.num_warps,
+        grid=(blocks * n_tiles,), num_warps=tiles.num_warps,
         num_stages=tiles.num_stages, T=num_sources, GATHER=row_index is not None, N=n, K=k,
         SWIGLU=up is not None, SCALED=scale is not None,
         ROW_SCALED=row_scale is not None, ROW_GROUPS=1 if row_scale is None else row_scale.shape[1],
         K_SCALES=scale_rows > 1, TILE_SCALES=tile_scales, SCALE_ROWS=scale_rows,
         SCALE_COLS=scale_cols, BI=bi, BO=bo, W_NK=w_nk, DOT_F32=jax.default_backend() == "cpu",
-        SWAP_AB=tiles.swap_ab, BLOCK_M=block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k)
+        SWAP_AB=tiles.swap_ab, BLOCK_TILES_FIRST=tiles.block_tiles_first, BLOCKS=blocks, N_TILES=n_tiles,
+        BLOCK_M=block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k)
     return out
 
 

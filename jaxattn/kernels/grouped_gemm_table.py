@@ -20,8 +20,9 @@ File format (``FORMAT``)::
                   "tiles": [128, 128, 4, 3, true],
                   "us": {"128x128 w4 s3 swap": 101.2, "128x64 w4 s4": 120.5}}, ...]}
 
-``tiles`` is ``(block_n, block_k, num_warps, num_stages, swap_ab)``; ``us`` the microseconds per
-call of every configuration the run timed (a record; the chooser reads ``tiles``).
+``tiles`` is ``(block_n, block_k, num_warps, num_stages, swap_ab[, block_tiles_first])`` (the
+last one False where left out); ``us`` the microseconds per call of every configuration the run
+timed (a record; the chooser reads ``tiles``).
 """
 
 from __future__ import annotations
@@ -47,13 +48,18 @@ class Tiles(NamedTuple):
     ``block_n x block_k`` weight tiles, ``num_warps``, ``num_stages``; ``swap_ab``: each tile's
     product computed transposed, ``w_tile^T @ rows^T``, so that the weights' ``block_n`` columns
     take the MMA's M side (a Hopper warpgroup MMA is 64 rows deep) and a block's rows its N side (8
-    and up), as TensorRT-LLM and SGLang do for small-M GEMMs. Defined here, without Triton, so that
-    the table loads anywhere."""
+    and up), as TensorRT-LLM and SGLang do for small-M GEMMs; ``block_tiles_first``: the programs
+    of one block (its weight tiles along N) launched next to each other, so that its rows are read
+    from memory once and the blocks of one expert share each weight tile in L2 (else one weight
+    tile column over every block first, and a block's rows are read once per tile column: from
+    memory where they do not fit L2, as the down projection's rows at mixed-step sizes). Defined
+    here, without Triton, so that the table loads anywhere."""
     block_n: int = 64
     block_k: int = 64
     num_warps: int = 4
     num_stages: int = 3
     swap_ab: bool = False
+    block_tiles_first: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -144,9 +150,9 @@ def _entry(index: int, data: dict) -> Entry:
     if not (all(isinstance(size, int) and size >= 16 and size & (size - 1) == 0
                 for size in (tiles.block_n, tiles.block_k))
             and all(isinstance(count, int) and count >= 1 for count in (tiles.num_warps, tiles.num_stages))
-            and isinstance(tiles.swap_ab, bool)):
+            and isinstance(tiles.swap_ab, bool) and isinstance(tiles.block_tiles_first, bool)):
         raise ValueError(f"{where}: tiles must be [block_n, block_k (powers of two >= 16), warps >= 1, "
-                         f"stages >= 1, swap_ab (bool)], got {list(tiles)}")
+                         f"stages >= 1, swap_ab (bool)(, block_tiles_first (bool))], got {list(tiles)}")
     if key.weights == "fp8" and tiles.block_k < MIN_FP8_BLOCK_K:
         raise ValueError(f"{where}: FP8 tiles must be at least {MIN_FP8_BLOCK_K} deep, got block_k {tiles.block_k}")
     us = {str(name): float(value) for name, value in data["us"].items()}

@@ -25,19 +25,20 @@ def _laid_out(stack, layout: str) -> jax.Array:
     return jnp.asarray(stack if layout == "ekn" else np.swapaxes(stack, 1, 2))
 
 
-@pytest.mark.parametrize("swap_ab", [False, True])
+@pytest.mark.parametrize("launch", [{}, {"swap_ab": True}, {"block_tiles_first": True}])
 @pytest.mark.parametrize("layout", ["ekn", "enk"])
 @pytest.mark.parametrize("swiglu", [False, True])
 @pytest.mark.parametrize("block_m, k, n", [(16, 64, 64), (32, 100, 72), (16, 256, 200)])
-def test_blocks_take_their_experts(on_platform, swiglu, block_m, k, n, layout, swap_ab):
-    """Each tile's product straight or transposed (``Tiles.swap_ab``) alike."""
+def test_blocks_take_their_experts(on_platform, swiglu, block_m, k, n, layout, launch):
+    """Each tile's product straight or transposed (``Tiles.swap_ab``) alike, and the programs in
+    either order (``Tiles.block_tiles_first``; N = 200 is two tile columns)."""
     rng = np.random.default_rng()
     dtype = jnp.float32 if on_platform == "cpu" else jnp.bfloat16
     block_expert = np.array([2, 0, 0, 3, -1, -1], np.int32)
     rows = rng.normal(size=(block_expert.size * block_m, k)).astype(np.float32)
     gate, up = (rng.normal(size=(4, k, n)).astype(np.float32) / np.sqrt(k) for _ in range(2))
     run = jax.jit(functools.partial(grouped_gemm, block_m=block_m, weight_layout=layout,
-                                    tiles=default_tiles()._replace(swap_ab=swap_ab)))
+                                    tiles=default_tiles()._replace(**launch)))
     out = run(jnp.asarray(rows, dtype), jnp.asarray(block_expert), _laid_out(jnp.asarray(gate, dtype), layout),
               _laid_out(jnp.asarray(up, dtype), layout) if swiglu else None)
     assert out.shape == (rows.shape[0], n) and out.dtype == dtype
@@ -202,7 +203,8 @@ def test_misshapen_blocks_are_named():
         grouped_gemm(rows, blocks, jnp.zeros((2, 8, 4)), block_m=16, row_index=jnp.zeros((40,), jnp.int32))
     with pytest.raises(ValueError, match="quantize_rows: group must be a positive number of columns, got 0"):
         quantize_rows(rows, 0)
-    for tiles in (Tiles(block_n=24), Tiles(block_k=8), Tiles(num_warps=0), Tiles(swap_ab="yes")):
+    for tiles in (Tiles(block_n=24), Tiles(block_k=8), Tiles(num_warps=0), Tiles(swap_ab="yes"),
+                  Tiles(block_tiles_first=1)):
         with pytest.raises(ValueError, match="grouped_gemm: tiles need block_n and block_k powers of two >= 16"):
             grouped_gemm(rows, blocks, jnp.zeros((2, 8, 4)), block_m=16, tiles=tiles)
 

@@ -101,6 +101,7 @@ def test_dump_load_and_merge_round_trip(tmp_path):
     (lambda d: d["entries"][0]["key"].update(block_m=0), "key.block_m"),
     (lambda d: d["entries"][0].update(tiles=[96, 64, 4, 3, False]), "tiles must be"),
     (lambda d: d["entries"][0].update(tiles=[128, 64, 4, 3, "no"]), "tiles must be"),
+    (lambda d: d["entries"][0].update(tiles=[128, 64, 4, 3, False, 1]), "tiles must be"),
     (lambda d: d["entries"][0].update(tiles=[128, 16, 4, 3, False]), "FP8 tiles must be at least 32 deep"),
 ])
 def test_a_malformed_table_raises_naming_the_file(tmp_path, change, message):
