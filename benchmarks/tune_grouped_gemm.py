@@ -1,7 +1,7 @@
 """Launch-configuration sweep for the Triton grouped GEMM of a mixture of experts (one device run).
 
     python -m benchmarks.tune_grouped_gemm [--model deepseek-v2-lite] [--tokens 1,512] [--trials 10]
-        [--block-rows 64,128] [--table jaxattn/tuning/grouped_gemm_sm_90.json] [--smoke]
+        [--block-rows 64,128] [--configs LABEL,...] [--table jaxattn/tuning/grouped_gemm_sm_90.json] [--smoke]
 
 ``jaxattn.kernels.grouped_gemm`` alone (no routing or combine), at one model's expert shapes
 (``benchmarks.bench_moe.SHAPES``): SwiGLU's gate and up (``dim x F``, two weight stacks; since
@@ -48,7 +48,8 @@ CONFIGS = (Tiles(64, 64, 4, 3), Tiles(32, 128, 4, 4), Tiles(32, 256, 4, 3), Tile
            Tiles(64, 128, 4, 4, swap_ab=True), Tiles(128, 128, 4, 3, swap_ab=True), Tiles(128, 128, 8, 3, swap_ab=True),
            Tiles(64, 256, 4, 4, swap_ab=True), Tiles(128, 256, 4, 2, swap_ab=True),
            Tiles(128, 64, 8, 4), Tiles(256, 64, 8, 3), Tiles(128, 64, 4, 4, block_tiles_first=True),
-           Tiles(256, 64, 8, 3, block_tiles_first=True), Tiles(64, 256, 4, 4, swap_ab=True, block_tiles_first=True))
+           Tiles(256, 64, 8, 3, block_tiles_first=True), Tiles(128, 128, 8, 3, block_tiles_first=True),
+           Tiles(64, 256, 4, 4, swap_ab=True, block_tiles_first=True))
 ROTATIONS = 8               # placements of the blocks over the experts the timed calls cycle through
 
 
@@ -106,10 +107,20 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--table", metavar="PATH", help="also write the measured table choose_tiles reads there "
                                                         "(jaxattn/tuning/grouped_gemm_sm_90.json), keeping its "
                                                         "other entries")
+    parser.add_argument("--configs", default="", help="only these configurations of CONFIGS, by their labels, "
+                                                     "comma-separated: e.g. '256x64 w8 s3,256x64 w8 s3 by block'")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes and configurations (CPU, seconds)")
     args = parser.parse_args(argv)
     shape = next(iter(SMOKE.values())) if args.smoke else SHAPES[args.model]
-    configs = (Tiles(32, 32, 4, 1), Tiles(64, 32, 4, 1), Tiles(32, 32, 4, 1, swap_ab=True)) if args.smoke else CONFIGS
+    configs = (Tiles(32, 32, 4, 1), Tiles(64, 32, 4, 1), Tiles(32, 32, 4, 1, swap_ab=True),
+               Tiles(32, 32, 4, 1, block_tiles_first=True)) if args.smoke else CONFIGS
+    if args.configs:
+        wanted = args.configs.split(",")
+        unknown = set(wanted) - {label(t) for t in configs}
+        if unknown:
+            parser.error(f"--configs: no configuration labelled {', '.join(sorted(unknown))}; the labels: "
+                         f"{', '.join(label(t) for t in configs)}")
+        configs = tuple(t for t in configs if label(t) in wanted)
     rng = np.random.default_rng(0)
     kinds = args.weights.split(",")
     if not set(kinds) <= set(grouped_gemm_table.WEIGHTS):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import subprocess
 import sys
 
@@ -21,11 +22,12 @@ from tests.xla_dump import REPO
                                     "bench_serving --trace throughput --preset deepseek-v2-lite --moe-gemm dense "
                                     "--quantization fp8 --fp8-activations --kv-cache-dtype fp8 --profile-at 2",
                                     "tune_grouped_gemm --tokens 1",
+                                    "tune_grouped_gemm --tokens 1 --configs '32x32 w4 s1,32x32 w4 s1 by block'",
                                     "grouped_gemm_variants --tokens 1", "bench_fp8_linear",
                                     "profile_verify", "step_padding --trace chat", "bench_server_host"])
 def test_smoke_run(module, tmp_path):
     env = dict(os.environ, OUT=str(tmp_path), JAX_PLATFORMS="cpu")
-    module, *args = module.split()
+    module, *args = shlex.split(module)
     result = subprocess.run([sys.executable, "-m", f"benchmarks.{module}", *args, "--smoke"], check=False, cwd=REPO,
                             env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
