@@ -137,7 +137,7 @@ def main(argv: list[str] | None = None) -> None:
         for fp8 in (kind == "fp8" for kind in kinds):
             for k, n, swiglu in ((shape.dim, shape.hidden, True), (shape.hidden, shape.dim, False)):
                 # as routed_experts runs them: gate and up gather each block row from the tokens' rows
-                scales = {"row_index": token_rows(rng, tokens, turns[0], block_m)} if swiglu else {}
+                scales = {"row_index": token_rows(rng, tokens, block_expert, block_m)} if swiglu else {}
                 rows = jnp.asarray(rng.normal(size=(tokens if swiglu else block_expert.size * block_m, k)),
                                    jnp.bfloat16)
                 dtype, magnitude = (jnp.float8_e4m3fn, 8.0) if fp8 else (jnp.bfloat16, k ** -0.5)

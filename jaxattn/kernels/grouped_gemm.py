@@ -239,9 +239,7 @@ def grouped_gemm(rows: jax.Array, block_expert: jax.Array, weights: jax.Array, u
         else:
             kind = "bf16" if rows.dtype == jnp.bfloat16 else None
         tiles = choose_tiles(block_m, k, n, up is not None, kind, bi if scale_rows > 1 else None)
-    elif not all(size >= 16 and size & (size - 1) == 0 for size in (tiles.block_n, tiles.block_k)) or \
-            tiles.num_warps < 1 or tiles.num_stages < 1 or not isinstance(tiles.swap_ab, bool) or \
-            not isinstance(tiles.block_tiles_first, bool):
+    elif not tiles.launchable():
         raise ValueError(f"grouped_gemm: tiles need block_n and block_k powers of two >= 16, positive warps and "
                          f"stages, and swap_ab and block_tiles_first bools, got {tiles}")
     tile_scales = bi % tiles.block_k == 0           # read only for scales that vary along K

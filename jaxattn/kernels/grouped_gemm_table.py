@@ -61,6 +61,14 @@ class Tiles(NamedTuple):
     swap_ab: bool = False
     block_tiles_first: bool = False
 
+    def launchable(self) -> bool:
+        """Whether ``grouped_gemm`` can launch it: ``block_n`` and ``block_k`` powers of two >= 16,
+        warps and stages ints >= 1, ``swap_ab`` and ``block_tiles_first`` bools."""
+        return (all(isinstance(size, int) and size >= 16 and size & (size - 1) == 0
+                    for size in (self.block_n, self.block_k))
+                and all(isinstance(count, int) and count >= 1 for count in (self.num_warps, self.num_stages))
+                and isinstance(self.swap_ab, bool) and isinstance(self.block_tiles_first, bool))
+
 
 @dataclasses.dataclass(frozen=True)
 class Key:
@@ -147,10 +155,7 @@ def _entry(index: int, data: dict) -> Entry:
         if not (isinstance(value, int) and value >= 1):
             raise ValueError(f"{where}: key.{name} must be an int >= 1, got {value!r}")
     tiles = Tiles(*data["tiles"])
-    if not (all(isinstance(size, int) and size >= 16 and size & (size - 1) == 0
-                for size in (tiles.block_n, tiles.block_k))
-            and all(isinstance(count, int) and count >= 1 for count in (tiles.num_warps, tiles.num_stages))
-            and isinstance(tiles.swap_ab, bool) and isinstance(tiles.block_tiles_first, bool)):
+    if not tiles.launchable():
         raise ValueError(f"{where}: tiles must be [block_n, block_k (powers of two >= 16), warps >= 1, "
                          f"stages >= 1, swap_ab (bool)(, block_tiles_first (bool))], got {list(tiles)}")
     if key.weights == "fp8" and tiles.block_k < MIN_FP8_BLOCK_K:

@@ -132,11 +132,12 @@ def test_the_tuner_writes_its_table_and_keeps_other_keys(tmp_path, monkeypatch):
     assert all(len(e.us) == 4 and e.us[tune_grouped_gemm.label(e.tiles)] == min(e.us.values())
                for e in written.entries[:4])            # the smoke run's four configurations, one "by block"
     assert all("32x32 w4 s1 by block" in e.us for e in written.entries[:4])
-    saved = json.loads(path.read_text())["entries"]        # tiles with block_tiles_first; the kept entry's as written
-    assert [len(e["tiles"]) for e in saved] == [6, 6, 6, 6, 6]
-    assert [Tiles(*e["tiles"]) for e in saved[:4]] == [e.tiles for e in written.entries[:4]]
-    older = json.loads(path.read_text())
-    older["entries"][4]["tiles"] = older["entries"][4]["tiles"][:5]     # a table written before block_tiles_first
-    path.write_text(json.dumps(older))
+    saved = json.loads(path.read_text())       # tiles with block_tiles_first; the kept entry's as written
+    assert [len(e["tiles"]) for e in saved["entries"]] == [6, 6, 6, 6, 6]
+    assert [Tiles(*e["tiles"]) for e in saved["entries"][:4]] == [e.tiles for e in written.entries[:4]]
+    saved["entries"][4]["tiles"] = saved["entries"][4]["tiles"][:5]     # a table written before block_tiles_first
+    path.write_text(json.dumps(saved))
     assert grouped_gemm_table.load(str(path)).entries[4].tiles == SWAPPED._replace(block_tiles_first=False)
     assert written.entries[4].key.k == 7168 and "entries kept from" in written.comment
+    with pytest.raises(SystemExit):                                     # --configs names an unknown label
+        tune_grouped_gemm.main(["--smoke", "--tokens", "1", "--configs", "32x32 w4 s1,16x16 w1 s1"])
