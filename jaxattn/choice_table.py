@@ -235,8 +235,9 @@ def merged_entries(old: P | None, new: P) -> P:
     kept = tuple(entry for entry in old.entries if entry.key not in keys)
     if not kept:
         return new
-    comment = f"{len(kept)} entries kept from `{old.command}` ({old.date}, {old.device})" + \
-        (f"; {old.comment}" if old.comment else "")
+    # the kept entries may be older than the old file's own run: its comment says which
+    comment = f"{len(kept)} entries kept from the table of `{old.command}` ({old.date}, {old.device})" + \
+        (f", whose comment read: {old.comment}" if old.comment else "")
     return dataclasses.replace(new, comment=comment, entries=new.entries + kept)
 
 

@@ -91,7 +91,7 @@ def test_dump_load_and_merge_round_trip(tmp_path):
     second = table(entry(Tiles(64, 64, 4, 3)))
     both = choice_table.merged_entries(first, second)
     assert [e.tiles for e in both.entries] == [Tiles(64, 64, 4, 3), Tiles()]          # its own, then first's 16
-    assert "1 entries kept from `python -m benchmarks.tune_grouped_gemm`" in both.comment
+    assert "1 entries kept from the table of `python -m benchmarks.tune_grouped_gemm`" in both.comment
 
 
 @pytest.mark.parametrize("change, message", [

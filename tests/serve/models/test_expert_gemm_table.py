@@ -91,7 +91,7 @@ def test_dump_load_and_merge_round_trip(tmp_path):
                               command="python -m benchmarks.bench_moe --fp8")
     both = expert_gemm_table.merged(bf16, fp8)
     assert [e.order[0] for e in both.entries] == ["dense", "triton", "triton"]     # fp8's, its bf16 32, bf16 1
-    assert "1 entries kept from `python -m benchmarks.bench_moe`" in both.comment
+    assert "1 entries kept from the table of `python -m benchmarks.bench_moe`" in both.comment
 
 
 @pytest.mark.parametrize("change, message", [
