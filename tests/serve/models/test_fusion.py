@@ -5,6 +5,8 @@ fuses by default with the same greedy tokens."""
 
 from __future__ import annotations
 
+import gc
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -140,6 +142,28 @@ def test_shared_expert_joins_the_expert_stacks(name, scales, gemm):
         np.testing.assert_allclose(logits, expected, rtol=1e-5, atol=1e-5)
     fusion.fuse_projections(model)                      # idempotent
     assert moe.fused_shared_experts == groups
+
+
+def test_replaced_weights_are_freed_even_in_reference_cycles():
+    """Weights that fusion replaces are freed before it returns, even where something left them in
+    a reference cycle (as the GPU machine's jax / flax did with a bf16 DeepSeek's expert stacks,
+    which then kept the engine's pool from fitting): with Python's collector off, the old stack of
+    a layer held in a cycle is gone once ``fuse_projections`` returns."""
+    model = SHARED_EXPERT_MODELS["deepseek"]()
+    moe = model.layers[-1].mlp
+    old_shape = moe.gate_proj[...].shape
+    cycle = [moe.gate_proj]
+    cycle.append(cycle)
+    del cycle
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        fusion.fuse_projections(model)
+        assert not [a for a in jax.live_arrays() if a.shape == old_shape]
+    finally:
+        if enabled:
+            gc.enable()
+    assert moe.gate_proj[...].shape[0] == old_shape[0] + 2
 
 
 @pytest.mark.gpu
