@@ -51,16 +51,21 @@ from jaxattn.serve.models.quantization import Fp8Experts
 
 @dataclasses.dataclass(frozen=True)
 class Shape:
-    """One MoE layer's routed experts: ``experts`` of hidden size ``hidden``, ``k`` per token."""
+    """One MoE layer's routed experts: ``experts`` of hidden size ``hidden``, ``k`` per token;
+    ``shared``: the groups of ``hidden`` units of its shared expert, which ``fusion`` adds to the
+    stacks as experts every token takes (the Engine's default without tensor parallelism; timed by
+    ``tune_grouped_gemm``, not by this benchmark of the routed experts)."""
     dim: int
     hidden: int
     experts: int
     k: int
+    shared: int = 0
 
 
-SHAPES = {"deepseek-v2-lite": Shape(2048, 1408, 64, 6), "qwen1.5-moe-a2.7b": Shape(2048, 1408, 60, 4),
+SHAPES = {"deepseek-v2-lite": Shape(2048, 1408, 64, 6, shared=2),
+          "qwen1.5-moe-a2.7b": Shape(2048, 1408, 60, 4, shared=4),
           "qwen3-30b-a3b": Shape(2048, 768, 128, 8), "mixtral-8x7b": Shape(4096, 14336, 8, 2)}
-SMOKE = {"tiny": Shape(64, 32, 8, 2)}
+SMOKE = {"tiny": Shape(64, 32, 8, 2, shared=1)}
 ROUTINGS = 8                # routings the timed calls cycle through (seeds 0 .. ROUTINGS - 1)
 
 

@@ -1,7 +1,8 @@
 """Launch-configuration sweep for the Triton grouped GEMM of a mixture of experts (one device run).
 
     python -m benchmarks.tune_grouped_gemm [--model deepseek-v2-lite] [--tokens 1,512] [--trials 10]
-        [--block-rows 64,128] [--configs LABEL,...] [--table jaxattn/tuning/grouped_gemm_sm_90.json] [--smoke]
+        [--block-rows 64,128] [--configs LABEL,...] [--shared N] [--table jaxattn/tuning/grouped_gemm_sm_90.json]
+        [--smoke]
 
 ``jaxattn.kernels.grouped_gemm`` alone (no routing or combine), at one model's expert shapes
 (``benchmarks.bench_moe.SHAPES``): SwiGLU's gate and up (``dim x F``, two weight stacks; since
@@ -9,8 +10,10 @@
 runs it: the earlier entries were timed over rows in block order) and down (``F x dim``), bf16 and
 FP8 weights (per-channel scales; as the model runs them, each expert's kernel transposed and the
 rows FP8, quantized per row outside the timed call), the token copies spread evenly over the
-experts they touch (``min(E, tokens k)``) in the blocks ``routed_experts`` would make
-(``--block-rows``: blocks of other sizes, to weigh them).
+experts they touch (``min(E, tokens k)``) and, since 2026-12-08, every token's copy to each group
+of the shared expert that ``fusion`` appends to the stacks (``--shared``, default the model's:
+DeepSeek-V2-Lite's two; the earlier entries were timed without), in the blocks ``routed_experts``
+would make (``--block-rows``: blocks of other sizes, to weigh them).
 Every configuration of ``CONFIGS`` is timed (GPU time per call from the profiler, median of
 ``--trials``); one that needs more shared memory than the GPU has, or that Triton does not
 compile, is reported as such. The calls
@@ -53,24 +56,28 @@ CONFIGS = (Tiles(64, 64, 4, 3), Tiles(32, 128, 4, 4), Tiles(32, 256, 4, 3), Tile
 ROTATIONS = 8               # placements of the blocks over the experts the timed calls cycle through
 
 
-def block_experts(tokens: int, experts: int, k: int, block_m: int) -> np.ndarray:
+def block_experts(tokens: int, experts: int, k: int, block_m: int, shared: int = 0) -> np.ndarray:
     """``int32[blocks]``: the expert of each block when ``tokens k`` copies spread evenly over
-    ``min(E, tokens k)`` experts, -1 past the last group (``routed_experts``' block count)."""
+    ``min(E, tokens k)`` experts and each of ``shared`` more experts (``E .. E + shared - 1``, a
+    shared expert fused into the stacks) takes every token; -1 past the last group
+    (``routed_experts``' block count over ``E + shared`` experts, ``k + shared`` per token)."""
     copies = tokens * k
     touched = min(experts, copies)
-    blocks = num_blocks(tokens, experts, k, block_m)
-    per_expert = [copies // touched + (e < copies % touched) for e in range(touched)]
+    blocks = num_blocks(tokens, experts + shared, k + shared, block_m)
+    per_expert = [copies // touched + (e < copies % touched) for e in range(touched)] + [0] * (experts - touched) + \
+        [tokens] * shared
     used = np.concatenate([np.full(-(-c // block_m), e, np.int32) for e, c in enumerate(per_expert)])
     return np.concatenate([used, np.full(blocks - used.size, -1, np.int32)])
 
 
-def placements(tokens: int, experts: int, k: int, block_m: int) -> list[jax.Array]:
-    """``ROTATIONS`` placements of ``block_experts``' blocks over the experts (each shifted by the
-    touched experts' count), which the timed calls cycle through so that a call does not find its
-    weights in L2 from the call before."""
-    blocks = block_experts(tokens, experts, k, block_m)
+def placements(tokens: int, experts: int, k: int, block_m: int, shared: int = 0) -> list[jax.Array]:
+    """``ROTATIONS`` placements of ``block_experts``' blocks over the routed experts (each shifted
+    by the touched experts' count; the shared experts stay the stacks' last), which the timed calls
+    cycle through so that a call does not find its weights in L2 from the call before."""
+    blocks = block_experts(tokens, experts, k, block_m, shared)
     touched = min(experts, tokens * k)
-    return [jnp.asarray(np.where(blocks >= 0, (blocks + i * touched) % experts, -1).astype(np.int32))
+    routed = (blocks >= 0) & (blocks < experts)
+    return [jnp.asarray(np.where(routed, (blocks + i * touched) % experts, blocks).astype(np.int32))
             for i in range(ROTATIONS)]
 
 
@@ -109,9 +116,16 @@ def main(argv: list[str] | None = None) -> None:
                                                         "other entries")
     parser.add_argument("--configs", default="", help="only these configurations of CONFIGS, by their labels, "
                                                      "comma-separated: e.g. '256x64 w8 s3,256x64 w8 s3 by block'")
+    parser.add_argument("--shared", type=int, default=None,
+                        help="experts every token takes besides its k (a shared expert fused into the stacks, "
+                             "in groups of the experts' hidden size; default: the model's, bench_moe.Shape.shared; "
+                             "0: the routed experts alone, as the tables before 2026-12-08 were timed)")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes and configurations (CPU, seconds)")
     args = parser.parse_args(argv)
     shape = next(iter(SMOKE.values())) if args.smoke else SHAPES[args.model]
+    shared = shape.shared if args.shared is None else args.shared
+    if shared < 0:
+        parser.error(f"--shared must be >= 0, got {shared}")
     configs = (Tiles(32, 32, 4, 1), Tiles(64, 32, 4, 1), Tiles(32, 32, 4, 1, swap_ab=True),
                Tiles(32, 32, 4, 1, block_tiles_first=True)) if args.smoke else CONFIGS
     if args.configs:
@@ -130,9 +144,10 @@ def main(argv: list[str] | None = None) -> None:
     rows_out, entries = [], []
     cases = [(tokens, block_m) for tokens in (int(t) for t in args.tokens.split(","))
              for block_m in ([int(b) for b in args.block_rows.split(",")] if args.block_rows
-                             else [block_rows(tokens, shape.experts, shape.k)])]
+                             else [block_rows(tokens, shape.experts + shared, shape.k + shared)])]
+    experts = shape.experts + shared
     for tokens, block_m in cases:
-        turns = placements(tokens, shape.experts, shape.k, block_m)
+        turns = placements(tokens, shape.experts, shape.k, block_m, shared)
         block_expert = turns[0]
         for fp8 in (kind == "fp8" for kind in kinds):
             for k, n, swiglu in ((shape.dim, shape.hidden, True), (shape.hidden, shape.dim, False)):
@@ -141,12 +156,12 @@ def main(argv: list[str] | None = None) -> None:
                 rows = jnp.asarray(rng.normal(size=(tokens if swiglu else block_expert.size * block_m, k)),
                                    jnp.bfloat16)
                 dtype, magnitude = (jnp.float8_e4m3fn, 8.0) if fp8 else (jnp.bfloat16, k ** -0.5)
-                stacks = [jnp.asarray(rng.normal(size=(shape.experts, k, n)) * magnitude, dtype)
+                stacks = [jnp.asarray(rng.normal(size=(experts, k, n)) * magnitude, dtype)
                           for _ in range(2 if swiglu else 1)]
                 if fp8:     # as routed_experts runs FP8 experts: "enk" stacks (Fp8Experts'), FP8 rows
                     stacks = [jnp.swapaxes(w, 1, 2).copy() for w in stacks]
                     rows, row_scale = quantize_rows(rows)
-                    scale = jnp.full((shape.experts, 1, n), k ** -0.5 / magnitude, jnp.float32)
+                    scale = jnp.full((experts, 1, n), k ** -0.5 / magnitude, jnp.float32)
                     scales.update(scale=scale, scale_block=(k, 1), row_scale=row_scale, weight_layout="enk",
                                   out_dtype=jnp.bfloat16, **({"up_scale": scale} if swiglu else {}))
                 times = {}
@@ -161,7 +176,7 @@ def main(argv: list[str] | None = None) -> None:
                 entries.append(grouped_gemm_table.Entry(key, fastest, {label(t): round(1e6 * s, 1)
                                                                        for t, s in times.items()}))
                 chosen = default_tiles(fp8_enk=fp8)     # per-channel FP8 scales: no scale depth
-                weight_bytes = min(shape.experts, tokens * shape.k) * sum(w[0].nbytes for w in stacks)
+                weight_bytes = (min(shape.experts, tokens * shape.k) + shared) * sum(w[0].nbytes for w in stacks)
                 cells = [str(tokens), "bf16" if not fp8 else "FP8", f"{k} x {n}" + (" SwiGLU" if swiglu else ""),
                          str(block_m), str(block_expert.size),
                          *[f"{1e6 * times[t]:.1f}" if t in times else "failed" for t in configs],

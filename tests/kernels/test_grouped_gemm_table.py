@@ -141,3 +141,25 @@ def test_the_tuner_writes_its_table_and_keeps_other_keys(tmp_path, monkeypatch):
     assert written.entries[4].key.k == 7168 and "entries kept from" in written.comment
     with pytest.raises(SystemExit):                                     # --configs names an unknown label
         tune_grouped_gemm.main(["--smoke", "--tokens", "1", "--configs", "32x32 w4 s1,16x16 w1 s1"])
+    with pytest.raises(SystemExit):
+        tune_grouped_gemm.main(["--smoke", "--tokens", "1", "--shared", "-1"])
+
+
+@pytest.mark.parametrize("tokens", [1, 5, 256, 2048])
+def test_the_tuner_lays_out_blocks_as_the_fused_model_does(tokens):
+    """The tuner's blocks for DeepSeek-V2-Lite with its shared expert fused (two more experts every
+    token takes): as many as ``routed_experts`` makes over 66 experts, 8 per token, each shared
+    expert's blocks holding every token, kept in place by the placements that rotate the routed."""
+    from benchmarks.tune_grouped_gemm import block_experts, placements
+    from jaxattn.serve.models.experts import block_rows, num_blocks
+
+    block_m = block_rows(tokens, 66, 8)
+    blocks = block_experts(tokens, 64, 6, block_m, shared=2)
+    assert blocks.size == num_blocks(tokens, 66, 8, block_m)
+    for expert in (64, 65):
+        assert (blocks == expert).sum() == -(-tokens // block_m)
+    routed_copies = np.bincount(np.arange(tokens * 6) % min(64, tokens * 6))        # spread evenly
+    assert ((blocks >= 0) & (blocks < 64)).sum() == sum(-(-c // block_m) for c in routed_copies)
+    for placed in placements(tokens, 64, 6, block_m, shared=2):
+        placed = np.asarray(placed)
+        assert np.array_equal(placed >= 64, blocks >= 64) and np.array_equal(placed < 0, blocks < 0)
