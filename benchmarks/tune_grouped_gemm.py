@@ -10,9 +10,9 @@
 runs it: the earlier entries were timed over rows in block order) and down (``F x dim``), bf16 and
 FP8 weights (per-channel scales; as the model runs them, each expert's kernel transposed and the
 rows FP8, quantized per row outside the timed call), the token copies spread evenly over the
-experts they touch (``min(E, tokens k)``) and, since 2026-12-08, every token's copy to each group
-of the shared expert that ``fusion`` appends to the stacks (``--shared``, default the model's:
-DeepSeek-V2-Lite's two; the earlier entries were timed without), in the blocks ``routed_experts``
+experts they touch (``min(E, tokens k)``) and every token's copy to each group of the shared
+expert that ``fusion`` appends to the stacks (``--shared``, default the model's: DeepSeek-V2-Lite's
+two; the runs before the option timed the routed copies only), in the blocks ``routed_experts``
 would make (``--block-rows``: blocks of other sizes, to weigh them).
 Every configuration of ``CONFIGS`` is timed (GPU time per call from the profiler, median of
 ``--trials``); one that needs more shared memory than the GPU has, or that Triton does not
@@ -119,7 +119,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--shared", type=int, default=None,
                         help="experts every token takes besides its k (a shared expert fused into the stacks, "
                              "in groups of the experts' hidden size; default: the model's, bench_moe.Shape.shared; "
-                             "0: the routed experts alone, as the tables before 2026-12-08 were timed)")
+                             "0: the routed experts alone, as the runs before this option timed them)")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes and configurations (CPU, seconds)")
     args = parser.parse_args(argv)
     shape = next(iter(SMOKE.values())) if args.smoke else SHAPES[args.model]
