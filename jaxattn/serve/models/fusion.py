@@ -72,15 +72,17 @@ def fuse_projections(model: layers.Decoder, shards: int = 1) -> layers.Decoder:
             _fuse_attention(block.attn, shards)
         elif isinstance(block.attn, deepseek.Attention) and not block.attn.fused:
             _fuse_latent_attention(block.attn)
-        if isinstance(block.mlp, layers.MoE) and shards == 1 and block.mlp.cfg.shared_expert_dim:
-            _fuse_shared_expert(block.mlp)
+        # replaced weights may sit in reference cycles, freed only by a collection (on an H100, jax
+        # 0.11.2 and flax 0.12.10, a bf16 DeepSeek-V2-Lite kept all of its old expert stacks, 28 GiB,
+        # for the engine's pool): the stacks, most of a mixture's weights, before the next layer's
+        # copies are made; the rest once at the end (a collection takes tens of ms)
+        if isinstance(block.mlp, layers.MoE) and shards == 1 and block.mlp.cfg.shared_expert_dim \
+                and _fuse_shared_expert(block.mlp):
+            gc.collect()
         for mlp in (block.mlp, getattr(block.mlp, "shared_expert", None)):
             if isinstance(mlp, layers.MLP):
                 _fuse_mlp(mlp, shards)
-        # the replaced weights may sit in reference cycles, freed only by a collection (on an H100,
-        # jax 0.11.2 and flax 0.12.10, a bf16 DeepSeek-V2-Lite kept all of its old expert stacks,
-        # 28 GiB, for the engine's pool): free them before the next layer's copies are made
-        gc.collect()
+    gc.collect()
     return model
 
 
@@ -192,21 +194,22 @@ def _linear_like(like: Linear, arrays: dict[str, jnp.ndarray], block_size: tuple
                       bias_init=layers.partitioned(lambda *_: bias, axes[1:]), rngs=nnx.Rngs(0))
 
 
-def _fuse_shared_expert(moe: layers.MoE) -> None:
-    """``moe``'s shared expert as its stacks' last experts, where it can be (module docstring)."""
+def _fuse_shared_expert(moe: layers.MoE) -> bool:
+    """``moe``'s shared expert as its stacks' last experts, where it can be (module docstring);
+    whether it replaced the stacks."""
     if moe.fused_shared_experts or moe.expert_parallel is not None or moe.tensor_parallel is not None:
-        return
+        return False
     mlp, hidden = moe.shared_expert, moe.cfg.moe_hidden_dim
     width = mlp.down_proj.in_features
     if width % hidden:
-        return
+        return False
     gate, up = (mlp.gate_proj, mlp.up_proj) if not mlp.fused_shards else \
         _split(mlp.gate_up_proj, [width, width], mlp.fused_shards, [(None, "mlp")] * 2)
     stacks = {}
     for name, linear in (("gate_proj", gate), ("up_proj", up), ("down_proj", mlp.down_proj)):
         stacks[name] = _stack_with(getattr(moe, name), linear, width // hidden, name)
         if stacks[name] is None:
-            return
+            return False
     # one layer's copies at a time: the host would otherwise queue every layer's concatenations,
     # each holding its new stack and its inputs until the GPU reaches it
     jax.block_until_ready(stacks)
@@ -214,6 +217,7 @@ def _fuse_shared_expert(moe: layers.MoE) -> None:
         setattr(moe, name, stack)
     del moe.shared_expert
     moe.fused_shared_experts = width // hidden
+    return True
 
 
 def _stack_with(stack: nnx.Param | Fp8Experts, linear: Linear, groups: int, name: str) -> nnx.Param | Fp8Experts | None:
