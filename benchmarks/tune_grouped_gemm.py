@@ -142,10 +142,10 @@ def main(argv: list[str] | None = None) -> None:
     earlier = grouped_gemm_table.load(args.table) if args.table and os.path.exists(args.table) else None
     copy_rate = copy_bandwidth(1 << 24, trials=3) if args.smoke else copy_bandwidth()
     rows_out, entries = [], []
+    experts = shape.experts + shared        # the stacks' experts, shared groups last
     cases = [(tokens, block_m) for tokens in (int(t) for t in args.tokens.split(","))
              for block_m in ([int(b) for b in args.block_rows.split(",")] if args.block_rows
-                             else [block_rows(tokens, shape.experts + shared, shape.k + shared)])]
-    experts = shape.experts + shared
+                             else [block_rows(tokens, experts, shape.k + shared)])]
     for tokens, block_m in cases:
         turns = placements(tokens, shape.experts, shape.k, block_m, shared)
         block_expert = turns[0]
